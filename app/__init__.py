@@ -1,0 +1,1 @@
+"""Streamlit workbench (see issue: the workbench)."""

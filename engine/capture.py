@@ -1,0 +1,391 @@
+"""Model capture: a `torch.nn.Module` plus example inputs -> the graph IR (HAP §3: the graph (V, E)).
+
+We trace with `torch.export` (non-strict) so fake tensors stand in for the data: on the `meta`
+device no weight is ever allocated, so a 10B-parameter model captures on a laptop. The ATen
+training IR is then mapped onto a small set of canonical operators that the theory has rules for
+(`_CANONICAL` below); `linear` with a bias is split into `linear` + `add` so that row-parallel
+linear (which yields `Partial`) stays expressible.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import re
+from typing import Any, Callable
+
+import torch
+
+from .errors import ModelError, UnsupportedOpError
+from .graph import Graph, Node
+
+_UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
+          "exp": "exp", "neg": "neg", "dropout": "dropout", "clone": "identity", "contiguous": "identity",
+          "alias": "identity", "_to_copy": "identity", "to": "identity", "rsqrt": "rsqrt", "sqrt": "sqrt"}
+_BINARY = {"add", "sub", "mul", "div"}
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"}
+_UNARY_FLOPS = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "exp": 1, "rsqrt": 1, "sqrt": 1}
+
+
+class _Builder:
+    """Accumulates canonical nodes while walking the exported program."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.ids: dict[str, int] = {}
+
+    def add(self, name: str, op: str, inputs: list[int], shape: tuple[int, ...], dtype: str,
+            attrs: dict[str, Any] | None = None, flops: float = 0.0, segment: int = 0, source: str = "") -> int:
+        nid = len(self.nodes)
+        self.nodes.append(Node(id=nid, name=name, op=op, inputs=tuple(inputs), shape=shape, dtype=dtype,
+                               attrs=attrs or {}, flops=float(flops), segment=segment, source=source))
+        return nid
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(s) for s in t.shape)
+
+
+def _layer_of(fx_node: torch.fx.Node) -> tuple[int | None, str]:
+    """The layer index (first `name.<int>` in the module path) and the module path of a node."""
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)
+    return (int(m.group(1)) if m else None), path
+
+
+def _source(fx_node: torch.fx.Node, path: str) -> str:
+    trace = (fx_node.meta.get("stack_trace") or "").strip().splitlines()
+    files = [line.strip() for line in trace if line.strip().startswith("File ")]
+    user = [f for f in files if "site-packages/torch" not in f]
+    where = (user or files or [""])[-1]
+    return f"{path or '<top>'} {where}".strip()
+
+
+def _norm_dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """torch.export in non-strict mode; a failure becomes a ModelError that says what to try."""
+    try:
+        return torch.export.export(module, args, kwargs, strict=False)
+    except Exception as e:  # torch raises many exception types from tracing
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot capture the model with torch.export: {first} "
+                         "(make forward() free of data-dependent Python control flow)") from e
+
+
+def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str = "model",
+            origin: dict[str, Any] | None = None) -> Graph:
+    """Trace `module` on `example_inputs` (positional tuple or keyword dict) into a Graph."""
+    args, kwargs = (tuple(), dict(example_inputs)) if isinstance(example_inputs, dict) else (tuple(example_inputs), {})
+    ep = export_program(module, args, kwargs)
+    return _to_graph(ep, name=name, origin=origin or {})
+
+
+def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, Any]) -> Graph:
+    specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    b = _Builder()
+    unsupported: list[str] = []
+    segment = 0
+    loss: int | None = None
+    user_index = 0
+    pending_leaves: list[tuple[torch.fx.Node, int]] = []
+    for fx in ep.graph_module.graph.nodes:
+        if fx.op == "placeholder":
+            spec = specs[fx.name]
+            val = fx.meta["val"]
+            kind = spec.kind.name
+            if kind == "PARAMETER":
+                nid = b.add(fx.name, "parameter", [], _shape(val), _dtype(val), {"target": spec.target})
+            elif kind == "USER_INPUT":
+                if not isinstance(val, torch.Tensor):
+                    continue
+                nid = b.add(fx.name, "placeholder", [], _shape(val), _dtype(val), {"index": user_index, "name": fx.name})
+                user_index += 1
+            else:
+                unsupported.append(f"{kind.lower()} '{spec.target}' (buffers and constants are not supported yet)")
+                continue
+            b.ids[fx.name] = nid
+            pending_leaves.append((fx, nid))
+            continue
+        if fx.op == "output":
+            loss = _find_loss(fx, b)
+            continue
+        layer, path = _layer_of(fx)
+        if layer is not None:
+            segment = layer
+        try:
+            _lower(fx, b, segment, _source(fx, path))
+        except _Unsupported as u:
+            unsupported.append(f"{u} at node '{fx.name}' ({_source(fx, path)})")
+    if unsupported:
+        raise UnsupportedOpError(f"{len(unsupported)} unsupported operator(s): " + "; ".join(unsupported))
+    if loss is None:
+        raise ModelError("the model's forward must return the scalar training loss (or a tuple/object whose first output is it)")
+    nodes = _place_leaves(b.nodes)
+    return _prune(nodes, loss, name, origin)
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _find_loss(fx_out: torch.fx.Node, b: _Builder) -> int | None:
+    flat = list(torch.utils._pytree.tree_leaves(fx_out.args[0]))
+    for item in flat:
+        if isinstance(item, torch.fx.Node) and item.name in b.ids:
+            nid = b.ids[item.name]
+            if b.nodes[nid].shape == ():
+                return nid
+    return None
+
+
+def _place_leaves(nodes: list[Node]) -> list[Node]:
+    """Give each parameter the segment of its first consumer (so per-layer ratios follow layers)."""
+    first_use: dict[int, int] = {}
+    for n in nodes:
+        for i in n.inputs:
+            first_use.setdefault(i, n.segment)
+    return [Node(**{**n.__dict__, "segment": first_use.get(n.id, 0)}) if n.op == "parameter" else n for n in nodes]
+
+
+def _prune(nodes: list[Node], loss: int, name: str, origin: dict[str, Any]) -> Graph:
+    """Keep only nodes the loss depends on, renumbered in topological order."""
+    needed = {loss}
+    for n in reversed(nodes[: loss + 1]):
+        if n.id in needed:
+            needed.update(n.inputs)
+    keep = [n for n in nodes if n.id in needed]
+    remap = {n.id: i for i, n in enumerate(keep)}
+    renum = tuple(Node(**{**n.__dict__, "id": remap[n.id], "inputs": tuple(remap[i] for i in n.inputs)}) for n in keep)
+    return Graph(nodes=renum, loss=remap[loss], name=name, origin=origin)
+
+
+def _arg(fx: torch.fx.Node, i: int, key: str, default: Any = None) -> Any:
+    if len(fx.args) > i:
+        return fx.args[i]
+    return fx.kwargs.get(key, default)
+
+
+def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
+    """Map one ATen node to canonical node(s); raises _Unsupported for anything unknown."""
+    if fx.op != "call_function":
+        raise _Unsupported(f"{fx.op} '{fx.target}'")
+    if fx.target is operator.getitem:
+        raise _Unsupported("getitem (multi-output operator)")
+    opname = fx.target._opname if hasattr(fx.target, "_opname") else str(fx.target)
+    val = fx.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise _Unsupported(f"aten.{opname} (non-tensor output)")
+    handler = _HANDLERS.get(opname)
+    if handler is None:
+        raise _Unsupported(f"aten.{opname}")
+    ctx = _Ctx(fx, b, seg, src, _shape(val), _dtype(val))
+    b.ids[fx.name] = handler(ctx)
+
+
+class _Ctx:
+    """What a lowering handler needs about the node being lowered."""
+
+    def __init__(self, fx: torch.fx.Node, b: _Builder, seg: int, src: str, shape: tuple[int, ...], dtype: str) -> None:
+        self.fx, self.b, self.seg, self.src, self.shape, self.dtype = fx, b, seg, src, shape, dtype
+
+    def tid(self, a: Any) -> int:
+        if not isinstance(a, torch.fx.Node) or a.name not in self.b.ids:
+            raise _Unsupported(f"operand {a!r} of {self.fx.name}")
+        return self.b.ids[a.name]
+
+    def node(self, a: Any) -> Node:
+        return self.b.nodes[self.tid(a)]
+
+    def emit(self, op: str, inputs: list[int], attrs: dict | None = None, flops: float = 0.0,
+             name: str | None = None, shape: tuple[int, ...] | None = None) -> int:
+        return self.b.add(name or self.fx.name, op, inputs, shape if shape is not None else self.shape, self.dtype,
+                          attrs, flops, self.seg, self.src)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _h_linear(c: _Ctx) -> int:
+    x, w = c.tid(c.fx.args[0]), c.tid(c.fx.args[1])
+    bias = _arg(c.fx, 2, "bias")
+    k = c.b.nodes[w].shape[1]
+    flops = 2.0 * _numel(c.shape) * k
+    if bias is None:
+        return c.emit("linear", [x, w], flops=flops)
+    mm = c.emit("linear", [x, w], flops=flops, name=c.fx.name + "_mm")
+    return c.emit("add", [mm, c.tid(bias)], flops=_numel(c.shape))
+
+
+def _h_matmul(c: _Ctx) -> int:
+    a, bb = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    if a.rank < 2 or bb.rank < 2:
+        raise _Unsupported("matmul of vectors")
+    return c.emit("matmul", [a.id, bb.id], flops=2.0 * _numel(c.shape) * a.shape[-1])
+
+
+def _h_binary(c: _Ctx) -> int:
+    op = c.fx.target._opname
+    x, y = c.fx.args[0], c.fx.args[1]
+    alpha = c.fx.kwargs.get("alpha", 1)
+    if alpha != 1:
+        raise _Unsupported(f"aten.{op} with alpha={alpha}")
+    flops = _numel(c.shape)
+    xt, yt = isinstance(x, torch.fx.Node), isinstance(y, torch.fx.Node)
+    if xt and yt:
+        return c.emit(op, [c.tid(x), c.tid(y)], flops=flops)
+    if xt:
+        return c.emit(op, [c.tid(x)], {"scalar": float(y), "scalar_first": False}, flops)
+    return c.emit(op, [c.tid(y)], {"scalar": float(x), "scalar_first": True}, flops)
+
+
+def _h_rsub(c: _Ctx) -> int:
+    x, y = c.fx.args[0], c.fx.args[1]
+    if isinstance(y, torch.fx.Node):
+        raise _Unsupported("aten.rsub of two tensors")
+    return c.emit("sub", [c.tid(x)], {"scalar": float(y), "scalar_first": True}, _numel(c.shape))
+
+
+def _h_unary(c: _Ctx) -> int:
+    op = _UNARY[c.fx.target._opname]
+    attrs: dict[str, Any] = {}
+    if op == "gelu":
+        attrs["approximate"] = c.fx.kwargs.get("approximate", _arg(c.fx, 1, "approximate", "none"))
+    if op == "dropout":
+        attrs["p"] = float(_arg(c.fx, 1, "p", 0.5))
+        attrs["train"] = bool(_arg(c.fx, 2, "train", True))
+    if op == "identity" and c.fx.target._opname == "_to_copy":
+        attrs["dtype"] = c.dtype
+    return c.emit(op, [c.tid(c.fx.args[0])], attrs, _UNARY_FLOPS.get(op, 1) * _numel(c.shape))
+
+
+def _h_view(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    if x.shape == c.shape:
+        return c.emit("identity", [x.id])
+    return c.emit("view", [x.id], {"shape": list(c.shape)})
+
+
+def _h_transpose(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    if c.fx.target._opname in ("t", "numpy_T"):
+        d0, d1 = 0, max(x.rank - 1, 0)
+    else:
+        d0, d1 = _norm_dim(c.fx.args[1], x.rank), _norm_dim(c.fx.args[2], x.rank)
+    dims = list(range(x.rank))
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return c.emit("permute", [x.id], {"dims": dims})
+
+
+def _h_permute(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    return c.emit("permute", [x.id], {"dims": [_norm_dim(d, x.rank) for d in c.fx.args[1]]})
+
+
+def _h_softmax(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    op = "log_softmax" if "log" in c.fx.target._opname else "softmax"
+    return c.emit(op, [x.id], {"dim": _norm_dim(c.fx.args[1], x.rank)}, 5 * _numel(c.shape))
+
+
+def _h_reduce(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    op = "mean" if c.fx.target._opname == "mean" else "sum"
+    dims = _arg(c.fx, 1, "dim", None)
+    dims = list(range(x.rank)) if dims is None or dims == [] else [_norm_dim(d, x.rank) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    keepdim = bool(_arg(c.fx, 2, "keepdim", False))
+    if c.fx.kwargs.get("dtype") is not None:
+        raise _Unsupported(f"aten.{op} with dtype")
+    return c.emit(op, [x.id], {"dims": sorted(dims), "keepdim": keepdim}, _numel(x.shape))
+
+
+def _h_layer_norm(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    shape = list(c.fx.args[1])
+    w, bias = _arg(c.fx, 2, "weight"), _arg(c.fx, 3, "bias")
+    inputs = [x.id] + [c.tid(t) for t in (w, bias) if t is not None]
+    attrs = {"normalized_shape": shape, "eps": float(_arg(c.fx, 4, "eps", 1e-5)),
+             "has_weight": w is not None, "has_bias": bias is not None}
+    return c.emit("layer_norm", inputs, attrs, 8 * _numel(c.shape))
+
+
+def _h_embedding(c: _Ctx) -> int:
+    w, ids = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    if len(c.fx.args) > 2 and c.fx.args[2] not in (-1, None):
+        raise _Unsupported("aten.embedding with padding_idx")
+    return c.emit("embedding", [w.id, ids.id], flops=_numel(c.shape))
+
+
+def _h_sdpa(c: _Ctx) -> int:
+    q, k, v = (c.node(a) for a in c.fx.args[:3])
+    if _arg(c.fx, 3, "attn_mask") is not None:
+        raise _Unsupported("scaled_dot_product_attention with attn_mask")
+    if float(_arg(c.fx, 4, "dropout_p", 0.0)) != 0.0:
+        raise _Unsupported("scaled_dot_product_attention with dropout_p > 0")
+    scale = c.fx.kwargs.get("scale", _arg(c.fx, 6, "scale"))
+    attrs = {"is_causal": bool(_arg(c.fx, 5, "is_causal", False)), "scale": None if scale is None else float(scale)}
+    batch = _numel(q.shape[:-2])
+    tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    flops = batch * (4.0 * tq * tk * d + 5.0 * tq * tk)  # QK^T and AV matmuls plus the softmax
+    return c.emit("sdpa", [q.id, k.id, v.id], attrs, flops)
+
+
+def _h_cross_entropy(c: _Ctx) -> int:
+    logits, target = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    if _arg(c.fx, 2, "weight") is not None or float(_arg(c.fx, 5, "label_smoothing", 0.0)) != 0.0:
+        raise _Unsupported("cross_entropy with class weights or label smoothing")
+    reduction = int(_arg(c.fx, 3, "reduction", 1))
+    if reduction != 1 or logits.rank != 2:
+        raise _Unsupported("cross_entropy other than mean over 2-D logits (flatten the logits first)")
+    n, v = logits.shape
+    return c.emit("cross_entropy", [logits.id, target.id], {"count": n}, 6.0 * n * v)
+
+
+def _h_mse(c: _Ctx) -> int:
+    x, y = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    if int(_arg(c.fx, 2, "reduction", 1)) != 1 or x.shape != y.shape:
+        raise _Unsupported("mse_loss other than mean over same-shaped tensors")
+    return c.emit("mse_loss", [x.id, y.id], {"count": x.numel}, 3 * x.numel)
+
+
+_HANDLERS: dict[str, Callable[[_Ctx], int]] = {
+    "linear": _h_linear, "matmul": _h_matmul, "mm": _h_matmul, "bmm": _h_matmul,
+    "rsub": _h_rsub, "transpose": _h_transpose, "t": _h_transpose, "permute": _h_permute,
+    "softmax": _h_softmax, "_softmax": _h_softmax, "log_softmax": _h_softmax, "_log_softmax": _h_softmax,
+    "sum": _h_reduce, "mean": _h_reduce, "layer_norm": _h_layer_norm, "embedding": _h_embedding,
+    "scaled_dot_product_attention": _h_sdpa, "cross_entropy_loss": _h_cross_entropy, "mse_loss": _h_mse,
+    **{op: _h_binary for op in _BINARY}, **{op: _h_unary for op in _UNARY}, **{op: _h_view for op in _VIEWS},
+}
+
+
+def load_model(model: Any, example_inputs: tuple | dict | None = None, **knobs: Any) -> Graph:
+    """The one entry to get a Graph: `"zoo:NAME"` + knobs, a graph JSON path, a Graph, or a module + inputs."""
+    from . import zoo
+
+    if isinstance(model, Graph):
+        return model
+    if isinstance(model, torch.nn.Module):
+        if example_inputs is None:
+            raise ModelError("load_model(module, example_inputs): example_inputs are required for a module")
+        return capture(model, example_inputs, name=type(model).__name__, origin={"module": type(model).__qualname__})
+    if not isinstance(model, str):
+        raise ModelError(f"load_model: expected 'zoo:NAME', a graph JSON path or a torch.nn.Module, got {type(model).__name__}")
+    if model.startswith("zoo:"):
+        name = model[4:]
+        entry = zoo.entry(name)
+        cfg = zoo.make_config(name, **knobs)
+        with torch.device("meta"):
+            module = entry.build(cfg)
+        origin = {"zoo": name, "config": dataclasses.asdict(cfg)}
+        return capture(module, entry.example_inputs(cfg, "meta"), name=name, origin=origin)
+    if knobs:
+        raise ModelError(f"knobs {sorted(knobs)} only apply to zoo models ('zoo:NAME')")
+    return Graph.load(model)

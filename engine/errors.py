@@ -1,0 +1,25 @@
+"""Typed errors of the engine: each message names the bad field or cause and how to fix it."""
+
+
+class HapError(Exception):
+    """Base class of every error the engine raises for a user to act on."""
+
+
+class ClusterError(HapError, ValueError):
+    """A cluster description is malformed or physically impossible."""
+
+
+class ModelError(HapError, ValueError):
+    """A model cannot be loaded, captured or recognised (unknown zoo name or knob, bad graph JSON)."""
+
+
+class UnsupportedOpError(ModelError):
+    """The captured graph holds operators with no sharding rule."""
+
+
+class PlanError(HapError, ValueError):
+    """A plan file is malformed or does not match the model/cluster it is used with."""
+
+
+class InfeasibleError(HapError):
+    """No distributed program fits the cluster (e.g. it runs out of device memory)."""

@@ -1,0 +1,480 @@
+"""Program synthesis by A* search over Hoare triples (HAP §4.3, Fig. 10, and §4.5).
+
+Search space. A state is a partial program, summarised by the position `p` of the next node of
+the single-device graph to compute (nodes are computed in the graph's topological order) and the
+set of *live* properties of the program. From a state the search may
+
+- compute node p by any of its rules whose precondition holds; leaves (placeholders, parameters)
+  have empty preconditions and are fused into their first consumer (§4.5, first optimisation):
+  the consumer's rule chooses the form they are loaded in;
+- run one collective on an operand of node p that the node's rules need in another form. Each
+  reference tensor is communicated at most once (§4.5, second optimisation; a free local slice
+  does not count), and leaves are never communicated.
+
+Properties of tensors whose last consumer has run are dropped (§4.5, third optimisation), which
+makes equivalent programs meet in the same state. A program is complete when the loss holds as
+`Partial` or `Full`.
+
+Score. g = cost of the closed stages plus the open forward and backward stages' slowest device;
+h = the remaining computation perfectly balanced over all devices at infinite bandwidth, less
+what the open stages can still absorb without getting longer: admissible, so A* is optimal for
+its rule set. Ties prefer deeper states, then insertion order (deterministic).
+
+Dominance (Fig. 10, lines 9-14): among states with the same position and properties, one whose
+closed cost plus its open stages' excess over the other's is no larger, with no more memory on
+any device, dominates; dominated states are dropped, also from the queue. A state whose memory
+already exceeds a device's capacity is dropped (memory only grows).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from bisect import bisect_left
+from itertools import product
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from .cost import DUAL, ZERO, Acc, CostModel, add
+from .errors import InfeasibleError
+from .graph import Graph
+from .program import COMM, COMPUTE, LOAD, Instruction
+from .theory import collectives_from, leaf_forms, op_rules
+from .theory.core import FULL, PARTIAL, Form, OpRule
+
+_K = 16          # property code = tensor * _K + form + _OFF
+_OFF = 3         # forms -2 (P), -1 (F), 0.. (S(d)); code 0 is the "communicated" marker
+_COMMUNICATED = -3
+
+
+def code(tensor: int, form: int) -> int:
+    return tensor * _K + form + _OFF
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Restrictions on the theory, used for baselines and ablations (all allowed by default)."""
+
+    param_forms: Callable[[int, int], bool] = lambda node, form: True
+    placeholder_forms: Callable[[int, int], bool] = lambda node, form: True
+    collectives: frozenset[str] = frozenset({"all_reduce", "reduce_scatter", "all_gather.padded",
+                                             "all_gather.grouped", "all_to_all", "slice"})
+    rule_filter: Callable[[int, OpRule], bool] = lambda node, r: True
+
+
+@dataclass
+class SearchProgress:
+    """What the search reports while it runs (the UI draws it as the search frontier)."""
+
+    expanded: int
+    queue_size: int
+    best_cost: float
+    """Cost of the best complete program so far (inf if none yet)."""
+    lowest_open_score: float
+    """Lowest score in the queue: a lower bound of the optimum while the search runs."""
+    elapsed_s: float
+
+
+@dataclass
+class SearchResult:
+    program: tuple[Instruction, ...]
+    cost: float
+    optimal: bool
+    """False when the time budget stopped the search before it proved optimality."""
+    expanded: int
+    generated: int
+    pruned: int
+    elapsed_s: float
+    frontier: list[SearchProgress] = field(default_factory=list)
+
+
+class _State:
+    __slots__ = ("p", "props", "closed", "facc", "bacc", "mem", "tf", "tb", "score", "parent", "step", "alive")
+
+    def __init__(self, p: int, props: frozenset, closed: float, facc: Acc, bacc: Acc, mem: Acc,
+                 parent: "_State | None", step: tuple[Instruction, ...]) -> None:
+        self.p, self.props, self.closed, self.facc, self.bacc, self.mem = p, props, closed, facc, bacc, mem
+        self.parent, self.step, self.alive = parent, step, True
+        self.tf: tuple[float, ...] = ()
+        self.tb: tuple[float, ...] = ()
+        self.score = 0.0
+
+
+class _Prepared:
+    """Per-graph tables the search consults in its inner loop."""
+
+    def __init__(self, graph: Graph, space: SearchSpace) -> None:
+        self.graph = graph
+        self.order = [n.id for n in graph.nodes if not n.is_leaf]
+        pos_of = {nid: k for k, nid in enumerate(self.order)}
+        self.rules = [[r for r in op_rules(graph[nid], graph) if space.rule_filter(nid, r)] for nid in self.order]
+        for nid, rules in zip(self.order, self.rules):
+            if not rules:
+                raise InfeasibleError(f"node '{graph[nid].name}' ({graph[nid].op}) has no rule in this search space")
+        self.leaf_ok = {n.id: [f for f in leaf_forms(n) if (space.param_forms if n.op == "parameter" else space.placeholder_forms)(n.id, f)]
+                        for n in graph.nodes if n.is_leaf}
+        self.collectives = space.collectives
+        self.last_use = [-1] * len(graph)
+        for nid in self.order:
+            for i in graph[nid].inputs:
+                self.last_use[i] = pos_of[nid]
+        self.last_use[graph.loss] = len(self.order)
+        self.dead_after: list[list[int]] = [[] for _ in self.order]
+        for t, p in enumerate(self.last_use):
+            if 0 <= p < len(self.order):
+                self.dead_after[p].append(t)
+        self.codes = [[code(t, f) for f in range(_COMMUNICATED, graph[t].rank)] for t in range(len(graph))]
+        self.wanted = [self._wanted_forms(k) for k in range(len(self.order))]
+        self.consumers: list[list[int]] = [[] for _ in range(len(graph))]
+        for k, nid in enumerate(self.order):
+            for t in dict.fromkeys(graph[nid].inputs):
+                self.consumers[t].append(k)
+        self.wanted_after = [self._suffix_wanted(t) for t in range(len(graph))]
+
+    def _suffix_wanted(self, t: int) -> list[frozenset[int]]:
+        """For each consumer index i of t: the forms wanted by consumers i, i+1, ... (plus the goal for the loss)."""
+        acc: set[int] = {PARTIAL, FULL} if t == self.graph.loss else set()
+        out = []
+        for k in reversed(self.consumers[t]):
+            acc |= self.wanted[k].get(t, set())
+            out.append(frozenset(acc))
+        out.reverse()
+        return out + [frozenset({PARTIAL, FULL} if t == self.graph.loss else ())]
+
+    def next_consumer(self, t: int, p: int) -> int:
+        """Index into consumers[t] of the first consumer at position >= p."""
+        return bisect_left(self.consumers[t], p)
+
+    def _wanted_forms(self, k: int) -> dict[int, set[int]]:
+        """For node k's non-leaf operands: the forms some rule of node k asks for."""
+        nid = self.order[k]
+        want: dict[int, set[int]] = {}
+        for r in self.rules[k]:
+            for t, f in zip(self.graph[nid].inputs, r.inputs):
+                if not self.graph[t].is_leaf:
+                    want.setdefault(t, set()).add(f)
+        return want
+
+
+def synthesize(graph: Graph, cm: CostModel, *, space: SearchSpace | None = None, time_budget_s: float | None = None,
+               progress: Callable[[SearchProgress], None] | None = None, report_every: int = 500) -> SearchResult:
+    """Find the cheapest distributed program for the ratios in `cm` (Fig. 10)."""
+    return _Search(graph, cm, space or SearchSpace(), time_budget_s, progress, report_every).run()
+
+
+class _Search:
+    def __init__(self, graph: Graph, cm: CostModel, space: SearchSpace, budget: float | None,
+                 progress: Callable[[SearchProgress], None] | None, report_every: int) -> None:
+        self.graph, self.cm, self.budget, self.progress, self.report_every = graph, cm, budget, progress, report_every
+        self.prep = _Prepared(graph, space)
+        n = len(self.prep.order)
+        self.rem_f = [0.0] * (n + 1)
+        self.rem_b = [0.0] * (n + 1)
+        for k in range(n - 1, -1, -1):
+            nid = self.prep.order[k]
+            self.rem_f[k] = self.rem_f[k + 1] + graph[nid].flops
+            self.rem_b[k] = self.rem_b[k + 1] + cm.bwd_flops[nid]
+        self.sum_flops = cm.total_flops
+        self.weights = [c.flops * len(c.devices) for c in cm.classes]
+        self.seen: dict[tuple[int, frozenset], list[_State]] = {}
+        self.heap: list[tuple] = []
+        self.counter = 0
+        self.expanded = self.generated = self.pruned = 0
+        self.best: _State | None = None
+        self.best_cost = math.inf
+        self.greedy = False
+        self.frontier: list[SearchProgress] = []
+        self.debt_cache: dict[tuple, float] = {}
+        self.slice_ok = "slice" in self.prep.collectives
+        self.memory_binds = not cm.fits(_worst_memory(graph, cm))
+
+    # --- scoring -------------------------------------------------------------------------
+    def _bound(self, times: tuple[float, ...], remaining: float) -> float:
+        top = max(times)
+        slack = sum(w * (top - t) for w, t in zip(self.weights, times))
+        return top + max(0.0, remaining - slack) / self.sum_flops
+
+    def _finish(self, s: _State) -> None:
+        s.tf = tuple(self.cm.class_times(s.facc))
+        s.tb = tuple(self.cm.class_times(s.bacc))
+        s.score = s.closed + self._bound(s.tf, self.rem_f[s.p]) + self._bound(s.tb, self.rem_b[s.p]) + self._debt(s)
+
+    def _debt(self, s: _State) -> float:
+        """Communication that live tensors must still pay: a tensor none of whose forms its next
+        consumer accepts needs at least one collective (forward and backward dual). Admissible."""
+        forms: dict[int, list[int]] = {}
+        for c in s.props:
+            forms.setdefault(c // _K, []).append(c % _K - _OFF)
+        total = 0.0
+        for t, fs in forms.items():
+            if self.graph[t].is_leaf:
+                continue
+            key = (t, s.p, tuple(sorted(fs)))
+            d = self.debt_cache.get(key)
+            if d is None:
+                d = self.debt_cache[key] = self._tensor_debt(t, s.p, fs)
+            total += d
+        return total
+
+    def _tensor_debt(self, t: int, p: int, fs: list[int]) -> float:
+        prep = self.prep
+        i = prep.next_consumer(t, p)
+        if i == len(prep.consumers[t]):
+            return 0.0
+        want = prep.wanted[prep.consumers[t][i]].get(t, set())
+        if any(f in want for f in fs):
+            return 0.0
+        slice_ok = "slice" in prep.collectives and FULL in fs
+        if slice_ok and any(g >= 0 for g in want):
+            return 0.0
+        if _COMMUNICATED in fs:
+            return math.inf  # dead end: it cannot be communicated again
+        best = math.inf
+        for f in fs:
+            if f == _COMMUNICATED:
+                continue
+            for coll, g in collectives_from(f, self.graph[t].shape):
+                if coll.key in prep.collectives and coll.is_communication and (g in want or (g == FULL and slice_ok)):
+                    c = self.cm.comm_time(coll.key, t)
+                    if self.cm.requires_grad[t]:
+                        c += self.cm.comm_time(DUAL[coll.key], t)
+                    best = min(best, c)
+        return best
+
+    def _dominates(self, a: _State, b: _State) -> bool:
+        ef = max(0.0, max(x - y for x, y in zip(a.tf, b.tf)))
+        eb = max(0.0, max(x - y for x, y in zip(a.tb, b.tb)))
+        if a.closed + ef + eb > b.closed * (1 + 1e-12) + 1e-15:
+            return False
+        return not self.memory_binds or all(x <= y for x, y in zip(a.mem, b.mem))
+
+    # --- queue ---------------------------------------------------------------------------
+    def _push(self, s: _State) -> None:
+        self.generated += 1
+        self._finish(s)
+        if s.score >= self.best_cost or not self.cm.fits(s.mem):
+            self.pruned += 1
+            return
+        key = (s.p, s.props)
+        bucket = self.seen.setdefault(key, [])
+        for other in bucket:
+            if self._dominates(other, s):
+                self.pruned += 1
+                return
+        for other in bucket:
+            if self._dominates(s, other):
+                other.alive = False
+        bucket[:] = [o for o in bucket if o.alive] + [s]
+        if s.p == len(self.prep.order):
+            if self._complete(s):
+                cost = s.score
+                if cost < self.best_cost:
+                    self.best, self.best_cost = s, cost
+            return
+        self.counter += 1
+        heapq.heappush(self.heap, self._key(s))
+
+    def _key(self, s: _State) -> tuple:
+        if self.greedy:
+            return (-s.p, s.score, self.counter, s)
+        return (s.score, -s.p, self.counter, s)
+
+    def _complete(self, s: _State) -> bool:
+        loss = self.graph.loss
+        return code(loss, PARTIAL) in s.props or code(loss, FULL) in s.props
+
+    # --- main loop -----------------------------------------------------------------------
+    def run(self) -> SearchResult:
+        start = time.perf_counter()
+        self._push(_State(0, frozenset(), 0.0, ZERO, ZERO, ZERO, None, ()))
+        optimal = True
+        while self.heap:
+            score, _, _, s = self.heap[0] if not self.greedy else (self.heap[0][1], 0, 0, self.heap[0][3])
+            if not self.greedy and score >= self.best_cost:
+                break
+            heapq.heappop(self.heap)
+            if not s.alive or s.score >= self.best_cost:
+                continue
+            self.expanded += 1
+            for child in self._children(s):
+                self._push(child)
+            if self.expanded % 64 == 0:
+                elapsed = time.perf_counter() - start
+                if self.budget is not None and elapsed > self.budget:
+                    optimal = False
+                    if self.best is not None:
+                        break
+                    if not self.greedy:
+                        self._go_greedy()
+                if self.expanded % self.report_every == 0:
+                    self._report(start)
+        self._report(start)
+        if self.best is None:
+            raise InfeasibleError("no distributed program fits: every candidate exceeds some device's memory "
+                                  "or the search space is empty")
+        return SearchResult(self._program(self.best), self.best_cost, optimal, self.expanded, self.generated,
+                            self.pruned, time.perf_counter() - start, self.frontier)
+
+    def _go_greedy(self) -> None:
+        """Out of time with no complete program: dive depth-first to finish one."""
+        self.greedy = True
+        self.heap = [self._key(s) for *_, s in self.heap]
+        heapq.heapify(self.heap)
+
+    def _report(self, start: float) -> None:
+        lowest = min((k[0] if not self.greedy else k[1] for k in self.heap), default=self.best_cost)
+        p = SearchProgress(self.expanded, len(self.heap), self.best_cost, min(lowest, self.best_cost), time.perf_counter() - start)
+        self.frontier.append(p)
+        if self.progress is not None:
+            self.progress(p)
+
+    def _program(self, s: _State | None) -> tuple[Instruction, ...]:
+        steps: list[tuple[Instruction, ...]] = []
+        while s is not None:
+            steps.append(s.step)
+            s = s.parent
+        return tuple(ins for step in reversed(steps) for ins in step)
+
+    # --- successors ----------------------------------------------------------------------
+    def _children(self, s: _State) -> Iterator[_State]:
+        """Compute node p by each rule; operands missing a form get it by a fused collective or slice."""
+        graph = self.graph
+        nid = self.prep.order[s.p]
+        node = graph[nid]
+        for r in self.prep.rules[s.p]:
+            pairs = list(zip(node.inputs, r.inputs))
+            ways = [self._ways(s.props, t, f) for t, f in pairs]
+            if any(not w for w in ways):
+                continue
+            for combo in product(*ways):
+                loads: dict[int, int] = {}
+                comms: list[tuple[int, int, str, int]] = []
+                slices: list[tuple[int, int]] = []
+                if self._merge(combo, pairs, loads, comms, slices):
+                    yield self._after_compute(s, nid, r, loads, comms, slices)
+
+    def _ways(self, props: frozenset, t: int, f: int) -> list[tuple]:
+        """How operand t can be had in form f: ("have",), ("slice",), ("load", g), ("comm", src, key, g)."""
+        if code(t, f) in props:
+            return [("have",)]
+        if f >= 0 and self.slice_ok and code(t, FULL) in props:
+            return [("slice",)]
+        if self.graph[t].is_leaf:
+            if any(c in props for c in self.prep.codes[t]):
+                return []  # loaded in another form already; leaves are never communicated
+            ok = self.prep.leaf_ok[t]
+            ways = [("load", f)] if f in ok else []
+            if f >= 0 and self.slice_ok and FULL in ok and len(self.prep.consumers[t]) > 1:
+                ways.append(("load", FULL))  # Full for a later consumer, sliced here
+            return ways
+        if code(t, _COMMUNICATED) in props:
+            return []
+        return self._comm_ways(props, t, f)
+
+    def _comm_ways(self, props: frozenset, t: int, f: int) -> list[tuple]:
+        best: dict[int, tuple[float, tuple]] = {}
+        for src in range(-2, self.graph[t].rank):
+            if code(t, src) not in props:
+                continue
+            for coll, g in collectives_from(src, self.graph[t].shape):
+                if not coll.is_communication or coll.key not in self.prep.collectives:
+                    continue
+                if g == f or (g == FULL and f >= 0 and self.slice_ok):
+                    c = self._comm_cost(coll.key, t)
+                    if g not in best or c < best[g][0]:  # same post: keep the cheaper implementation (§4.4)
+                        best[g] = (c, ("comm", src, coll.key, g))
+        return [w for _, w in best.values()]
+
+    def _comm_cost(self, key: str, t: int) -> float:
+        c = self.cm.comm_time(key, t)
+        if self.cm.requires_grad[t]:
+            c += self.cm.comm_time(DUAL[key], t)
+        return c
+
+    @staticmethod
+    def _merge(combo: tuple, pairs: list[tuple[int, int]], loads: dict[int, int], comms: list, slices: list) -> bool:
+        """Combine the per-operand ways of one rule; False if they contradict each other."""
+        for (t, f), way in zip(pairs, combo):
+            kind = way[0]
+            if kind == "load":
+                if loads.get(t, way[1]) != way[1]:
+                    return False
+                loads[t] = way[1]
+                if way[1] != f:
+                    slices.append((t, f))
+            elif kind == "comm":
+                if any(c[0] == t for c in comms):
+                    if (t, way[1], way[2], way[3]) not in comms:
+                        return False
+                    continue
+                comms.append((t, way[1], way[2], way[3]))
+                if way[3] != f:
+                    slices.append((t, f))
+            elif kind == "slice":
+                slices.append((t, f))
+        return True
+
+    def _after_compute(self, s: _State, nid: int, r: OpRule, loads: dict[int, int],
+                       comms: list[tuple[int, int, str, int]], slices: list[tuple[int, int]]) -> _State:
+        cm, graph = self.cm, self.graph
+        closed, facc, bacc, mem = s.closed, s.facc, s.bacc, s.mem
+        props = set(s.props)
+        step: list[Instruction] = []
+        for t, src, key, g in comms:
+            closed += cm.stage_time(facc) + cm.comm_time(key, t)
+            facc = ZERO
+            if cm.requires_grad[t]:
+                closed += cm.stage_time(bacc) + cm.comm_time(DUAL[key], t)
+                bacc = ZERO
+            props.add(code(t, g))
+            props.add(code(t, _COMMUNICATED))
+            if g == FULL and self.slice_ok:  # Full subsumes every shard: a slice is free
+                props.difference_update(code(t, d) for d in range(graph[t].rank))
+            step.append(Instruction(COMM, t, key, ((t, src),), g))
+        for t, f in loads.items():
+            sync, m = cm.load_delta(t, f)
+            mem = add(mem, m)
+            if graph[t].op == "parameter" and f == FULL:
+                closed += cm.stage_time(bacc) + cm.comm_time("grad_all_reduce", t)
+                bacc = ZERO
+            bacc = add(bacc, sync)
+            props.add(code(t, f))
+            step.append(Instruction(LOAD, t, graph[t].op, (), f))
+        step.extend(Instruction(COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
+        df, db, dm = cm.compute_delta(nid, r.sharded)
+        facc, bacc, mem = add(facc, df), add(bacc, db), add(mem, dm)
+        step.append(Instruction(COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
+        props.add(code(nid, r.output))
+        for t in self.prep.dead_after[s.p]:
+            props.difference_update(self.prep.codes[t])
+        for t in dict.fromkeys(graph[nid].inputs):
+            if self.prep.last_use[t] > s.p:
+                self._drop_redundant(props, t, s.p + 1)
+        p = s.p + 1
+        if p == len(self.prep.order):  # close the open stages: the program is whole
+            closed += cm.stage_time(facc) + cm.stage_time(bacc)
+            facc = bacc = ZERO
+        return _State(p, frozenset(props), closed, facc, bacc, mem, s, tuple(step))
+
+    def _drop_redundant(self, props: set[int], t: int, p: int) -> None:
+        """Third optimisation of §4.5: once t is communicated, drop forms no remaining consumer wants."""
+        if code(t, _COMMUNICATED) not in props:
+            return
+        prep = self.prep
+        want = prep.wanted_after[t][prep.next_consumer(t, p)]
+        keep_full = self.slice_ok and any(g >= 0 for g in want)
+        for f in range(-2, self.graph[t].rank):
+            c = code(t, f)
+            if c in props and f not in want and not (f == FULL and keep_full):
+                props.discard(c)
+
+
+def _worst_memory(graph: Graph, cm: CostModel) -> Acc:
+    """Memory terms of the most memory-hungry program (everything Full): if even it fits, memory never binds."""
+    mem = ZERO
+    for n in graph.nodes:
+        if n.op == "parameter":
+            mem = add(mem, cm.load_delta(n.id, FULL)[1])
+        elif not n.is_leaf:
+            mem = add(mem, cm.compute_delta(n.id, False)[2])
+    return mem

@@ -1,0 +1,50 @@
+"""Elementwise operators: unary maps and broadcasting binary arithmetic.
+
+Rows, with why they hold:
+- S(d) -> S(d): an elementwise op on slices gives the slice of the result.
+- P -> P for linear unary maps (neg, identity): f(sum x_i) = sum f(x_i).
+- add/sub(P, P) -> P: the sum of addends' sums is the sum's addends.
+- mul(P, F) -> P, div(P, F) -> P: scaling by a replicated factor distributes over the addends.
+"""
+from __future__ import annotations
+
+from ..graph import Graph, Node
+from .core import FULL, PARTIAL, OpRule, replicate, rule
+
+_LINEAR_UNARY = {"neg", "identity"}
+
+
+@rule("relu", "gelu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity", "dropout")
+def unary_rules(node: Node, graph: Graph) -> list[OpRule]:
+    rules = [replicate(node)] + [OpRule("shard", (d,), d) for d in range(node.rank)]
+    if node.op in _LINEAR_UNARY:
+        rules.append(OpRule("partial", (PARTIAL,), PARTIAL))
+    return rules
+
+
+def _aligned_dim(out_dim: int, out_rank: int, operand: Node) -> int:
+    """The operand dim broadcast into `out_dim`, or FULL when the operand is broadcast along it."""
+    d = out_dim - (out_rank - operand.rank)
+    if d < 0 or operand.shape[d] == 1:
+        return FULL
+    return d
+
+
+@rule("add", "sub", "mul", "div")
+def binary_rules(node: Node, graph: Graph) -> list[OpRule]:
+    operands = [graph[i] for i in node.inputs]
+    rules = [replicate(node)]
+    for d in range(node.rank):
+        rules.append(OpRule("shard", tuple(_aligned_dim(d, node.rank, x) for x in operands), d))
+    if len(operands) == 1:
+        scalar_keeps_partial = node.op in ("mul",) or (node.op == "div" and not node.attrs.get("scalar_first"))
+        if scalar_keeps_partial:
+            rules.append(OpRule("partial", (PARTIAL,), PARTIAL))
+        return rules
+    if node.op in ("add", "sub"):
+        rules.append(OpRule("partial", (PARTIAL, PARTIAL), PARTIAL))
+    elif node.op == "mul":
+        rules += [OpRule("partial", (PARTIAL, FULL), PARTIAL), OpRule("partial", (FULL, PARTIAL), PARTIAL)]
+    else:  # div
+        rules.append(OpRule("partial", (PARTIAL, FULL), PARTIAL))
+    return rules

@@ -1,0 +1,1 @@
+"""Execution of plans over torch.distributed (see issue: runner)."""
