@@ -1,3 +1,22 @@
-"""HAP Workbench engine: plans SPMD training of one model on a heterogeneous cluster (HAP, EuroSys '24)."""
+"""HAP Workbench engine: plans SPMD training of one model on a heterogeneous cluster (HAP, EuroSys '24).
+
+Public surface (scripts rely on these names):
+
+    engine.load_model("zoo:gpt", layers=12, ...) | engine.load_model(module, example_inputs) | engine.load_model("graph.json")
+    engine.load_cluster(path_or_dict)
+    engine.plan(model, cluster, time_budget_s=None, progress=None) -> Plan
+    engine.evaluate(model, cluster, "dp-even" | "dp-proportional") -> Plan
+    engine.Plan.from_json(text_or_path)
+
+The engine never imports Streamlit and never starts a process group.
+"""
 from .capture import load_model
+from .cluster import Cluster, load_cluster
+from .errors import ClusterError, HapError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
 from .graph import Graph, Node
+from .plan import Plan
+from .planner import evaluate, plan
+from .synthesis import SearchProgress
+
+__all__ = ["load_model", "load_cluster", "plan", "evaluate", "Plan", "Graph", "Node", "Cluster", "SearchProgress",
+           "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError", "UnsupportedOpError"]

@@ -109,11 +109,13 @@ class CostModel:
         self.total_flops = sum(c.flops * len(c.devices) for c in self.classes)
         intra = [d.intra_bandwidth_Bps for d in cluster.devices if d.num_gpus > 1]
         self.hierarchy_s_per_byte = 2.0 / min(intra) if intra else 0.0  # gather to / broadcast from GPU 0 (§6)
+        self.nbytes = [n.nbytes for n in graph.nodes]
+        self._comm_cache: dict[tuple[str, int], float] = {}
 
     # --- communication ---------------------------------------------------------------------
     def comm_terms(self, key: str, node: int) -> tuple[float, float]:
         """(constant, per max-ratio) seconds of collective `key` on reference tensor `node`."""
-        nbytes = self.graph[node].nbytes
+        nbytes = self.nbytes[node]
         c = self.cluster.collectives
         m = self.cluster.num_devices
         if key == "slice" or m == 1:
@@ -129,8 +131,11 @@ class CostModel:
         return fit.latency_s, nbytes / fit.bandwidth_Bps + nbytes * h
 
     def comm_time(self, key: str, node: int) -> float:
-        const, per = self.comm_terms(key, node)
-        return const + per * self.max_ratio
+        t = self._comm_cache.get((key, node))
+        if t is None:
+            const, per = self.comm_terms(key, node)
+            t = self._comm_cache[(key, node)] = const + per * self.max_ratio
+        return t
 
     # --- computation -----------------------------------------------------------------------
     def class_times(self, acc: Acc) -> list[float]:
@@ -162,7 +167,7 @@ class CostModel:
         """(forward work, backward work, memory) added by computing `node`."""
         n = self.graph[node]
         f, b = n.flops, self.bwd_flops[node]
-        act = float(n.nbytes) if self.requires_grad[node] and n.op not in ("view", "permute", "identity") else 0.0
+        act = float(self.nbytes[node]) if self.requires_grad[node] and n.op not in ("view", "permute", "identity") else 0.0
         if sharded:
             return (f, 0.0, 0.0, 0.0), (b, 0.0, 0.0, 0.0), (0.0, 0.0, act, 0.0)
         return (0.0, f, 0.0, 0.0), (0.0, b, 0.0, 0.0), (0.0, 0.0, 0.0, act)

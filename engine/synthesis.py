@@ -73,6 +73,8 @@ class SearchProgress:
     lowest_open_score: float
     """Lowest score in the queue: a lower bound of the optimum while the search runs."""
     elapsed_s: float
+    iteration: int = 0
+    """Which Q<->B iteration of the planner this search belongs to."""
 
 
 @dataclass
@@ -157,15 +159,27 @@ class _Prepared:
 
 
 def synthesize(graph: Graph, cm: CostModel, *, space: SearchSpace | None = None, time_budget_s: float | None = None,
-               progress: Callable[[SearchProgress], None] | None = None, report_every: int = 500) -> SearchResult:
-    """Find the cheapest distributed program for the ratios in `cm` (Fig. 10)."""
-    return _Search(graph, cm, space or SearchSpace(), time_budget_s, progress, report_every).run()
+               progress: Callable[[SearchProgress], None] | None = None, report_every: int = 500,
+               beam_width: int | None = None, incumbent: tuple[Instruction, ...] | None = None) -> SearchResult:
+    """Find the cheapest distributed program for the ratios in `cm` (Fig. 10).
+
+    `beam_width` caps the states expanded at each position of the graph (the best-scored ones are
+    expanded first): None is exact A*; a cap keeps large models fast, and the result says whether
+    the cap may have cost optimality (`optimal`). An `incumbent` program (e.g. the previous Q of the
+    Q<->B loop) bounds the search from the start and is returned if nothing beats it.
+    """
+    search = _Search(graph, cm, space or SearchSpace(), time_budget_s, progress, report_every, beam_width)
+    if incumbent is not None:
+        search.set_incumbent(incumbent)
+    return search.run()
 
 
 class _Search:
     def __init__(self, graph: Graph, cm: CostModel, space: SearchSpace, budget: float | None,
-                 progress: Callable[[SearchProgress], None] | None, report_every: int) -> None:
+                 progress: Callable[[SearchProgress], None] | None, report_every: int, beam_width: int | None = None) -> None:
         self.graph, self.cm, self.budget, self.progress, self.report_every = graph, cm, budget, progress, report_every
+        self.beam_width = beam_width
+        self.beam_cut = math.inf  # lowest score of a state the beam skipped
         self.prep = _Prepared(graph, space)
         n = len(self.prep.order)
         self.rem_f = [0.0] * (n + 1)
@@ -181,12 +195,20 @@ class _Search:
         self.counter = 0
         self.expanded = self.generated = self.pruned = 0
         self.best: _State | None = None
+        self.incumbent: tuple[Instruction, ...] | None = None
         self.best_cost = math.inf
         self.greedy = False
         self.frontier: list[SearchProgress] = []
+        self.width_used = [0] * (len(self.prep.order) + 1)
         self.debt_cache: dict[tuple, float] = {}
         self.slice_ok = "slice" in self.prep.collectives
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
+
+    def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
+        from .cost import evaluate
+
+        self.incumbent = program
+        self.best_cost = evaluate(program, self.cm).total_s * (1 + 1e-9)
 
     # --- scoring -------------------------------------------------------------------------
     def _bound(self, times: tuple[float, ...], remaining: float) -> float:
@@ -295,6 +317,11 @@ class _Search:
             heapq.heappop(self.heap)
             if not s.alive or s.score >= self.best_cost:
                 continue
+            if self.beam_width is not None:
+                if self.width_used[s.p] >= self.beam_width:
+                    self.beam_cut = min(self.beam_cut, s.score)
+                    continue
+                self.width_used[s.p] += 1
             self.expanded += 1
             for child in self._children(s):
                 self._push(child)
@@ -309,9 +336,13 @@ class _Search:
                 if self.expanded % self.report_every == 0:
                     self._report(start)
         self._report(start)
+        if self.best is None and self.incumbent is not None:
+            return SearchResult(self.incumbent, self.best_cost, optimal and self.beam_cut >= self.best_cost, self.expanded,
+                                self.generated, self.pruned, time.perf_counter() - start, self.frontier)
         if self.best is None:
             raise InfeasibleError("no distributed program fits: every candidate exceeds some device's memory "
                                   "or the search space is empty")
+        optimal = optimal and self.beam_cut >= self.best_cost
         return SearchResult(self._program(self.best), self.best_cost, optimal, self.expanded, self.generated,
                             self.pruned, time.perf_counter() - start, self.frontier)
 

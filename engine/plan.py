@@ -1,0 +1,179 @@
+"""The plan: the chosen program Q, ratios B, integer shard sizes and every predicted figure, as JSON.
+
+A plan is self-contained: it embeds the graph IR, so the runner and the UI need nothing else but
+the cluster spec (whose fingerprint it records).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .cost import Breakdown
+from .errors import PlanError
+from .graph import Graph
+from .program import COMPUTE, Instruction
+
+PLAN_SCHEMA_VERSION = 1
+
+
+def split_sizes(total: int, ratios: list[float]) -> list[int]:
+    """Integer sizes proportional to `ratios` summing exactly to `total` (HAP §5.1): round to
+    nearest, then move one unit at a time where the rounding error is largest."""
+    s = sum(ratios)
+    exact = [total * r / s for r in ratios]
+    sizes = [round(x) for x in exact]
+    while sum(sizes) > total:
+        j = max((i for i in range(len(sizes)) if sizes[i] > 0), key=lambda i: (sizes[i] - exact[i], -i))
+        sizes[j] -= 1
+    while sum(sizes) < total:
+        j = max(range(len(sizes)), key=lambda i: (exact[i] - sizes[i], -i))
+        sizes[j] += 1
+    return sizes
+
+
+def shard_units(program: tuple[Instruction, ...], graph: Graph) -> dict[tuple[int, int], int]:
+    """For every sharded (tensor, dim) of the program, its number of units.
+
+    A rule links the dims it shards (a view's shard on C=768 and on heads=12, a linear's output
+    features and its weight rows). Linked dims must split into the same number of pieces, so each
+    linked class shares `units = gcd(sizes)`; a dim of size s then moves in steps of s / units.
+    """
+    parent: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def find(x: tuple[int, int]) -> tuple[int, int]:
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for ins in program:
+        dims = [(t, f) for t, f in ins.pre if f >= 0]
+        if ins.post >= 0:
+            dims.append((ins.node, ins.post))
+        linked = dims if ins.kind == COMPUTE else dims[-1:]
+        for d in linked:
+            find(d)
+        for a, b in zip(linked, linked[1:]):
+            parent[find(a)] = find(b)
+    classes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for d in list(parent):
+        classes.setdefault(find(d), []).append(d)
+    units: dict[tuple[int, int], int] = {}
+    for members in classes.values():
+        g = math.gcd(*[graph[t].shape[d] for t, d in members])
+        units.update({m: g for m in members})
+    return units
+
+
+def shard_sizes(program: tuple[Instruction, ...], graph: Graph, ratios: list[float]) -> dict[tuple[int, int], list[int]]:
+    """Integer size of every sharded (tensor, dim) on every device; linked dims split alike."""
+    out = {}
+    for (t, d), units in shard_units(program, graph).items():
+        step = graph[t].shape[d] // units
+        out[(t, d)] = [u * step for u in split_sizes(units, ratios)]
+    return out
+
+
+@dataclass
+class StageRecord:
+    """Predicted time of one stage: its opening collective and each device's computation."""
+
+    direction: str
+    comm: str
+    comm_tensor: str
+    comm_s: float
+    comp_s: list[float]
+
+
+@dataclass
+class Plan:
+    """Program Q + ratios B + predictions. `to_json`/`from_json` round-trip exactly."""
+
+    strategy: str
+    """`hap`, `dp-even` or `dp-proportional`."""
+    graph: Graph
+    cluster_name: str
+    cluster_fingerprint: str
+    device_names: list[str]
+    program: tuple[Instruction, ...]
+    ratios: dict[str, list[float]]
+    """Ratios per segment (`"0"`: the whole model), one per device."""
+    shard_sizes: dict[str, list[int]]
+    """`"<tensor>:<dim>"` -> integer size on every device (sums to the dim's size)."""
+    predicted_time_s: float
+    stages: list[StageRecord]
+    memory_bytes: list[float]
+    """Predicted peak memory per GPU of every device."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    search: dict[str, Any] = field(default_factory=dict)
+    schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def world_size(self) -> int:
+        return len(self.device_names)
+
+    @property
+    def model_fingerprint(self) -> str:
+        return self.graph.fingerprint()
+
+    def listing(self) -> str:
+        """The distributed program, one instruction a line."""
+        return "\n".join(ins.render(self.graph) for ins in self.program)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": "hap.plan", "schema_version": self.schema_version, "strategy": self.strategy,
+                "model": {"name": self.graph.name, "fingerprint": self.model_fingerprint, "origin": self.graph.origin},
+                "cluster": {"name": self.cluster_name, "fingerprint": self.cluster_fingerprint, "devices": self.device_names},
+                "predicted_time_s": self.predicted_time_s, "ratios": self.ratios, "shard_sizes": self.shard_sizes,
+                "memory_bytes": self.memory_bytes, "stages": [asdict(s) for s in self.stages],
+                "program": [ins.to_dict() for ins in self.program], "history": self.history, "search": self.search,
+                "graph": self.graph.to_dict()}
+
+    def to_json(self, indent: int | None = 1) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps([i.to_dict() for i in self.program]).encode()).hexdigest()
+
+    @staticmethod
+    def from_dict(d: dict[str, Any]) -> "Plan":
+        if not isinstance(d, dict) or d.get("kind") != "hap.plan":
+            raise PlanError("not a plan: missing \"kind\": \"hap.plan\" (make one with `hap plan`)")
+        if d.get("schema_version") != PLAN_SCHEMA_VERSION:
+            raise PlanError(f"plan schema_version {d.get('schema_version')!r} is not supported (expected {PLAN_SCHEMA_VERSION})")
+        try:
+            return Plan(strategy=d["strategy"], graph=Graph.from_dict(d["graph"]), cluster_name=d["cluster"]["name"],
+                        cluster_fingerprint=d["cluster"]["fingerprint"], device_names=list(d["cluster"]["devices"]),
+                        program=tuple(Instruction.from_dict(x) for x in d["program"]), ratios=d["ratios"],
+                        shard_sizes=d["shard_sizes"], predicted_time_s=float(d["predicted_time_s"]),
+                        stages=[StageRecord(**s) for s in d["stages"]], memory_bytes=list(d["memory_bytes"]),
+                        history=list(d.get("history", [])), search=dict(d.get("search", {})))
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def from_json(text_or_path: str | Path) -> "Plan":
+        """Parse a plan from JSON text or a file path."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            p = Path(text)
+            if not p.exists():
+                raise PlanError(f"plan file '{p}' not found")
+            text = p.read_text()
+        try:
+            return Plan.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+
+
+def stage_records(b: Breakdown, graph: Graph) -> list[StageRecord]:
+    return [StageRecord(s.direction, s.comm, graph[s.comm_node].name if s.comm_node >= 0 else "", c, comp)
+            for s, c, comp in zip(b.stages, b.stage_comm_s, b.stage_comp_s)]

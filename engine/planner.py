@@ -1,0 +1,174 @@
+"""The planner: alternate program synthesis and load balancing (HAP §3.1, Eq. 1-2), plus baselines.
+
+    B(0) = ratios proportional to device flops
+    Q(s) = argmin_Q t(Q, B(s-1))      (A*, `engine.synthesis`)
+    B(s) = argmin_B t(Q(s), B)        (LP, `engine.balance`)
+
+until Q repeats (convergence or oscillation); the best (Q, B) pair seen is kept. The data-parallel
+baselines are programs of the same search space (parameters Full, inputs sharded on the batch
+dim, no other communication), so they seed the search as incumbents: a HAP plan is never
+predicted slower than them.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from .balance import GIB, balance
+from .cluster import Cluster, load_cluster
+from .cost import CostModel, evaluate as evaluate_program
+from .errors import InfeasibleError, PlanError
+from .graph import Graph
+from .plan import Plan, shard_sizes, stage_records
+from .program import Instruction
+from .synthesis import SearchProgress, SearchSpace, synthesize
+from .theory.core import FULL
+
+DEFAULT_BEAM_WIDTH = 16
+BASELINES = ("dp-even", "dp-proportional")
+
+
+@dataclass
+class Candidate:
+    program: tuple[Instruction, ...]
+    ratios: list[float]
+    cost: float
+
+
+def proportional_ratios(cluster: Cluster) -> list[float]:
+    total = sum(cluster.flops)
+    return [f / total for f in cluster.flops]
+
+
+def even_ratios(cluster: Cluster) -> list[float]:
+    return [1.0 / cluster.num_devices] * cluster.num_devices
+
+
+def data_parallel_space(graph: Graph) -> SearchSpace:
+    """Parameters Full (gradients all-reduced), inputs split on dim 0, nothing else communicated."""
+    return SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f == 0,
+                       collectives=frozenset())
+
+
+def _coerce(model: Any, cluster: Any) -> tuple[Graph, Cluster]:
+    from .capture import load_model
+
+    return (model if isinstance(model, Graph) else load_model(model)), load_cluster(cluster)
+
+
+def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam") -> Plan:
+    """A baseline plan (`dp-even` or `dp-proportional`) under the same cost model as HAP."""
+    graph, cluster = _coerce(model, cluster)
+    if strategy not in BASELINES:
+        raise PlanError(f"unknown strategy '{strategy}' (choose one of: {', '.join(BASELINES)})")
+    ratios = even_ratios(cluster) if strategy == "dp-even" else proportional_ratios(cluster)
+    cm = CostModel(graph, cluster, ratios, optimizer)
+    res = synthesize(graph, cm, space=data_parallel_space(graph))
+    return _make_plan(strategy, graph, cluster, Candidate(res.program, ratios, res.cost), optimizer, [],
+                      {"expanded": res.expanded, "elapsed_s": res.elapsed_s})
+
+
+def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], optimizer: str) -> Candidate | None:
+    cm = CostModel(graph, cluster, ratios, optimizer)
+    try:
+        res = synthesize(graph, cm, space=data_parallel_space(graph))
+    except InfeasibleError:
+        return None
+    return Candidate(res.program, ratios, res.cost)
+
+
+def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
+         progress: Callable[[SearchProgress], None] | None = None, *, optimizer: str = "adam",
+         beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6) -> Plan:
+    """Plan `model` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found."""
+    graph, cluster = _coerce(model, cluster)
+    start = time.perf_counter()
+    check_total_memory(graph, cluster, optimizer)
+    seeds = [c for c in (_baseline_candidate(graph, cluster, r, optimizer)
+                         for r in (proportional_ratios(cluster), even_ratios(cluster))) if c is not None]
+    best = min(seeds, key=lambda c: c.cost, default=None)
+    history: list[dict[str, Any]] = []
+    stats = {"expanded": 0, "generated": 0, "optimal": True, "iterations": 0}
+    ratios, incumbent, seen = proportional_ratios(cluster), (seeds[0].program if seeds else None), set()
+    for it in range(max_iterations):
+        left = None if time_budget_s is None else max(0.05, time_budget_s - (time.perf_counter() - start))
+        cm = CostModel(graph, cluster, ratios, optimizer)
+        report = None if progress is None else (lambda p, it=it: progress(_tag(p, it)))
+        res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=beam_width, incumbent=incumbent)
+        _accumulate(stats, res)
+        history.append({"iteration": it, "step": "Q", "predicted_time_s": res.cost, "ratios": ratios})
+        best = _better(best, Candidate(res.program, ratios, res.cost))
+        key = tuple(res.program)
+        if key in seen:
+            break
+        seen.add(key)
+        try:
+            bal = balance(res.program, graph, cluster, optimizer=optimizer)
+        except InfeasibleError:
+            break  # this program cannot fit under any ratios; keep the best found
+        cost = evaluate_program(res.program, CostModel(graph, cluster, bal.ratios, optimizer)).total_s
+        history.append({"iteration": it, "step": "B", "predicted_time_s": cost, "ratios": bal.ratios})
+        best = _better(best, Candidate(res.program, bal.ratios, cost))
+        ratios, incumbent = bal.ratios, res.program
+    if best is None:
+        raise InfeasibleError(_oom_message(graph, cluster, optimizer))
+    stats["elapsed_s"] = time.perf_counter() - start
+    return _make_plan("hap", graph, cluster, best, optimizer, history, stats)
+
+
+def _tag(p: SearchProgress, iteration: int) -> SearchProgress:
+    p.iteration = iteration
+    return p
+
+
+def _accumulate(stats: dict[str, Any], res) -> None:
+    stats["expanded"] += res.expanded
+    stats["generated"] += res.generated
+    stats["optimal"] = stats["optimal"] and res.optimal
+    stats["iterations"] += 1
+    stats.setdefault("frontier", []).extend(
+        {"expanded": p.expanded, "queue_size": p.queue_size, "best_cost": p.best_cost,
+         "lowest_open_score": p.lowest_open_score, "elapsed_s": p.elapsed_s} for p in res.frontier)
+
+
+def _better(a: Candidate | None, b: Candidate) -> Candidate:
+    return b if a is None or b.cost < a.cost * (1 - 1e-12) else a
+
+
+def _make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str,
+               history: list[dict[str, Any]], stats: dict[str, Any]) -> Plan:
+    cm = CostModel(graph, cluster, cand.ratios, optimizer)
+    b = evaluate_program(cand.program, cm)
+    sizes = {f"{graph[t].name}:{d}": s for (t, d), s in shard_sizes(cand.program, graph, cand.ratios).items()}
+    return Plan(strategy=strategy, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
+                device_names=[d.name for d in cluster.devices], program=cand.program, ratios={"0": list(cand.ratios)},
+                shard_sizes=sizes, predicted_time_s=b.total_s, stages=stage_records(b, graph),
+                memory_bytes=b.memory_bytes, history=history, search={**stats, "optimizer": optimizer})
+
+
+def check_total_memory(graph: Graph, cluster: Cluster, optimizer: str) -> None:
+    """Fail fast when even a perfect split of all state and activations cannot fit the cluster."""
+    from .cost import STATE_BYTES_PER_PARAM_BYTE
+
+    state = sum(n.nbytes for n in graph.parameters) * STATE_BYTES_PER_PARAM_BYTE[optimizer]
+    capacity = sum(d.memory_bytes_per_gpu * d.num_gpus for d in cluster.devices)
+    if state > capacity:
+        raise InfeasibleError(f"out of memory: the model's parameters, gradients and {optimizer} state need "
+                              f"{state / GIB:.1f} GiB but the whole cluster has {capacity / GIB:.1f} GiB; "
+                              "add devices or shrink the model")
+
+
+def _oom_message(graph: Graph, cluster: Cluster, optimizer: str) -> str:
+    """No program fits: report the device that overflows most under the data-parallel program."""
+    ratios = proportional_ratios(cluster)
+    cm = CostModel(graph, cluster, ratios, optimizer)
+    unlimited = Cluster.from_dict({**cluster.to_dict(), "devices": [
+        {**d.to_dict(), "memory_bytes_per_gpu": 2**62} for d in cluster.devices]})
+    res = synthesize(graph, CostModel(graph, unlimited, ratios, optimizer), beam_width=DEFAULT_BEAM_WIDTH)
+    mem = evaluate_program(res.program, cm).memory_bytes
+    j = max(range(len(mem)), key=lambda i: mem[i] - cluster.devices[i].memory_bytes_per_gpu)
+    cap = cluster.devices[j].memory_bytes_per_gpu
+    return (f"out of memory: no program fits; the fastest needs {mem[j] / GIB:.1f} GiB on device "
+            f"'{cluster.devices[j].name}' which has {cap / GIB:.1f} GiB ({(mem[j] - cap) / GIB:.1f} GiB over); "
+            "use more or larger devices, a smaller batch, or optimizer='sgd'")
