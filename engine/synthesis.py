@@ -201,6 +201,7 @@ class _Search:
         self.frontier: list[SearchProgress] = []
         self.width_used = [0] * (len(self.prep.order) + 1)
         self.debt_cache: dict[tuple, float] = {}
+        self.ways_cache: dict[tuple, list[tuple]] = {}
         self.slice_ok = "slice" in self.prep.collectives
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
 
@@ -360,11 +361,11 @@ class _Search:
             self.progress(p)
 
     def _program(self, s: _State | None) -> tuple[Instruction, ...]:
-        steps: list[tuple[Instruction, ...]] = []
+        steps: list[tuple[tuple, ...]] = []
         while s is not None:
             steps.append(s.step)
             s = s.parent
-        return tuple(ins for step in reversed(steps) for ins in step)
+        return tuple(Instruction(*ins) for step in reversed(steps) for ins in step)
 
     # --- successors ----------------------------------------------------------------------
     def _children(self, s: _State) -> Iterator[_State]:
@@ -403,10 +404,16 @@ class _Search:
         return self._comm_ways(props, t, f)
 
     def _comm_ways(self, props: frozenset, t: int, f: int) -> list[tuple]:
+        present = tuple(src for src in range(-2, self.graph[t].rank) if code(t, src) in props)
+        key = (t, f, present)
+        ways = self.ways_cache.get(key)
+        if ways is None:
+            ways = self.ways_cache[key] = self._comm_ways_from(t, f, present)
+        return ways
+
+    def _comm_ways_from(self, t: int, f: int, present: tuple[int, ...]) -> list[tuple]:
         best: dict[int, tuple[float, tuple]] = {}
-        for src in range(-2, self.graph[t].rank):
-            if code(t, src) not in props:
-                continue
+        for src in present:
             for coll, g in collectives_from(src, self.graph[t].shape):
                 if not coll.is_communication or coll.key not in self.prep.collectives:
                     continue
@@ -450,7 +457,7 @@ class _Search:
         cm, graph = self.cm, self.graph
         closed, facc, bacc, mem = s.closed, s.facc, s.bacc, s.mem
         props = set(s.props)
-        step: list[Instruction] = []
+        step: list[tuple] = []  # instructions as plain tuples; built into Instructions only for the result
         for t, src, key, g in comms:
             closed += cm.stage_time(facc) + cm.comm_time(key, t)
             facc = ZERO
@@ -461,7 +468,7 @@ class _Search:
             props.add(code(t, _COMMUNICATED))
             if g == FULL and self.slice_ok:  # Full subsumes every shard: a slice is free
                 props.difference_update(code(t, d) for d in range(graph[t].rank))
-            step.append(Instruction(COMM, t, key, ((t, src),), g))
+            step.append((COMM, t, key, ((t, src),), g))
         for t, f in loads.items():
             sync, m = cm.load_delta(t, f)
             mem = add(mem, m)
@@ -470,11 +477,11 @@ class _Search:
                 bacc = ZERO
             bacc = add(bacc, sync)
             props.add(code(t, f))
-            step.append(Instruction(LOAD, t, graph[t].op, (), f))
-        step.extend(Instruction(COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
+            step.append((LOAD, t, graph[t].op, (), f))
+        step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
         df, db, dm = cm.compute_delta(nid, r.sharded)
         facc, bacc, mem = add(facc, df), add(bacc, db), add(mem, dm)
-        step.append(Instruction(COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
+        step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
         props.add(code(nid, r.output))
         for t in self.prep.dead_after[s.p]:
             props.difference_update(self.prep.codes[t])
