@@ -74,7 +74,10 @@ def _report(plan, baselines: dict[str, Any], cluster) -> str:
     rows = [["strategy", "predicted iteration", "speed-up of hap"]]
     rows.append(["hap", f"{plan.predicted_time_s * 1e3:.2f} ms", ""])
     for name, b in baselines.items():
-        rows.append([name, f"{b.predicted_time_s * 1e3:.2f} ms", f"{b.predicted_time_s / plan.predicted_time_s:.2f}x"])
+        if b is None:
+            rows.append([name, "does not fit in memory", ""])
+        else:
+            rows.append([name, f"{b.predicted_time_s * 1e3:.2f} ms", f"{b.predicted_time_s / plan.predicted_time_s:.2f}x"])
     lines += [_table(rows), ""]
     dev = [["device", "gpu", "ratio", "memory / GPU", "capacity"]]
     for first, last, cells in _device_runs(plan, cluster):
@@ -87,8 +90,18 @@ def _report(plan, baselines: dict[str, Any], cluster) -> str:
     return "\n".join(lines)
 
 
+def _baseline(graph, cluster, name: str, optimizer: str):
+    """A baseline plan, or None when it does not fit in memory (HAP plans may still fit)."""
+    from . import InfeasibleError, evaluate
+
+    try:
+        return evaluate(graph, cluster, name, optimizer=optimizer)
+    except InfeasibleError:
+        return None
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
-    from . import evaluate, load_cluster, plan
+    from . import load_cluster, plan
 
     graph = _load_graph(args)
     cluster = load_cluster(args.cluster)
@@ -100,7 +113,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(result.to_json())
         return 0
-    baselines = {name: evaluate(graph, cluster, name, optimizer=args.optimizer) for name in ("dp-even", "dp-proportional")}
+    baselines = {name: _baseline(graph, cluster, name, args.optimizer) for name in ("dp-even", "dp-proportional")}
     print(_report(result, baselines, cluster))
     if args.out:
         print(f"\nplan written to {args.out}")

@@ -64,7 +64,10 @@ def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam"
         raise PlanError(f"unknown strategy '{strategy}' (choose one of: {', '.join(BASELINES)})")
     ratios = even_ratios(cluster) if strategy == "dp-even" else proportional_ratios(cluster)
     cm = CostModel(graph, cluster, ratios, optimizer)
-    res = synthesize(graph, cm, space=data_parallel_space(graph))
+    try:
+        res = synthesize(graph, cm, space=data_parallel_space(graph))
+    except InfeasibleError:
+        raise InfeasibleError(_oom_message(graph, cluster, optimizer, data_parallel_space(graph), strategy)) from None
     return _make_plan(strategy, graph, cluster, Candidate(res.program, ratios, res.cost), optimizer, [],
                       {"expanded": res.expanded, "elapsed_s": res.elapsed_s})
 
@@ -159,16 +162,17 @@ def check_total_memory(graph: Graph, cluster: Cluster, optimizer: str) -> None:
                               "add devices or shrink the model")
 
 
-def _oom_message(graph: Graph, cluster: Cluster, optimizer: str) -> str:
-    """No program fits: report the device that overflows most under the data-parallel program."""
+def _oom_message(graph: Graph, cluster: Cluster, optimizer: str, space: SearchSpace | None = None,
+                 what: str = "no program fits; the fastest") -> str:
+    """Nothing fits: plan as if memory were unlimited and name the device that overflows most."""
     ratios = proportional_ratios(cluster)
     cm = CostModel(graph, cluster, ratios, optimizer)
     unlimited = Cluster.from_dict({**cluster.to_dict(), "devices": [
         {**d.to_dict(), "memory_bytes_per_gpu": 2**62} for d in cluster.devices]})
-    res = synthesize(graph, CostModel(graph, unlimited, ratios, optimizer), beam_width=DEFAULT_BEAM_WIDTH)
+    res = synthesize(graph, CostModel(graph, unlimited, ratios, optimizer), space=space, beam_width=DEFAULT_BEAM_WIDTH)
     mem = evaluate_program(res.program, cm).memory_bytes
     j = max(range(len(mem)), key=lambda i: mem[i] - cluster.devices[i].memory_bytes_per_gpu)
     cap = cluster.devices[j].memory_bytes_per_gpu
-    return (f"out of memory: no program fits; the fastest needs {mem[j] / GIB:.1f} GiB on device "
+    return (f"out of memory: {what} needs {mem[j] / GIB:.1f} GiB on device "
             f"'{cluster.devices[j].name}' which has {cap / GIB:.1f} GiB ({(mem[j] - cap) / GIB:.1f} GiB over); "
             "use more or larger devices, a smaller batch, or optimizer='sgd'")

@@ -18,17 +18,10 @@ from .core import FULL, PARTIAL, Form, OpRule, form_str
 
 
 def split_sizes(total: int, ratios: Sequence[float]) -> list[int]:
-    """Integer sizes proportional to `ratios` that sum exactly to `total` (HAP §5.1 rounding)."""
-    s = sum(ratios)
-    exact = [total * r / s for r in ratios]
-    sizes = [round(x) for x in exact]
-    while sum(sizes) > total:  # take one back where rounding overshot the most
-        j = max((i for i in range(len(sizes)) if sizes[i] > 0), key=lambda i: (sizes[i] - exact[i], -i))
-        sizes[j] -= 1
-    while sum(sizes) < total:  # give one where rounding undershot the most
-        j = max(range(len(sizes)), key=lambda i: (exact[i] - sizes[i], -i))
-        sizes[j] += 1
-    return sizes
+    """The plan's rounding (HAP §5.1), imported lazily: the plan module depends on the theory."""
+    from ..plan import split_sizes as plan_split
+
+    return plan_split(total, list(ratios))
 
 
 @dataclass

@@ -1,0 +1,214 @@
+"""Planning time of HAP on GPT models of growing depth (HAP §7.8, Fig. 19).
+
+Planning time is the wall time of `engine.plan(graph, cluster)`: the whole Q<->B loop (A* search,
+LP, baselines seeded as incumbents), with model capture excluded. Each case runs in a fresh
+subprocess that captures the graph first and then times `plan()`, so capture is never timed and
+the peak RSS (`ru_maxrss`) belongs to that case alone.
+
+Cases: `zoo:gpt` (hidden 768, heads 12, ffn 3072, seq_len 128, batch 64) at 6, 12, 24 and 48
+layers on `sample_clusters/hap_paper_testbed_machines.json` (8 virtual devices: 2 V100 machines,
+6 P100 machines), and at 12 layers on `sample_clusters/hap_paper_testbed.json` (64 GPUs).
+
+Run from the repository root:
+
+    PYTHONPATH=. python bench/synthesis.py               # all cases (a few minutes)
+    PYTHONPATH=. python bench/synthesis.py --quick       # 6 and 12 layers only
+    PYTHONPATH=. python bench/synthesis.py --layers 6,12,24
+    make bench                                           # the same, inside .venv
+
+It prints a table, the growth with depth and PASS/MISS against the targets, and writes the same
+figures to `bench/results/synthesis.json`. It reports; it never asserts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "synthesis.json"
+MACHINES = "sample_clusters/hap_paper_testbed_machines.json"
+TESTBED_64 = "sample_clusters/hap_paper_testbed.json"
+GPT = {"hidden": 768, "heads": 12, "ffn": 3072, "seq_len": 128, "batch": 64}
+DEFAULT_LAYERS = (6, 12, 24, 48)
+QUICK_LAYERS = (6, 12)
+
+TIME_TARGETS_S = {24: 5.0, 48: 10.0}
+"""The issue's targets for planning time on a 2-core machine."""
+RUST_S = {24: 4.7, 48: 21.0}
+"""The authors' Rust implementation (HAP Fig. 19, read off the plot): about quadratic in depth."""
+
+
+# --- worker: one case, in its own process ------------------------------------------------------
+def _rss_mib() -> float:
+    """Peak resident set size of this process (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def measure(case: dict) -> dict:
+    """Capture the model, then time `engine.plan`; dp-even is evaluated after the timing."""
+    sys.path.insert(0, str(ROOT))
+    import engine
+
+    graph = engine.load_model("zoo:gpt", layers=case["layers"], **GPT)
+    cluster = engine.load_cluster(ROOT / case["cluster"])
+    rss_captured = _rss_mib()
+    start = time.perf_counter()
+    plan = engine.plan(graph, cluster)
+    elapsed = time.perf_counter() - start
+    rss_peak = _rss_mib()
+    dp_even = engine.evaluate(graph, cluster, "dp-even")
+    return {**case, "devices": cluster.num_devices, "nodes": len(graph), "planning_time_s": elapsed,
+            "expanded": plan.search["expanded"], "iterations": plan.search["iterations"],
+            "optimal": bool(plan.search["optimal"]), "predicted_time_s": plan.predicted_time_s,
+            "dp_even_time_s": dp_even.predicted_time_s,
+            "speedup_over_dp_even": dp_even.predicted_time_s / plan.predicted_time_s,
+            "peak_rss_mib": rss_peak, "rss_after_capture_mib": rss_captured}
+
+
+def _run_case(case: dict, timeout_s: float) -> dict:
+    """Run `measure(case)` in a fresh interpreter; a failure becomes an `error` entry, never an exception."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(case)]
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {**case, "error": f"timed out after {timeout_s:.0f} s"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return {**case, "error": f"exit {done.returncode}: {tail}"}
+    return json.loads(lines[-1])
+
+
+# --- analysis ----------------------------------------------------------------------------------
+def _slope(points: list[tuple[float, float]]) -> float | None:
+    """Least-squares slope of log(time) against log(layers): time ~ layers^slope."""
+    if len(points) < 2:
+        return None
+    xs = [math.log(x) for x, _ in points]
+    ys = [math.log(y) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return None if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
+
+
+def growth(results: list[dict]) -> dict:
+    """Time ratios 24/12 and 48/24 and the fitted exponent over the 8-device cases."""
+    t = {r["layers"]: r["planning_time_s"] for r in results if r["cluster"] == MACHINES and "error" not in r}
+    ratio = lambda a, b: t[a] / t[b] if a in t and b in t else None  # noqa: E731
+    return {"ratio_24_12": ratio(24, 12), "ratio_48_24": ratio(48, 24),
+            "exponent": _slope(sorted(t.items())),
+            "rust_exponent": math.log(RUST_S[48] / RUST_S[24]) / math.log(48 / 24)}
+
+
+def targets(results: list[dict], g: dict) -> list[dict]:
+    """PASS/MISS per target; `not run` when the case is missing or failed."""
+    t = {r["layers"]: r["planning_time_s"] for r in results if r["cluster"] == MACHINES and "error" not in r}
+    out = []
+    for layers, limit in TIME_TARGETS_S.items():
+        out.append(_verdict(f"{layers} layers <= {limit:g} s (issue target, 2-core machine)", t.get(layers), limit))
+    for layers, rust in RUST_S.items():
+        out.append(_verdict(f"{layers} layers <= authors' Rust (~{rust:g} s)", t.get(layers), rust))
+    out.append(_verdict("growth exponent <= Rust's (~2, quadratic)", g["exponent"], 2.0))
+    return out
+
+
+def _verdict(name: str, value: float | None, limit: float) -> dict:
+    status = "not run" if value is None else ("PASS" if value <= limit else "MISS")
+    return {"target": name, "value": value, "limit": limit, "status": status}
+
+
+# --- report ------------------------------------------------------------------------------------
+HEADER = ["case", "devices", "nodes", "plan time (s)", "expanded", "Q<->B iters", "predicted iter (ms)",
+          "vs dp-even", "peak RSS (MiB)", "search"]
+
+
+def _row(r: dict) -> list[str]:
+    case = f"gpt-{r['layers']}L / {Path(r['cluster']).stem}"
+    if "error" in r:
+        return [case, "", "", "failed: " + r["error"]] + [""] * (len(HEADER) - 4)
+    return [case, str(r["devices"]), str(r["nodes"]), f"{r['planning_time_s']:.2f}", str(r["expanded"]),
+            str(r["iterations"]), f"{r['predicted_time_s'] * 1e3:.1f}", f"{r['speedup_over_dp_even']:.2f}x",
+            f"{r['peak_rss_mib']:.0f}", "proven optimal" if r["optimal"] else "beam-limited"]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def report(results: list[dict], g: dict, verdicts: list[dict]) -> str:
+    lines = [_table([HEADER] + [_row(r) for r in results]), "",
+             f"growth (8 devices): time 24/12 = {_fmt(g['ratio_24_12'], '.2f')}, 48/24 = {_fmt(g['ratio_48_24'], '.2f')}, "
+             f"fitted exponent time ~ layers^{_fmt(g['exponent'], '.2f')} (authors' Rust 24->48: "
+             f"~layers^{g['rust_exponent']:.2f})", ""]
+    lines += [f"{v['status']:8} {v['target']}: {_fmt(v['value'], '.2f')}" for v in verdicts]
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import torch
+
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "machine": platform.machine(), "platform": platform.platform(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+# --- entry -------------------------------------------------------------------------------------
+def _cases(layers: list[int]) -> list[dict]:
+    """The 8-device depths, then the 64-device case (12 layers)."""
+    return [{"layers": n, "cluster": MACHINES} for n in layers] + [{"layers": 12, "cluster": TESTBED_64}]
+
+
+def _parse_layers(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers expects comma-separated integers, got '{text}'") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"--layers expects positive integers, got '{text}'")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=_parse_layers, default=list(DEFAULT_LAYERS), help="8-device depths, e.g. 6,12,24,48")
+    parser.add_argument("--quick", action="store_true", help="only 6 and 12 layers")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case before it is reported as failed")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(measure(json.loads(args.worker))))
+        return 0
+    layers = list(QUICK_LAYERS) if args.quick else args.layers
+    env = environment()
+    print(f"planning time, zoo:gpt {GPT}; {env['cpus']} CPUs, python {env['python']}, torch {env['torch']}", flush=True)
+    results = []
+    for case in _cases(layers):
+        print(f"  running gpt-{case['layers']}L on {Path(case['cluster']).stem} ...", flush=True)
+        results.append(_run_case(case, args.timeout))
+    g = growth(results)
+    verdicts = targets(results, g)
+    print()
+    print(report(results, g, verdicts))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"environment": env, "model": {"zoo": "gpt", **GPT}, "cases": results,
+                                   "growth": g, "targets": verdicts}, indent=1))
+    print(f"\nwritten to {RESULTS.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tests of engine.theory: every sharding rule checked numerically on simulated devices."""
