@@ -33,6 +33,7 @@ class _Builder:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self.ids: dict[str, int] = {}
+        self.multi: dict[str, list[int]] = {}
 
     def add(self, name: str, op: str, inputs: list[int], shape: tuple[int, ...], dtype: str,
             attrs: dict[str, Any] | None = None, flops: float = 0.0, segment: int = 0, source: str = "") -> int:
@@ -178,8 +179,15 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
     if fx.op != "call_function":
         raise _Unsupported(f"{fx.op} '{fx.target}'")
     if fx.target is operator.getitem:
-        raise _Unsupported("getitem (multi-output operator)")
+        parts = b.multi.get(getattr(fx.args[0], "name", ""))
+        if parts is None:
+            raise _Unsupported("getitem (multi-output operator)")
+        b.ids[fx.name] = parts[fx.args[1]]
+        return
     opname = fx.target._opname if hasattr(fx.target, "_opname") else str(fx.target)
+    if opname == "broadcast_tensors":
+        b.multi[fx.name] = _broadcast_aliases(fx, b)
+        return
     val = fx.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise _Unsupported(f"aten.{opname} (non-tensor output)")
@@ -188,6 +196,14 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
         raise _Unsupported(f"aten.{opname}")
     ctx = _Ctx(fx, b, seg, src, _shape(val), _dtype(val))
     b.ids[fx.name] = handler(ctx)
+
+
+def _broadcast_aliases(fx: torch.fx.Node, b: _Builder) -> list[int]:
+    """`broadcast_tensors` of equal shapes (as mse_loss emits) is a no-op: its outputs are its inputs."""
+    ids = [b.ids[a.name] for a in fx.args[0]]
+    if len({b.nodes[i].shape for i in ids}) != 1:
+        raise _Unsupported("aten.broadcast_tensors of different shapes")
+    return ids
 
 
 class _Ctx:

@@ -168,6 +168,8 @@ class Graph:
             raise ModelError(f"graph file '{p}' not found")
         try:
             d = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelError(f"graph file '{p}' cannot be read: {e.__class__.__name__}: {e}") from None
         except json.JSONDecodeError as e:
             raise ModelError(f"graph file '{p}' is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
         return Graph.from_dict(d)

@@ -67,7 +67,7 @@ def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam"
     try:
         res = synthesize(graph, cm, space=data_parallel_space(graph))
     except InfeasibleError:
-        raise InfeasibleError(_oom_message(graph, cluster, optimizer, data_parallel_space(graph), strategy)) from None
+        raise InfeasibleError(_oom_message(graph, cluster, optimizer, data_parallel_space(graph), strategy, ratios)) from None
     return _make_plan(strategy, graph, cluster, Candidate(res.program, ratios, res.cost), optimizer, [],
                       {"expanded": res.expanded, "elapsed_s": res.elapsed_s})
 
@@ -163,9 +163,9 @@ def check_total_memory(graph: Graph, cluster: Cluster, optimizer: str) -> None:
 
 
 def _oom_message(graph: Graph, cluster: Cluster, optimizer: str, space: SearchSpace | None = None,
-                 what: str = "no program fits; the fastest") -> str:
+                 what: str = "no program fits; the fastest", ratios: list[float] | None = None) -> str:
     """Nothing fits: plan as if memory were unlimited and name the device that overflows most."""
-    ratios = proportional_ratios(cluster)
+    ratios = ratios or proportional_ratios(cluster)
     cm = CostModel(graph, cluster, ratios, optimizer)
     unlimited = Cluster.from_dict({**cluster.to_dict(), "devices": [
         {**d.to_dict(), "memory_bytes_per_gpu": 2**62} for d in cluster.devices]})

@@ -17,7 +17,7 @@ _LINEAR_UNARY = {"neg", "identity"}
 @rule("relu", "gelu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity", "dropout")
 def unary_rules(node: Node, graph: Graph) -> list[OpRule]:
     rules = [replicate(node)] + [OpRule("shard", (d,), d) for d in range(node.rank)]
-    if node.op in _LINEAR_UNARY:
+    if node.op in _LINEAR_UNARY and "dtype" not in node.attrs:  # a cast is not linear (it rounds)
         rules.append(OpRule("partial", (PARTIAL,), PARTIAL))
     return rules
 

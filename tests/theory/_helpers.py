@@ -6,6 +6,7 @@ Leaves of a float dtype get float64 random data in the checker, leaves of an int
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Sequence
 
 import torch
@@ -17,7 +18,8 @@ from engine.ops import run_node
 from engine.theory import FULL, PARTIAL, OpRule, op_rules
 from engine.theory.check import CheckResult, check_rule
 
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# HAP_TEST_EXAMPLES=500 for a deeper (slower) search; 25 keeps the suite fast
+SETTINGS = settings(max_examples=int(os.environ.get("HAP_TEST_EXAMPLES", "25")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 dim_size = st.integers(1, 6)
 ratios_st = st.lists(st.floats(0.05, 1.0, allow_nan=False, allow_infinity=False), min_size=2, max_size=4)

@@ -1,0 +1,366 @@
+"""Tests of engine.capture / engine.graph: zoo capture, the graph IR, JSON round trips, error messages."""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import resource
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import engine
+from engine.errors import ModelError, UnsupportedOpError
+from engine.graph import Graph, Node
+from engine.zoo import ZOO, entry, make_config
+
+GPT_SMALL = dict(layers=3, hidden=32, heads=4, ffn=64, vocab=50, seq_len=8, batch=4)
+MLP_SMALL = dict(layers=3, in_features=8, hidden=16, classes=5, batch=6)
+
+
+@functools.cache
+def gpt() -> Graph:
+    return engine.load_model("zoo:gpt", **GPT_SMALL)
+
+
+@functools.cache
+def mlp() -> Graph:
+    return engine.load_model("zoo:mlp", **MLP_SMALL)
+
+
+def meta_param_count(name: str, **knobs) -> int:
+    cfg = make_config(name, **knobs)
+    with torch.device("meta"):
+        module = entry(name).build(cfg)
+    return sum(p.numel() for p in module.parameters())
+
+
+def _module_path(n: Node) -> str:
+    return n.source.split(" ", 1)[0]
+
+
+# --- zoo capture ------------------------------------------------------------------------------
+
+
+def test_gpt_histogram() -> None:
+    g, L = gpt(), GPT_SMALL["layers"]
+    hist = g.op_histogram()
+    assert hist["sdpa"] == L
+    assert hist["layer_norm"] == 2 * L + 1
+    assert hist["linear"] == 6 * L + 1  # q, k, v, proj, fc, fc_proj per block + the LM head
+    assert hist["gelu"] == L and hist["embedding"] == 1 and hist["cross_entropy"] == 1
+    assert hist["placeholder"] == 2
+    loss = g[g.loss]
+    assert loss.op == "cross_entropy" and loss.shape == () and g.loss == len(g) - 1
+    assert loss.attrs["count"] == GPT_SMALL["batch"] * GPT_SMALL["seq_len"]
+    assert [p.dtype for p in g.placeholders] == ["int64", "int64"]
+    assert [p.shape for p in g.placeholders] == [(4, 8), (4, 8)]
+    assert g.origin == {"zoo": "gpt", "config": {**dataclass_defaults("gpt"), **GPT_SMALL}}
+
+
+def dataclass_defaults(name: str) -> dict:
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(ZOO[name].config_cls)}
+
+
+def test_mlp_histogram() -> None:
+    g, L = mlp(), MLP_SMALL["layers"]
+    hist = g.op_histogram()
+    assert hist["linear"] == L + 1 and hist["relu"] == L and hist["add"] == L + 1  # biases are separate adds
+    assert hist["cross_entropy"] == 1 and g[g.loss].op == "cross_entropy" and g[g.loss].shape == ()
+    assert hist["parameter"] == 2 * (L + 1)
+
+
+@pytest.mark.parametrize("name,knobs", [("gpt", GPT_SMALL), ("gpt", {**GPT_SMALL, "tie_weights": True}), ("mlp", MLP_SMALL)])
+def test_parameter_count_matches_the_module(name: str, knobs: dict) -> None:
+    g = engine.load_model(f"zoo:{name}", **knobs)
+    assert g.num_parameters == meta_param_count(name, **knobs)
+    assert all(p.dtype == "float32" for p in g.parameters)
+    assert len({p.attrs["target"] for p in g.parameters}) == len(g.parameters)
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_linear_flops(model: str) -> None:
+    g = gpt() if model == "gpt" else mlp()
+    linears = [n for n in g.nodes if n.op == "linear"]
+    assert linears
+    for n in linears:
+        x, w = g[n.inputs[0]], g[n.inputs[1]]
+        tokens = math.prod(x.shape[:-1])
+        out_f, in_f = w.shape
+        assert x.shape[-1] == in_f and n.shape == x.shape[:-1] + (out_f,)
+        assert n.flops == 2 * tokens * in_f * out_f, n.name
+    assert g.flops == sum(n.flops for n in g.nodes) > 0
+
+
+def test_gpt_segments_follow_blocks() -> None:
+    g, L = gpt(), GPT_SMALL["layers"]
+    assert g.num_segments == L
+    seen = set()
+    for n in g.nodes:
+        where = n.attrs.get("target", "") if n.op == "parameter" else _module_path(n)
+        m = re.match(r"blocks\.(\d+)\.", where + ".")
+        if m:
+            assert n.segment == int(m.group(1)), f"{n.name} ({where}) has segment {n.segment}"
+            seen.add(int(m.group(1)))
+    assert seen == set(range(L))
+    # sdpa i belongs to block i
+    assert [n.segment for n in g.nodes if n.op == "sdpa"] == list(range(L))
+
+
+def test_mlp_segments_follow_layers() -> None:
+    g = mlp()
+    for n in g.nodes:
+        if n.op == "parameter" and n.attrs["target"].startswith("layers."):
+            assert n.segment == int(n.attrs["target"].split(".")[1])
+        elif n.op == "linear" and _module_path(n).startswith("layers."):
+            assert n.segment == int(_module_path(n).split(".")[1])
+
+
+def test_sources_name_the_module_and_file() -> None:
+    g = gpt()
+    q = next(n for n in g.nodes if n.op == "linear")
+    assert q.source.startswith("blocks.0.attn.q ") and "gpt.py" in q.source and "line" in q.source
+
+
+# --- graph JSON -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model", ["gpt", "mlp"])
+def test_graph_json_round_trip(model: str, tmp_path: Path) -> None:
+    g = gpt() if model == "gpt" else mlp()
+    path = tmp_path / "g.json"
+    g.save(path)
+    back = Graph.load(path)
+    assert back.to_dict() == g.to_dict()
+    assert back == g
+    assert back.fingerprint() == g.fingerprint()
+    assert engine.load_model(str(path)).to_dict() == g.to_dict()
+    assert Graph.from_dict(json.loads(g.to_json())).to_dict() == g.to_dict()
+
+
+def test_fingerprint_is_stable_and_ignores_names() -> None:
+    again = engine.load_model("zoo:gpt", **GPT_SMALL)
+    assert again.fingerprint() == gpt().fingerprint()
+    renamed = Graph(nodes=tuple(Node(**{**n.__dict__, "name": n.name + "_x", "source": ""}) for n in again.nodes),
+                    loss=again.loss, name="other", origin={})
+    assert renamed.fingerprint() == gpt().fingerprint()
+    assert engine.load_model("zoo:gpt", **{**GPT_SMALL, "ffn": 96}).fingerprint() != gpt().fingerprint()
+
+
+def test_graph_load_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelError) as e:
+        Graph.load(tmp_path / "nope.json")
+    assert "not found" in str(e.value) and "nope.json" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("text", ['{"kind": "hap.graph",\n oops}', "", "[1, 2", "not json at all"])
+def test_graph_load_malformed_json(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    with pytest.raises(ModelError) as e:
+        Graph.load(path)
+    msg = str(e.value)
+    assert "bad.json" in msg and "not valid JSON" in msg and "\n" not in msg
+
+
+def test_graph_load_non_utf8_file(tmp_path: Path) -> None:
+    """A binary file given as a graph is malformed JSON too: a one-line ModelError, not UnicodeDecodeError."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"\xff\xfe\x00\x80 not text")
+    with pytest.raises(ModelError) as e:
+        Graph.load(path)
+    assert "weights.bin" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_graph_load_directory(tmp_path: Path) -> None:
+    """A directory where a graph file is expected: a one-line ModelError, not IsADirectoryError."""
+    with pytest.raises(ModelError) as e:
+        Graph.load(tmp_path)
+    assert str(tmp_path) in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("doc,needle", [
+    ([1, 2], "kind"),
+    ({"kind": "hap.graph", "schema_version": 99, "nodes": [], "loss": 0}, "schema_version"),
+    ({"kind": "hap.graph", "schema_version": 1, "nodes": [{"id": 0}], "loss": 0}, "malformed"),
+    ({"kind": "hap.graph", "schema_version": 1, "nodes": None, "loss": 0}, "malformed"),
+    ({"kind": "hap.graph", "schema_version": 1, "nodes": [], "loss": 0}, "loss"),
+    ({"kind": "hap.graph", "schema_version": 1, "loss": 0,
+      "nodes": [{"id": 0, "name": "x", "op": "placeholder", "inputs": [], "shape": [2]}]}, "scalar"),
+    ({"kind": "hap.graph", "schema_version": 1, "loss": 0,
+      "nodes": [{"id": 0, "name": "x", "op": "relu", "inputs": [0], "shape": []}]}, "malformed"),
+])
+def test_graph_from_dict_rejects_bad_documents(tmp_path: Path, doc, needle: str) -> None:
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ModelError) as e:
+        Graph.load(path)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# --- custom modules ---------------------------------------------------------------------------
+
+
+class TwoLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.fc2(torch.tanh(self.fc1(x))), y)
+
+
+def _check_two_layer(g: Graph) -> None:
+    assert g.num_parameters == sum(p.numel() for p in TwoLayer().parameters())
+    assert {p.name for p in g.placeholders} == {"x", "y"}
+    hist = g.op_histogram()
+    assert hist["linear"] == 2 and hist["add"] == 1 and hist["tanh"] == 1 and hist["cross_entropy"] == 1
+    assert g[g.loss].op == "cross_entropy" and g[g.loss].attrs["count"] == 5
+    assert g.name == "TwoLayer" and g.origin == {"module": "TwoLayer"}
+    assert engine.theory.missing_rules(g) == []
+
+
+def test_load_module_with_positional_inputs() -> None:
+    g = engine.load_model(TwoLayer(), (torch.randn(5, 6), torch.randint(0, 3, (5,))))
+    _check_two_layer(g)
+    x, y = sorted(g.placeholders, key=lambda n: n.attrs["index"])
+    assert (x.name, x.shape, x.dtype) == ("x", (5, 6), "float32") and (y.name, y.shape, y.dtype) == ("y", (5,), "int64")
+
+
+def test_load_module_with_keyword_inputs() -> None:
+    g = engine.load_model(TwoLayer(), {"y": torch.randint(0, 3, (5,)), "x": torch.randn(5, 6)})
+    _check_two_layer(g)
+    shapes = {p.name: p.shape for p in g.placeholders}
+    assert shapes == {"x": (5, 6), "y": (5,)}
+
+
+def test_load_module_on_meta_inputs() -> None:
+    with torch.device("meta"):
+        module = TwoLayer()
+    g = engine.load_model(module, (torch.randn(5, 6, device="meta"), torch.zeros(5, dtype=torch.long, device="meta")))
+    _check_two_layer(g)
+
+
+class MSEModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.fc(x), y)
+
+
+def test_load_module_with_mse_loss() -> None:
+    """F.mse_loss (and nn.MSELoss) is the canonical regression loss and has rules (`mse_loss`)."""
+    g = engine.load_model(MSEModel(), (torch.randn(5, 4), torch.randn(5, 3)))
+    loss = g[g.loss]
+    assert loss.op == "mse_loss" and loss.shape == () and loss.attrs["count"] == 15
+
+
+class CumsumInner(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cumsum(x, dim=1)
+
+
+class CumsumModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scan = CumsumInner()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.scan(self.fc(x)).sum()
+
+
+def test_unsupported_op_names_op_node_and_location() -> None:
+    with pytest.raises(UnsupportedOpError) as e:
+        engine.load_model(CumsumModel(), (torch.randn(2, 4),))
+    msg = str(e.value)
+    assert isinstance(e.value, ModelError)
+    assert "aten.cumsum" in msg
+    assert "'cumsum'" in msg  # the node
+    assert "scan" in msg  # the module path
+    assert "test_capture.py" in msg and "line" in msg  # the source location
+    assert "\n" not in msg
+
+
+class NotScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_module_must_return_a_scalar_loss() -> None:
+    with pytest.raises(ModelError, match="scalar training loss"):
+        engine.load_model(NotScalar(), (torch.randn(3, 4),))
+
+
+def test_load_model_argument_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="example_inputs"):
+        engine.load_model(TwoLayer())
+    with pytest.raises(ModelError, match="expected"):
+        engine.load_model(42)
+    path = tmp_path / "g.json"
+    mlp().save(path)
+    with pytest.raises(ModelError, match="zoo"):
+        engine.load_model(str(path), layers=2)
+    assert engine.load_model(mlp()) is mlp()
+
+
+# --- zoo knobs --------------------------------------------------------------------------------
+
+
+def test_unknown_zoo_name_hints() -> None:
+    with pytest.raises(ModelError) as e:
+        engine.load_model("zoo:gtp")
+    assert "'gtp'" in str(e.value) and "did you mean 'gpt'" in str(e.value)
+    with pytest.raises(ModelError) as e:
+        engine.load_model("zoo:resnet")
+    assert "available: gpt, mlp" in str(e.value)
+
+
+def test_unknown_knob_hints() -> None:
+    with pytest.raises(ModelError) as e:
+        engine.load_model("zoo:gpt", layer=2)
+    assert "'layer'" in str(e.value) and "did you mean 'layers'" in str(e.value)
+    with pytest.raises(ModelError) as e:
+        engine.load_model("zoo:mlp", hiden=8)
+    assert "did you mean 'hidden'" in str(e.value)
+
+
+@pytest.mark.parametrize("knobs,needle", [
+    ({"layers": "abc"}, "layers"), ({"layers": 0}, "positive"), ({"layers": -2}, "positive"), ({"layers": 2.5}, "layers"),
+    ({"hidden": 30, "heads": 4}, "multiple of heads"), ({"tie_weights": "maybe"}, "tie_weights"),
+])
+def test_bad_knob_values(knobs: dict, needle: str) -> None:
+    with pytest.raises(ModelError) as e:
+        engine.load_model("zoo:gpt", **knobs)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_knobs_from_strings() -> None:
+    g = engine.load_model("zoo:mlp", layers="2", in_features="8", hidden="16", classes="5", batch="6")
+    assert g.to_dict() == engine.load_model("zoo:mlp", layers=2, in_features=8, hidden=16, classes=5, batch=6).to_dict()
+
+
+# --- large models capture without allocating ------------------------------------------------------
+
+
+def test_large_gpt_captures_on_meta() -> None:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    g = engine.load_model("zoo:gpt", layers=4, hidden=4096, heads=32, ffn=16384, vocab=50304)
+    grown_gib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 2**20
+    assert g.num_parameters > 8e8
+    assert g.num_parameters == meta_param_count("gpt", layers=4, hidden=4096, heads=32, ffn=16384, vocab=50304)
+    assert grown_gib < 1.0, f"capture grew the process by {grown_gib:.1f} GiB: weights were allocated"
+    assert g.op_histogram()["sdpa"] == 4

@@ -1,0 +1,138 @@
+"""Coverage of the theory: every captured op has rules, every registered op runs, every zoo rule holds."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import engine
+from engine import capture as capture_mod
+from engine.graph import Graph
+from engine.ops import run_node
+from engine.theory import missing_rules, op_rules
+from engine.theory.check import check_node, describe
+from engine.theory.core import registered_ops
+
+from ._helpers import UNEVEN, one_op
+
+GPT_SMALL = dict(layers=2, hidden=32, heads=4, ffn=64, vocab=50, seq_len=8, batch=4)
+MLP_SMALL = dict(layers=2, in_features=8, hidden=16, classes=5, batch=6)
+
+
+@functools.cache
+def gpt_small() -> Graph:
+    return engine.load_model("zoo:gpt", **GPT_SMALL)
+
+
+@functools.cache
+def mlp_small() -> Graph:
+    return engine.load_model("zoo:mlp", **MLP_SMALL)
+
+
+class Kitchen(nn.Module):
+    """Many canonical ops in one small model: scalar ops, rsub, batched matmul, softmaxes, reductions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.w = nn.Parameter(torch.randn(6, 6))
+        self.ln = nn.LayerNorm(6, elementwise_affine=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.lin(x)) * torch.sigmoid(x) - nn.functional.silu(x) / 2.0
+        h = 1.0 - h
+        a = torch.softmax(h @ h.transpose(-1, -2), dim=-1) @ h
+        a = torch.log_softmax(a, dim=1) + torch.exp(-a)
+        a = self.ln(a @ self.w).permute(1, 0, 2).reshape(5, 24)
+        s = a.sum(dim=-1, keepdim=True) + a.mean(dim=0)
+        return ((s - y) * (s - y)).mean()
+
+
+@functools.cache
+def kitchen() -> Graph:
+    return engine.load_model(Kitchen(), (torch.randn(4, 5, 6), torch.randn(5, 24)))
+
+
+MODELS = {"gpt": gpt_small, "mlp": mlp_small, "kitchen": kitchen}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_captured_op_has_rules(model: str) -> None:
+    g = MODELS[model]()
+    assert missing_rules(g) == []
+    ops = {n.op for n in g.nodes if not n.is_leaf}
+    assert ops <= set(registered_ops())
+
+
+def test_every_op_capture_can_emit_is_registered() -> None:
+    emitted = set(capture_mod._UNARY.values()) | set(capture_mod._BINARY) | {
+        "view", "identity", "permute", "linear", "matmul", "softmax", "log_softmax", "sum", "mean", "layer_norm",
+        "embedding", "sdpa", "cross_entropy", "mse_loss"}
+    assert emitted - set(registered_ops()) == set()
+
+
+def _positive(shape):
+    return torch.rand(shape, dtype=torch.float64) + 0.5
+
+
+# a small example for every registered op: operands (shape or (shape, dtype)) and attrs
+EXAMPLES: dict[str, tuple[list, dict]] = {
+    **{op: ([(3, 4)], {}) for op in ("relu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity")},
+    "gelu": ([(3, 4)], {"approximate": "none"}),
+    "dropout": ([(3, 4)], {"p": 0.1, "train": False}),
+    **{op: ([(3, 4), (4,)], {}) for op in ("add", "sub", "mul", "div")},
+    "linear": ([(2, 3, 4), (5, 4)], {}),
+    "matmul": ([(2, 3, 4), (4, 5)], {}),
+    "view": ([(2, 6)], {"shape": [3, 4]}),
+    "permute": ([(2, 3, 4)], {"dims": [2, 0, 1]}),
+    "softmax": ([(3, 4)], {"dim": 1}),
+    "log_softmax": ([(3, 4)], {"dim": 0}),
+    "sum": ([(2, 3, 4)], {"dims": [1], "keepdim": False}),
+    "mean": ([(2, 3, 4)], {"dims": [0, 2], "keepdim": True}),
+    "layer_norm": ([(2, 3, 4), (4,), (4,)], {"normalized_shape": [4], "eps": 1e-5, "has_weight": True, "has_bias": True}),
+    "embedding": ([((6, 4), "float64"), ((2, 3), "int64")], {}),
+    "sdpa": ([(2, 3, 4), (2, 5, 4), (2, 5, 4)], {"is_causal": False, "scale": None}),
+    "cross_entropy": ([((4, 5), "float64"), ((4,), "int64")], {"count": 4}),
+    "mse_loss": ([(4, 5), (4, 5)], {"count": 20}),
+}
+VIEW_SHAPES = {"view": (3, 4)}
+
+
+@pytest.mark.parametrize("op", registered_ops())
+def test_every_registered_op_has_an_executor(op: str) -> None:
+    assert op in EXAMPLES, f"add a small example for the newly registered op '{op}' to EXAMPLES"
+    operands, attrs = EXAMPLES[op]
+    node, g = one_op(op, operands, attrs, out_shape=VIEW_SHAPES.get(op))
+    data = [torch.randint(0, 2, g[i].shape) if g[i].dtype.startswith("int") else _positive(g[i].shape) for i in node.inputs]
+    out = run_node(node, g, data, node.shape)
+    assert isinstance(out, torch.Tensor) and tuple(out.shape) == node.shape
+    assert torch.isfinite(out).all()
+    assert op_rules(node, g), f"{op} has no rule on its example"
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_every_rule_of_every_node_holds(model: str) -> None:
+    g = MODELS[model]()
+    failures, checked = [], 0
+    for n in g.nodes:
+        if n.is_leaf:
+            continue
+        results = check_node(n, g, UNEVEN)
+        checked += len(results)
+        if not all(r.ok for r in results):
+            failures.append(f"{n.name} ({n.op}, {n.source}): {describe(results)}")
+    assert checked > 0
+    assert not failures, "\n".join(failures)
+
+
+def test_gpt_rules_offer_the_classic_strategies() -> None:
+    """Data, tensor (Megatron column/row) and head parallelism are all expressible on the small gpt."""
+    g = gpt_small()
+    names = {n.op: set() for n in g.nodes}
+    for n in g.nodes:
+        names[n.op] |= {r.name for r in op_rules(n, g)}
+    assert {"batch", "column", "row", "partial", "replicate"} <= names["linear"]
+    assert {"batch", "heads", "replicate"} == names["sdpa"]
+    assert {"samples", "replicate"} == names["cross_entropy"]
