@@ -29,6 +29,12 @@ from .program import Instruction
 GIB = 2**30
 
 
+def gib(nbytes: float) -> str:
+    """Bytes in GiB with enough digits that small models do not all read 0.0 GiB."""
+    v = nbytes / GIB
+    return f"{v:.1f} GiB" if abs(v) >= 1 else f"{v:.3g} GiB"
+
+
 @dataclass
 class BalanceResult:
     ratios: list[float]
@@ -51,7 +57,7 @@ def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *,
     stages, mem = replay(program, probe)
     classes = device_classes(cluster, None)
     prob = pulp.LpProblem("hap_sharding_ratios", pulp.LpMinimize)
-    B = _ratio_vars(classes)
+    B = _ratio_vars(prob, classes)
     M = _max_ratio(prob, B)
     t = _stage_epigraphs(prob, stages, classes, B)
     prob += pulp.lpSum(t) + pulp.lpSum(s.comm_const + s.comm_per_max_ratio * M for s in stages)
@@ -69,12 +75,12 @@ def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *,
     return BalanceResult([r / total for r in ratios], float(pulp.value(prob.objective)), name)
 
 
-def _ratio_vars(classes) -> list[pulp.LpVariable]:
-    return [pulp.LpVariable(f"B_{k}", lowBound=0) for k in range(len(classes))]
+def _ratio_vars(prob: pulp.LpProblem, classes) -> list[pulp.LpVariable]:
+    return [prob.add_variable(f"B_{k}", lowBound=0) for k in range(len(classes))]
 
 
 def _max_ratio(prob: pulp.LpProblem, B: list[pulp.LpVariable]) -> pulp.LpVariable:
-    M = pulp.LpVariable("M", lowBound=0)
+    M = prob.add_variable("M", lowBound=0)
     for k, b in enumerate(B):
         prob += M >= b, f"max_ratio_{k}"
     return M
@@ -86,7 +92,7 @@ def _stage_epigraphs(prob: pulp.LpProblem, stages: list[Stage], classes, B) -> l
         s, r, ss, rs = st.work
         if not any(st.work):
             continue
-        ti = pulp.LpVariable(f"t_{i}", lowBound=0)
+        ti = prob.add_variable(f"t_{i}", lowBound=0)
         for k, (c, b) in enumerate(zip(classes, B)):
             prob += ti >= (s * b + r) / c.flops + (ss * b + rs) * c.sync_s_per_byte, f"stage_{i}_class_{k}"
         t.append(ti)
@@ -117,6 +123,6 @@ def _memory_error(cluster: Cluster, classes, mem) -> InfeasibleError:
             worst = (over, c, need)
     over, c, need = worst
     name = cluster.devices[c.devices[0]].name
-    return InfeasibleError(f"out of memory: device '{name}' needs {need / GIB:.1f} GiB per GPU but has "
-                           f"{c.memory_bytes / GIB:.1f} GiB ({over / GIB:.1f} GiB over); use more or larger "
+    return InfeasibleError(f"out of memory: device '{name}' needs {gib(need)} per GPU but has "
+                           f"{gib(c.memory_bytes)} ({gib(over)} over); use more or larger "
                            "devices, a smaller batch or model, or `optimizer=sgd`")

@@ -2,6 +2,7 @@
 
     hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S] [--json]
     hap capture --model zoo:gpt --set layers=2 --out graph.json
+    hap run plan.json [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
 
 Bad input exits with status 2 and one line naming the problem, never a traceback.
 """
@@ -127,6 +128,12 @@ def cmd_capture(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from runner.cli import main as run_main  # lazily: the engine never imports the runner
+
+    return run_main([args.plan, *args.options])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hap", description="Plan SPMD training of one model on a heterogeneous GPU cluster (HAP).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -144,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--set", action="append", metavar="KEY=VALUE")
     c.add_argument("--out", required=True)
     c.set_defaults(func=cmd_capture)
+    r = sub.add_parser("run", help="train a plan over torch.distributed (starts torchrun on this machine)",
+                       epilog="options after PLAN go to the runner: see `hap run PLAN --help`")
+    r.add_argument("plan", help="plan JSON from `hap plan --out`")
+    r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
+    r.set_defaults(func=cmd_run)
     return parser
 
 

@@ -163,11 +163,16 @@ class Plan:
     def from_json(text_or_path: str | Path) -> "Plan":
         """Parse a plan from JSON text or a file path."""
         text = str(text_or_path)
-        if not text.lstrip().startswith("{"):
+        if not text.strip():
+            raise PlanError("plan is empty: give a plan file path or the plan's JSON text")
+        if not text.lstrip().startswith(("{", "[")):
             p = Path(text)
-            if not p.exists():
-                raise PlanError(f"plan file '{p}' not found")
-            text = p.read_text()
+            if not p.is_file():
+                raise PlanError(f"plan file '{p}' not found" if not p.exists() else f"'{p}' is not a plan file")
+            try:
+                text = p.read_text()
+            except (OSError, UnicodeDecodeError) as e:
+                raise PlanError(f"plan file '{p}' cannot be read: {e}") from None
         try:
             return Plan.from_dict(json.loads(text))
         except json.JSONDecodeError as e:

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .balance import GIB, balance
+from .balance import balance, gib
 from .cluster import Cluster, load_cluster
 from .cost import CostModel, evaluate as evaluate_program
 from .errors import InfeasibleError, PlanError
@@ -98,7 +98,10 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
         left = None if time_budget_s is None else max(0.05, time_budget_s - (time.perf_counter() - start))
         cm = CostModel(graph, cluster, ratios, optimizer)
         report = None if progress is None else (lambda p, it=it: progress(_tag(p, it)))
-        res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=beam_width, incumbent=incumbent)
+        try:
+            res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=beam_width, incumbent=incumbent)
+        except InfeasibleError:
+            break  # nothing fits under these ratios; keep the best found (or explain below)
         _accumulate(stats, res)
         history.append({"iteration": it, "step": "Q", "predicted_time_s": res.cost, "ratios": ratios})
         best = _better(best, Candidate(res.program, ratios, res.cost))
@@ -158,7 +161,7 @@ def check_total_memory(graph: Graph, cluster: Cluster, optimizer: str) -> None:
     capacity = sum(d.memory_bytes_per_gpu * d.num_gpus for d in cluster.devices)
     if state > capacity:
         raise InfeasibleError(f"out of memory: the model's parameters, gradients and {optimizer} state need "
-                              f"{state / GIB:.1f} GiB but the whole cluster has {capacity / GIB:.1f} GiB; "
+                              f"{gib(state)} but the whole cluster has {gib(capacity)}; "
                               "add devices or shrink the model")
 
 
@@ -173,6 +176,6 @@ def _oom_message(graph: Graph, cluster: Cluster, optimizer: str, space: SearchSp
     mem = evaluate_program(res.program, cm).memory_bytes
     j = max(range(len(mem)), key=lambda i: mem[i] - cluster.devices[i].memory_bytes_per_gpu)
     cap = cluster.devices[j].memory_bytes_per_gpu
-    return (f"out of memory: {what} needs {mem[j] / GIB:.1f} GiB on device "
-            f"'{cluster.devices[j].name}' which has {cap / GIB:.1f} GiB ({(mem[j] - cap) / GIB:.1f} GiB over); "
+    return (f"out of memory: {what} needs {gib(mem[j])} on device "
+            f"'{cluster.devices[j].name}' which has {gib(cap)} ({gib(mem[j] - cap)} over); "
             "use more or larger devices, a smaller batch, or optimizer='sgd'")

@@ -126,6 +126,9 @@ class _Prepared:
             if 0 <= p < len(self.order):
                 self.dead_after[p].append(t)
         self.codes = [[code(t, f) for f in range(_COMMUNICATED, graph[t].rank)] for t in range(len(graph))]
+        self.dead_codes = [frozenset(c for t in dead for c in self.codes[t]) for dead in self.dead_after]
+        self.live_inputs = [[t for t in dict.fromkeys(graph[nid].inputs) if self.last_use[t] > k]
+                            for k, nid in enumerate(self.order)]
         self.wanted = [self._wanted_forms(k) for k in range(len(self.order))]
         self.consumers: list[list[int]] = [[] for _ in range(len(graph))]
         for k, nid in enumerate(self.order):
@@ -203,6 +206,7 @@ class _Search:
         self.debt_cache: dict[tuple, float] = {}
         self.ways_cache: dict[tuple, list[tuple]] = {}
         self.slice_ok = "slice" in self.prep.collectives
+        self.deltas = [{sh: cm.compute_delta(nid, sh) for sh in (False, True)} for nid in self.prep.order]
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
 
     def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
@@ -350,7 +354,11 @@ class _Search:
     def _go_greedy(self) -> None:
         """Out of time with no complete program: dive depth-first to finish one."""
         self.greedy = True
-        self.heap = [self._key(s) for *_, s in self.heap]
+        entries = []
+        for *_, s in self.heap:
+            self.counter += 1  # a unique tie-breaker per entry: states themselves are not ordered
+            entries.append(self._key(s))
+        self.heap = entries
         heapq.heapify(self.heap)
 
     def _report(self, start: float) -> None:
@@ -479,14 +487,13 @@ class _Search:
             props.add(code(t, f))
             step.append((LOAD, t, graph[t].op, (), f))
         step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
-        df, db, dm = cm.compute_delta(nid, r.sharded)
+        df, db, dm = self.deltas[s.p][r.sharded]
         facc, bacc, mem = add(facc, df), add(bacc, db), add(mem, dm)
         step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
         props.add(code(nid, r.output))
-        for t in self.prep.dead_after[s.p]:
-            props.difference_update(self.prep.codes[t])
-        for t in dict.fromkeys(graph[nid].inputs):
-            if self.prep.last_use[t] > s.p:
+        props -= self.prep.dead_codes[s.p]
+        for t in self.prep.live_inputs[s.p]:
+            if code(t, _COMMUNICATED) in props:
                 self._drop_redundant(props, t, s.p + 1)
         p = s.p + 1
         if p == len(self.prep.order):  # close the open stages: the program is whole

@@ -1,0 +1,153 @@
+"""Shared fixtures: small graphs (captured from the zoo and hand-built) and cluster factories.
+
+Captures go through torch.export and cost a second or two each, so every captured model is
+session-scoped and shared by all test files.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import pytest
+
+import engine
+from engine.cluster import Cluster
+from engine.graph import Graph, Node
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "sample_clusters"
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------- hand-built graphs
+
+
+def build_graph(spec: Sequence[tuple], name: str = "hand") -> Graph:
+    """A Graph from rows (name, op, inputs, shape[, flops[, attrs[, dtype]]]); the last row is the loss."""
+    nodes = []
+    for i, row in enumerate(spec):
+        nm, op, inputs, shape, *rest = row
+        flops = float(rest[0]) if len(rest) > 0 else 0.0
+        attrs = dict(rest[1]) if len(rest) > 1 else {}
+        dtype = rest[2] if len(rest) > 2 else "float32"
+        nodes.append(Node(id=i, name=nm, op=op, inputs=tuple(inputs), shape=tuple(shape), dtype=dtype,
+                          attrs=attrs, flops=flops))
+    return Graph(nodes=tuple(nodes), loss=len(nodes) - 1, name=name)
+
+
+def mse_graph(B: int = 64, I: int = 256, H: int = 512, O: int = 16) -> Graph:
+    """x @ W1^T -> relu -> @ W2^T -> mse_loss(., y): 4 compute nodes."""
+    return build_graph([
+        ("x", "placeholder", (), (B, I)),
+        ("w1", "parameter", (), (H, I)),
+        ("h", "linear", (0, 1), (B, H), 2 * B * I * H),
+        ("r", "relu", (2,), (B, H), B * H),
+        ("w2", "parameter", (), (O, H)),
+        ("o", "linear", (3, 4), (B, O), 2 * B * H * O),
+        ("y", "placeholder", (), (B, O)),
+        ("loss", "mse_loss", (5, 6), (), 3 * B * O, {"count": B * O}),
+    ], name="hand_mse")
+
+
+def ce_graph(B: int = 64, I: int = 256, H: int = 512, O: int = 16) -> Graph:
+    """Two hidden layers without bias and a cross-entropy loss: 6 compute nodes."""
+    return build_graph([
+        ("x", "placeholder", (), (B, I)),
+        ("w1", "parameter", (), (H, I)),
+        ("h", "linear", (0, 1), (B, H), 2 * B * I * H),
+        ("r", "relu", (2,), (B, H), B * H),
+        ("w2", "parameter", (), (H, H)),
+        ("h2", "linear", (3, 4), (B, H), 2 * B * H * H),
+        ("r2", "relu", (5,), (B, H), B * H),
+        ("w3", "parameter", (), (O, H)),
+        ("o", "linear", (6, 7), (B, O), 2 * B * H * O),
+        ("y", "placeholder", (), (B,), 0.0, {}, "int64"),
+        ("loss", "cross_entropy", (8, 9), (), 6 * B * O, {"count": B}),
+    ], name="hand_ce")
+
+
+def residual_graph(B: int = 64, H: int = 256) -> Graph:
+    """h = x W1; o = relu(h) W2 + h; mse_loss(o, y): a non-leaf tensor (h) with two consumers."""
+    return build_graph([
+        ("x", "placeholder", (), (B, H)),
+        ("w1", "parameter", (), (H, H)),
+        ("h", "linear", (0, 1), (B, H), 2 * B * H * H),
+        ("r", "relu", (2,), (B, H), B * H),
+        ("w2", "parameter", (), (H, H)),
+        ("o", "linear", (3, 4), (B, H), 2 * B * H * H),
+        ("s", "add", (5, 2), (B, H), B * H),
+        ("y", "placeholder", (), (B, H)),
+        ("loss", "mse_loss", (6, 7), (), 3 * B * H, {"count": B * H}),
+    ], name="hand_residual")
+
+
+# ----------------------------------------------------------------------------- clusters
+
+
+def sample_path(name: str) -> str:
+    return str(SAMPLES / f"{name}.json")
+
+
+def sample_dict(name: str) -> dict[str, Any]:
+    """A sample cluster's JSON as a dict (a fresh copy to modify)."""
+    return json.loads((SAMPLES / f"{name}.json").read_text())
+
+
+def cluster_dict(flops: Sequence[float], memory: Sequence[int] | int = 8 * GIB, *, latency_s: float = 5e-5,
+                 bandwidth_Bps: float = 2e9, name: str = "test") -> dict[str, Any]:
+    """One machine holding one device per entry of `flops` (cpu-0, cpu-1, ...)."""
+    mem = list(memory) if isinstance(memory, (list, tuple)) else [memory] * len(flops)
+    devices = [{"name": f"dev-{j}", "gpu_model": f"model-{f:g}", "machine": "m0", "flops_per_gpu": f,
+                "memory_bytes_per_gpu": int(m)} for j, (f, m) in enumerate(zip(flops, mem))]
+    return {"schema_version": 1, "name": name, "description": "made up for tests", "sources": ["tests"],
+            "devices": devices,
+            "network": {"latency_s": latency_s, "bandwidth_Bps": {"intra_machine": bandwidth_Bps}}}
+
+
+def with_memory(d: dict[str, Any], memory_bytes_per_gpu: int | Sequence[int]) -> Cluster:
+    """Cluster of dict `d` with every device entry's memory_bytes_per_gpu replaced."""
+    d = copy.deepcopy(d)
+    mems = memory_bytes_per_gpu if isinstance(memory_bytes_per_gpu, (list, tuple)) else [memory_bytes_per_gpu] * len(d["devices"])
+    for dev, m in zip(d["devices"], mems):
+        dev["memory_bytes_per_gpu"] = int(m)
+    return Cluster.from_dict(d)
+
+
+@pytest.fixture(scope="session")
+def load_sample() -> Callable[[str], Cluster]:
+    return lambda name: engine.load_cluster(sample_path(name))
+
+
+# ----------------------------------------------------------------------------- captured models
+
+
+@pytest.fixture(scope="session")
+def tiny_mlp() -> Graph:
+    """zoo:mlp with one hidden layer and tiny widths (bias adds included)."""
+    return engine.load_model("zoo:mlp", layers=1, in_features=6, hidden=8, classes=3, batch=4)
+
+
+@pytest.fixture(scope="session")
+def mlp1() -> Graph:
+    """zoo:mlp with one hidden layer, widths where compute and communication compete."""
+    return engine.load_model("zoo:mlp", layers=1, in_features=256, hidden=512, classes=16, batch=64)
+
+
+@pytest.fixture(scope="session")
+def mlp2() -> Graph:
+    """zoo:mlp with two hidden layers; parameters small next to the batch (data parallel wins)."""
+    return engine.load_model("zoo:mlp", layers=2, in_features=128, hidden=512, classes=16, batch=1024)
+
+
+@pytest.fixture(scope="session")
+def small_gpt() -> Graph:
+    """A one-layer GPT with tiny widths: hidden 64 = 4 heads x 16."""
+    return engine.load_model("zoo:gpt", layers=1, hidden=64, heads=4, ffn=128, vocab=256, seq_len=16, batch=8)
+
+
+@pytest.fixture(scope="session")
+def gpt4() -> Graph:
+    """A four-layer GPT with tiny widths (large enough that exact A* takes a while)."""
+    return engine.load_model("zoo:gpt", layers=4, hidden=64, heads=4, ffn=128, vocab=256, seq_len=16, batch=8)

@@ -1,0 +1,323 @@
+"""Acceptance tests of the planner (engine.plan / engine.evaluate) and the plan file."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+
+import pytest
+
+import engine
+from conftest import GIB, sample_dict, sample_path, with_memory
+from engine import ClusterError, InfeasibleError, ModelError, Plan, PlanError, SearchProgress
+from engine.cost import CostModel, evaluate
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def gpt12() -> engine.Graph:
+    """GPT-2 small with a 128-token context and batch 64 (the issue's acceptance model)."""
+    return engine.load_model("zoo:gpt", layers=12, hidden=768, heads=12, ffn=3072, seq_len=128, batch=64)
+
+
+@pytest.fixture(scope="module")
+def mlp_default() -> engine.Graph:
+    return engine.load_model("zoo:mlp")
+
+
+@pytest.fixture(scope="module")
+def gpt2_layers() -> engine.Graph:
+    return engine.load_model("zoo:gpt", layers=2, hidden=256, heads=4, ffn=1024, vocab=4096, seq_len=64, batch=16)
+
+
+@pytest.fixture(scope="module")
+def testbed():
+    return engine.load_cluster(sample_path("hap_paper_testbed"))
+
+
+@pytest.fixture(scope="module")
+def small_plan(small_gpt, load_sample):
+    return engine.plan(small_gpt, load_sample("a100x2_p100x2"))
+
+
+def one_line(e: BaseException) -> str:
+    message = str(e)
+    assert message and "\n" not in message, repr(message)
+    return message
+
+
+# ----------------------------------------------------------------------------- acceptance: beats data parallel
+
+
+def test_gpt2_small_on_the_paper_testbed_beats_both_data_parallel_baselines(gpt12, testbed):
+    p = engine.plan(gpt12, testbed)
+    even = engine.evaluate(gpt12, testbed, "dp-even")
+    prop = engine.evaluate(gpt12, testbed, "dp-proportional")
+    assert p.strategy == "hap" and even.strategy == "dp-even" and prop.strategy == "dp-proportional"
+    assert p.predicted_time_s < even.predicted_time_s
+    assert p.predicted_time_s < prop.predicted_time_s
+    assert len(p.memory_bytes) == 64
+    assert all(m <= d.memory_bytes_per_gpu for m, d in zip(p.memory_bytes, testbed.devices))
+
+
+def test_default_mlp_on_the_paper_testbed_beats_both_data_parallel_baselines(mlp_default, testbed):
+    p = engine.plan(mlp_default, testbed)
+    assert p.predicted_time_s < engine.evaluate(mlp_default, testbed, "dp-even").predicted_time_s
+    assert p.predicted_time_s < engine.evaluate(mlp_default, testbed, "dp-proportional").predicted_time_s
+
+
+@pytest.mark.parametrize("model", ["gpt2_layers", "mlp_default"])
+def test_plan_is_never_slower_than_data_parallel_on_a_homogeneous_h100_node(request, load_sample, model):
+    graph = request.getfixturevalue(model)
+    cluster = load_sample("h100x8_node")
+    p = engine.plan(graph, cluster)
+    assert p.predicted_time_s <= engine.evaluate(graph, cluster, "dp-even").predicted_time_s * (1 + 1e-9)
+    assert p.ratios["0"] == pytest.approx([1 / 8] * 8, abs=1e-9)
+
+
+@pytest.mark.parametrize("cluster_name", ["cpu_2", "cpu_4_uneven", "a100x2_p100x2", "a100_v100_mixed", "hap_paper_testbed_machines"])
+def test_plan_is_never_slower_than_either_baseline(small_gpt, load_sample, cluster_name):
+    cluster = load_sample(cluster_name)
+    p = engine.plan(small_gpt, cluster)
+    for strategy in ("dp-even", "dp-proportional"):
+        assert p.predicted_time_s <= engine.evaluate(small_gpt, cluster, strategy).predicted_time_s * (1 + 1e-9)
+
+
+def test_plan_accepts_a_zoo_name_and_a_cluster_path():
+    p = engine.plan("zoo:mlp", sample_path("cpu_2"))
+    assert p.graph.origin["zoo"] == "mlp"
+    assert p.cluster_name == "cpu_2"
+
+
+# ----------------------------------------------------------------------------- the plan's content
+
+
+def test_plan_json_round_trips_exactly(small_plan):
+    again = Plan.from_json(small_plan.to_json())
+    assert again.to_dict() == small_plan.to_dict()
+    assert again.program == small_plan.program
+    assert again.graph == small_plan.graph
+    assert Plan.from_json(small_plan.to_json(indent=None)).to_dict() == small_plan.to_dict()
+
+
+def test_plan_loads_from_a_file_path(small_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    small_plan.save(path)
+    assert Plan.from_json(str(path)).to_dict() == small_plan.to_dict()
+    assert Plan.from_json(path).to_dict() == small_plan.to_dict()
+
+
+def test_plan_records_model_and_cluster_fingerprints(small_plan, small_gpt, load_sample):
+    cluster = load_sample("a100x2_p100x2")
+    d = small_plan.to_dict()
+    assert d["kind"] == "hap.plan" and d["schema_version"] == 1
+    assert d["model"]["fingerprint"] == small_gpt.fingerprint()
+    assert d["cluster"]["fingerprint"] == cluster.fingerprint()
+    assert re.fullmatch(r"[0-9a-f]{64}", d["model"]["fingerprint"])
+    assert re.fullmatch(r"[0-9a-f]{64}", d["cluster"]["fingerprint"])
+    assert d["cluster"]["devices"] == [dev.name for dev in cluster.devices]
+
+
+def test_plan_history_has_program_and_balance_steps_with_predicted_times(small_plan):
+    steps = [h["step"] for h in small_plan.history]
+    assert "Q" in steps and "B" in steps
+    assert steps[0] == "Q"
+    for h in small_plan.history:
+        assert h["predicted_time_s"] > 0 and math.isfinite(h["predicted_time_s"])
+        assert len(h["ratios"]) == small_plan.world_size
+        assert sum(h["ratios"]) == pytest.approx(1.0, abs=1e-9)
+    # the best (Q, B) pair seen is the one kept
+    assert small_plan.predicted_time_s <= min(h["predicted_time_s"] for h in small_plan.history) * (1 + 1e-9)
+
+
+def test_plan_ratios_sum_to_one_per_segment(small_plan):
+    assert small_plan.ratios
+    for segment, ratios in small_plan.ratios.items():
+        assert len(ratios) == small_plan.world_size, segment
+        assert sum(ratios) == pytest.approx(1.0, abs=1e-9), segment
+        assert all(r >= 0 for r in ratios)
+
+
+def test_plan_shard_sizes_sum_to_the_size_of_their_dim(small_plan):
+    nodes = {n.name: n for n in small_plan.graph.nodes}
+    assert small_plan.shard_sizes
+    for key, sizes in small_plan.shard_sizes.items():
+        name, dim = key.rsplit(":", 1)
+        assert len(sizes) == small_plan.world_size
+        assert all(isinstance(s, int) and s >= 0 for s in sizes)
+        assert sum(sizes) == nodes[name].shape[int(dim)], key
+
+
+def test_plan_memory_and_time_agree_with_the_cost_model(small_plan, load_sample):
+    cluster = load_sample("a100x2_p100x2")
+    assert len(small_plan.memory_bytes) == cluster.num_devices
+    b = evaluate(small_plan.program, CostModel(small_plan.graph, cluster, small_plan.ratios["0"]))
+    assert small_plan.predicted_time_s == pytest.approx(b.total_s, rel=1e-9)
+    assert small_plan.memory_bytes == pytest.approx(b.memory_bytes, rel=1e-9)
+    staged = sum(s.comm_s for s in small_plan.stages) + sum(max(s.comp_s) for s in small_plan.stages)
+    assert staged == pytest.approx(small_plan.predicted_time_s, rel=1e-9)
+    assert all(m <= d.memory_bytes_per_gpu for m, d in zip(small_plan.memory_bytes, cluster.devices))
+
+
+def test_plan_reports_progress_tagged_with_its_iteration(mlp1, load_sample):
+    seen: list[SearchProgress] = []
+    p = engine.plan(mlp1, load_sample("cpu_4_uneven"), progress=seen.append)
+    assert seen and all(isinstance(x, SearchProgress) for x in seen)
+    assert {x.iteration for x in seen} <= set(range(p.search["iterations"]))
+    assert p.search["frontier"]
+
+
+def test_plan_with_a_time_budget_returns_a_plan(gpt4, load_sample):
+    cluster = load_sample("cpu_4_uneven")
+    p = engine.plan(gpt4, cluster, time_budget_s=0.01)
+    assert p.program and p.predicted_time_s > 0
+    assert p.predicted_time_s <= engine.evaluate(gpt4, cluster, "dp-proportional").predicted_time_s * (1 + 1e-9)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_malformed_cluster_json_is_a_one_line_cluster_error(tiny_mlp, tmp_path):
+    path = tmp_path / "broken.json"
+    path.write_text('{"schema_version": 1, "name": "x", "devices": [')
+    with pytest.raises(ClusterError, match=r"broken\.json.*not valid JSON") as info:
+        engine.plan(tiny_mlp, str(path))
+    one_line(info.value)
+
+
+def test_missing_cluster_file_is_a_one_line_cluster_error(tiny_mlp, tmp_path):
+    with pytest.raises(ClusterError, match="not found") as info:
+        engine.plan(tiny_mlp, str(tmp_path / "nope.json"))
+    one_line(info.value)
+
+
+def test_unknown_zoo_model_is_a_one_line_model_error():
+    with pytest.raises(ModelError, match=r"unknown zoo model 'gtp'.*did you mean 'gpt'") as info:
+        engine.load_model("zoo:gtp")
+    one_line(info.value)
+    with pytest.raises(ModelError, match="unknown zoo model 'resnet'"):
+        engine.plan("zoo:resnet", sample_path("cpu_2"))
+
+
+def test_unknown_knob_is_a_one_line_model_error():
+    with pytest.raises(ModelError, match=r"unknown knob 'layerz' for zoo model 'gpt'.*did you mean 'layers'") as info:
+        engine.load_model("zoo:gpt", layerz=2)
+    one_line(info.value)
+
+
+def test_bad_knob_value_is_a_one_line_model_error():
+    with pytest.raises(ModelError, match=r"knob 'layers'") as info:
+        engine.load_model("zoo:gpt", layers="two")
+    one_line(info.value)
+    with pytest.raises(ModelError, match=r"knob 'layers' must be a positive integer"):
+        engine.load_model("zoo:gpt", layers=0)
+
+
+@pytest.mark.parametrize("flops", [0, -1e13, "fast", None])
+def test_non_positive_flops_is_a_cluster_error_naming_the_field(tiny_mlp, flops):
+    spec = sample_dict("a100x2_p100x2")
+    spec["devices"][1]["flops_per_gpu"] = flops
+    with pytest.raises(ClusterError, match=r"^devices\[1\]\.flops_per_gpu: must be a positive number") as info:
+        engine.plan(tiny_mlp, spec)
+    one_line(info.value)
+
+
+def test_model_larger_than_the_whole_cluster_memory_is_out_of_memory_in_gib():
+    graph = engine.load_model("zoo:gpt", layers=2, hidden=1024, heads=8, ffn=4096, vocab=50304, seq_len=16, batch=2)
+    cluster = with_memory(sample_dict("cpu_2"), GIB // 4)
+    with pytest.raises(InfeasibleError, match=r"out of memory.*\d+\.\d+ GiB") as info:
+        engine.plan(graph, cluster)
+    one_line(info.value)
+
+
+def test_model_that_fits_in_total_but_not_per_device_is_out_of_memory_in_gib():
+    # weights+grads+Adam: 0.40 GiB; two devices of 210 MiB hold 0.41 GiB in all, but each device also
+    # needs at least half of the 0.38 GiB logits activation: nothing fits
+    graph = engine.load_model("zoo:gpt", layers=1, hidden=256, heads=4, ffn=1024, vocab=50304, seq_len=128, batch=16)
+    cluster = with_memory(sample_dict("cpu_2"), 210 * 2**20)
+    with pytest.raises(InfeasibleError, match=r"out of memory.*\d+\.\d+ GiB") as info:
+        engine.plan(graph, cluster)
+    one_line(info.value)
+
+
+def test_baseline_that_does_not_fit_is_out_of_memory_while_hap_fits():
+    # 2 x 8192 wide MLP, batch 8192: data parallel keeps 1.9 GiB per device, HAP's sharded program 1.3 GiB
+    graph = engine.load_model("zoo:mlp", layers=2, in_features=1024, hidden=8192, classes=16, batch=8192)
+    roomy = engine.load_cluster(sample_dict("cpu_2"))
+    dp_memory = engine.evaluate(graph, roomy, "dp-even").memory_bytes[0]
+    cluster = with_memory(sample_dict("cpu_2"), int(0.8 * dp_memory))
+    for strategy in ("dp-even", "dp-proportional"):
+        with pytest.raises(InfeasibleError, match=rf"out of memory: {strategy} needs [\d.]+ GiB on device 'cpu-0' "
+                                                  rf"which has [\d.]+ GiB \([\d.]+ GiB over\)") as info:
+            engine.evaluate(graph, cluster, strategy)
+        one_line(info.value)
+    p = engine.plan(graph, cluster)
+    assert all(m <= 0.8 * dp_memory for m in p.memory_bytes)
+
+
+def test_unknown_baseline_strategy_is_a_plan_error(tiny_mlp):
+    with pytest.raises(PlanError, match="unknown strategy 'dp-magic'"):
+        engine.evaluate(tiny_mlp, sample_path("cpu_2"), "dp-magic")
+
+
+@pytest.mark.parametrize("text", ["garbage", "{garbage", "", "   ", '{"kind": "hap.graph"}', '{"kind": "hap.plan"}',
+                                  '{"kind": "hap.plan", "schema_version": 1}', "[1, 2]", "null"])
+def test_plan_from_garbage_is_a_one_line_plan_error(text):
+    with pytest.raises(PlanError) as info:
+        Plan.from_json(text)
+    one_line(info.value)
+
+
+def _corruptions():
+    def set_(path, value):
+        def f(d):
+            obj = d
+            for k in path[:-1]:
+                obj = obj[k]
+            obj[path[-1]] = value
+        return f
+
+    def delete(key):
+        return lambda d: d.pop(key)
+
+    return {
+        "no-graph": delete("graph"), "no-program": delete("program"), "no-cluster": delete("cluster"),
+        "no-ratios": delete("ratios"), "time-not-number": set_(["predicted_time_s"], "fast"),
+        "cluster-null": set_(["cluster"], None), "stage-bad-field": set_(["stages"], [{"bogus": 1}]),
+        "program-not-list": set_(["program"], 5), "instruction-missing-kind": set_(["program"], [{"node": 0}]),
+        "bad-form": lambda d: d["program"][0].update(post="X"), "graph-wrong-kind": set_(["graph", "kind"], "nope"),
+        "graph-node-missing-op": lambda d: d["graph"]["nodes"][0].pop("op"),
+        "memory-not-list": set_(["memory_bytes"], 3),
+        "schema-2": set_(["schema_version"], 2),
+    }
+
+
+@pytest.mark.parametrize("corruption", sorted(_corruptions()))
+def test_corrupted_plan_is_a_one_line_plan_error(small_plan, corruption):
+    d = copy.deepcopy(small_plan.to_dict())
+    _corruptions()[corruption](d)
+    with pytest.raises(PlanError) as info:
+        Plan.from_json(json.dumps(d))
+    one_line(info.value)
+
+
+def test_missing_plan_file_is_a_plan_error(tmp_path):
+    with pytest.raises(PlanError, match="not found"):
+        Plan.from_json(str(tmp_path / "missing.json"))
+
+
+def test_empty_plan_file_is_a_plan_error(tmp_path):
+    path = tmp_path / "empty.json"
+    path.write_text("")
+    with pytest.raises(PlanError, match="not valid JSON") as info:
+        Plan.from_json(str(path))
+    one_line(info.value)
+
+
+def test_directory_given_as_plan_path_is_a_plan_error(tmp_path):
+    with pytest.raises(PlanError) as info:
+        Plan.from_json(str(tmp_path))
+    one_line(info.value)

@@ -1,0 +1,393 @@
+"""Tests of engine.synthesis: A* against an exhaustive enumeration of its own successor function,
+replay consistency, determinism, time budgets, progress reports, well-formed programs, memory."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import fields
+from typing import Iterator
+
+import pytest
+import torch
+
+import engine
+from conftest import ce_graph, cluster_dict, mse_graph, residual_graph, sample_dict, with_memory
+from engine.cost import ZERO, CostModel, evaluate
+from engine.errors import InfeasibleError
+from engine.graph import Graph
+from engine.program import COMM, COMPUTE, LOAD, Instruction
+from engine.synthesis import SearchProgress, SearchResult, SearchSpace, _Search, _State, synthesize
+from engine.theory import collectives_from, leaf_forms, op_rules
+from engine.theory.core import FULL, PARTIAL, OpRule, form_str
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def enumerate_programs(graph: Graph, cm: CostModel, space: SearchSpace | None = None) -> Iterator[tuple[Instruction, ...]]:
+    """Every complete program reachable through the search's successor function.
+
+    Plain exhaustive depth-first enumeration from the state `_Search.run` starts from: no heuristic,
+    no dominance, no pruning (not even by memory). A leaf is a state past the last node of the graph.
+    """
+    search = _Search(graph, cm, space or SearchSpace(), None, None, 500, None)
+    end = len(search.prep.order)
+    stack = [_State(0, frozenset(), 0.0, ZERO, ZERO, ZERO, None, ())]
+    while stack:
+        s = stack.pop()
+        if s.p < end:
+            stack.extend(search._children(s))
+            continue
+        steps = []
+        while s is not None:
+            steps.append(s.step)
+            s = s.parent
+        program = tuple(Instruction(*ins) for step in reversed(steps) for ins in step)
+        if loss_form(program, graph) in (PARTIAL, FULL):
+            yield program
+
+
+def loss_form(program: tuple[Instruction, ...], graph: Graph) -> int | None:
+    """The form the loss holds in at the end of the program (None if never established)."""
+    forms = [ins.post for ins in program if ins.node == graph.loss]
+    return forms[-1] if forms else None
+
+
+def brute_force(graph: Graph, cm: CostModel, capacity: list[float] | None = None) -> tuple[float, int]:
+    """(min cost, number of complete programs) over the enumeration; programs over `capacity` are skipped."""
+    best, count = math.inf, 0
+    for program in enumerate_programs(graph, cm):
+        count += 1
+        b = evaluate(program, cm)
+        if capacity is not None and any(m > c for m, c in zip(b.memory_bytes, capacity)):
+            continue
+        best = min(best, b.total_s)
+    return best, count
+
+
+def assert_well_formed(program: tuple[Instruction, ...], graph: Graph) -> None:
+    """Every precondition was established earlier; each node computed once in topological order by
+    one of its rules; leaves loaded once in a legal form and never communicated; at most one
+    communication (other than slice) per tensor; the loss ends Partial or Full."""
+    established: set[tuple[int, int]] = set()
+    loaded: dict[int, int] = {}
+    computed: list[int] = []
+    communicated: Counter[int] = Counter()
+    for k, ins in enumerate(program):
+        node = graph[ins.node]
+        where = f"instruction {k} `{ins.render(graph)}`"
+        for t, f in ins.pre:
+            assert (t, f) in established, f"{where} needs {graph[t].name}:{form_str(f)}, which nothing before it establishes"
+        if ins.kind == LOAD:
+            assert node.is_leaf, f"{where} loads a non-leaf"
+            assert ins.pre == () and ins.rule == node.op, where
+            assert ins.node not in loaded, f"{where}: {node.name} is loaded twice"
+            assert ins.post in leaf_forms(node), f"{where}: illegal leaf form"
+            loaded[ins.node] = ins.post
+        elif ins.kind == COMPUTE:
+            assert not node.is_leaf, f"{where} computes a leaf"
+            assert tuple(t for t, _ in ins.pre) == node.inputs, f"{where}: operands differ from the graph"
+            used = OpRule(ins.rule, tuple(f for _, f in ins.pre), ins.post)
+            assert used in op_rules(node, graph), f"{where}: {used} is not a rule of {node.op}"
+            computed.append(ins.node)
+        else:
+            assert ins.kind == COMM, where
+            assert len(ins.pre) == 1 and ins.pre[0][0] == ins.node, f"{where}: a collective acts on its own tensor"
+            src = ins.pre[0][1]
+            if ins.rule == "slice":
+                assert src == FULL and ins.post >= 0, f"{where}: a slice goes from Full to a shard"
+            else:
+                assert not node.is_leaf, f"{where}: leaves are never communicated"
+                communicated[ins.node] += 1
+                legal = {(c.key, g) for c, g in collectives_from(src, node.shape) if c.is_communication}
+                assert (ins.rule, ins.post) in legal, f"{where}: not a collective from {form_str(src)}"
+        established.add((ins.node, ins.post))
+    assert computed == [n.id for n in graph.nodes if not n.is_leaf], "every node computed once, in graph order"
+    used_leaves = {t for n in graph.nodes if not n.is_leaf for t in n.inputs if graph[t].is_leaf}
+    assert set(loaded) == used_leaves, "every used leaf is loaded"
+    assert all(n <= 1 for n in communicated.values()), f"tensors communicated more than once: {communicated}"
+    assert loss_form(program, graph) in (PARTIAL, FULL)
+
+
+def ratios_for(cluster, how) -> list[float]:
+    n = cluster.num_devices
+    if how == "even":
+        return [1.0 / n] * n
+    if how == "flops":
+        return [f / sum(cluster.flops) for f in cluster.flops]
+    return list(how)
+
+
+def full_parameters(program, graph) -> list[str]:
+    return [graph[i.node].name for i in program if i.kind == LOAD and graph[i.node].op == "parameter" and i.post == FULL]
+
+
+# ----------------------------------------------------------------------------- A* == brute force
+
+HAND = {"hand_mse": mse_graph, "hand_ce": ce_graph, "hand_residual": residual_graph}
+SETTINGS = [
+    ("cpu_4_uneven", "even"),
+    ("cpu_4_uneven", "flops"),
+    ("cpu_4_uneven", (0.7, 0.1, 0.1, 0.1)),
+    ("cpu_2", (0.8, 0.2)),
+    ("a100x2_p100x2", "flops"),
+    ("a100_v100_mixed", "even"),  # virtual devices of 8 GPUs: in-box gradient all-reduce
+]
+
+
+@pytest.fixture(scope="module")
+def graphs(request) -> dict[str, Graph]:
+    out = {name: make() for name, make in HAND.items()}
+    out["tiny_mlp"] = request.getfixturevalue("tiny_mlp")
+    out["mlp1"] = request.getfixturevalue("mlp1")
+    return out
+
+
+@pytest.mark.parametrize("cluster_name,how", SETTINGS, ids=[f"{c}-{h if isinstance(h, str) else 'skewed'}" for c, h in SETTINGS])
+@pytest.mark.parametrize("graph_name", ["tiny_mlp", "mlp1", "hand_mse", "hand_ce", "hand_residual"])
+def test_exact_astar_cost_equals_brute_force_minimum(graphs, load_sample, graph_name, cluster_name, how):
+    graph = graphs[graph_name]
+    cluster = load_sample(cluster_name)
+    cm = CostModel(graph, cluster, ratios_for(cluster, how))
+    best, count = brute_force(graph, cm)
+    assert count > 1 and math.isfinite(best)
+    result = synthesize(graph, cm)
+    assert result.optimal is True
+    assert result.cost == pytest.approx(best, rel=1e-9)
+    assert evaluate(result.program, cm).total_s == pytest.approx(best, rel=1e-9)
+
+
+def test_exact_astar_equals_brute_force_on_two_layer_zoo_mlp(load_sample):
+    # about 200 000 complete programs: the largest enumeration of the suite (~30 s)
+    graph = engine.load_model("zoo:mlp", layers=2, in_features=128, hidden=256, classes=8, batch=32)
+    cluster = load_sample("cpu_4_uneven")
+    cm = CostModel(graph, cluster, [0.7, 0.1, 0.1, 0.1])
+    best, count = brute_force(graph, cm)
+    assert count > 100_000
+    result = synthesize(graph, cm)
+    assert result.optimal is True
+    assert result.cost == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("latency_s,bandwidth_Bps", [(0.0, 1e11), (1e-3, 1e8)], ids=["fast-net", "slow-net"])
+@pytest.mark.parametrize("graph_name", ["hand_ce", "hand_residual"])
+def test_exact_astar_equals_brute_force_on_three_uneven_devices(graphs, graph_name, latency_s, bandwidth_Bps):
+    graph = graphs[graph_name]
+    cluster = engine.load_cluster(cluster_dict([3e10, 1e10, 1e9], latency_s=latency_s, bandwidth_Bps=bandwidth_Bps))
+    cm = CostModel(graph, cluster, [0.6, 0.3, 0.1])
+    best, _ = brute_force(graph, cm)
+    result = synthesize(graph, cm)
+    assert result.optimal is True
+    assert result.cost == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("graph_name,ratios", [("hand_ce", (0.25, 0.25, 0.25, 0.25)), ("hand_residual", (0.4, 0.3, 0.2, 0.1)),
+                                               ("tiny_mlp", (0.7, 0.1, 0.1, 0.1))])
+def test_exact_astar_equals_brute_force_minimum_among_programs_that_fit_memory(graphs, graph_name, ratios):
+    graph = graphs[graph_name]
+    spec = sample_dict("cpu_4_uneven")
+    cm = CostModel(graph, engine.load_cluster(spec), list(ratios))
+    memories = [evaluate(p, cm).memory_bytes for p in enumerate_programs(graph, cm)]
+    lo = [min(m[j] for m in memories) for j in range(4)]
+    hi = [max(m[j] for m in memories) for j in range(4)]
+    capacity = [int(a + 0.3 * (b - a)) + 1 for a, b in zip(lo, hi)]  # binds: some programs fit, some don't
+    tight = with_memory(spec, capacity)
+    cm_tight = CostModel(graph, tight, list(ratios))
+    best, _ = brute_force(graph, cm_tight, capacity)
+    unconstrained, _ = brute_force(graph, cm_tight)
+    assert math.isfinite(best)
+    result = synthesize(graph, cm_tight)
+    assert result.optimal is True
+    assert result.cost == pytest.approx(best, rel=1e-9)
+    assert all(m <= c for m, c in zip(evaluate(result.program, cm_tight).memory_bytes, capacity))
+    assert best >= unconstrained
+
+
+def test_enumeration_reaches_every_program_the_search_returns(graphs, load_sample):
+    graph = graphs["hand_residual"]
+    cluster = load_sample("cpu_4_uneven")
+    cm = CostModel(graph, cluster, ratios_for(cluster, "flops"))
+    programs = set(enumerate_programs(graph, cm))
+    assert len(programs) > 100
+    assert synthesize(graph, cm).program in programs
+    for program in programs:
+        assert_well_formed(program, graph)
+
+
+# ----------------------------------------------------------------------------- replay, determinism
+
+
+@pytest.mark.parametrize("cluster_name,how,beam", [("cpu_4_uneven", "flops", None), ("a100x2_p100x2", "even", 16),
+                                                   ("hap_paper_testbed_machines", "flops", 16)])
+def test_reported_cost_equals_replayed_cost_for_small_gpt(small_gpt, load_sample, cluster_name, how, beam):
+    cluster = load_sample(cluster_name)
+    cm = CostModel(small_gpt, cluster, ratios_for(cluster, how))
+    result = synthesize(small_gpt, cm, beam_width=beam)
+    assert result.cost == pytest.approx(evaluate(result.program, cm).total_s, rel=1e-9)
+    assert_well_formed(result.program, small_gpt)
+    if beam is None:
+        assert result.optimal is True
+
+
+@pytest.mark.parametrize("cluster_name,how", [("cpu_4_uneven", "even"), ("a100_v100_mixed", "flops"), ("h100x8_node", "even")])
+def test_reported_cost_equals_replayed_cost_for_mlp(mlp1, mlp2, load_sample, cluster_name, how):
+    cluster = load_sample(cluster_name)
+    for graph in (mlp1, mlp2):
+        cm = CostModel(graph, cluster, ratios_for(cluster, how))
+        result = synthesize(graph, cm)
+        assert result.optimal is True
+        assert result.cost == pytest.approx(evaluate(result.program, cm).total_s, rel=1e-9)
+        assert_well_formed(result.program, graph)
+
+
+def test_two_searches_return_identical_programs(small_gpt, mlp1, load_sample):
+    cluster = load_sample("cpu_4_uneven")
+    for graph, beam in ((small_gpt, 16), (mlp1, None)):
+        cm = CostModel(graph, cluster, ratios_for(cluster, "flops"))
+        a = synthesize(graph, cm, beam_width=beam)
+        b = synthesize(graph, CostModel(graph, cluster, ratios_for(cluster, "flops")), beam_width=beam)
+        assert a.program == b.program
+        assert a.cost == b.cost
+        assert (a.expanded, a.generated, a.pruned) == (b.expanded, b.generated, b.pruned)
+
+
+def test_incumbent_is_returned_when_nothing_beats_it(mlp1, load_sample):
+    cluster = load_sample("cpu_2")
+    cm = CostModel(mlp1, cluster, [0.5, 0.5])
+    best = synthesize(mlp1, cm)
+    again = synthesize(mlp1, cm, incumbent=best.program)
+    assert again.program == best.program
+    assert again.cost == pytest.approx(best.cost, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- time budget
+
+
+@pytest.mark.parametrize("budget", [0.0, 0.01])
+def test_time_budget_returns_a_complete_program_not_proven_optimal(gpt4, load_sample, budget):
+    cluster = load_sample("cpu_4_uneven")
+    cm = CostModel(gpt4, cluster, ratios_for(cluster, "even"))
+    result = synthesize(gpt4, cm, time_budget_s=budget)
+    assert isinstance(result, SearchResult)
+    assert result.optimal is False
+    assert_well_formed(result.program, gpt4)
+    assert result.cost == pytest.approx(evaluate(result.program, cm).total_s, rel=1e-9)
+
+
+def test_time_budget_on_a_model_of_the_paper_testbed_returns_a_program(load_sample):
+    graph = engine.load_model("zoo:gpt", layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq_len=32, batch=16)
+    cluster = load_sample("hap_paper_testbed_machines")
+    cm = CostModel(graph, cluster, ratios_for(cluster, "flops"))
+    result = synthesize(graph, cm, time_budget_s=0.05)
+    assert result.optimal is False
+    assert_well_formed(result.program, graph)
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+def test_progress_callback_receives_search_progress_ending_with_bound_below_best(small_gpt, load_sample):
+    cluster = load_sample("cpu_4_uneven")
+    cm = CostModel(small_gpt, cluster, ratios_for(cluster, "flops"))
+    seen: list[SearchProgress] = []
+    result = synthesize(small_gpt, cm, progress=seen.append, report_every=64)
+    assert len(seen) >= 2
+    for p in seen:
+        assert isinstance(p, SearchProgress)
+        assert {"expanded", "queue_size", "best_cost", "lowest_open_score"} <= {f.name for f in fields(p)}
+        assert isinstance(p.expanded, int) and isinstance(p.queue_size, int) and p.queue_size >= 0
+        assert p.lowest_open_score <= p.best_cost
+        # exact A* with an admissible bound: the lowest open score never exceeds the optimum
+        assert p.lowest_open_score <= result.cost * (1 + 1e-9)
+    assert [p.expanded for p in seen] == sorted(p.expanded for p in seen)
+    costs = [p.best_cost for p in seen]
+    assert costs == sorted(costs, reverse=True)
+    last = seen[-1]
+    assert last.expanded == result.expanded
+    assert last.best_cost == pytest.approx(result.cost, rel=1e-12)
+    assert last.lowest_open_score <= last.best_cost
+    assert result.frontier == seen
+
+
+# ----------------------------------------------------------------------------- well-formedness
+
+
+@pytest.mark.parametrize("cluster_name", ["cpu_4_uneven", "a100x2_p100x2", "hap_paper_testbed_machines"])
+def test_programs_are_well_formed(small_gpt, tiny_mlp, mlp2, load_sample, cluster_name):
+    cluster = load_sample(cluster_name)
+    for graph in (small_gpt, tiny_mlp, mlp2, residual_graph()):
+        cm = CostModel(graph, cluster, ratios_for(cluster, "flops"))
+        result = synthesize(graph, cm, beam_width=16)
+        assert_well_formed(result.program, graph)
+
+
+def test_data_parallel_space_yields_full_parameters_and_batch_sharded_inputs(mlp1, load_sample):
+    from engine.planner import data_parallel_space
+
+    cluster = load_sample("cpu_4_uneven")
+    cm = CostModel(mlp1, cluster, ratios_for(cluster, "even"))
+    result = synthesize(mlp1, cm, space=data_parallel_space(mlp1))
+    assert_well_formed(result.program, mlp1)
+    loads = {mlp1[i.node].op: set() for i in result.program if i.kind == LOAD}
+    for i in result.program:
+        if i.kind == LOAD:
+            loads[mlp1[i.node].op].add(i.post)
+    assert loads == {"parameter": {FULL}, "placeholder": {0}}
+    assert not [i for i in result.program if i.kind == COMM and i.rule != "slice"]
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def test_tight_memory_makes_the_search_shard_parameters(mlp2):
+    spec = sample_dict("cpu_2")
+    roomy = engine.load_cluster(spec)
+    free = synthesize(mlp2, CostModel(mlp2, roomy, [0.5, 0.5]))
+    free_mem = evaluate(free.program, CostModel(mlp2, roomy, [0.5, 0.5])).memory_bytes
+    assert len(full_parameters(free.program, mlp2)) == len(mlp2.parameters)  # data parallel wins with room
+
+    capacity = int(0.9 * free_mem[0])
+    tight = with_memory(spec, capacity)
+    cm = CostModel(mlp2, tight, [0.5, 0.5])
+    result = synthesize(mlp2, cm)
+    assert result.optimal is True
+    assert all(m <= capacity for m in evaluate(result.program, cm).memory_bytes)
+    assert len(full_parameters(result.program, mlp2)) < len(mlp2.parameters)
+    assert result.cost >= free.cost
+    assert_well_formed(result.program, mlp2)
+
+
+def test_search_raises_infeasible_when_nothing_fits_memory(mlp2):
+    tight = with_memory(sample_dict("cpu_2"), 4096)
+    with pytest.raises(InfeasibleError, match="no distributed program fits"):
+        synthesize(mlp2, CostModel(mlp2, tight, [0.5, 0.5]))
+
+
+def test_search_space_without_rules_for_a_node_raises_infeasible(mlp1, load_sample):
+    cluster = load_sample("cpu_2")
+    space = SearchSpace(rule_filter=lambda node, r: mlp1[node].op != "relu")
+    with pytest.raises(InfeasibleError, match=r"node '.*' \(relu\) has no rule"):
+        synthesize(mlp1, CostModel(mlp1, cluster, [0.5, 0.5]), space=space)
+
+
+# ----------------------------------------------------------------------------- captured small graph
+
+
+class _TwoLayerMSE(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(6, 8))
+        self.w2 = torch.nn.Parameter(torch.randn(8, 3))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(torch.relu(x @ self.w1) @ self.w2, y)
+
+
+def test_captured_x_w1_relu_w2_mse_model_matches_brute_force(load_sample):
+    graph = engine.load_model(_TwoLayerMSE(), (torch.randn(4, 6), torch.randn(4, 3)))
+    cluster = load_sample("cpu_4_uneven")
+    cm = CostModel(graph, cluster, ratios_for(cluster, "flops"))
+    best, _ = brute_force(graph, cm)
+    result = synthesize(graph, cm)
+    assert result.optimal is True
+    assert result.cost == pytest.approx(best, rel=1e-9)
