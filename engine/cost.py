@@ -20,7 +20,7 @@ Everything here is linear in B_j (or in max_j B_j), which is what makes the load
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .cluster import Cluster
 from .graph import Graph
@@ -247,11 +247,3 @@ def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
         for j in c.devices:
             memory[j] = b
     return Breakdown(total, stages, comm, comp, memory)
-
-
-@dataclass
-class RemainingWork:
-    """Suffix sums of forward and backward flops, for the A* lower bound."""
-
-    fwd: list[float] = field(default_factory=list)
-    bwd: list[float] = field(default_factory=list)

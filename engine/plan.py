@@ -5,7 +5,6 @@ the cluster spec (whose fingerprint it records).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -139,9 +138,6 @@ class Plan:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
-
-    def fingerprint(self) -> str:
-        return hashlib.sha256(json.dumps([i.to_dict() for i in self.program]).encode()).hexdigest()
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Plan":

@@ -56,8 +56,3 @@ Program = tuple[Instruction, ...]
 
 def render(program: Iterable[Instruction], graph: Graph) -> str:
     return "\n".join(ins.render(graph) for ins in program)
-
-
-def properties(program: Iterable[Instruction]) -> set[tuple[int, Form]]:
-    """Every property the program establishes."""
-    return {(ins.node, ins.post) for ins in program}

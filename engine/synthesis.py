@@ -40,7 +40,7 @@ from .errors import InfeasibleError
 from .graph import Graph
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .theory import collectives_from, leaf_forms, op_rules
-from .theory.core import FULL, PARTIAL, Form, OpRule
+from .theory.core import FULL, PARTIAL, OpRule
 
 _K = 16          # property code = tensor * _K + form + _OFF
 _OFF = 3         # forms -2 (P), -1 (F), 0.. (S(d)); code 0 is the "communicated" marker
