@@ -1,1 +1,15 @@
-"""Execution of plans over torch.distributed (see issue: runner)."""
+"""Execution of plans over torch.distributed (issue 3; DESIGN "Runner").
+
+Modules, in the order a run uses them:
+
+- `cli`: `hap run PLAN.json ...`, starts torchrun on this machine unless already launched;
+- `launch`: the per-rank entry under torchrun (`python -m runner.launch`): checks, process group,
+  training loop, metrics, verify;
+- `program`: the plan's program for one rank as a readable `torch.fx.GraphModule`;
+- `collectives`: all-reduce, all-gather (padded / grouped), reduce-scatter, all-to-all, slice and
+  replicate as autograd Functions whose backward is the exact dual;
+- `train`: parameter slices from the seeded single-device model, one training step, the
+  single-device reference;
+- `timing`: measured timeline per instruction and emulated device speed;
+- `verify`: the comparison with single-device training.
+"""

@@ -1,0 +1,92 @@
+"""`hap run PLAN.json [--steps N] [--verify] [--metrics FILE] [--seed S] ...`
+
+Under an existing launch (torchrun or a Slurm script that sets RANK and WORLD_SIZE) this process
+is one rank: it runs `runner.launch` in-process. Otherwise it starts
+
+    python -m torch.distributed.run --standalone --nproc-per-node=<plan world size> -m runner.launch ...
+
+on this machine, relays its output, and returns its exit status. When a rank crashes or is
+killed, torchrun stops the others and fails; this command then names the rank that failed first.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from engine.errors import HapError
+from engine.plan import Plan
+
+from . import launch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+_ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def under_launcher(env=os.environ) -> bool:
+    return "RANK" in env and "WORLD_SIZE" in env
+
+
+def torchrun_command(world_size: int, argv: Sequence[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
+            "-m", "runner.launch", *argv]
+
+
+def child_env() -> dict[str, str]:
+    """Our environment, with this checkout importable by the ranks (`-m runner.launch`)."""
+    env = dict(os.environ)
+    paths = [str(REPO_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def failed_rank(stderr_text: str) -> tuple[int, int] | None:
+    """(rank, exit code) of torchrun's 'Root Cause (first observed failure)', if it printed one."""
+    _, sep, tail = stderr_text.rpartition("Root Cause")
+    m = _ROOT_CAUSE.search(tail if sep else stderr_text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def describe_failure(returncode: int, stderr_text: str) -> str:
+    found = failed_rank(stderr_text)
+    if found is None:
+        return f"hap run: torchrun exited with status {returncode}"
+    rank, code = found
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+    return f"hap run: rank {rank} {how}; torchrun stopped the other ranks (exit status {returncode})"
+
+
+def run_torchrun(world_size: int, argv: Sequence[str]) -> int:
+    """Start torchrun, relay its output, and explain a failure by naming the rank."""
+    proc = subprocess.Popen(torchrun_command(world_size, argv), env=child_env(), stderr=subprocess.PIPE,
+                            text=True, bufsize=1)
+    tail: list[str] = []
+    try:
+        for line in proc.stderr:  # type: ignore[union-attr]
+            sys.stderr.write(line)
+            tail = (tail + [line])[-200:]
+        returncode = proc.wait()
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGINT)
+        proc.wait()
+        raise
+    if returncode != 0:
+        print(describe_failure(returncode, "".join(tail)), file=sys.stderr, flush=True)
+    return returncode
+
+
+def main(argv: Sequence[str]) -> int:
+    cfg = launch.parse_args(argv)
+    if under_launcher():  # this process is one rank; it exits here (see launch.exit_process)
+        launch.exit_process(launch.main(argv))
+    try:
+        plan = launch.check_inputs(cfg, Plan.from_json(cfg.plan).world_size)
+    except (HapError, ValueError) as e:
+        print(f"hap run: error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    return run_torchrun(plan.world_size, list(argv))

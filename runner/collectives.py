@@ -1,0 +1,214 @@
+"""Collectives as autograd Functions whose backward is the exact dual (DESIGN: semantics to keep exact).
+
+| forward                         | backward                          |
+|---------------------------------|-----------------------------------|
+| all_reduce          P -> F      | all_reduce                        |
+| reduce_scatter(d)   P -> S(d)   | all_gather(d)                     |
+| all_gather(d)       S(d) -> F   | reduce_scatter(d)                 |
+| all_to_all(a -> b)  S(a)->S(b)  | all_to_all(b -> a)                |
+| slice(d)            F -> S(d)   | zero padding (free)               |
+| replicate           F -> F      | all_reduce (a Full parameter)     |
+
+Shards are uneven: `sizes[j]` is device j's size along the sharded dim. gloo cannot all-gather
+uneven tensors, so `all_gather` pads every shard to the largest, gathers, and trims ("padded"),
+or runs one broadcast per device ("grouped"). NCCL takes the same paths: only equal-size buffers
+reach the backend.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+Tensor = torch.Tensor
+
+_observer = None
+"""Who is told when communication starts and ends (a `runner.timing.Pacer`), or None."""
+
+
+def set_observer(observer) -> None:
+    """Route every collective (forward and backward) through `observer.comm(name, tag)`; None to stop."""
+    global _observer
+    _observer = observer
+
+
+def run_collective(name: str, tag: str, fn, *args):
+    if _observer is None:
+        return fn(*args)
+    with _observer.comm(name, tag):
+        return fn(*args)
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for s in sizes:
+        out.append(acc)
+        acc += s
+    return out
+
+
+def _pad_to(x: Tensor, dim: int, size: int) -> Tensor:
+    if x.shape[dim] == size:
+        return x.contiguous()
+    shape = list(x.shape)
+    shape[dim] = size - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim).contiguous()
+
+
+def gather_padded(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
+    """Concatenate uneven shards along `dim` on every rank: pad to the max, all_gather_into_tensor, trim."""
+    top = max(sizes)
+    padded = _pad_to(x, dim, top).movedim(dim, 0).contiguous()
+    out = padded.new_empty((len(sizes) * top,) + tuple(padded.shape[1:]))
+    dist.all_gather_single(out, padded)
+    parts = [out[j * top: j * top + s] for j, s in enumerate(sizes)]
+    return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
+
+
+def gather_grouped(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
+    """Concatenate uneven shards with one broadcast per rank (no padding; HAP §2.5.1)."""
+    rank = dist.get_rank()
+    parts = []
+    for j, s in enumerate(sizes):
+        shape = list(x.shape)
+        shape[dim] = s
+        buf = x.contiguous() if j == rank else x.new_empty(shape)
+        if s > 0:
+            dist.broadcast(buf, src=j)
+        parts.append(buf)
+    return torch.cat(parts, dim=dim)
+
+
+def reduce_scatter_uneven(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
+    """Sum `x` over ranks and keep this rank's slice along `dim` (list reduce_scatter takes uneven sizes)."""
+    chunks = [c.contiguous() for c in torch.split(x, list(sizes), dim=dim)]
+    out = torch.empty_like(chunks[dist.get_rank()])
+    dist.reduce_scatter(out, chunks)
+    return out
+
+
+def all_to_all_uneven(x: Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence[int], dst_sizes: Sequence[int]) -> Tensor:
+    """Re-shard from `src_dim` to `dst_dim` with one all_to_all_single over flattened pieces."""
+    rank = dist.get_rank()
+    send = [c.contiguous() for c in torch.split(x, list(dst_sizes), dim=dst_dim)]
+    recv_shapes = []
+    for j in range(len(src_sizes)):
+        shape = list(x.shape)
+        shape[src_dim], shape[dst_dim] = src_sizes[j], dst_sizes[rank]
+        recv_shapes.append(shape)
+    recv_numel = [int(torch.Size(s).numel()) for s in recv_shapes]
+    flat_in = torch.cat([c.reshape(-1) for c in send])
+    flat_out = flat_in.new_empty(sum(recv_numel))
+    dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_numel, input_split_sizes=[c.numel() for c in send])
+    pieces = [p.reshape(s) for p, s in zip(torch.split(flat_out, recv_numel), recv_shapes)]
+    return torch.cat(pieces, dim=src_dim)
+
+
+class AllReduce(torch.autograd.Function):
+    """Partial -> Full; the gradient of a Full output is partial, so backward all-reduces too."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tag: str) -> Tensor:
+        ctx.tag = tag
+        return run_collective("all_reduce", tag, _all_reduce_copy, x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return run_collective("all_reduce", ctx.tag, _all_reduce_copy, g), None
+
+
+def _all_reduce_copy(x: Tensor) -> Tensor:
+    y = x.contiguous().clone()
+    dist.all_reduce(y)
+    return y
+
+
+class AllGather(torch.autograd.Function):
+    """Shard(d) -> Full (padded or grouped); backward reduce-scatters the partial gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, sizes: list[int], impl: str, tag: str) -> Tensor:
+        ctx.dim, ctx.sizes, ctx.tag = dim, sizes, tag
+        gather = gather_grouped if impl == "grouped" else gather_padded
+        return run_collective(f"all_gather.{impl}", tag, gather, x, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return run_collective("reduce_scatter", ctx.tag, reduce_scatter_uneven, g, ctx.dim, ctx.sizes), None, None, None, None
+
+
+class ReduceScatter(torch.autograd.Function):
+    """Partial -> Shard(d); backward all-gathers (each rank's slice gradient is complete)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, sizes: list[int], tag: str) -> Tensor:
+        ctx.dim, ctx.sizes, ctx.tag = dim, sizes, tag
+        return run_collective("reduce_scatter", tag, reduce_scatter_uneven, x, dim, sizes)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return run_collective("all_gather.padded", ctx.tag, gather_padded, g, ctx.dim, ctx.sizes), None, None, None
+
+
+class AllToAll(torch.autograd.Function):
+    """Shard(a) -> Shard(b); backward runs the reverse re-shard."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, src: int, dst: int, src_sizes: list[int], dst_sizes: list[int], tag: str) -> Tensor:
+        ctx.args, ctx.tag = (dst, src, dst_sizes, src_sizes), tag
+        return run_collective("all_to_all", tag, all_to_all_uneven, x, src, dst, src_sizes, dst_sizes)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return run_collective("all_to_all", ctx.tag, all_to_all_uneven, g, *ctx.args), None, None, None, None, None
+
+
+class Replicate(torch.autograd.Function):
+    """A Full parameter's use: identity forward; its gradient on each device is an addend (partial),
+    so backward all-reduces it. The training loop applies the same all-reduce to all Full
+    parameters at once (`all_reduce_coalesced`) instead of one call per parameter."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, tag: str) -> Tensor:
+        ctx.tag = tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return run_collective("all_reduce", ctx.tag, _all_reduce_copy, g), None
+
+
+def local_slice(x: Tensor, dim: int, sizes: Sequence[int], rank: int) -> Tensor:
+    """Full -> Shard(d) for free; autograd's backward of narrow is the zero padding."""
+    return x.narrow(dim, _offsets(sizes)[rank], sizes[rank])
+
+
+def all_reduce(x: Tensor, tag: str = "") -> Tensor:
+    return AllReduce.apply(x, tag)
+
+
+def replicate(x: Tensor, tag: str = "") -> Tensor:
+    return Replicate.apply(x, tag)
+
+
+def all_gather(x: Tensor, dim: int, sizes: list[int], impl: str = "padded", tag: str = "") -> Tensor:
+    return AllGather.apply(x, dim, sizes, impl, tag)
+
+
+def reduce_scatter(x: Tensor, dim: int, sizes: list[int], tag: str = "") -> Tensor:
+    return ReduceScatter.apply(x, dim, sizes, tag)
+
+
+def all_to_all(x: Tensor, src: int, dst: int, src_sizes: list[int], dst_sizes: list[int], tag: str = "") -> Tensor:
+    return AllToAll.apply(x, src, dst, src_sizes, dst_sizes, tag)
+
+
+def all_reduce_coalesced(tensors: list[Tensor], tag: str = "gradients") -> None:
+    """Sum `tensors` over ranks in place with one flat all-reduce (DDP's bucket, one bucket)."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    run_collective("all_reduce", tag, dist.all_reduce, flat)
+    for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
+        t.copy_(piece.view_as(t))

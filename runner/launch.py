@@ -1,0 +1,292 @@
+"""Per-rank entry: train one plan over torch.distributed (HAP §3: every device runs the same program Q).
+
+Run under `torchrun` (or let `hap run PLAN.json` start it for you):
+
+    torchrun --standalone --nproc-per-node=4 -m runner.launch plan.json --steps 5 --verify
+    torchrun --standalone --nproc-per-node=2 -m runner.launch plan.json --steps 20 \\
+        --speeds 1,0.5 --timing --metrics metrics.jsonl
+
+Two nodes (run on each, `--node-rank` 0 and 1):
+
+    torchrun --nnodes=2 --nproc-per-node=4 --node-rank=0 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 -m runner.launch plan.json --steps 100
+
+Order of work in `run`: read the launch environment, refuse a plan made for another world size,
+start the process group (NCCL on CUDA with device cuda:LOCAL_RANK, gloo on CPU, always with a
+timeout), build the rank's program and parameter slices, train, write metrics, optionally verify
+against single-device training on rank 0.
+
+Fault injection (for tests of failure handling): `HAP_RUNNER_FAULT=RANK:STEP` makes rank RANK
+exit with status 1 at the start of step STEP, without any cleanup, as a crashed process would;
+`HAP_RUNNER_FAULT=RANK:STEP:kill` makes it SIGKILL itself instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.errors import HapError
+from engine.plan import Plan
+
+from .timing import Pacer, parse_speeds
+from .train import GRAD_SYNC, RankState, make_batch, setup_rank, train_step
+from .verify import verify
+
+FAULT_ENV = "HAP_RUNNER_FAULT"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What to run; one per launch, identical on every rank."""
+
+    plan: str
+    """Path of the plan JSON (from `hap plan --out`)."""
+    steps: int = 5
+    """Optimizer steps to run."""
+    verify: bool = False
+    """Rank 0 re-runs the steps on one device and compares losses and final parameters."""
+    metrics: str | None = None
+    """JSON-lines file: one record per step and rank."""
+    seed: int = 0
+    """Seed of the model initialisation and of the batches (the same on every rank)."""
+    optimizer: str = "sgd"
+    """`sgd` or `adam`."""
+    lr: float = 0.05
+    """Learning rate."""
+    speeds: str | None = None
+    """Emulated speed factor per rank, e.g. `1,1,0.5,0.5` (see runner.timing)."""
+    timing: bool = False
+    """Record per-instruction compute and communication seconds in the metrics."""
+    grad_sync: str = "bucket"
+    """`bucket` (one all-reduce of all Full parameters' gradients) or `per-param` (see runner.train.GRAD_SYNC)."""
+    timeout_s: float = 120.0
+    """Process-group timeout: a collective waiting longer than this fails instead of hanging."""
+    save_params: str | None = None
+    """Rank 0 writes the final parameters, gathered to full shape, here (`torch.save`)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"--optimizer must be sgd or adam, got '{self.optimizer}'")
+        if not self.lr > 0:
+            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if self.grad_sync not in GRAD_SYNC:
+            raise ValueError(f"--grad-sync must be {' or '.join(GRAD_SYNC)}, got '{self.grad_sync}'")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the launch, as torchrun (or a Slurm script) sets it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @staticmethod
+    def from_environ(env: Mapping[str, str] = os.environ) -> "DistEnv":
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)} not set: runner.launch runs under torchrun; "
+                             "start it with `hap run PLAN.json` or `torchrun --nproc-per-node=N -m runner.launch PLAN.json`")
+        world = int(env["WORLD_SIZE"])
+        return DistEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])),
+                       int(env.get("LOCAL_WORLD_SIZE", world)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hap run", description="Train a plan over torch.distributed "
+                                "(starts torchrun on this machine unless RANK and WORLD_SIZE are already set by torchrun or a Slurm script).")
+    p.add_argument("plan", help="plan JSON from `hap plan --out`")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
+    p.add_argument("--verify", action="store_true", help="compare losses and final parameters with single-device training")
+    p.add_argument("--metrics", metavar="FILE", help="write JSON-lines metrics, one record per step and rank")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches (default 0)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--speeds", metavar="F,F,..", help="emulated speed factor per rank in (0, 1], e.g. 1,1,0.5,0.5")
+    p.add_argument("--timing", action="store_true", help="record per-instruction compute and communication times")
+    p.add_argument("--grad-sync", choices=list(GRAD_SYNC), default="bucket",
+                   help="all-reduce Full parameters' gradients in one bucket after backward (default) or one per parameter during backward")
+    p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0, metavar="S",
+                   help="fail a collective that waits longer than S seconds (default 120)")
+    p.add_argument("--save-params", metavar="FILE", help="rank 0 saves the final gathered parameters (torch.save)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return RunConfig(**vars(args))
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+def load_plan(path: str, world_size: int) -> Plan:
+    """The plan, refused unless it was made for exactly `world_size` devices."""
+    plan = Plan.from_json(path)
+    if plan.world_size != world_size:
+        devices = ", ".join(plan.device_names)
+        raise ValueError(f"plan '{path}' is for {plan.world_size} devices ({devices}) but this launch has "
+                         f"WORLD_SIZE={world_size}; launch {plan.world_size} processes "
+                         f"(e.g. torchrun --nproc-per-node={plan.world_size}) or plan for {world_size} devices")
+    if "zoo" not in plan.graph.origin:
+        raise ValueError(f"plan '{path}' is for a model captured from user code ({plan.graph.name}); "
+                         "the runner rebuilds zoo models only (zoo:mlp, zoo:gpt)")
+    return plan
+
+
+def check_inputs(cfg: RunConfig, world_size: int) -> Plan:
+    """Everything about the inputs that can fail, checked before any process group starts."""
+    plan = load_plan(cfg.plan, world_size)
+    if cfg.speeds:
+        parse_speeds(cfg.speeds, world_size)
+    for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
+    return plan
+
+
+def pick_device(local_rank: int) -> tuple[str, torch.device]:
+    """NCCL on this rank's GPU when CUDA is present, else gloo on CPU."""
+    if torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"LOCAL_RANK={local_rank} but this machine shows {torch.cuda.device_count()} GPUs; "
+                             "launch at most one process per GPU (torchrun --nproc-per-node)")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        return "nccl", device
+    return "gloo", torch.device("cpu")
+
+
+def init_distributed(env: DistEnv, backend: str, timeout_s: float, init_method: str | None = None) -> None:
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=env.rank,
+                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+
+
+def apply_cpu_threads(env: DistEnv, emulating: bool) -> None:
+    """One intra-op thread per rank when emulating speeds (see runner.timing), else a fair share of cores."""
+    if emulating:
+        torch.set_num_threads(1)
+    elif "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+
+
+def make_pacer(cfg: RunConfig, env: DistEnv, device: torch.device) -> Pacer:
+    speed = parse_speeds(cfg.speeds, env.world_size)[env.rank] if cfg.speeds else 1.0
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    return Pacer(speed, record=cfg.timing, sync=sync)
+
+
+class MetricsFile:
+    """JSON lines appended by every rank; each record is one `write` on an O_APPEND descriptor."""
+
+    def __init__(self, path: str | None, rank: int) -> None:
+        self.fd = None
+        if path:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if rank == 0 else 0)
+            self.fd = os.open(path, flags, 0o644)
+
+    def write(self, record: dict) -> None:
+        if self.fd is not None:
+            os.write(self.fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def maybe_inject_fault(rank: int, step: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    kill = spec.endswith(":kill")
+    if not spec or spec.removesuffix(":kill") != f"{rank}:{step}":
+        return
+    print(f"rank {rank}: {FAULT_ENV}={spec}: {'SIGKILL' if kill else 'exit(1)'} at step {step}", file=sys.stderr, flush=True)
+    if kill:
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(1)
+
+
+def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metrics: MetricsFile) -> RankState:
+    st = setup_rank(plan, env.rank, cfg.seed, cfg.optimizer, cfg.lr, device=device, probes=cfg.timing,
+                    grad_sync=cfg.grad_sync)
+    pacer = make_pacer(cfg, env, device).install()
+    try:
+        for step in range(cfg.steps):
+            maybe_inject_fault(env.rank, step)
+            loss = train_step(plan, st, env.rank, make_batch(plan, step, cfg.seed, device), pacer)
+            record = {"step": step, "rank": env.rank, "loss": loss, "step_time_s": st.step_times[-1],
+                      "speed": pacer.speed, **pacer.last}
+            metrics.write(record)
+            if env.rank == 0:
+                print(f"step {step:4d}  loss {loss:.6f}  {st.step_times[-1] * 1e3:8.2f} ms", flush=True)
+    finally:
+        pacer.uninstall()
+    return st
+
+
+def run(cfg: RunConfig, env: DistEnv, init_method: str | None = None) -> int:
+    """Train (and verify) on this rank; the exit status (0 ok, 1 verification failed, 2 bad input)."""
+    try:
+        plan = check_inputs(cfg, env.world_size)
+        backend, device = pick_device(env.local_rank)
+        metrics = MetricsFile(cfg.metrics, env.rank)
+    except (HapError, ValueError, OSError) as e:
+        print(f"hap run: error: {e}", file=sys.stderr)
+        return 2
+    if device.type == "cpu":
+        apply_cpu_threads(env, emulating=bool(cfg.speeds))
+    init_distributed(env, backend, cfg.timeout_s, init_method)
+    try:
+        dist.barrier()  # rank 0 has truncated the metrics file before anyone appends
+        if env.rank == 0:
+            print(f"hap run: {plan.strategy} plan of {plan.graph.name} on {env.world_size} ranks ({backend}), "
+                  f"{cfg.steps} steps, {cfg.optimizer} lr {cfg.lr}", flush=True)
+        st = train(plan, cfg, env, device, metrics)
+        return verify(plan, cfg, st, env.rank, device)
+    finally:
+        metrics.close()
+        dist.destroy_process_group()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = parse_args(argv)
+    try:
+        env = DistEnv.from_environ()
+    except ValueError as e:
+        print(f"hap run: error: {e}", file=sys.stderr)
+        return 2
+    return run(cfg, env)
+
+
+def exit_process(status: int) -> None:
+    """Flush and leave without interpreter finalisation.
+
+    gloo worker threads may still hold the last reference to a Python-owned tensor of the last
+    collective; releasing it needs the GIL, and a thread that asks for the GIL during
+    finalisation is cancelled, which aborts the process ("terminate called without an active
+    exception", seen here on torch 2.13 under load). Nothing is left to finalise after `run`.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+if __name__ == "__main__":
+    exit_process(main())

@@ -1,0 +1,186 @@
+"""Measured timeline of one rank, and emulated device speed (for heterogeneity on one CPU box).
+
+**Timeline.** A `Pacer` splits each training step into segments, in the order they happen:
+`compute` (attributed to the instruction that ran it), `comm` (one collective, forward or
+backward, *including the time spent waiting for slower ranks*) and `emulated` (see below). Every
+collective of `runner.collectives` reports to it; with `--timing` the rank's program also carries
+a `probe` after each compute instruction, which attributes forward time to the instruction just
+finished and backward time to the instruction whose gradient is being computed (the autograd
+engine runs a CPU backward on the calling thread, highest sequence number first, so the backward
+of one instruction runs between its probe and the next event). Phases: `fwd`, `bwd`, `step`
+(gradient all-reduce and optimizer step). This is the measured counterpart of the plan's stage
+records (HAP §3.2: a stage is a collective plus the computation up to the next one).
+
+**Emulated speed.** A rank of speed factor f (0 < f <= 1) must take 1/f times as long for every
+computation. The pacer measures the computation the rank actually did since the last
+collective and, just before the next collective (and at the end of the step), sleeps
+(1/f - 1) x that time. No communication happens inside such a window, so this is the same as
+stretching every compute instruction, forward and backward, but costs one sleep per stage
+instead of one per instruction. Computation is measured as CPU time of the calling thread
+(`time.thread_time`): on a CPU box shared by several ranks the wall time of a computation
+includes waiting for a core, the CPU time does not, and sleeping leaves the cores to the other
+ranks. Hence the launcher pins one intra-op thread per rank on CPU. On CUDA the pacer
+synchronises the device at each boundary and uses wall time.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+
+from . import collectives
+
+OTHER = "(other)"
+_active: "Pacer | None" = None
+
+
+class Pacer:
+    """Timeline recorder and speed emulator of one rank for one run; `install()` it before training."""
+
+    def __init__(self, speed: float = 1.0, *, record: bool = False, sync: Callable[[], None] | None = None) -> None:
+        if not 0 < speed <= 1:
+            raise ValueError(f"speed factor must be in (0, 1], got {speed}")
+        self.speed, self.stretch, self.record = speed, 1.0 / speed - 1.0, record
+        self.sync = sync if (record or self.stretch > 0) else None
+        self.work_clock = time.thread_time if sync is None else time.perf_counter
+        self.phase, self.segments = "fwd", []
+        self.totals = {"compute": 0.0, "comm": 0.0, "emulated": 0.0}
+        self._t0 = self._open = time.perf_counter()
+        self._work0 = self.work_clock()
+        self._owner = OTHER
+        self.last: dict[str, Any] = {}
+        """The summary of the last finished step (`end_step`)."""
+
+    def install(self) -> "Pacer":
+        global _active
+        _active = self
+        collectives.set_observer(self)
+        return self
+
+    def uninstall(self) -> None:
+        global _active
+        _active = None
+        collectives.set_observer(None)
+
+    # --- step structure ---------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._sync()
+        self.phase, self.segments, self._owner = "fwd", [], OTHER
+        self.totals = dict.fromkeys(self.totals, 0.0)
+        self._t0 = self._open = time.perf_counter()
+        self._work0 = self.work_clock()
+
+    def set_phase(self, phase: str) -> None:
+        self._close("compute", self._owner)
+        self.phase, self._owner = phase, OTHER
+
+    def end_step(self) -> dict[str, Any]:
+        """Pay the last stage's emulated time; the step's totals (and timeline with `record`)."""
+        self._pay()
+        self._close("compute", self._owner)
+        out: dict[str, Any] = {f"{k}_s": v for k, v in self.totals.items()}
+        if self.record:
+            out["timeline"] = self.segments
+        self.last = out
+        return out
+
+    # --- events -----------------------------------------------------------------------------
+    @contextmanager
+    def comm(self, name: str, tag: str) -> Iterator[None]:
+        self._pay()
+        self._close("compute", self._owner)
+        try:
+            yield
+        finally:
+            self._close("comm", f"{name}({tag})" if tag else name)
+            self._owner, self._work0 = OTHER, self.work_clock()
+
+    def instruction_done(self, label: str) -> None:
+        """Forward: the time since the last event was this instruction's."""
+        self._close("compute", label)
+        self._owner = OTHER
+
+    def instruction_backward(self, label: str) -> None:
+        """Backward: what runs from now until the next event is this instruction's backward."""
+        self._close("compute", self._owner)
+        self._owner = label
+
+    # --- internals --------------------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.sync is not None:
+            self.sync()
+
+    def _pay(self) -> None:
+        """Sleep (1/f - 1) x the computation since the last collective ended."""
+        if self.stretch <= 0:
+            return
+        self._sync()
+        self._close("compute", self._owner)
+        extra = self.stretch * (self.work_clock() - self._work0)
+        if extra > 0:
+            time.sleep(extra)
+        self._close("emulated", "")
+        self._work0 = self.work_clock()
+
+    def _close(self, kind: str, name: str) -> None:
+        if self.record or kind != "compute":
+            self._sync()
+        now = time.perf_counter()
+        dur = now - self._open
+        self.totals[kind] += dur
+        if self.record and (dur > 0 and (kind != "compute" or name != OTHER or dur > 1e-6)):
+            self.segments.append({"phase": self.phase, "kind": kind, "name": name,
+                                  "start_s": self._open - self._t0, "s": dur})
+        self._open = now
+
+
+class _Probe(torch.autograd.Function):
+    """Identity that tells the active pacer where an instruction ends (forward) or starts (backward)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, label: str) -> torch.Tensor:
+        ctx.label = label
+        if _active is not None:
+            _active.instruction_done(label)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if _active is not None:
+            _active.instruction_backward(ctx.label)
+        return g, None
+
+
+def probe(x: torch.Tensor, label: str) -> torch.Tensor:
+    return _Probe.apply(x, label)
+
+
+def speeds_from_cluster(cluster: Any) -> list[float]:
+    """Speed factor of every device: its FLOP/s relative to the fastest (the fastest gets 1.0).
+
+    `cluster` is a path, a dict or an `engine.Cluster`. A virtual device of k GPUs counts k times.
+    """
+    from engine import load_cluster
+
+    c = load_cluster(cluster)
+    rates = [d.flops_per_gpu * d.num_gpus for d in c.devices]
+    top = max(rates)
+    return [r / top for r in rates]
+
+
+def parse_speeds(text: str, world_size: int) -> list[float]:
+    """`"1,1,0.5,0.5"` -> one factor per rank (a single value applies to all ranks)."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"--speeds expects comma-separated numbers, got '{text}'") from None
+    if len(values) == 1:
+        values *= world_size
+    if len(values) != world_size:
+        raise ValueError(f"--speeds gives {len(values)} factors but the plan has {world_size} ranks")
+    bad = [v for v in values if not 0 < v <= 1]
+    if bad:
+        raise ValueError(f"--speeds factors must be in (0, 1] (1 = full speed, 0.5 = half), got {bad}")
+    return values

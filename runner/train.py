@@ -1,0 +1,159 @@
+"""The training loop of one rank, and the single-device reference it must match (verify mode).
+
+Every rank builds the single-device model from the same seed, keeps its slices of sharded
+parameters, runs its `RankProgram`, all-reduces the gradients of Full parameters (their local
+gradients are addends) and steps its optimizer on local tensors only.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from engine import zoo
+from engine.plan import Plan
+from engine.theory.core import FULL, PARTIAL
+
+from .program import RankProgram, build_rank_program, shard, sizes_of
+from .collectives import all_reduce_coalesced, gather_padded, run_collective
+from .timing import Pacer
+
+
+def build_module(plan: Plan, seed: int) -> torch.nn.Module:
+    """The single-device model the plan was made for, initialised from `seed` (zoo models only for now)."""
+    origin = plan.graph.origin
+    if "zoo" not in origin:
+        raise ValueError("the runner rebuilds zoo models only; this plan's model has no zoo origin")
+    entry = zoo.entry(origin["zoo"])
+    torch.manual_seed(seed)
+    return entry.build(entry.config_cls(**origin["config"]))
+
+
+def make_batch(plan: Plan, step: int, seed: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
+    """The global batch of one step: the same on every rank and in the reference."""
+    origin = plan.graph.origin
+    entry = zoo.entry(origin["zoo"])
+    batch = entry.example_inputs(entry.config_cls(**origin["config"]), "cpu", seed=seed * 100003 + step)
+    return tuple(t.to(device) for t in batch)
+
+
+def make_optimizer(params: list[torch.Tensor], name: str, lr: float) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr)
+    raise ValueError(f"unknown optimizer '{name}' (choose sgd or adam)")
+
+
+@dataclass
+class RankState:
+    program: RankProgram
+    params: list[torch.nn.Parameter]
+    full_params: list[bool]
+    optimizer: torch.optim.Optimizer
+    device: torch.device
+    grad_sync: str = "bucket"
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+
+
+GRAD_SYNC = ("bucket", "per-param")
+"""How Full parameters' gradients are all-reduced: `bucket`, one flat all-reduce after backward (as
+DDP does with one bucket); `per-param`, one all-reduce per parameter as soon as its gradient is
+ready during backward, the stage structure the engine's cost model predicts (`grad_all_reduce`)."""
+
+
+def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: float = 0.05, *,
+               device: torch.device | str = "cpu", probes: bool = False, grad_sync: str = "bucket") -> RankState:
+    """Build the rank's program and its local parameter slices from the seeded single-device model."""
+    if grad_sync not in GRAD_SYNC:
+        raise ValueError(f"unknown gradient sync '{grad_sync}' (choose {' or '.join(GRAD_SYNC)})")
+    device = torch.device(device)
+    program = build_rank_program(plan, rank, probes=probes)
+    module = build_module(plan, seed)
+    named = dict(module.named_parameters(remove_duplicate=False))
+    params, full = [], []
+    for node, form in program.params:
+        full_tensor = named[plan.graph[node].attrs["target"]].detach()
+        params.append(torch.nn.Parameter(shard(plan, node, form, rank, full_tensor).clone().to(device)))
+        full.append(form == FULL)
+        if form == FULL and grad_sync == "per-param":
+            params[-1].register_post_accumulate_grad_hook(_grad_all_reduce_hook(plan.graph[node].name))
+    return RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync)
+
+
+def _grad_all_reduce_hook(name: str):
+    # every rank runs the same program, so autograd reaches the parameters in the same order
+    def hook(p: torch.Tensor) -> None:
+        run_collective("all_reduce", name, dist.all_reduce, p.grad)
+    return hook
+
+
+def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...],
+               pacer: Pacer | None = None) -> float:
+    """One synchronous step; returns the global loss.
+
+    Forward, backward (each device backpropagates its addend of a Partial loss; a Full loss is
+    scaled by 1/m), one all-reduce for the gradients of Full parameters (their local gradients
+    are addends, DESIGN: semantics) carrying the loss addend along, then the optimizer step.
+    """
+    start = time.perf_counter()
+    pacer = pacer or Pacer()
+    pacer.begin_step()
+    params = iter(st.params)
+    args = [next(params) if st.program.is_param[node] else shard(plan, node, form, rank, batch[plan.graph[node].attrs["index"]])
+            for node, form in st.program.leaves]
+    st.optimizer.zero_grad(set_to_none=True)
+    loss = st.program.module(*args)
+    pacer.set_phase("bwd")
+    partial = st.program.loss_form == PARTIAL
+    (loss if partial else loss / dist.get_world_size()).backward()
+    pacer.set_phase("step")
+    value = loss.detach().reshape(1).clone()
+    sync_gradients(st, value if partial else None)
+    st.optimizer.step()
+    pacer.end_step()
+    st.losses.append(float(value))
+    st.step_times.append(time.perf_counter() - start)
+    return st.losses[-1]
+
+
+def sync_gradients(st: RankState, loss_addend: torch.Tensor | None) -> None:
+    """All-reduce the gradients of Full parameters (and the loss addend) in one flat collective."""
+    grads = []
+    for p, is_full in zip(st.params, st.full_params):
+        if is_full and st.grad_sync == "bucket":
+            if p.grad is None:  # unused on this rank: its addend is zero
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    if loss_addend is not None:
+        grads.append(loss_addend)
+    all_reduce_coalesced(grads)
+
+
+def gathered_params(plan: Plan, st: RankState) -> dict[str, torch.Tensor]:
+    """Every parameter of the plan, reassembled to its full shape (for verify mode)."""
+    out = {}
+    for (node, form), p in zip(st.program.params, st.params):
+        t = p.detach()
+        if form >= 0:
+            t = gather_padded(t.contiguous(), form, sizes_of(plan, node, form))
+        out[plan.graph[node].attrs["target"]] = t
+    return out
+
+
+def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
+                  device: torch.device | str = "cpu"):
+    """Single-device training of the same model on the same batches: losses and final parameters."""
+    module = build_module(plan, seed).to(device)
+    opt = make_optimizer(list(module.parameters()), optimizer, lr)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = module(*make_batch(plan, step, seed, device))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {k: v.detach() for k, v in module.named_parameters(remove_duplicate=False)}

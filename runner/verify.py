@@ -1,0 +1,96 @@
+"""Verify mode: the distributed run must be single-device training, to fp32 tolerance.
+
+Rank 0 re-runs the same steps on one device (same seed, same batches, same optimizer) and
+compares the global loss of every step and every parameter at the end, gathered to full shape.
+Relative differences: |a - b| / |b| for a loss; max|a - b| / max|b| over a parameter tensor (an
+element-wise ratio would blow up on entries near zero).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.plan import Plan
+
+from .train import RankState, gathered_params, reference_run
+
+if TYPE_CHECKING:
+    from .launch import RunConfig
+
+TOLERANCE = 1e-4
+"""Largest relative difference accepted in fp32 (issue: runner, verify mode)."""
+
+
+@dataclass
+class Comparison:
+    """Largest relative differences between a distributed run and the single-device reference."""
+
+    loss_rel: float
+    loss_step: int
+    param_rel: float
+    param_name: str
+    missing: list[str] = field(default_factory=list)
+    """Reference parameters the plan does not hold (not compared)."""
+
+    def ok(self, tolerance: float = TOLERANCE) -> bool:
+        return self.loss_rel <= tolerance and self.param_rel <= tolerance
+
+    def render(self, tolerance: float = TOLERANCE) -> str:
+        lines = [f"verify: largest loss relative difference      {self.loss_rel:.3e} (step {self.loss_step})",
+                 f"verify: largest parameter relative difference {self.param_rel:.3e} ({self.param_name})"]
+        if self.missing:
+            lines.append(f"verify: not in the plan, not compared: {', '.join(self.missing)}")
+        verdict = "OK" if self.ok(tolerance) else "FAILED"
+        lines.append(f"verify: {verdict} (tolerance {tolerance:.0e} relative)")
+        return "\n".join(lines)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max|a - b| / max|b| (0 for two empty tensors; inf on a shape mismatch or a NaN)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    if a.shape != b.shape:
+        return math.inf
+    if b.numel() == 0:
+        return 0.0
+    d = float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
+    return math.inf if math.isnan(d) else d
+
+
+def compare(losses: list[float], params: dict[str, torch.Tensor],
+            ref_losses: list[float], ref_params: dict[str, torch.Tensor]) -> Comparison:
+    """Largest differences; a reference parameter reached under several names (tied weights) is
+    compared once, under whichever name the plan holds."""
+    loss_rels = [rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
+    if len(losses) != len(ref_losses):
+        loss_rels.append(math.inf)
+    step = max(range(len(loss_rels)), key=loss_rels.__getitem__, default=0)
+    param_rels = {k: rel_diff(params[k], v) for k, v in ref_params.items() if k in params}
+    name = max(param_rels, key=param_rels.__getitem__, default="-")
+    held = {v.data_ptr() for k, v in ref_params.items() if k in params and v.numel()}
+    missing = sorted(k for k, v in ref_params.items() if k not in params and not (v.numel() and v.data_ptr() in held))
+    return Comparison(max(loss_rels, default=0.0), step, param_rels.get(name, 0.0), name, missing)
+
+
+def verify(plan: Plan, cfg: "RunConfig", st: RankState, rank: int, device: torch.device) -> int:
+    """Gather parameters (every rank takes part), then save and/or compare them on rank 0.
+
+    Returns the rank's exit status: 1 on rank 0 when the differences exceed the tolerance.
+    """
+    if not (cfg.verify or cfg.save_params):
+        return 0
+    params = gathered_params(plan, st)
+    if rank != 0:
+        return 0
+    if cfg.save_params:
+        torch.save({k: v.cpu() for k, v in params.items()}, cfg.save_params)
+    if not cfg.verify:
+        return 0
+    ref_losses, ref_params = reference_run(plan, cfg.steps, cfg.seed, cfg.optimizer, cfg.lr, device)
+    result = compare(st.losses, params, ref_losses, ref_params)
+    print(f"verify: {cfg.steps} steps against single-device training "
+          f"({cfg.optimizer}, lr {cfg.lr}, seed {cfg.seed})")
+    print(result.render(), flush=True)
+    return 0 if result.ok() else 1

@@ -1,0 +1,53 @@
+"""Plans for the runner tests: the engine's own, dp-even, and programs forced to use one collective."""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import engine
+from engine.cluster import Cluster
+from engine.cost import CostModel
+from engine.graph import Graph
+from engine.plan import Plan
+from engine.planner import Candidate, _make_plan
+from engine.synthesis import SearchSpace, synthesize
+
+from conftest import cluster_dict
+
+MODELS = {
+    "mlp": dict(layers=2, in_features=8, hidden=24, classes=6, batch=20),
+    "gpt": dict(layers=1, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, batch=10),
+}
+"""Small zoo configs (the GPT has no dropout); batch and widths split unevenly on every world size."""
+RATIOS = {2: [0.6, 0.4], 3: [0.5, 0.3, 0.2], 4: [0.4, 0.3, 0.2, 0.1]}
+FORCEABLE = ("all_gather.padded", "all_gather.grouped", "reduce_scatter", "all_reduce", "all_to_all")
+"""Collective keys a program can be restricted to (with the free `slice`)."""
+
+
+@lru_cache(maxsize=None)
+def graph(model: str) -> Graph:
+    return engine.load_model(f"zoo:{model}", **MODELS[model])
+
+
+def cluster(world: int) -> Cluster:
+    """One CPU device per rank with FLOP/s in the proportions of RATIOS[world]."""
+    flops = [1e10 * r / max(RATIOS[world]) for r in RATIOS[world]]
+    return engine.load_cluster(cluster_dict(flops, name=f"cpu_{world}_uneven"))
+
+
+def engine_plan(model: str, world: int) -> Plan:
+    return engine.plan(graph(model), cluster(world), optimizer="sgd")
+
+
+def dp_even_plan(model: str, world: int) -> Plan:
+    return engine.evaluate(graph(model), cluster(world), "dp-even", optimizer="sgd")
+
+
+def forced_plan(model: str, world: int, collective: str) -> Plan:
+    """The cheapest program whose only communication is `collective` (and free slices), at RATIOS[world]."""
+    g, c, ratios = graph(model), cluster(world), RATIOS[world]
+    res = synthesize(g, CostModel(g, c, ratios, "sgd"), space=SearchSpace(collectives=frozenset({collective, "slice"})))
+    return _make_plan("hap", g, c, Candidate(res.program, ratios, res.cost), "sgd", [], {})
+
+
+def collectives_of(plan: Plan) -> set[str]:
+    return {ins.rule for ins in plan.program if ins.kind == "comm"}
