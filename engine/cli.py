@@ -9,7 +9,6 @@ Bad input exits with status 2 and one line naming the problem, never a traceback
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import Any, Sequence
 

@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import sys
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping, Sequence

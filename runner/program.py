@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engine.graph import Graph, Node
 from engine.plan import Plan
-from engine.program import COMM, COMPUTE, LOAD, Instruction
+from engine.program import COMM, LOAD, Instruction
 from engine.theory.core import FULL, PARTIAL
 
 from . import collectives as C
