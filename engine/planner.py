@@ -88,11 +88,13 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     graph, cluster = _coerce(model, cluster)
     start = time.perf_counter()
     check_total_memory(graph, cluster, optimizer)
-    seeds = [c for c in (_baseline_candidate(graph, cluster, r, optimizer)
-                         for r in (proportional_ratios(cluster), even_ratios(cluster))) if c is not None]
+    baselines = {"dp-proportional": _baseline_candidate(graph, cluster, proportional_ratios(cluster), optimizer),
+                 "dp-even": _baseline_candidate(graph, cluster, even_ratios(cluster), optimizer)}
+    seeds = [c for c in baselines.values() if c is not None]
     best = min(seeds, key=lambda c: c.cost, default=None)
     history: list[dict[str, Any]] = []
-    stats = {"expanded": 0, "generated": 0, "optimal": True, "iterations": 0}
+    stats = {"expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
+             "baselines_s": {k: None if c is None else c.cost for k, c in baselines.items()}}
     ratios, incumbent, seen = proportional_ratios(cluster), (seeds[0].program if seeds else None), set()
     for it in range(max_iterations):
         left = None if time_budget_s is None else max(0.05, time_budget_s - (time.perf_counter() - start))
