@@ -188,6 +188,9 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
     if opname == "broadcast_tensors":
         b.multi[fx.name] = _broadcast_aliases(fx, b)
         return
+    if opname in _SPLITS:
+        b.multi[fx.name] = _SPLITS[opname](_Ctx(fx, b, seg, src, (), ""))
+        return
     val = fx.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise _Unsupported(f"aten.{opname} (non-tensor output)")
@@ -380,6 +383,89 @@ _HANDLERS: dict[str, Callable[[_Ctx], int]] = {
     "scaled_dot_product_attention": _h_sdpa, "cross_entropy_loss": _h_cross_entropy, "mse_loss": _h_mse,
     **{op: _h_binary for op in _BINARY}, **{op: _h_unary for op in _UNARY}, **{op: _h_view for op in _VIEWS},
 }
+
+
+# --- shape operators (engine/theory/shape.py) ------------------------------------------------
+def _h_cat(c: _Ctx) -> int:
+    parts = [c.node(t) for t in c.fx.args[0]]
+    dim = _norm_dim(_arg(c.fx, 1, "dim", 0), len(c.shape))
+    return c.emit("cat", [p.id for p in parts], {"dim": dim})
+
+
+def _h_slice(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(_arg(c.fx, 1, "dim", 0), x.rank)
+    start, end, step = _arg(c.fx, 2, "start"), _arg(c.fx, 3, "end"), _arg(c.fx, 4, "step", 1)
+    size = x.shape[dim]
+    start, end, _ = slice(start, end, step).indices(size)
+    if c.shape == x.shape:
+        return c.emit("identity", [x.id])
+    return c.emit("narrow", [x.id], {"dim": dim, "start": start, "end": max(start, end), "step": int(step)})
+
+
+def _h_narrow(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(c.fx.args[1], x.rank)
+    start = c.fx.args[2] + (x.shape[dim] if c.fx.args[2] < 0 else 0)
+    return c.emit("narrow", [x.id], {"dim": dim, "start": start, "end": start + c.fx.args[3], "step": 1})
+
+
+def _h_select(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(c.fx.args[1], x.rank)
+    index = c.fx.args[2] + (x.shape[dim] if c.fx.args[2] < 0 else 0)
+    return c.emit("select", [x.id], {"dim": dim, "index": index})
+
+
+def _h_expand(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    if x.shape == c.shape:
+        return c.emit("identity", [x.id])
+    return c.emit("expand", [x.id], {"shape": list(c.shape)})
+
+
+def _split_pieces(c: _Ctx, dim: int, sizes: list[int]) -> list[int]:
+    """One `narrow` node per piece of a split along `dim` (getitem then picks its piece)."""
+    x = c.node(c.fx.args[0])
+    shape, out, start = list(x.shape), [], 0
+    for i, size in enumerate(sizes):
+        shape[dim] = size
+        attrs = {"dim": dim, "start": start, "end": start + size, "step": 1}
+        out.append(c.b.add(f"{c.fx.name}_{i}", "narrow", [x.id], tuple(shape), x.dtype, attrs, 0.0, c.seg, c.src))
+        start += size
+    return out
+
+
+def _m_split(c: _Ctx) -> list[int]:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(_arg(c.fx, 2, "dim", 0), x.rank)
+    arg = c.fx.args[1]
+    if c.fx.target._opname == "chunk":
+        step = -(-x.shape[dim] // int(arg))
+        sizes = [min(step, x.shape[dim] - s) for s in range(0, x.shape[dim], step)]
+    elif isinstance(arg, int):
+        sizes = [min(arg, x.shape[dim] - s) for s in range(0, x.shape[dim], arg)]
+    else:
+        sizes = [int(s) for s in arg]
+    return _split_pieces(c, dim, sizes)
+
+
+def _m_unbind(c: _Ctx) -> list[int]:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(_arg(c.fx, 1, "dim", 0), x.rank)
+    shape = x.shape[:dim] + x.shape[dim + 1:]
+    return [c.b.add(f"{c.fx.name}_{i}", "select", [x.id], shape, x.dtype, {"dim": dim, "index": i}, 0.0, c.seg, c.src)
+            for i in range(x.shape[dim])]
+
+
+_HANDLERS.update({
+    "cat": _h_cat, "concat": _h_cat, "slice": _h_slice, "narrow": _h_narrow, "select": _h_select,
+    "expand": _h_expand, "broadcast_to": _h_expand,
+})
+_SPLITS: dict[str, Callable[[_Ctx], list[int]]] = {
+    "split": _m_split, "split_with_sizes": _m_split, "chunk": _m_split, "unbind": _m_unbind,
+}
+"""Multi-output operators: each output becomes its own node, picked by the `getitem` that follows."""
 
 
 def load_model(model: Any, example_inputs: tuple | dict | None = None, **knobs: Any) -> Graph:

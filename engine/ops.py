@@ -58,7 +58,23 @@ def run_node(node: Node, graph: Graph, inputs: Sequence[Tensor], out_shape: Sequ
         return F.cross_entropy(inputs[0], inputs[1], reduction="sum") / a["count"]
     if op == "mse_loss":
         return F.mse_loss(inputs[0], inputs[1], reduction="sum") / a["count"]
+    if op in _SHAPE:
+        return _SHAPE[op](node, inputs, out_shape)
     raise NotImplementedError(f"no executor for operator '{op}' (node {node.name})")
+
+
+def _narrow(x: Tensor, a: dict) -> Tensor:
+    index = [slice(None)] * a["dim"] + [slice(a["start"], a["end"], a.get("step", 1))]
+    return x[tuple(index)]
+
+
+_SHAPE: dict[str, Callable[[Node, Sequence[Tensor], Sequence[int]], Tensor]] = {
+    "cat": lambda n, xs, s: torch.cat(list(xs), n.attrs["dim"]),
+    "narrow": lambda n, xs, s: _narrow(xs[0], n.attrs),
+    "select": lambda n, xs, s: xs[0].select(n.attrs["dim"], n.attrs["index"]),
+    "expand": lambda n, xs, s: xs[0].expand(tuple(s)),
+}
+"""Shape operators; `expand` takes the local output shape (a device expands to its own rows)."""
 
 
 def _binary(node: Node, inputs: Sequence[Tensor]) -> Tensor:

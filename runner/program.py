@@ -165,7 +165,22 @@ def _mean_loss(fn: Callable) -> Callable:
     return emit
 
 
+def _narrow(x: torch.Tensor, dim: int, start: int, end: int, step: int) -> torch.Tensor:
+    """Rows start:end:step of dim (a slice of the local tensor; dim is never the sharded one)."""
+    return x[(slice(None),) * dim + (slice(start, end, step),)]
+
+
+_SHAPE_EMITTERS: dict[str, Callable[..., fx.Node]] = {
+    "cat": lambda g, n, gr, a, s: g.call_function(torch.cat, (list(a), n.attrs["dim"])),
+    "narrow": lambda g, n, gr, a, s: g.call_function(_narrow, (a[0], n.attrs["dim"], n.attrs["start"], n.attrs["end"],
+                                                               n.attrs.get("step", 1))),
+    "select": lambda g, n, gr, a, s: g.call_function(torch.select, (a[0], n.attrs["dim"], n.attrs["index"])),
+    "expand": lambda g, n, gr, a, s: g.call_method("expand", (a[0], tuple(s))),
+}
+"""Shape operators; `expand` expands to the local shape (a device's own rows of a broadcast dim)."""
+
 _EMITTERS: dict[str, Callable[..., fx.Node]] = {
+    **_SHAPE_EMITTERS,
     "identity": _identity,
     "gelu": lambda g, n, gr, a, s: g.call_function(F.gelu, tuple(a), {"approximate": n.attrs.get("approximate", "none")}),
     "dropout": lambda g, n, gr, a, s: g.call_function(F.dropout, (a[0], n.attrs["p"], n.attrs["train"])),

@@ -69,7 +69,7 @@ def test_every_captured_op_has_rules(model: str) -> None:
 def test_every_op_capture_can_emit_is_registered() -> None:
     emitted = set(capture_mod._UNARY.values()) | set(capture_mod._BINARY) | {
         "view", "identity", "permute", "linear", "matmul", "softmax", "log_softmax", "sum", "mean", "layer_norm",
-        "embedding", "sdpa", "cross_entropy", "mse_loss"}
+        "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -96,8 +96,12 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "sdpa": ([(2, 3, 4), (2, 5, 4), (2, 5, 4)], {"is_causal": False, "scale": None}),
     "cross_entropy": ([((4, 5), "float64"), ((4,), "int64")], {"count": 4}),
     "mse_loss": ([(4, 5), (4, 5)], {"count": 20}),
+    "cat": ([(2, 3), (2, 4)], {"dim": 1}),
+    "narrow": ([(4, 5)], {"dim": 1, "start": 1, "end": 5, "step": 2}),
+    "select": ([(4, 5)], {"dim": 0, "index": 3}),
+    "expand": ([(1, 5)], {"shape": [4, 5]}),
 }
-VIEW_SHAPES = {"view": (3, 4)}
+VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5)}
 
 
 @pytest.mark.parametrize("op", registered_ops())
