@@ -22,7 +22,11 @@ from .graph import Graph, Node
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
           "exp": "exp", "neg": "neg", "dropout": "dropout", "clone": "identity", "contiguous": "identity",
           "alias": "identity", "_to_copy": "identity", "to": "identity", "rsqrt": "rsqrt", "sqrt": "sqrt"}
-_BINARY = {"add", "sub", "mul", "div"}
+_BINARY = {"add", "sub", "mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow"}
+_BINARY_ALIASES = {"__and__": "logical_and", "bitwise_and": "logical_and", "__or__": "logical_or", "bitwise_or": "logical_or"}
+"""Bitwise and/or of booleans are the logical ones (other dtypes are refused)."""
+_NO_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
+"""Checks torch.export records for itself: they compute nothing."""
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"}
 _UNARY_FLOPS = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "exp": 1, "rsqrt": 1, "sqrt": 1}
 
@@ -188,6 +192,8 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
     if opname == "broadcast_tensors":
         b.multi[fx.name] = _broadcast_aliases(fx, b)
         return
+    if opname in _NO_OPS:
+        return
     if opname in _SPLITS:
         b.multi[fx.name] = _SPLITS[opname](_Ctx(fx, b, seg, src, (), ""))
         return
@@ -251,8 +257,17 @@ def _h_matmul(c: _Ctx) -> int:
     return c.emit("matmul", [a.id, bb.id], flops=2.0 * _numel(c.shape) * a.shape[-1])
 
 
+def _scalar(v: Any) -> float | int | bool:
+    """A Python scalar operand, kept an int for int tensors (arange + 0 stays int64)."""
+    return v if isinstance(v, (bool, int)) else float(v)
+
+
 def _h_binary(c: _Ctx) -> int:
     op = c.fx.target._opname
+    if op in _BINARY_ALIASES:
+        if c.dtype != "bool":
+            raise _Unsupported(f"aten.{op} of {c.dtype} tensors")
+        op = _BINARY_ALIASES[op]
     x, y = c.fx.args[0], c.fx.args[1]
     alpha = c.fx.kwargs.get("alpha", 1)
     if alpha != 1:
@@ -262,15 +277,17 @@ def _h_binary(c: _Ctx) -> int:
     if xt and yt:
         return c.emit(op, [c.tid(x), c.tid(y)], flops=flops)
     if xt:
-        return c.emit(op, [c.tid(x)], {"scalar": float(y), "scalar_first": False}, flops)
-    return c.emit(op, [c.tid(y)], {"scalar": float(x), "scalar_first": True}, flops)
+        return c.emit(op, [c.tid(x)], {"scalar": _scalar(y), "scalar_first": False}, flops)
+    if op not in ("add", "sub", "mul", "div"):
+        raise _Unsupported(f"aten.{op} with a scalar first operand")
+    return c.emit(op, [c.tid(y)], {"scalar": _scalar(x), "scalar_first": True}, flops)
 
 
 def _h_rsub(c: _Ctx) -> int:
     x, y = c.fx.args[0], c.fx.args[1]
     if isinstance(y, torch.fx.Node):
         raise _Unsupported("aten.rsub of two tensors")
-    return c.emit("sub", [c.tid(x)], {"scalar": float(y), "scalar_first": True}, _numel(c.shape))
+    return c.emit("sub", [c.tid(x)], {"scalar": _scalar(y), "scalar_first": True}, _numel(c.shape))
 
 
 def _h_unary(c: _Ctx) -> int:
@@ -281,7 +298,7 @@ def _h_unary(c: _Ctx) -> int:
     if op == "dropout":
         attrs["p"] = float(_arg(c.fx, 1, "p", 0.5))
         attrs["train"] = bool(_arg(c.fx, 2, "train", True))
-    if op == "identity" and c.fx.target._opname == "_to_copy":
+    if op == "identity" and (c.fx.target._opname == "_to_copy" or c.node(c.fx.args[0]).dtype != c.dtype):
         attrs["dtype"] = c.dtype
     return c.emit(op, [c.tid(c.fx.args[0])], attrs, _UNARY_FLOPS.get(op, 1) * _numel(c.shape))
 
@@ -338,15 +355,18 @@ def _h_layer_norm(c: _Ctx) -> int:
 
 def _h_embedding(c: _Ctx) -> int:
     w, ids = c.node(c.fx.args[0]), c.node(c.fx.args[1])
-    if len(c.fx.args) > 2 and c.fx.args[2] not in (-1, None):
-        raise _Unsupported("aten.embedding with padding_idx")
-    return c.emit("embedding", [w.id, ids.id], flops=_numel(c.shape))
+    pad = _arg(c.fx, 2, "padding_idx", -1)
+    if _arg(c.fx, 4, "sparse", False):
+        raise _Unsupported("aten.embedding with sparse gradients")
+    attrs = {} if pad in (-1, None) else {"padding_idx": _norm_dim(int(pad), w.shape[0])}  # forward unchanged; no gradient to that row
+    return c.emit("embedding", [w.id, ids.id], attrs, flops=_numel(c.shape))
 
 
 def _h_sdpa(c: _Ctx) -> int:
     q, k, v = (c.node(a) for a in c.fx.args[:3])
-    if _arg(c.fx, 3, "attn_mask") is not None:
-        raise _Unsupported("scaled_dot_product_attention with attn_mask")
+    mask = _arg(c.fx, 3, "attn_mask")
+    if c.fx.kwargs.get("enable_gqa", _arg(c.fx, 7, "enable_gqa", False)):
+        raise _Unsupported("scaled_dot_product_attention with enable_gqa")
     if float(_arg(c.fx, 4, "dropout_p", 0.0)) != 0.0:
         raise _Unsupported("scaled_dot_product_attention with dropout_p > 0")
     scale = c.fx.kwargs.get("scale", _arg(c.fx, 6, "scale"))
@@ -354,7 +374,8 @@ def _h_sdpa(c: _Ctx) -> int:
     batch = _numel(q.shape[:-2])
     tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     flops = batch * (4.0 * tq * tk * d + 5.0 * tq * tk)  # QK^T and AV matmuls plus the softmax
-    return c.emit("sdpa", [q.id, k.id, v.id], attrs, flops)
+    inputs = [q.id, k.id, v.id] + ([c.tid(mask)] if mask is not None else [])
+    return c.emit("sdpa", inputs, attrs, flops)
 
 
 def _h_cross_entropy(c: _Ctx) -> int:
@@ -466,6 +487,63 @@ _SPLITS: dict[str, Callable[[_Ctx], list[int]]] = {
     "split": _m_split, "split_with_sizes": _m_split, "chunk": _m_split, "unbind": _m_unbind,
 }
 """Multi-output operators: each output becomes its own node, picked by the `getitem` that follows."""
+
+
+# --- einsum, MoE gating and index operators (engine/theory/einsum.py, moe.py, index.py) ---------
+def _h_einsum(c: _Ctx) -> int:
+    from .theory.einsum import parse_equation
+
+    equation, operands = c.fx.args[0], [c.node(t) for t in c.fx.args[1]]
+    try:
+        ins, _ = parse_equation(equation)
+    except ValueError as e:
+        raise _Unsupported(f"aten.einsum: {e}") from None
+    sizes = {letter: s for subs, x in zip(ins, operands) for letter, s in zip(subs, x.shape)}
+    flops = (2.0 if len(operands) > 1 else 1.0) * math.prod(sizes.values())  # one multiply-add per index tuple
+    return c.emit("einsum", [x.id for x in operands], {"equation": equation.replace(" ", "")}, flops)
+
+
+def _m_topk(c: _Ctx) -> list[int]:
+    x = c.node(c.fx.args[0])
+    k = int(c.fx.args[1])
+    dim = _norm_dim(_arg(c.fx, 2, "dim", -1), x.rank)
+    attrs = {"k": k, "dim": dim, "largest": bool(_arg(c.fx, 3, "largest", True)), "sorted": bool(_arg(c.fx, 4, "sorted", True))}
+    shape = x.shape[:dim] + (k,) + x.shape[dim + 1:]
+    flops = float(x.numel) * max(1, math.ceil(math.log2(max(k, 2))))  # a selection pass per output rank bit
+    return [c.b.add(f"{c.fx.name}_{part}", f"topk_{part}", [x.id], shape, dtype, attrs, flops, c.seg, c.src)
+            for part, dtype in (("values", x.dtype), ("indices", "int64"))]
+
+
+def _h_one_hot(c: _Ctx) -> int:
+    ids = c.node(c.fx.args[0])
+    return c.emit("one_hot", [ids.id], {"num_classes": int(c.shape[-1])}, _numel(c.shape))
+
+
+def _h_cumsum(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    if c.fx.kwargs.get("dtype") is not None and c.dtype != x.dtype:
+        raise _Unsupported("aten.cumsum with a dtype change")
+    return c.emit("cumsum", [x.id], {"dim": _norm_dim(c.fx.args[1], x.rank)}, _numel(c.shape))
+
+
+def _h_gather(c: _Ctx) -> int:
+    x, idx = c.node(c.fx.args[0]), c.node(c.fx.args[2])
+    if _arg(c.fx, 3, "sparse_grad", False):
+        raise _Unsupported("aten.gather with sparse_grad")
+    return c.emit("gather", [x.id, idx.id], {"dim": _norm_dim(c.fx.args[1], x.rank)}, _numel(c.shape))
+
+
+def _h_arange(c: _Ctx) -> int:
+    nums = [a for a in c.fx.args if isinstance(a, (int, float))]
+    start, end, step = (0, nums[0], 1) if len(nums) == 1 else (nums[0], nums[1], nums[2] if len(nums) > 2 else 1)
+    return c.emit("arange", [], {"start": start, "end": end, "step": step})
+
+
+_HANDLERS.update({
+    "einsum": _h_einsum, "one_hot": _h_one_hot, "cumsum": _h_cumsum, "gather": _h_gather, "arange": _h_arange,
+    **{op: _h_binary for op in _BINARY_ALIASES},
+})
+_SPLITS["topk"] = _m_topk
 
 
 def load_model(model: Any, example_inputs: tuple | dict | None = None, **knobs: Any) -> Graph:

@@ -19,12 +19,22 @@ _UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu, "exp": torch.exp,
     "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg,
 }
-_BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+_BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "lt": torch.lt, "le": torch.le,
+    "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne, "logical_and": torch.logical_and,
+    "logical_or": torch.logical_or, "pow": torch.pow,
+}
 
 
-def run_node(node: Node, graph: Graph, inputs: Sequence[Tensor], out_shape: Sequence[int]) -> Tensor:
-    """Run `node` on (possibly sharded) local inputs; `out_shape` is the local output shape (used by views)."""
+def run_node(node: Node, graph: Graph, inputs: Sequence[Tensor], out_shape: Sequence[int],
+             offsets: Sequence[int] | None = None) -> Tensor:
+    """Run `node` on (possibly sharded) local inputs; `out_shape` is the local output shape (used by views).
+
+    `offsets[k]` is where input k's local slice starts along its sharded dim (0 when whole); only
+    the vocabulary-parallel embedding needs it (its rows are a range of the vocabulary)."""
     op, a = node.op, node.attrs
+    if op in _INDEX:
+        return _INDEX[op](node, inputs)
     if op in _UNARY:
         return _UNARY[op](inputs[0])
     if op in _BINARY:
@@ -51,9 +61,12 @@ def run_node(node: Node, graph: Graph, inputs: Sequence[Tensor], out_shape: Sequ
     if op == "layer_norm":
         return _layer_norm(node, inputs)
     if op == "embedding":
-        return F.embedding(inputs[1], inputs[0])
+        return embedding(inputs[0], inputs[1], (offsets or [0])[0], graph[node.inputs[0]].shape[0], a.get("padding_idx"))
     if op == "sdpa":
-        return F.scaled_dot_product_attention(*inputs[:3], is_causal=a["is_causal"], scale=a["scale"])
+        mask = inputs[3] if len(inputs) > 3 else None
+        return F.scaled_dot_product_attention(*inputs[:3], attn_mask=mask, is_causal=a["is_causal"], scale=a["scale"])
+    if op == "opaque":
+        return call_opaque(a, inputs)
     if op == "cross_entropy":
         return F.cross_entropy(inputs[0], inputs[1], reduction="sum") / a["count"]
     if op == "mse_loss":
@@ -100,3 +113,69 @@ def _layer_norm(node: Node, inputs: Sequence[Tensor]) -> Tensor:
     w = rest.pop(0) if a.get("has_weight") else None
     b = rest.pop(0) if a.get("has_bias") else None
     return F.layer_norm(inputs[0], a["normalized_shape"], w, b, a["eps"])
+
+
+def embedding(w: Tensor, ids: Tensor, offset: int, vocab: int, padding_idx: int | None = None) -> Tensor:
+    """Lookup of `ids` in rows [offset, offset + len(w)) of a `vocab`-row table; zeros for ids outside
+    (the vocabulary-parallel lookup: every id is inside exactly one device's range)."""
+    rows = w.shape[0]
+    pad = None if padding_idx is None or not offset <= padding_idx < offset + rows else padding_idx - offset
+    if rows == vocab:
+        return F.embedding(ids, w, padding_idx=pad)
+    inside = (ids >= offset) & (ids < offset + rows)
+    if rows == 0:
+        return w.new_zeros(tuple(ids.shape) + (w.shape[1],)) + 0.0 * w.sum()
+    local = F.embedding(torch.where(inside, ids - offset, 0), w, padding_idx=pad)
+    return local * inside.unsqueeze(-1).to(local.dtype)
+
+
+def _topk(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    a = node.attrs
+    res = torch.topk(inputs[0], a["k"], dim=a["dim"], largest=a["largest"], sorted=a["sorted"])
+    return res.values if node.op == "topk_values" else res.indices
+
+
+def _arange(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    a = node.attrs
+    return torch.arange(a["start"], a["end"], a["step"], dtype=getattr(torch, node.dtype))
+
+
+_INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
+    "einsum": lambda n, x: torch.einsum(n.attrs["equation"], *x),
+    "topk_values": _topk, "topk_indices": _topk,
+    "one_hot": lambda n, x: F.one_hot(x[0], n.attrs["num_classes"]),
+    "cumsum": lambda n, x: torch.cumsum(x[0], n.attrs["dim"]),
+    "gather": lambda n, x: torch.gather(x[0], n.attrs["dim"], x[1]),
+    "arange": _arange,
+}
+
+
+def resolve_aten(target: str) -> Callable:
+    """`"aten::name.overload"` -> the op in `torch.ops` (looked up by name: nothing is unpickled)."""
+    ns, _, qual = target.partition("::")
+    name, _, overload = qual.partition(".")
+    packet = getattr(getattr(torch.ops, ns), name)
+    return getattr(packet, overload or "default")
+
+
+def _decode(value, tensors: Sequence[Tensor], device: torch.device):
+    if isinstance(value, list):
+        return [_decode(v, tensors, device) for v in value]
+    if isinstance(value, dict):
+        (kind, v), = value.items()
+        if kind == "tensor":
+            return tensors[v]
+        if kind == "device":
+            return device
+        return getattr(torch, v)  # dtype, layout or memory_format, by name
+    return value
+
+
+def call_opaque(attrs: dict, tensors: Sequence[Tensor]) -> Tensor:
+    """Run an opaque node: its original ATen op on whole (Full) inputs (see theory/opaque.py)."""
+    device = tensors[0].device if tensors else torch.get_default_device()
+    args = _decode(attrs["args"], tensors, device)
+    kwargs = {k: _decode(v, tensors, device) for k, v in attrs["kwargs"].items()}
+    out = resolve_aten(attrs["target"])(*args, **kwargs)
+    index = attrs.get("output_index")
+    return out if index is None else out[index]

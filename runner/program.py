@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from engine import ops
 from engine.graph import Graph, Node
 from engine.plan import Plan
 from engine.program import COMM, LOAD, Instruction
@@ -24,7 +25,10 @@ from .timing import probe
 
 _UNARY: dict[str, Callable] = {"relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
                                "exp": torch.exp, "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg}
-_BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div}
+_BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+                                "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
+                                "ne": torch.ne, "logical_and": torch.logical_and, "logical_or": torch.logical_or,
+                                "pow": torch.pow}
 
 
 @dataclass
@@ -119,7 +123,16 @@ def _emit_compute(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: in
     node = plan.graph[ins.node]
     args = [env[p] for p in ins.pre]
     shape = local_shape(plan, ins.node, ins.post, rank)
+    if node.op == "embedding":
+        return _embedding(g, plan, ins, args, rank)
     return _EMITTERS.get(node.op, _emit_generic)(g, node, plan.graph, args, shape)
+
+
+def _embedding(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: int) -> fx.Node:
+    """A lookup; with the table sharded on rows (vocabulary parallel) the rank's first row is its offset."""
+    node, (w, w_form) = plan.graph[ins.node], ins.pre[0]
+    offset = sum(sizes_of(plan, w, 0)[:rank]) if w_form == 0 else 0
+    return g.call_function(ops.embedding, (args[0], args[1], offset, plan.graph[w].shape[0], node.attrs.get("padding_idx")))
 
 
 def _emit_generic(g, node: Node, graph: Graph, args, shape) -> fx.Node:
@@ -179,6 +192,27 @@ _SHAPE_EMITTERS: dict[str, Callable[..., fx.Node]] = {
 }
 """Shape operators; `expand` expands to the local shape (a device's own rows of a broadcast dim)."""
 
+
+def _topk(part: str) -> Callable[..., fx.Node]:
+    def emit(g, node, graph, args, shape):
+        a = node.attrs
+        res = g.call_function(torch.topk, (args[0], a["k"]), {"dim": a["dim"], "largest": a["largest"], "sorted": a["sorted"]})
+        return g.call_function(getattr, (res, part))
+    return emit
+
+
+_INDEX_EMITTERS: dict[str, Callable[..., fx.Node]] = {
+    "einsum": lambda g, n, gr, a, s: g.call_function(torch.einsum, (n.attrs["equation"], *a)),
+    "topk_values": _topk("values"), "topk_indices": _topk("indices"),
+    "one_hot": lambda g, n, gr, a, s: g.call_function(F.one_hot, (a[0], n.attrs["num_classes"])),
+    "cumsum": lambda g, n, gr, a, s: g.call_function(torch.cumsum, (a[0], n.attrs["dim"])),
+    "gather": lambda g, n, gr, a, s: g.call_function(torch.gather, (a[0], n.attrs["dim"], a[1])),
+    "arange": lambda g, n, gr, a, s: g.call_function(torch.arange, (n.attrs["start"], n.attrs["end"], n.attrs["step"]),
+                                                     {"dtype": getattr(torch, n.dtype)}),
+    "opaque": lambda g, n, gr, a, s: g.call_function(ops.call_opaque, (n.attrs, list(a))),
+}
+"""Einsum, MoE gating, index and opaque operators (an opaque op re-resolves its ATen target by name)."""
+
 _EMITTERS: dict[str, Callable[..., fx.Node]] = {
     **_SHAPE_EMITTERS,
     "identity": _identity,
@@ -191,9 +225,10 @@ _EMITTERS: dict[str, Callable[..., fx.Node]] = {
     "softmax": lambda g, n, gr, a, s: g.call_function(torch.softmax, (a[0], n.attrs["dim"])),
     "log_softmax": lambda g, n, gr, a, s: g.call_function(torch.log_softmax, (a[0], n.attrs["dim"])),
     "sum": _reduce, "mean": _reduce, "layer_norm": _layer_norm,
-    "embedding": lambda g, n, gr, a, s: g.call_function(F.embedding, (a[1], a[0])),
     "sdpa": lambda g, n, gr, a, s: g.call_function(F.scaled_dot_product_attention, tuple(a[:3]),
-                                                   {"is_causal": n.attrs["is_causal"], "scale": n.attrs["scale"]}),
+                                                   {"attn_mask": a[3] if len(a) > 3 else None,
+                                                    "is_causal": n.attrs["is_causal"], "scale": n.attrs["scale"]}),
+    **_INDEX_EMITTERS,
     "cross_entropy": _mean_loss(F.cross_entropy),
     "mse_loss": _mean_loss(F.mse_loss),
 }

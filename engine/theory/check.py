@@ -50,6 +50,18 @@ def _dim_sizes(node: Node, graph: Graph, r: OpRule, ratios: Sequence[float]) -> 
     return {(k, f): [u * (s // units) for u in unit_sizes] for k, f, s in linked}
 
 
+def _index_bound(node: Node, graph: Graph) -> int:
+    """Integer operands are drawn from [0, bound): the whole index range where the op has one, so a
+    vocabulary-parallel lookup meets ids of every device's range; {0, 1} otherwise (valid targets)."""
+    if node.op == "embedding":
+        return graph[node.inputs[0]].shape[0]
+    if node.op == "one_hot":
+        return node.attrs["num_classes"]
+    if node.op == "gather":
+        return graph[node.inputs[0]].shape[node.attrs["dim"]]
+    return 2
+
+
 def _random_input(x: Node, users_bound: int, gen: torch.Generator) -> torch.Tensor:
     if x.dtype.startswith("int"):
         return torch.randint(0, users_bound, x.shape, generator=gen)
@@ -71,7 +83,7 @@ def check_rule(node: Node, graph: Graph, r: OpRule, ratios: Sequence[float], see
     gen = torch.Generator().manual_seed(seed)
     m = len(ratios)
     sizes = _dim_sizes(node, graph, r, ratios)
-    full_in = [_random_input(graph[i], 2, gen) for i in node.inputs]  # ids/targets in {0, 1}: valid for any vocab
+    full_in = [_random_input(graph[i], _index_bound(node, graph), gen) for i in node.inputs]
     if node.op in _POSITIVE_DOMAIN:
         full_in = [t.abs() + 0.1 for t in full_in]
     ref = run_node(node, graph, full_in, node.shape)
@@ -81,13 +93,15 @@ def check_rule(node: Node, graph: Graph, r: OpRule, ratios: Sequence[float], see
         shape = list(node.shape)
         if r.output >= 0:
             shape[r.output] = sizes[(-1, r.output)][j]
-        outs.append(run_node(node, graph, [li[j] for li in local_in], shape))
+        offsets = [sum(sizes[(k, f)][:j]) if f >= 0 else 0 for k, f in enumerate(r.inputs)]
+        outs.append(run_node(node, graph, [li[j] for li in local_in], shape, offsets))
     err = _combine_error(ref, outs, r.output)
-    tol = 1e-9 * max(1.0, float(ref.abs().max()) if ref.numel() else 1.0)
+    tol = 1e-9 * max(1.0, float(ref.double().abs().max()) if ref.numel() else 1.0)
     return CheckResult(node.name, str(r), err <= tol, err)
 
 
 def _combine_error(ref: torch.Tensor, outs: list[torch.Tensor], form: Form) -> float:
+    ref, outs = ref.double(), [o.double() for o in outs]  # bool and int results compare as numbers
     if form == FULL:
         return max(float((o - ref).abs().max()) if ref.numel() else 0.0 for o in outs)
     try:

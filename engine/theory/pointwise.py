@@ -5,6 +5,7 @@ Rows, with why they hold:
 - P -> P for linear unary maps (neg, identity): f(sum x_i) = sum f(x_i).
 - add/sub(P, P) -> P: the sum of addends' sums is the sum's addends.
 - mul(P, F) -> P, div(P, F) -> P: scaling by a replicated factor distributes over the addends.
+- comparisons, logical and/or, pow: elementwise but not linear, so only S(d) -> S(d) and all-Full.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from ..graph import Graph, Node
 from .core import FULL, PARTIAL, OpRule, replicate, rule
 
 _LINEAR_UNARY = {"neg", "identity"}
+NONLINEAR_BINARY = ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow")
+"""Elementwise binary operators (tensor-tensor or tensor-scalar) that are not linear in any operand."""
 
 
 @rule("relu", "gelu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity", "dropout")
@@ -30,12 +33,23 @@ def _aligned_dim(out_dim: int, out_rank: int, operand: Node) -> int:
     return d
 
 
-@rule("add", "sub", "mul", "div")
-def binary_rules(node: Node, graph: Graph) -> list[OpRule]:
+def _elementwise(node: Node, graph: Graph) -> list[OpRule]:
     operands = [graph[i] for i in node.inputs]
     rules = [replicate(node)]
     for d in range(node.rank):
         rules.append(OpRule("shard", tuple(_aligned_dim(d, node.rank, x) for x in operands), d))
+    return rules
+
+
+@rule(*NONLINEAR_BINARY)
+def nonlinear_binary_rules(node: Node, graph: Graph) -> list[OpRule]:
+    return _elementwise(node, graph)
+
+
+@rule("add", "sub", "mul", "div")
+def binary_rules(node: Node, graph: Graph) -> list[OpRule]:
+    operands = [graph[i] for i in node.inputs]
+    rules = _elementwise(node, graph)
     if len(operands) == 1:
         scalar_keeps_partial = node.op in ("mul",) or (node.op == "div" and not node.attrs.get("scalar_first"))
         if scalar_keeps_partial:

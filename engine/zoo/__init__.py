@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelError
-from . import gpt, mlp
+from . import bert, bert_moe, gpt, mlp
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class ZooEntry:
 ZOO: dict[str, ZooEntry] = {
     "mlp": ZooEntry(mlp.MLPConfig, mlp.build, mlp.example_inputs),
     "gpt": ZooEntry(gpt.GPTConfig, gpt.build, gpt.example_inputs),
+    "bert": ZooEntry(bert.BertConfig, bert.build, bert.example_inputs),
+    "bert_moe": ZooEntry(bert_moe.BertMoEConfig, bert_moe.build, bert_moe.example_inputs),
 }
 
 

@@ -16,8 +16,11 @@ from conftest import cluster_dict
 MODELS = {
     "mlp": dict(layers=2, in_features=8, hidden=24, classes=6, batch=20),
     "gpt": dict(layers=1, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, batch=10),
+    "bert": dict(layers=2, hidden=16, heads=2, ffn=32, vocab=40, seq_len=8, predictions=3, batch=10),
+    "bert_moe": dict(layers=2, hidden=16, heads=2, ffn=32, vocab=40, seq_len=8, predictions=3, batch=10, experts=5),
 }
-"""Small zoo configs (the GPT has no dropout); batch and widths split unevenly on every world size."""
+"""Small zoo configs (dropout off); batch and widths split unevenly on every world size; 5 experts
+divide no world size of the tests."""
 RATIOS = {2: [0.6, 0.4], 3: [0.5, 0.3, 0.2], 4: [0.4, 0.3, 0.2, 0.1]}
 FORCEABLE = ("all_gather.padded", "all_gather.grouped", "reduce_scatter", "all_reduce", "all_to_all")
 """Collective keys a program can be restricted to (with the free `slice`)."""
