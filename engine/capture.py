@@ -58,7 +58,7 @@ def _shape(t: torch.Tensor) -> tuple[int, ...]:
 def _layer_of(fx_node: torch.fx.Node) -> tuple[int | None, str]:
     """The layer index (first `name.<int>` in the module path) and the module path of a node."""
     stack = fx_node.meta.get("nn_module_stack") or {}
-    path = list(stack.values())[-1][0] if stack else ""
+    path = list(stack.values())[-1][0].removeprefix(_WRAPPED) if stack else ""
     m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)
     return (int(m.group(1)) if m else None), path
 
@@ -85,15 +85,53 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.
                          "(make forward() free of data-dependent Python control flow)") from e
 
 
+FALLBACKS = (None, "replicate")
+"""What capture does with an operator it has no rule for: refuse it (None), or keep it as an opaque
+node that only runs unsharded (`replicate`, see theory/opaque.py)."""
+
+
+def loss_of(output: Any) -> Any:
+    """The training loss in a model's output: the output itself, its `.loss` field (Hugging Face
+    `ModelOutput`), a `"loss"` key, or the first element of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    return loss
+
+
+class LossOf(torch.nn.Module):
+    """Wraps a model so that its forward returns only the loss (drops caches and logits from the
+    outputs torch.export must flatten, e.g. a transformers `DynamicCache`)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return loss_of(self.inner(*args, **kwargs))
+
+
+_WRAPPED = "inner."
+
+
 def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str = "model",
-            origin: dict[str, Any] | None = None) -> Graph:
-    """Trace `module` on `example_inputs` (positional tuple or keyword dict) into a Graph."""
+            origin: dict[str, Any] | None = None, fallback: str | None = None) -> Graph:
+    """Trace `module` on `example_inputs` (positional tuple or keyword dict) into a Graph.
+
+    The loss is the model's output or its `.loss` field. `fallback="replicate"` keeps operators
+    that have no rule as opaque all-Full nodes instead of refusing the model."""
+    if fallback not in FALLBACKS:
+        raise ModelError(f"fallback {fallback!r} is not known (choose 'replicate' or leave it unset)")
     args, kwargs = (tuple(), dict(example_inputs)) if isinstance(example_inputs, dict) else (tuple(example_inputs), {})
-    ep = export_program(module, args, kwargs)
-    return _to_graph(ep, name=name, origin=origin or {})
+    ep = export_program(LossOf(module), args, kwargs)
+    return _to_graph(ep, name=name, origin=origin or {}, fallback=fallback)
 
 
-def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, Any]) -> Graph:
+def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, Any], fallback: str | None = None) -> Graph:
     specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
     b = _Builder()
     unsupported: list[str] = []
@@ -106,15 +144,17 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
             spec = specs[fx.name]
             val = fx.meta["val"]
             kind = spec.kind.name
-            if kind == "PARAMETER":
-                nid = b.add(fx.name, "parameter", [], _shape(val), _dtype(val), {"target": spec.target})
+            if kind in ("PARAMETER", "BUFFER"):
+                op = "parameter" if kind == "PARAMETER" else "buffer"
+                nid = b.add(fx.name, op, [], _shape(val), _dtype(val), {"target": spec.target.removeprefix(_WRAPPED)})
             elif kind == "USER_INPUT":
                 if not isinstance(val, torch.Tensor):
                     continue
                 nid = b.add(fx.name, "placeholder", [], _shape(val), _dtype(val), {"index": user_index, "name": fx.name})
                 user_index += 1
             else:
-                unsupported.append(f"{kind.lower()} '{spec.target}' (buffers and constants are not supported yet)")
+                unsupported.append(f"{kind.lower()} '{spec.target}' (tensor constants made in forward are not "
+                                   "supported: register them as buffers)")
                 continue
             b.ids[fx.name] = nid
             pending_leaves.append((fx, nid))
@@ -128,9 +168,13 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
         try:
             _lower(fx, b, segment, _source(fx, path))
         except _Unsupported as u:
-            unsupported.append(f"{u} at node '{fx.name}' ({_source(fx, path)})")
+            if fallback == "replicate" and _opaque(fx, b, segment, _source(fx, path)):
+                continue
+            if not isinstance(u, _Downstream):
+                unsupported.append(f"{u} at node '{fx.name}' ({_source(fx, path)})")
     if unsupported:
-        raise UnsupportedOpError(f"{len(unsupported)} unsupported operator(s): " + "; ".join(unsupported))
+        hint = "" if fallback else " (fallback='replicate', or --fallback replicate, runs them unsharded)"
+        raise UnsupportedOpError(f"{len(unsupported)} unsupported operator(s){hint}: " + "; ".join(unsupported))
     if loss is None:
         raise ModelError("the model's forward must return the scalar training loss (or a tuple/object whose first output is it)")
     nodes = _place_leaves(b.nodes)
@@ -139,6 +183,10 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
 
 class _Unsupported(Exception):
     pass
+
+
+class _Downstream(_Unsupported):
+    """An operand was itself not captured: not reported (its root cause is)."""
 
 
 def _find_loss(fx_out: torch.fx.Node, b: _Builder) -> int | None:
@@ -157,7 +205,7 @@ def _place_leaves(nodes: list[Node]) -> list[Node]:
     for n in nodes:
         for i in n.inputs:
             first_use.setdefault(i, n.segment)
-    return [Node(**{**n.__dict__, "segment": first_use.get(n.id, 0)}) if n.op == "parameter" else n for n in nodes]
+    return [Node(**{**n.__dict__, "segment": first_use.get(n.id, 0)}) if n.op in ("parameter", "buffer") else n for n in nodes]
 
 
 def _prune(nodes: list[Node], loss: int, name: str, origin: dict[str, Any]) -> Graph:
@@ -185,7 +233,7 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
     if fx.target is operator.getitem:
         parts = b.multi.get(getattr(fx.args[0], "name", ""))
         if parts is None:
-            raise _Unsupported("getitem (multi-output operator)")
+            raise _Downstream(f"getitem of {fx.args[0]}")
         b.ids[fx.name] = parts[fx.args[1]]
         return
     opname = fx.target._opname if hasattr(fx.target, "_opname") else str(fx.target)
@@ -222,7 +270,9 @@ class _Ctx:
         self.fx, self.b, self.seg, self.src, self.shape, self.dtype = fx, b, seg, src, shape, dtype
 
     def tid(self, a: Any) -> int:
-        if not isinstance(a, torch.fx.Node) or a.name not in self.b.ids:
+        if isinstance(a, torch.fx.Node) and a.name not in self.b.ids:
+            raise _Downstream(f"operand {a.name} of {self.fx.name}")
+        if not isinstance(a, torch.fx.Node):
             raise _Unsupported(f"operand {a!r} of {self.fx.name}")
         return self.b.ids[a.name]
 
@@ -248,6 +298,15 @@ def _h_linear(c: _Ctx) -> int:
         return c.emit("linear", [x, w], flops=flops)
     mm = c.emit("linear", [x, w], flops=flops, name=c.fx.name + "_mm")
     return c.emit("add", [mm, c.tid(bias)], flops=_numel(c.shape))
+
+
+def _h_addmm(c: _Ctx) -> int:
+    """addmm(bias, x, w) = x @ w + bias (transformers' Conv1D): a matmul then an add, like linear."""
+    if _arg(c.fx, 3, "beta", 1) != 1 or _arg(c.fx, 4, "alpha", 1) != 1:
+        raise _Unsupported("aten.addmm with beta or alpha != 1")
+    bias, x, w = (c.node(a) for a in c.fx.args[:3])
+    mm = c.emit("matmul", [x.id, w.id], flops=2.0 * _numel(c.shape) * x.shape[-1], name=c.fx.name + "_mm")
+    return c.emit("add", [mm, bias.id], flops=_numel(c.shape))
 
 
 def _h_matmul(c: _Ctx) -> int:
@@ -379,6 +438,9 @@ def _h_sdpa(c: _Ctx) -> int:
 
 
 def _h_cross_entropy(c: _Ctx) -> int:
+    """Mean cross-entropy over all N targets: the count N is fixed, so shards give exact addends.
+    Targets equal to `ignore_index` (-100) are assumed absent: with them, torch's mean divides by
+    the number of the others, a data-dependent count no static plan knows."""
     logits, target = c.node(c.fx.args[0]), c.node(c.fx.args[1])
     if _arg(c.fx, 2, "weight") is not None or float(_arg(c.fx, 5, "label_smoothing", 0.0)) != 0.0:
         raise _Unsupported("cross_entropy with class weights or label smoothing")
@@ -540,14 +602,66 @@ def _h_arange(c: _Ctx) -> int:
 
 
 _HANDLERS.update({
-    "einsum": _h_einsum, "one_hot": _h_one_hot, "cumsum": _h_cumsum, "gather": _h_gather, "arange": _h_arange,
+    "addmm": _h_addmm, "einsum": _h_einsum, "one_hot": _h_one_hot, "cumsum": _h_cumsum, "gather": _h_gather, "arange": _h_arange,
     **{op: _h_binary for op in _BINARY_ALIASES},
 })
 _SPLITS["topk"] = _m_topk
 
 
-def load_model(model: Any, example_inputs: tuple | dict | None = None, **knobs: Any) -> Graph:
-    """The one entry to get a Graph: `"zoo:NAME"` + knobs, a graph JSON path, a Graph, or a module + inputs."""
+# --- the replicate fallback (engine/theory/opaque.py) ------------------------------------------
+def _encode(value: Any, operands: list[int], b: _Builder) -> Any:
+    """A non-tensor argument as JSON (dtypes, devices, layouts by name); a tensor as its operand index."""
+    if isinstance(value, torch.fx.Node):
+        if value.name not in b.ids:
+            raise _Unsupported(f"operand {value.name}")
+        operands.append(b.ids[value.name])
+        return {"tensor": len(operands) - 1}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, operands, b) for v in value]
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return {type(value).__name__: str(value).removeprefix("torch.")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise _Unsupported(f"argument {value!r}")
+
+
+def _opaque(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> bool:
+    """Keep an ATen op with no rule as opaque node(s), one per tensor output; False if impossible."""
+    target = fx.target
+    if fx.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    operands: list[int] = []
+    try:
+        attrs = {"target": f"{target.namespace}::{target._opname}.{target._overloadname}",
+                 "args": _encode(list(fx.args), operands, b),
+                 "kwargs": {k: _encode(v, operands, b) for k, v in fx.kwargs.items()}}
+    except _Unsupported:
+        return False
+    val = fx.meta.get("val")
+    outs = list(enumerate(val)) if isinstance(val, (tuple, list)) else [(None, val)]
+    if not all(isinstance(v, torch.Tensor) for _, v in outs):
+        return False
+    ids = []
+    for index, v in outs:
+        flops = float(v.numel() + sum(b.nodes[i].numel for i in operands))  # a touch per element: a floor
+        name = fx.name if index is None else f"{fx.name}_{index}"
+        ids.append(b.add(name, "opaque", operands, _shape(v), _dtype(v), {**attrs, "output_index": index}, flops, seg, src))
+    if isinstance(val, (tuple, list)):
+        b.multi[fx.name] = ids
+    else:
+        b.ids[fx.name] = ids[0]
+    return True
+
+
+def load_model(model: Any, example_inputs: tuple | dict | None = None, *, fallback: str | None = None,
+               **knobs: Any) -> Graph:
+    """The one entry to get a Graph: `"zoo:NAME"` + knobs, a graph JSON path, a Graph, or a module + inputs.
+
+    A module may be any `torch.nn.Module`, e.g. a transformers model built from a config (on the
+    meta device: no weight is allocated); `example_inputs` is a tuple of positional tensors or a
+    dict of keyword tensors. `fallback="replicate"` plans operators with no rule unsharded."""
     from . import zoo
 
     if isinstance(model, Graph):
@@ -555,7 +669,8 @@ def load_model(model: Any, example_inputs: tuple | dict | None = None, **knobs: 
     if isinstance(model, torch.nn.Module):
         if example_inputs is None:
             raise ModelError("load_model(module, example_inputs): example_inputs are required for a module")
-        return capture(model, example_inputs, name=type(model).__name__, origin={"module": type(model).__qualname__})
+        return capture(model, example_inputs, name=type(model).__name__, origin={"module": type(model).__qualname__},
+                       fallback=fallback)
     if not isinstance(model, str):
         raise ModelError(f"load_model: expected 'zoo:NAME', a graph JSON path or a torch.nn.Module, got {type(model).__name__}")
     if model.startswith("zoo:"):
@@ -565,7 +680,8 @@ def load_model(model: Any, example_inputs: tuple | dict | None = None, **knobs: 
         with torch.device("meta"):
             module = entry.build(cfg)
         origin = {"zoo": name, "config": dataclasses.asdict(cfg)}
-        return capture(module, entry.example_inputs(cfg, "meta"), name=name, origin=origin)
+        return capture(module, entry.example_inputs(cfg, "meta"), name=name, origin=origin,
+                       fallback=fallback or entry.fallback)
     if knobs:
         raise ModelError(f"knobs {sorted(knobs)} only apply to zoo models ('zoo:NAME')")
     return Graph.load(model)

@@ -16,7 +16,8 @@ from typing import Any
 from .errors import ModelError
 
 SCHEMA_VERSION = 1
-LEAF_OPS = ("placeholder", "parameter")
+LEAF_OPS = ("placeholder", "parameter", "buffer")
+"""Leaves: model inputs, trainable parameters, and buffers (state that is not trained, e.g. position ids)."""
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
 
 

@@ -113,7 +113,7 @@ class _Prepared:
         for nid, rules in zip(self.order, self.rules):
             if not rules:
                 raise InfeasibleError(f"node '{graph[nid].name}' ({graph[nid].op}) has no rule in this search space")
-        self.leaf_ok = {n.id: [f for f in leaf_forms(n) if (space.param_forms if n.op == "parameter" else space.placeholder_forms)(n.id, f)]
+        self.leaf_ok = {n.id: [f for f in leaf_forms(n) if _leaf_filter(space, n.op)(n.id, f)]
                         for n in graph.nodes if n.is_leaf}
         self.collectives = space.collectives
         self.last_use = [-1] * len(graph)
@@ -512,6 +512,14 @@ class _Search:
             c = code(t, f)
             if c in props and f not in want and not (f == FULL and keep_full):
                 props.discard(c)
+
+
+def _leaf_filter(space: SearchSpace, op: str) -> Callable[[int, int], bool]:
+    """Which forms a leaf may be loaded in: the space decides for parameters and inputs; a buffer is
+    untrained state, free to load in any form (a local slice of a copy every device has)."""
+    if op == "buffer":
+        return lambda node, form: True
+    return space.param_forms if op == "parameter" else space.placeholder_forms
 
 
 def _worst_memory(graph: Graph, cm: CostModel) -> Acc:

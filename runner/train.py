@@ -55,6 +55,8 @@ class RankState:
     optimizer: torch.optim.Optimizer
     device: torch.device
     grad_sync: str = "bucket"
+    buffers: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Local pieces of the model's buffers (untrained state such as position ids), by leaf node."""
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
 
@@ -81,7 +83,10 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
         full.append(form == FULL)
         if form == FULL and grad_sync == "per-param":
             params[-1].register_post_accumulate_grad_hook(_grad_all_reduce_hook(plan.graph[node].name))
-    return RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync)
+    named_buffers = dict(module.named_buffers(remove_duplicate=False))
+    buffers = {node: shard(plan, node, form, rank, named_buffers[plan.graph[node].attrs["target"]]).to(device)
+               for node, form in program.leaves if plan.graph[node].op == "buffer"}
+    return RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync, buffers=buffers)
 
 
 def _grad_all_reduce_hook(name: str):
@@ -103,8 +108,8 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
     pacer = pacer or Pacer()
     pacer.begin_step()
     params = iter(st.params)
-    args = [next(params) if st.program.is_param[node] else shard(plan, node, form, rank, batch[plan.graph[node].attrs["index"]])
-            for node, form in st.program.leaves]
+    args = [next(params) if st.program.is_param[node] else st.buffers[node] if node in st.buffers
+            else shard(plan, node, form, rank, batch[plan.graph[node].attrs["index"]]) for node, form in st.program.leaves]
     st.optimizer.zero_grad(set_to_none=True)
     loss = st.program.module(*args)
     pacer.set_phase("bwd")

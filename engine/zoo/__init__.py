@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelError
-from . import bert, bert_moe, gpt, mlp
+from . import bert, bert_moe, gpt, hf, mlp
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class ZooEntry:
     config_cls: type
     build: Callable[[Any], torch.nn.Module]
     example_inputs: Callable[..., tuple[torch.Tensor, ...]]
+    fallback: str | None = None
+    """Capture fallback the model needs (`replicate` for ops with no rule), see `engine.capture`."""
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -30,6 +32,8 @@ ZOO: dict[str, ZooEntry] = {
     "gpt": ZooEntry(gpt.GPTConfig, gpt.build, gpt.example_inputs),
     "bert": ZooEntry(bert.BertConfig, bert.build, bert.example_inputs),
     "bert_moe": ZooEntry(bert_moe.BertMoEConfig, bert_moe.build, bert_moe.example_inputs),
+    "hf_bert": ZooEntry(hf.HFConfig, hf.build_bert, hf.example_inputs),
+    "hf_gpt2": ZooEntry(hf.HFConfig, hf.build_gpt2, hf.example_inputs, fallback="replicate"),
 }
 
 

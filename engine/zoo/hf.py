@@ -1,0 +1,100 @@
+"""Hugging Face `transformers` architectures built from a config (never a weight download).
+
+`transformers` is an optional extra (`pip install -e ".[hf]"`): it is imported only when one of
+these models is built. Each entry wraps a transformers model in a module whose forward takes the
+zoo's positional batch and returns the loss, so the runner can rebuild and train it like any zoo
+model. Dropout is off (the runner's equivalence needs identical random streams).
+
+- `hf_bert`: `BertForMaskedLM`; the loss is the model's own `.loss` (labels = the tokens, every
+  position predicted, so no label is the ignored -100).
+- `hf_gpt2`: `GPT2LMHeadModel` body; the loss is a cross-entropy of its logits against the next
+  tokens, computed here: the model's own loss pads the shifted labels with -100, a data-dependent
+  mean (see `engine.capture`). GPT-2 builds its attention mask with index arithmetic that has no
+  sharding rule, so this entry captures with `fallback="replicate"`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..errors import ModelError
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing is ever fetched
+    try:
+        import transformers
+    except ImportError:
+        raise ModelError("this zoo model needs the optional 'transformers' package: pip install -e \".[hf]\"") from None
+    return transformers
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFConfig:
+    """Size knobs shared by the transformers zoo entries (defaults: BERT-Base / GPT-2 small widths)."""
+
+    layers: int = 12
+    """Transformer blocks."""
+    hidden: int = 768
+    """Model width."""
+    heads: int = 12
+    """Attention heads; must divide `hidden`."""
+    ffn: int = 3072
+    """Feed-forward width."""
+    vocab: int = 30522
+    """Vocabulary size."""
+    seq_len: int = 128
+    """Sequence length (also the model's maximum positions)."""
+    batch: int = 64
+    """Global batch size."""
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+
+
+class HFBert(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        t = _transformers()
+        config = t.BertConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                              num_attention_heads=cfg.heads, intermediate_size=cfg.ffn,
+                              max_position_embeddings=cfg.seq_len, hidden_dropout_prob=0.0,
+                              attention_probs_dropout_prob=0.0)
+        self.model = t.BertForMaskedLM(config)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+class HFGPT2(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        t = _transformers()
+        config = t.GPT2Config(vocab_size=cfg.vocab, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
+                              n_inner=cfg.ffn, n_positions=cfg.seq_len, resid_pdrop=0.0, embd_pdrop=0.0,
+                              attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+        self.model = t.GPT2LMHeadModel(config)
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids).logits  # (B, T, vocab)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def build_bert(cfg: HFConfig) -> nn.Module:
+    return HFBert(cfg)
+
+
+def build_gpt2(cfg: HFConfig) -> nn.Module:
+    return HFGPT2(cfg)
+
+
+def example_inputs(cfg: HFConfig, device: str | torch.device = "meta", seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Token ids and targets: the tokens themselves for hf_bert (MLM labels), the next tokens for hf_gpt2."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq_len + 1), generator=g)
+    return tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device)
