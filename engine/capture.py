@@ -257,6 +257,9 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
 
 def _broadcast_aliases(fx: torch.fx.Node, b: _Builder) -> list[int]:
     """`broadcast_tensors` of equal shapes (as mse_loss emits) is a no-op: its outputs are its inputs."""
+    missing = [a.name for a in fx.args[0] if a.name not in b.ids]
+    if missing:
+        raise _Downstream(f"operand {missing[0]} of {fx.name}")
     ids = [b.ids[a.name] for a in fx.args[0]]
     if len({b.nodes[i].shape for i in ids}) != 1:
         raise _Unsupported("aten.broadcast_tensors of different shapes")
@@ -680,8 +683,9 @@ def load_model(model: Any, example_inputs: tuple | dict | None = None, *, fallba
         with torch.device("meta"):
             module = entry.build(cfg)
         origin = {"zoo": name, "config": dataclasses.asdict(cfg)}
-        return capture(module, entry.example_inputs(cfg, "meta"), name=name, origin=origin,
-                       fallback=fallback or entry.fallback)
+        return capture(module, entry.example_inputs(cfg, "meta"), name=name, origin=origin, fallback=fallback)
     if knobs:
         raise ModelError(f"knobs {sorted(knobs)} only apply to zoo models ('zoo:NAME')")
+    if fallback not in FALLBACKS:
+        raise ModelError(f"fallback {fallback!r} is not known (choose 'replicate' or leave it unset)")
     return Graph.load(model)

@@ -35,7 +35,7 @@ def _load_graph(args: argparse.Namespace):
     from . import load_model
 
     knobs = _knobs(args.set or [])
-    return load_model(args.model, **knobs)
+    return load_model(args.model, fallback=args.fallback, **knobs)
 
 
 def _progress_printer():
@@ -135,11 +135,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None, metavar="S", help="stop searching after S seconds")
     p.add_argument("--optimizer", choices=["adam", "sgd", "none"], default="adam", help="optimizer state counted in memory")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
+    p.add_argument("--fallback", choices=["replicate"], default=None,
+                   help="capture operators that have no sharding rule as opaque ops run unsharded (all Full)")
     p.set_defaults(func=cmd_plan)
     c = sub.add_parser("capture", help="capture a model into a graph JSON file")
     c.add_argument("--model", required=True)
     c.add_argument("--set", action="append", metavar="KEY=VALUE")
     c.add_argument("--out", required=True)
+    c.add_argument("--fallback", choices=["replicate"], default=None,
+                   help="capture operators that have no sharding rule as opaque ops run unsharded (all Full)")
     c.set_defaults(func=cmd_capture)
     r = sub.add_parser("run", help="train a plan over torch.distributed (starts torchrun on this machine)",
                        epilog="options after PLAN go to the runner: see `hap run PLAN --help`")

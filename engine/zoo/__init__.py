@@ -23,8 +23,6 @@ class ZooEntry:
     config_cls: type
     build: Callable[[Any], torch.nn.Module]
     example_inputs: Callable[..., tuple[torch.Tensor, ...]]
-    fallback: str | None = None
-    """Capture fallback the model needs (`replicate` for ops with no rule), see `engine.capture`."""
 
 
 ZOO: dict[str, ZooEntry] = {
@@ -33,7 +31,7 @@ ZOO: dict[str, ZooEntry] = {
     "bert": ZooEntry(bert.BertConfig, bert.build, bert.example_inputs),
     "bert_moe": ZooEntry(bert_moe.BertMoEConfig, bert_moe.build, bert_moe.example_inputs),
     "hf_bert": ZooEntry(hf.HFConfig, hf.build_bert, hf.example_inputs),
-    "hf_gpt2": ZooEntry(hf.HFConfig, hf.build_gpt2, hf.example_inputs, fallback="replicate"),
+    "hf_gpt2": ZooEntry(hf.HFConfig, hf.build_gpt2, hf.example_inputs),
 }
 
 

@@ -9,8 +9,9 @@ model. Dropout is off (the runner's equivalence needs identical random streams).
   position predicted, so no label is the ignored -100).
 - `hf_gpt2`: `GPT2LMHeadModel` body; the loss is a cross-entropy of its logits against the next
   tokens, computed here: the model's own loss pads the shifted labels with -100, a data-dependent
-  mean (see `engine.capture`). GPT-2 builds its attention mask with index arithmetic that has no
-  sharding rule, so this entry captures with `fallback="replicate"`.
+  mean (see `engine.capture`). GPT-2 builds its attention mask with index arithmetic (`diff`,
+  `index`, `new_ones`) that has no sharding rule: capture it with `fallback="replicate"`
+  (`--fallback replicate`), or it is refused with the list of those operators.
 """
 from __future__ import annotations
 

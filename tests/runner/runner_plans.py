@@ -28,9 +28,14 @@ FORCEABLE = ("all_gather.padded", "all_gather.grouped", "reduce_scatter", "all_r
 """Collective keys a program can be restricted to (with the free `slice`)."""
 
 
+NEEDS_FALLBACK = {"hf_gpt2"}
+"""Zoo models with operators that have no rule (captured with fallback="replicate")."""
+
+
 @lru_cache(maxsize=None)
 def graph(model: str) -> Graph:
-    return engine.load_model(f"zoo:{model}", **MODELS[model])
+    fallback = "replicate" if model in NEEDS_FALLBACK else None
+    return engine.load_model(f"zoo:{model}", fallback=fallback, **MODELS[model])
 
 
 def cluster(world: int) -> Cluster:

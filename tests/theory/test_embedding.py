@@ -23,11 +23,22 @@ def test_embedding_rules_hold(vocab: int, width: int, ids: tuple[int, ...], rati
 
 def test_embedding_rule_forms() -> None:
     node, g = _embedding(5, 6, (4, 3))
-    assert rule_set(node, g) == {((FULL, FULL), FULL), ((1, FULL), 2), ((FULL, 0), 0), ((FULL, 1), 1)}
+    assert rule_set(node, g) == {((FULL, FULL), FULL), ((1, FULL), 2), ((FULL, 0), 0), ((FULL, 1), 1),
+                                 ((0, FULL), PARTIAL), ((PARTIAL, FULL), PARTIAL)}
+
+
+@SETTINGS
+@given(vocab=st.integers(2, 12), width=st.integers(1, 4), ids=shapes(1, 2), pad=st.integers(0, 11), ratios=ratios_st, seed=seeds)
+def test_vocabulary_parallel_lookup_with_a_padding_row_is_exact(vocab, width, ids, pad, ratios, seed) -> None:
+    """Each device looks up the ids of its row range (offset from the uneven sizes), zeros elsewhere."""
+    node, g = one_op("embedding", [((vocab, width), "float64"), (ids, "int64")], {"padding_idx": pad % vocab})
+    [vocab_rule] = [r for r in check_all(node, g, ratios, seed) if r.rule.startswith("{S(0), F} vocab")]
+    assert vocab_rule.ok
 
 
 def test_checker_rejects_wrong_embedding_rules() -> None:
     node, g = _embedding(6, 4, (4, 3))
-    # a vocabulary shard gives Partial only with masking, which this executor does not do
-    assert check_rule(node, g, OpRule("vocab", (0, FULL), PARTIAL), [0.5, 0.5]).ok is False
+    # a vocabulary shard gives addends (zeros outside each device's rows), never the whole result
+    assert check_rule(node, g, OpRule("vocab-as-full", (0, FULL), FULL), [0.5, 0.5]).ok is False
+    assert check_rule(node, g, OpRule("vocab-as-shard", (0, FULL), 0), [0.5, 0.5]).ok is False
     assert check_rule(node, g, OpRule("hidden-as-batch", (1, FULL), 0), [0.5, 0.5]).ok is False

@@ -1,0 +1,160 @@
+"""Models people bring (issue 5): transformers models built from a config, and operators with no
+rule (one error listing all of them, or the replicate fallback that runs them unsharded)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import engine
+from engine.errors import ModelError, UnsupportedOpError
+from engine.graph import Graph
+from engine.ops import run_node
+from engine.theory import op_rules
+
+from conftest import cluster_dict, sample_path
+from test_cli import assert_one_line_error
+
+
+class Unruly(nn.Module):
+    """A model with three operators the theory has no rule for: flip, erf and sort (two outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.flip(self.fc1(x), dims=[1])
+        h = torch.special.erf(h)
+        h = torch.sort(h, dim=-1).values
+        return nn.functional.mse_loss(self.fc2(h), y)
+
+
+def unruly_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(10, 6, generator=g), torch.randn(10, 3, generator=g)
+
+
+@functools.cache
+def unruly_graph() -> Graph:
+    torch.manual_seed(0)
+    return engine.load_model(Unruly(), unruly_inputs(), fallback="replicate")
+
+
+def interpret(graph: Graph, module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Run a graph node by node on full tensors (parameters and buffers taken from `module`)."""
+    state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
+    values: list[torch.Tensor] = []
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            values.append(inputs[n.attrs["index"]])
+        elif n.is_leaf:
+            values.append(state[n.attrs["target"]])
+        else:
+            values.append(run_node(n, graph, [values[i] for i in n.inputs], n.shape))
+    return values[graph.loss]
+
+
+def test_every_unsupported_operator_is_listed_at_once_with_node_and_source() -> None:
+    with pytest.raises(UnsupportedOpError) as info:
+        engine.load_model(Unruly(), unruly_inputs())
+    msg = str(info.value)
+    assert msg.startswith("3 unsupported operator(s)") and "fallback='replicate'" in msg
+    for op in ("aten.flip", "aten.special_erf", "aten.sort"):
+        assert op in msg or op.replace("special_", "") in msg, msg
+    assert "at node 'flip'" in msg and "test_ecosystem.py" in msg and "in forward" in msg
+    assert "\n" not in msg
+
+
+def test_replicate_fallback_keeps_unsupported_ops_as_opaque_full_nodes() -> None:
+    g = unruly_graph()
+    opaque = [n for n in g.nodes if n.op == "opaque"]
+    assert sorted(n.attrs["target"].split(".")[0] for n in opaque) in (
+        ["aten::erf", "aten::flip", "aten::sort"], ["aten::flip", "aten::sort", "aten::special_erf"])
+    for n in opaque:
+        assert [str(r) for r in op_rules(n, g)] == ["{" + ", ".join("F" for _ in n.inputs) + "} replicate {F}"]
+        assert n.flops >= n.numel, "an opaque op costs at least a touch per element"
+    assert Graph.from_dict(g.to_dict()) == g, "attrs are plain JSON"
+
+
+def test_opaque_nodes_compute_what_the_module_computes() -> None:
+    g = Graph.from_dict(g_dict := unruly_graph().to_dict())
+    assert "torch" not in str(g_dict["nodes"]).replace("torch.", "")  # no pickled objects, names only
+    torch.manual_seed(0)
+    module = Unruly()
+    inputs = unruly_inputs()
+    assert torch.allclose(interpret(g, module, inputs), module(*inputs), rtol=1e-6, atol=1e-7)
+
+
+def test_a_model_with_opaque_ops_plans_and_runs_them_unsharded() -> None:
+    plan = engine.plan(unruly_graph(), engine.load_cluster(cluster_dict([2e10, 1e10])), optimizer="sgd")
+    rules = {plan.graph[i.node].op: i.rule for i in plan.program if i.kind == "compute"}
+    assert rules["opaque"] == "replicate"
+
+
+def test_unknown_fallback_is_a_model_error() -> None:
+    with pytest.raises(ModelError, match="fallback 'shard'"):
+        engine.load_model(Unruly(), unruly_inputs(), fallback="shard")
+
+
+# ------------------------------------------------------------------------------------- transformers
+
+def _hf_bert(meta: bool = True):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=12, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    with torch.device("meta" if meta else "cpu"):
+        return transformers.BertForMaskedLM(cfg)
+
+
+def test_transformers_model_on_meta_with_keyword_inputs_loss_from_its_loss_field() -> None:
+    ids, labels = torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 8))
+    g = engine.load_model(_hf_bert(), {"input_ids": ids.to("meta"), "labels": labels.to("meta")})
+    assert g[g.loss].op == "cross_entropy" and g[g.loss].shape == ()
+    assert {n.attrs["name"] for n in g.placeholders} == {"input_ids", "labels"}
+    assert {n.attrs["target"] for n in g.nodes if n.op == "buffer"} >= {"bert.embeddings.position_ids"}
+    assert not any(n.op == "opaque" for n in g.nodes), "BERT needs no fallback"
+    assert g.num_parameters > 0 and g.name == "BertForMaskedLM"
+
+
+def test_transformers_graph_computes_the_models_loss() -> None:
+    """Buffers (position ids), slicing, the mask arithmetic and the lookups, run node by node."""
+    torch.manual_seed(0)
+    model = _hf_bert(meta=False)
+    ids, labels = torch.randint(0, 50, (4, 8)), torch.randint(0, 50, (4, 8))
+    g = engine.load_model(model, {"input_ids": ids, "labels": labels})
+    expected = model(input_ids=ids, labels=labels).loss
+    assert torch.allclose(interpret(g, model, (ids, labels)), expected, rtol=1e-5)
+
+
+def test_transformers_model_with_positional_inputs_plans() -> None:
+    pytest.importorskip("transformers")
+    from engine.zoo import hf
+
+    cfg = hf.HFConfig(layers=1, hidden=16, heads=2, ffn=32, vocab=40, seq_len=8, batch=6)
+    with torch.device("meta"):
+        module = hf.build_bert(cfg)
+    g = engine.load_model(module, hf.example_inputs(cfg, "meta"))
+    plan = engine.plan(g, engine.load_cluster(cluster_dict([2e10, 1e10])), optimizer="sgd")
+    assert plan.predicted_time_s > 0 and {n.attrs["index"] for n in g.placeholders} == {0, 1}
+
+
+def test_cli_lists_unsupported_ops_and_plans_them_with_fallback_replicate(capsys, tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from engine.cli import main
+
+    args = ["capture", "--model", "zoo:hf_gpt2", "--set", "layers=1", "--set", "hidden=16", "--set", "heads=2",
+            "--set", "ffn=32", "--set", "vocab=40", "--set", "seq_len=8", "--set", "batch=4"]
+    rc = main([*args, "--out", str(tmp_path / "g.json")])
+    out, err = capsys.readouterr()
+    line = assert_one_line_error(rc, out, err)
+    assert "unsupported operator(s)" in line and "aten.diff" in line and "aten.index" in line and "modeling_gpt2.py" in line
+    assert main([*args, "--out", str(tmp_path / "g.json"), "--fallback", "replicate"]) == 0
+    g = Graph.load(tmp_path / "g.json")
+    assert any(n.op == "opaque" for n in g.nodes)
+    capsys.readouterr()
+    assert main(["plan", "--model", str(tmp_path / "g.json"), "--cluster", sample_path("cpu_2")]) == 0
