@@ -146,7 +146,8 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
             kind = spec.kind.name
             if kind in ("PARAMETER", "BUFFER"):
                 op = "parameter" if kind == "PARAMETER" else "buffer"
-                nid = b.add(fx.name, op, [], _shape(val), _dtype(val), {"target": spec.target.removeprefix(_WRAPPED)})
+                name = re.sub(r"^(p|b)_inner_", r"\1_", fx.name)  # the LossOf wrapper is not part of the model
+                nid = b.add(name, op, [], _shape(val), _dtype(val), {"target": spec.target.removeprefix(_WRAPPED)})
             elif kind == "USER_INPUT":
                 if not isinstance(val, torch.Tensor):
                     continue
