@@ -15,6 +15,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from engine.graph import Graph, Node
+from engine.ops import unless_empty
 from engine.plan import Plan
 from engine.program import COMM, LOAD, Instruction
 from engine.theory.core import FULL, PARTIAL
@@ -179,8 +180,45 @@ _SHAPE_EMITTERS: dict[str, Callable[..., fx.Node]] = {
 }
 """Shape operators; `expand` expands to the local shape (a device's own rows of a broadcast dim)."""
 
+def _conv(g, node, graph, args, shape):
+    a = node.attrs
+    fn = (F.conv1d, F.conv2d, F.conv3d)[len(a["stride"]) - 1]
+    return g.call_function(unless_empty, (fn, tuple(shape), args[0], args[1], None, a["stride"], a["padding"], a["dilation"],
+                                          a["groups"]))
+
+
+def _max_pool(g, node, graph, args, shape):
+    a = node.attrs
+    fn = getattr(F, f"max_pool{a['spatial']}d")
+    return g.call_function(unless_empty, (fn, tuple(shape), args[0], a["kernel"], a["stride"], a["padding"], a["dilation"],
+                                          a["ceil_mode"]))
+
+
+def _avg_pool(g, node, graph, args, shape):
+    a = node.attrs
+    fn = getattr(F, f"avg_pool{a['spatial']}d")
+    extra = () if a["spatial"] == 1 else (a["divisor_override"],)
+    return g.call_function(unless_empty, (fn, tuple(shape), args[0], a["kernel"], a["stride"], a["padding"], a["ceil_mode"],
+                                          a["count_include_pad"]) + extra)
+
+
+def _batch_norm(g, node, graph, args, shape):
+    """Training-mode batch norm on whole channels: the statistics of the local tensor are the global ones."""
+    a = node.attrs
+    rest = list(args[1:])
+    w = rest.pop(0) if a.get("has_weight") else None
+    b = rest.pop(0) if a.get("has_bias") else None
+    return g.call_function(unless_empty, (F.batch_norm, tuple(shape), args[0], None, None, w, b, True, 0.0, a["eps"]))
+
+
+_VISION_EMITTERS: dict[str, Callable[..., fx.Node]] = {
+    "conv": _conv, "max_pool": _max_pool, "avg_pool": _avg_pool, "batch_norm": _batch_norm,
+    "adaptive_avg_pool": lambda g, n, gr, a, s: g.call_function(
+        unless_empty, (getattr(F, f"adaptive_avg_pool{n.attrs['spatial']}d"), tuple(s), a[0], n.attrs["output_size"])),
+}
+
 _EMITTERS: dict[str, Callable[..., fx.Node]] = {
-    **_SHAPE_EMITTERS,
+    **_SHAPE_EMITTERS, **_VISION_EMITTERS,
     "identity": _identity,
     "gelu": lambda g, n, gr, a, s: g.call_function(F.gelu, tuple(a), {"approximate": n.attrs.get("approximate", "none")}),
     "dropout": lambda g, n, gr, a, s: g.call_function(F.dropout, (a[0], n.attrs["p"], n.attrs["train"])),

@@ -77,11 +77,14 @@ def check_rule(node: Node, graph: Graph, r: OpRule, ratios: Sequence[float], see
     ref = run_node(node, graph, full_in, node.shape)
     local_in = [_local(t, f, sizes.get((k, f)), m, gen) for k, (t, f) in enumerate(zip(full_in, r.inputs))]
     outs = []
-    for j in range(m):
-        shape = list(node.shape)
-        if r.output >= 0:
-            shape[r.output] = sizes[(-1, r.output)][j]
-        outs.append(run_node(node, graph, [li[j] for li in local_in], shape))
+    try:
+        for j in range(m):
+            shape = list(node.shape)
+            if r.output >= 0:
+                shape[r.output] = sizes[(-1, r.output)][j]
+            outs.append(run_node(node, graph, [li[j] for li in local_in], shape))
+    except RuntimeError:  # the local operands do not even fit the operator (e.g. channel counts differ)
+        return CheckResult(node.name, str(r), False, math.inf)
     err = _combine_error(ref, outs, r.output)
     tol = 1e-9 * max(1.0, float(ref.abs().max()) if ref.numel() else 1.0)
     return CheckResult(node.name, str(r), err <= tol, err)
