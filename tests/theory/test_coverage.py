@@ -55,7 +55,18 @@ def kitchen() -> Graph:
     return engine.load_model(Kitchen(), (torch.randn(4, 5, 6), torch.randn(5, 24)))
 
 
-MODELS = {"gpt": gpt_small, "mlp": mlp_small, "kitchen": kitchen}
+@functools.cache
+def vgg19_small() -> Graph:
+    return engine.load_model("zoo:vgg19", batch=4, image_size=32, width=0.125, hidden=16, classes=5, pool_size=2, batch_norm=True)
+
+
+@functools.cache
+def vit_small() -> Graph:
+    return engine.load_model("zoo:vit", batch=3, image_size=8, patch=4, hidden=8, layers=1, heads=2, mlp=16, classes=5,
+                             qkv_fused=True)
+
+
+MODELS = {"gpt": gpt_small, "mlp": mlp_small, "kitchen": kitchen, "vgg19": vgg19_small, "vit": vit_small}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
