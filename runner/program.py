@@ -180,42 +180,54 @@ _SHAPE_EMITTERS: dict[str, Callable[..., fx.Node]] = {
 }
 """Shape operators; `expand` expands to the local shape (a device's own rows of a broadcast dim)."""
 
-def _conv(g, node, graph, args, shape):
-    a = node.attrs
-    fn = (F.conv1d, F.conv2d, F.conv3d)[len(a["stride"]) - 1]
-    return g.call_function(unless_empty, (fn, tuple(shape), args[0], args[1], None, a["stride"], a["padding"], a["dilation"],
-                                          a["groups"]))
+def conv(x, w, stride, padding, dilation, groups, shape):
+    """F.conv1d/2d/3d on local shards (zeros when a channel shard is empty, see engine.ops.unless_empty)."""
+    fn = (F.conv1d, F.conv2d, F.conv3d)[len(stride) - 1]
+    return unless_empty(fn, shape, x, w, None, stride, padding, dilation, groups)
 
 
-def _max_pool(g, node, graph, args, shape):
-    a = node.attrs
-    fn = getattr(F, f"max_pool{a['spatial']}d")
-    return g.call_function(unless_empty, (fn, tuple(shape), args[0], a["kernel"], a["stride"], a["padding"], a["dilation"],
-                                          a["ceil_mode"]))
+def max_pool(x, kernel, stride, padding, dilation, ceil_mode, shape):
+    fn = getattr(F, f"max_pool{len(kernel)}d")
+    return unless_empty(fn, shape, x, kernel, stride, padding, dilation, ceil_mode)
 
 
-def _avg_pool(g, node, graph, args, shape):
-    a = node.attrs
-    fn = getattr(F, f"avg_pool{a['spatial']}d")
-    extra = () if a["spatial"] == 1 else (a["divisor_override"],)
-    return g.call_function(unless_empty, (fn, tuple(shape), args[0], a["kernel"], a["stride"], a["padding"], a["ceil_mode"],
-                                          a["count_include_pad"]) + extra)
+def avg_pool(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, shape):
+    fn = getattr(F, f"avg_pool{len(kernel)}d")
+    extra = () if len(kernel) == 1 else (divisor_override,)  # avg_pool1d has no divisor_override
+    return unless_empty(fn, shape, x, kernel, stride, padding, ceil_mode, count_include_pad, *extra)
 
 
-def _batch_norm(g, node, graph, args, shape):
-    """Training-mode batch norm on whole channels: the statistics of the local tensor are the global ones."""
+def adaptive_avg_pool(x, output_size, shape):
+    return unless_empty(getattr(F, f"adaptive_avg_pool{len(output_size)}d"), shape, x, output_size)
+
+
+def batch_norm(x, weight, bias, eps, shape):
+    """Training-mode batch norm on whole channels: the local statistics are the global ones."""
+    return unless_empty(F.batch_norm, shape, x, None, None, weight, bias, True, 0.0, eps)
+
+
+def _emit_batch_norm(g, node, graph, args, shape):
     a = node.attrs
     rest = list(args[1:])
     w = rest.pop(0) if a.get("has_weight") else None
     b = rest.pop(0) if a.get("has_bias") else None
-    return g.call_function(unless_empty, (F.batch_norm, tuple(shape), args[0], None, None, w, b, True, 0.0, a["eps"]))
+    return g.call_function(batch_norm, (args[0], w, b, a["eps"], tuple(shape)))
+
+
+def _attrs_call(fn: Callable, *keys: str) -> Callable[..., fx.Node]:
+    """An emitter calling `fn(x, *attrs[keys], local shape)`."""
+    return lambda g, n, gr, a, s: g.call_function(fn, (a[0], *(n.attrs[k] for k in keys), tuple(s)))
 
 
 _VISION_EMITTERS: dict[str, Callable[..., fx.Node]] = {
-    "conv": _conv, "max_pool": _max_pool, "avg_pool": _avg_pool, "batch_norm": _batch_norm,
-    "adaptive_avg_pool": lambda g, n, gr, a, s: g.call_function(
-        unless_empty, (getattr(F, f"adaptive_avg_pool{n.attrs['spatial']}d"), tuple(s), a[0], n.attrs["output_size"])),
+    "conv": lambda g, n, gr, a, s: g.call_function(conv, (a[0], a[1], n.attrs["stride"], n.attrs["padding"],
+                                                         n.attrs["dilation"], n.attrs["groups"], tuple(s))),
+    "max_pool": _attrs_call(max_pool, "kernel", "stride", "padding", "dilation", "ceil_mode"),
+    "avg_pool": _attrs_call(avg_pool, "kernel", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+    "adaptive_avg_pool": _attrs_call(adaptive_avg_pool, "output_size"),
+    "batch_norm": _emit_batch_norm,
 }
+"""Convolution, pooling, batch norm: named local functions, so `print(gm.code)` reads `conv(x, w, ...)`."""
 
 _EMITTERS: dict[str, Callable[..., fx.Node]] = {
     **_SHAPE_EMITTERS, **_VISION_EMITTERS,

@@ -39,7 +39,7 @@ class VGG19Config:
     pool_size: int = 7
     """Side of the adaptive average pool before the classifier (7 as in torchvision)."""
     batch_norm: bool = False
-    """Batch norm after every conv (VGG19-BN)."""
+    """Batch norm after every conv (VGG19-BN); the convs then have no bias (its mean subtraction cancels one)."""
     dropout: float = 0.0
     """Dropout probability after the hidden FC layers (0: left out)."""
 
@@ -53,7 +53,7 @@ class VGG19Config:
 
 
 def _conv_block(cin: int, cout: int, bn: bool) -> nn.Sequential:
-    layers: list[nn.Module] = [nn.Conv2d(cin, cout, 3, padding=1)]
+    layers: list[nn.Module] = [nn.Conv2d(cin, cout, 3, padding=1, bias=not bn)]  # batch norm cancels a bias
     if bn:
         layers.append(nn.BatchNorm2d(cout))
     return nn.Sequential(*layers, nn.ReLU())

@@ -70,20 +70,20 @@ def test_per_parameter_gradient_all_reduce_during_backward_trains_the_same(tmp_p
     check_equivalence(make_plan("gpt", 4, "dp-even"), tmp_path, "sgd", grad_sync="per-param")
 
 
-def check_equivalence(plan, tmp_path: Path, optimizer: str, grad_sync: str = "bucket") -> None:
+def check_equivalence(plan, tmp_path: Path, optimizer: str, grad_sync: str = "bucket", steps: int = STEPS) -> None:
     world = plan.world_size
     plan_path = tmp_path / "plan.json"
     plan.save(plan_path)
     lr = 0.01 if optimizer == "adam" else 0.05
-    cfg = RunConfig(plan=str(plan_path), steps=STEPS, optimizer=optimizer, lr=lr, seed=3, grad_sync=grad_sync,
+    cfg = RunConfig(plan=str(plan_path), steps=steps, optimizer=optimizer, lr=lr, seed=3, grad_sync=grad_sync,
                     metrics=str(tmp_path / "metrics.jsonl"), save_params=str(tmp_path / "params.pt"))
     assert run_ranks(train_rank, world, tmp_path / "run", cfg) == [0] * world
 
     losses = losses_by_rank(tmp_path / "metrics.jsonl")
-    assert sorted(losses) == list(range(world)) and all(len(v) == STEPS for v in losses.values())
+    assert sorted(losses) == list(range(world)) and all(len(v) == steps for v in losses.values())
     assert all(v == losses[0] for v in losses.values()), "every rank reports the same global loss"
     params = torch.load(tmp_path / "params.pt")
-    ref_losses, ref_params = reference_run(plan, STEPS, cfg.seed, optimizer, lr)
+    ref_losses, ref_params = reference_run(plan, steps, cfg.seed, optimizer, lr)
     result = compare(losses[0], params, ref_losses, ref_params)
     assert not result.missing
     assert result.ok(TOLERANCE), f"{result.render()}\n{plan.listing()}"
