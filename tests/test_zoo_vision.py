@@ -165,3 +165,65 @@ def test_vit_beats_data_parallel_on_the_machine_level_testbed() -> None:
     """On 8 virtual devices of 8 GPUs (intra-machine sync counted) at the default batch."""
     p = engine.plan(graph("vit"), engine.load_cluster(sample_path("hap_paper_testbed_machines")))
     below_every_baseline(p)
+
+
+# --- capture of the vision operators beyond the zoo ---------------------------------------------
+
+
+class VisionKitchen(torch.nn.Module):
+    """conv1d/2d (grouped, 'same' padding, no bias), the three pools, batch norm without affine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = torch.nn.Conv1d(3, 4, 3, padding="same")
+        self.c2 = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, bias=False)
+        self.bn = torch.nn.BatchNorm2d(6, affine=False)
+        self.fc = torch.nn.Linear(6 * 2 * 2 + 4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        s = torch.nn.functional.max_pool1d(self.c1(x.flatten(2)), 2, ceil_mode=True)  # (B, 4, 8)
+        h = self.bn(self.c2(s.reshape(-1, 4, 4, 4).repeat(1, 1, 2, 2)))  # (B, 6, 4, 4)
+        h = torch.nn.functional.avg_pool2d(h, 3, stride=1, padding=1, count_include_pad=False)
+        h = torch.nn.functional.adaptive_avg_pool2d(h, 2).flatten(1)
+        return torch.nn.functional.cross_entropy(self.fc(torch.cat([h, s.mean(-1)], dim=1)), y)
+
+
+def test_vision_operators_capture_and_every_rule_holds() -> None:
+    from engine.theory.check import check_node
+
+    module = VisionKitchen()
+    x, y = torch.randn(4, 3, 4, 4), torch.tensor([0, 1, 2, 0])
+    g = engine.load_model(module, (x, y))
+    assert {"conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm"} <= set(g.op_histogram())
+    for n in g.nodes:
+        if not n.is_leaf:
+            bad = [str(r) for r in check_node(n, g, [0.5, 0.3, 0.2]) if not r.ok]
+            assert not bad, (n.name, bad)
+    assert float(replay(g, module, (x, y))) == pytest.approx(float(module(x, y).detach()), rel=1e-5)
+
+
+def test_buffers_other_than_batch_norm_statistics_are_named_as_unsupported() -> None:
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+            self.register_buffer("scale", torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x * self.scale).sum()
+
+    with pytest.raises(engine.UnsupportedOpError, match="buffer 'scale'"):
+        engine.load_model(Scaled(), (torch.randn(3, 4),))
+
+
+def test_batch_norm_in_eval_mode_is_unsupported_with_a_hint() -> None:
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.bn = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn(x).sum()
+
+    with pytest.raises(engine.UnsupportedOpError, match="eval mode"):
+        engine.load_model(Net().eval(), (torch.randn(3, 4),))
