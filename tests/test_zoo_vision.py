@@ -176,13 +176,13 @@ class VisionKitchen(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.c1 = torch.nn.Conv1d(3, 4, 3, padding="same")
-        self.c2 = torch.nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=2, bias=False)
+        self.c2 = torch.nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=False)
         self.bn = torch.nn.BatchNorm2d(6, affine=False)
         self.fc = torch.nn.Linear(6 * 2 * 2 + 4, 3)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         s = torch.nn.functional.max_pool1d(self.c1(x.flatten(2)), 2, ceil_mode=True)  # (B, 4, 8)
-        h = self.bn(self.c2(s.reshape(-1, 4, 4, 4).repeat(1, 1, 2, 2)))  # (B, 6, 4, 4)
+        h = self.bn(self.c2(s.reshape(-1, 4, 2, 4)))  # (B, 6, 2, 4)
         h = torch.nn.functional.avg_pool2d(h, 3, stride=1, padding=1, count_include_pad=False)
         h = torch.nn.functional.adaptive_avg_pool2d(h, 2).flatten(1)
         return torch.nn.functional.cross_entropy(self.fc(torch.cat([h, s.mean(-1)], dim=1)), y)
