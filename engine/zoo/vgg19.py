@@ -94,7 +94,10 @@ def build(cfg: VGG19Config) -> nn.Module:
 
 def example_inputs(cfg: VGG19Config, device: str | torch.device = "meta", seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Images and class labels (random values on a real device, shapes only on `meta`)."""
+    shape = (cfg.batch, cfg.channels, cfg.image_size, cfg.image_size)
+    if torch.device(device).type == "meta":  # a paper-size batch of images would take gigabytes on the CPU
+        return torch.empty(shape, device="meta"), torch.empty(cfg.batch, dtype=torch.long, device="meta")
     g = torch.Generator().manual_seed(seed)
-    images = torch.randn(cfg.batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+    images = torch.randn(shape, generator=g)
     labels = torch.randint(0, cfg.classes, (cfg.batch,), generator=g)
     return images.to(device), labels.to(device)
