@@ -190,7 +190,7 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
         b.ids[fx.name] = parts[fx.args[1]]
         return
     opname = fx.target._opname if hasattr(fx.target, "_opname") else str(fx.target)
-    if opname.endswith("_") and getattr(fx.args[0], "name", None) in b.buffers and not fx.users:
+    if opname.endswith("_") and fx.args and getattr(fx.args[0], "name", None) in b.buffers and not fx.users:
         return  # an in-place update of a buffer (batch norm's num_batches_tracked): no part of the loss
     if opname == "broadcast_tensors":
         b.multi[fx.name] = _broadcast_aliases(fx, b)
