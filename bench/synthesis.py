@@ -7,7 +7,10 @@ the peak RSS (`ru_maxrss`) belongs to that case alone.
 
 Cases: `zoo:gpt` (hidden 768, heads 12, ffn 3072, seq_len 128, batch 64) at 6, 12, 24 and 48
 layers on `sample_clusters/hap_paper_testbed_machines.json` (8 virtual devices: 2 V100 machines,
-6 P100 machines), and at 12 layers on `sample_clusters/hap_paper_testbed.json` (64 GPUs).
+6 P100 machines), and at 12 layers on `sample_clusters/hap_paper_testbed.json` (64 GPUs). The
+paper's image classifiers (§7, Table 1), `zoo:vgg19` and `zoo:vit` at their default (paper)
+sizes and batch 64, on both clusters, and ViT with the paper's 64 images per GPU (batch 4096) on
+the 64 GPUs (`--vision-only` runs just these).
 
 Run from the repository root:
 
@@ -40,6 +43,8 @@ RESULTS = ROOT / "bench" / "results" / "synthesis.json"
 MACHINES = "sample_clusters/hap_paper_testbed_machines.json"
 TESTBED_64 = "sample_clusters/hap_paper_testbed.json"
 GPT = {"hidden": 768, "heads": 12, "ffn": 3072, "seq_len": 128, "batch": 64}
+VISION = ("vgg19", "vit")
+"""Zoo image classifiers planned at their default (paper) sizes on 8 and 64 devices."""
 DEFAULT_LAYERS = (6, 12, 24, 48)
 QUICK_LAYERS = (6, 12)
 
@@ -61,7 +66,8 @@ def measure(case: dict) -> dict:
     sys.path.insert(0, str(ROOT))
     import engine
 
-    graph = engine.load_model("zoo:gpt", layers=case["layers"], **GPT)
+    model = case.get("model", "gpt")
+    graph = engine.load_model("zoo:gpt", layers=case["layers"], **GPT) if model == "gpt" else engine.load_model(f"zoo:{model}", **case.get("knobs", {}))
     cluster = engine.load_cluster(ROOT / case["cluster"])
     rss_captured = _rss_mib()
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -121,9 +127,13 @@ def _slope(points: list[tuple[float, float]]) -> float | None:
     return None if var == 0 else sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var
 
 
+def _gpt(results: list[dict]) -> list[dict]:
+    return [r for r in results if r.get("model", "gpt") == "gpt"]
+
+
 def growth(results: list[dict]) -> dict:
     """Time ratios 24/12 and 48/24 and the fitted exponent over the 8-device cases."""
-    t = {r["layers"]: r["planning_time_s"] for r in results if r["cluster"] == MACHINES and "error" not in r}
+    t = {r["layers"]: r["planning_time_s"] for r in _gpt(results) if r["cluster"] == MACHINES and "error" not in r}
     ratio = lambda a, b: t[a] / t[b] if a in t and b in t else None  # noqa: E731
     return {"ratio_24_12": ratio(24, 12), "ratio_48_24": ratio(48, 24),
             "exponent": _slope(sorted(t.items())),
@@ -132,7 +142,7 @@ def growth(results: list[dict]) -> dict:
 
 def targets(results: list[dict], g: dict) -> list[dict]:
     """PASS/MISS per target; `not run` when the case is missing or failed."""
-    t = {r["layers"]: r["planning_time_s"] for r in results if r["cluster"] == MACHINES and "error" not in r}
+    t = {r["layers"]: r["planning_time_s"] for r in _gpt(results) if r["cluster"] == MACHINES and "error" not in r}
     out = []
     for layers, limit in TIME_TARGETS_S.items():
         out.append(_verdict(f"{layers} layers <= {limit:g} s (issue target, 2-core machine)", t.get(layers), limit))
@@ -153,7 +163,7 @@ HEADER = ["case", "devices", "nodes", "plan time (s) [range]", "CPU (s)", "expan
 
 
 def _row(r: dict) -> list[str]:
-    case = f"gpt-{r['layers']}L / {Path(r['cluster']).stem}"
+    case = f"{_label(r)} / {Path(r['cluster']).stem}"
     if "error" in r:
         return [case, "", "", "failed: " + r["error"]] + [""] * (len(HEADER) - 4)
     runs = r.get("planning_time_runs_s", [])
@@ -162,6 +172,12 @@ def _row(r: dict) -> list[str]:
             f"{r['planning_cpu_s']:.2f}", str(r["expanded"]),
             str(r["iterations"]), f"{r['predicted_time_s'] * 1e3:.1f}", _speedup(r["speedup_over_dp_even"]),
             f"{r['peak_rss_mib']:.0f}", "proven optimal" if r["optimal"] else "beam-limited"]
+
+
+def _label(case: dict) -> str:
+    model = case.get("model", "gpt")
+    knobs = " ".join(f"{k}={v}" for k, v in case.get("knobs", {}).items())
+    return f"gpt-{case['layers']}L" if model == "gpt" else f"{model} {knobs}".strip()
 
 
 def _speedup(x: float | None) -> str:
@@ -200,6 +216,11 @@ def _cases(layers: list[int]) -> list[dict]:
     return [{"layers": n, "cluster": MACHINES} for n in layers] + [{"layers": 12, "cluster": TESTBED_64}]
 
 
+def _vision_cases() -> list[dict]:
+    paper_batch = {"model": "vit", "cluster": TESTBED_64, "knobs": {"batch": 64 * 64}}  # HAP §7: 64 images per GPU
+    return [{"model": m, "cluster": c} for m in VISION for c in (MACHINES, TESTBED_64)] + [paper_batch]
+
+
 def _parse_layers(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -216,6 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="only 6 and 12 layers")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case before it is reported as failed")
     parser.add_argument("--repeat", type=int, default=3, help="fresh processes per case; the fastest is reported")
+    parser.add_argument("--vision-only", action="store_true", help="only the vgg19 and vit cases")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -226,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"planning time, zoo:gpt {GPT}; best of {max(1, args.repeat)} fresh processes per case; "
           f"{env['cpus']} CPUs, python {env['python']}, torch {env['torch']}", flush=True)
     results = []
-    for case in _cases(layers):
-        print(f"  running gpt-{case['layers']}L on {Path(case['cluster']).stem} ...", flush=True)
+    for case in ([] if args.vision_only else _cases(layers)) + _vision_cases():
+        print(f"  running {_label(case)} on {Path(case['cluster']).stem} ...", flush=True)
         results.append(run_case(case, args.timeout, max(1, args.repeat)))
     g = growth(results)
     verdicts = targets(results, g)

@@ -38,6 +38,8 @@ class _Builder:
         self.nodes: list[Node] = []
         self.ids: dict[str, int] = {}
         self.multi: dict[str, list[int]] = {}
+        self.buffers: dict[str, str] = {}
+        """Buffers (fx name -> module path); they never become nodes."""
 
     def add(self, name: str, op: str, inputs: list[int], shape: tuple[int, ...], dtype: str,
             attrs: dict[str, Any] | None = None, flops: float = 0.0, segment: int = 0, source: str = "") -> int:
@@ -146,6 +148,8 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
             kind = spec.kind.name
             if kind in ("PARAMETER", "BUFFER"):
                 op = "parameter" if kind == "PARAMETER" else "buffer"
+                if op == "buffer":
+                    b.buffers[fx.name] = str(spec.target)  # for the in-place update check in _lower
                 name = re.sub(r"^(p|b)_inner_", r"\1_", fx.name)  # the LossOf wrapper is not part of the model
                 nid = b.add(name, op, [], _shape(val), _dtype(val), {"target": spec.target.removeprefix(_WRAPPED)})
             elif kind == "USER_INPUT":
@@ -238,6 +242,8 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
         b.ids[fx.name] = parts[fx.args[1]]
         return
     opname = fx.target._opname if hasattr(fx.target, "_opname") else str(fx.target)
+    if opname.endswith("_") and fx.args and getattr(fx.args[0], "name", None) in b.buffers and not fx.users:
+        return  # an in-place update of a buffer (batch norm's num_batches_tracked): no part of the loss
     if opname == "broadcast_tensors":
         b.multi[fx.name] = _broadcast_aliases(fx, b)
         return
@@ -545,6 +551,87 @@ def _m_unbind(c: _Ctx) -> list[int]:
             for i in range(x.shape[dim])]
 
 
+# --- convolution, pooling, batch norm (engine/theory/conv.py, pool.py, batchnorm.py) -----------
+def _ints(v: Any, n: int, default: int) -> list[int]:
+    """An int-or-list argument as a list of n ints (an empty list means `default`)."""
+    if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
+        return [default] * n
+    if isinstance(v, int):
+        return [v] * n
+    return [int(x) for x in v] * (n if len(v) == 1 else 1)
+
+
+def _h_conv(c: _Ctx) -> int:
+    x, w = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    spatial = w.rank - 2
+    if x.rank != w.rank:
+        raise _Unsupported(f"aten.{c.fx.target._opname} of an unbatched input (add a batch dim)")
+    if c.fx.target._opname == "convolution":
+        stride, padding, dilation, transposed, _, groups = c.fx.args[3:9]
+        if transposed:
+            raise _Unsupported("aten.convolution transposed")
+    else:
+        stride, padding = _arg(c.fx, 3, "stride", 1), _arg(c.fx, 4, "padding", 0)
+        dilation, groups = _arg(c.fx, 5, "dilation", 1), _arg(c.fx, 6, "groups", 1)
+    attrs = {"stride": _ints(stride, spatial, 1), "dilation": _ints(dilation, spatial, 1), "groups": int(groups),
+             "padding": padding if isinstance(padding, str) else _ints(padding, spatial, 0)}
+    flops = 2.0 * _numel(c.shape) * math.prod(w.shape[1:])  # a multiply-add per output and filter tap
+    bias = _arg(c.fx, 2, "bias")
+    if bias is None:
+        return c.emit("conv", [x.id, w.id], attrs, flops)
+    conv = c.emit("conv", [x.id, w.id], attrs, flops, name=c.fx.name + "_conv")
+    channels = (w.shape[0],) + (1,) * spatial  # (Cout, 1, 1): broadcast over the positions
+    b = c.emit("view", [c.tid(bias)], {"shape": list(channels)}, name=c.fx.name + "_bias", shape=channels)
+    return c.emit("add", [conv, b], flops=_numel(c.shape))
+
+
+def _spatial(c: _Ctx) -> int:
+    return int(c.fx.target._opname.rstrip("d")[-1])
+
+
+def _h_max_pool(c: _Ctx) -> int:
+    x, n = c.node(c.fx.args[0]), _spatial(c)
+    kernel = _ints(c.fx.args[1], n, 1)
+    attrs = {"spatial": n, "kernel": kernel, "stride": _ints(_arg(c.fx, 2, "stride"), n, 0) if _arg(c.fx, 2, "stride") else kernel,
+             "padding": _ints(_arg(c.fx, 3, "padding", 0), n, 0), "dilation": _ints(_arg(c.fx, 4, "dilation", 1), n, 1),
+             "ceil_mode": bool(_arg(c.fx, 5, "ceil_mode", False))}
+    return c.emit("max_pool", [x.id], attrs, _numel(c.shape) * math.prod(kernel))
+
+
+def _h_avg_pool(c: _Ctx) -> int:
+    x, n = c.node(c.fx.args[0]), _spatial(c)
+    kernel = _ints(c.fx.args[1], n, 1)
+    divisor = _arg(c.fx, 6, "divisor_override")
+    attrs = {"spatial": n, "kernel": kernel, "stride": _ints(_arg(c.fx, 2, "stride"), n, 0) if _arg(c.fx, 2, "stride") else kernel,
+             "padding": _ints(_arg(c.fx, 3, "padding", 0), n, 0), "ceil_mode": bool(_arg(c.fx, 4, "ceil_mode", False)),
+             "count_include_pad": bool(_arg(c.fx, 5, "count_include_pad", True)),
+             "divisor_override": None if divisor is None else int(divisor)}
+    return c.emit("avg_pool", [x.id], attrs, _numel(c.shape) * math.prod(kernel))
+
+
+def _h_adaptive_avg_pool(c: _Ctx) -> int:
+    x, n = c.node(c.fx.args[0]), _spatial(c)
+    size = [int(s) for s in c.shape[-n:]]
+    return c.emit("adaptive_avg_pool", [x.id], {"spatial": n, "output_size": size}, x.numel)
+
+
+def _h_batch_norm(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    w, bias = _arg(c.fx, 1, "weight"), _arg(c.fx, 2, "bias")
+    if not _arg(c.fx, 5, "training", False):
+        raise _Unsupported("aten.batch_norm in eval mode (plan the model in training mode, model.train())")
+    attrs = {"eps": float(_arg(c.fx, 7, "eps", 1e-5)), "has_weight": w is not None, "has_bias": bias is not None}
+    inputs = [x.id] + [c.tid(t) for t in (w, bias) if t is not None]
+    return c.emit("batch_norm", inputs, attrs, 8 * _numel(c.shape))  # statistics, normalise, scale and shift
+
+
+_HANDLERS.update({
+    "conv1d": _h_conv, "conv2d": _h_conv, "conv3d": _h_conv, "convolution": _h_conv,
+    **{f"max_pool{k}d": _h_max_pool for k in (1, 2, 3)}, **{f"avg_pool{k}d": _h_avg_pool for k in (1, 2, 3)},
+    **{f"adaptive_avg_pool{k}d": _h_adaptive_avg_pool for k in (1, 2, 3)},
+    **{f"_adaptive_avg_pool{k}d": _h_adaptive_avg_pool for k in (1, 2, 3)},
+    "batch_norm": _h_batch_norm,
+})
 _HANDLERS.update({
     "cat": _h_cat, "concat": _h_cat, "slice": _h_slice, "narrow": _h_narrow, "select": _h_select,
     "expand": _h_expand, "broadcast_to": _h_expand,

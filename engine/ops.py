@@ -73,6 +73,8 @@ def run_node(node: Node, graph: Graph, inputs: Sequence[Tensor], out_shape: Sequ
         return F.mse_loss(inputs[0], inputs[1], reduction="sum") / a["count"]
     if op in _SHAPE:
         return _SHAPE[op](node, inputs, out_shape)
+    if op in _VISION:
+        return unless_empty(lambda *xs: _VISION[op](a, xs), out_shape, *inputs)
     raise NotImplementedError(f"no executor for operator '{op}' (node {node.name})")
 
 
@@ -88,6 +90,54 @@ _SHAPE: dict[str, Callable[[Node, Sequence[Tensor], Sequence[int]], Tensor]] = {
     "expand": lambda n, xs, s: xs[0].expand(tuple(s)),
 }
 """Shape operators; `expand` takes the local output shape (a device expands to its own rows)."""
+
+
+def unless_empty(fn: Callable[..., Tensor], out_shape: Sequence[int], *args: object) -> Tensor:
+    """`fn(*args)`, or zeros of `out_shape` when an operand or the result is empty.
+
+    A device may hold no channel of a sharded dim (uneven ratios round to 0), which convolution,
+    pooling and batch norm reject. The result is then empty, or a sum over no channels (zeros).
+    The zeros depend on the operands, so backward still reaches (and runs) every collective that
+    produced them, as on the other devices.
+    """
+    tensors = [t for t in args if isinstance(t, Tensor)]
+    if math.prod(out_shape) == 0 or any(t.numel() == 0 for t in tensors):
+        return tensors[0].new_zeros(tuple(out_shape)) + sum(t.sum() for t in tensors) * 0
+    return fn(*args)
+
+
+def _conv(a: dict, xs: Sequence[Tensor]) -> Tensor:
+    fn = (F.conv1d, F.conv2d, F.conv3d)[xs[1].dim() - 3]
+    return fn(xs[0], xs[1], None, a["stride"], a["padding"], a["dilation"], a["groups"])
+
+
+def _pool_fn(kind: str, spatial: int) -> Callable:
+    return getattr(F, f"{kind}{spatial}d")
+
+
+def _max_pool(a: dict, xs: Sequence[Tensor]) -> Tensor:
+    return _pool_fn("max_pool", a["spatial"])(xs[0], a["kernel"], a["stride"], a["padding"], a["dilation"], a["ceil_mode"])
+
+
+def _avg_pool(a: dict, xs: Sequence[Tensor]) -> Tensor:
+    fn = _pool_fn("avg_pool", a["spatial"])
+    if a["spatial"] == 1:  # avg_pool1d has no divisor_override
+        return fn(xs[0], a["kernel"], a["stride"], a["padding"], a["ceil_mode"], a["count_include_pad"])
+    return fn(xs[0], a["kernel"], a["stride"], a["padding"], a["ceil_mode"], a["count_include_pad"], a["divisor_override"])
+
+
+def _batch_norm(a: dict, xs: Sequence[Tensor]) -> Tensor:
+    rest = list(xs[1:])
+    w = rest.pop(0) if a.get("has_weight") else None
+    b = rest.pop(0) if a.get("has_bias") else None
+    return F.batch_norm(xs[0], None, None, w, b, training=True, eps=a["eps"])
+
+
+_VISION: dict[str, Callable[[dict, Sequence[Tensor]], Tensor]] = {
+    "conv": _conv, "max_pool": _max_pool, "avg_pool": _avg_pool, "batch_norm": _batch_norm,
+    "adaptive_avg_pool": lambda a, xs: _pool_fn("adaptive_avg_pool", a["spatial"])(xs[0], a["output_size"]),
+}
+"""Convolution, pooling and training-mode batch norm (statistics of the local batch: see theory/batchnorm)."""
 
 
 def _binary(node: Node, inputs: Sequence[Tensor]) -> Tensor:

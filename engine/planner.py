@@ -102,8 +102,11 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
         report = None if progress is None else (lambda p, it=it: progress(_tag(p, it)))
         try:
             res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=beam_width, incumbent=incumbent)
-        except InfeasibleError:
-            break  # nothing fits under these ratios; keep the best found (or explain below)
+        except InfeasibleError:  # nothing fits under these ratios: let the LP (memory constraints) move them once
+            ratios = None if incumbent is None or it > 0 else _memory_feasible_ratios(incumbent, graph, cluster, optimizer)
+            if ratios is None:
+                break  # keep the best found (or explain below)
+            continue
         _accumulate(stats, res)
         history.append({"iteration": it, "step": "Q", "predicted_time_s": res.cost, "ratios": ratios})
         best = _better(best, Candidate(res.program, ratios, res.cost))
@@ -123,6 +126,14 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
         raise InfeasibleError(_oom_message(graph, cluster, optimizer))
     stats["elapsed_s"] = time.perf_counter() - start
     return _make_plan("hap", graph, cluster, best, optimizer, history, stats)
+
+
+def _memory_feasible_ratios(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, optimizer: str) -> list[float] | None:
+    """The LP's ratios for `program` (e.g. a baseline), which respect every device's memory; None if none do."""
+    try:
+        return balance(program, graph, cluster, optimizer=optimizer).ratios
+    except InfeasibleError:
+        return None
 
 
 def _tag(p: SearchProgress, iteration: int) -> SearchProgress:

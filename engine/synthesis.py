@@ -212,8 +212,12 @@ class _Search:
         self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
 
     def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
-        from .cost import evaluate
+        """Bound the search by `program`, unless it overflows a device's memory under these ratios
+        (then it is no solution, and its cost would prune the programs that fit)."""
+        from .cost import evaluate, replay
 
+        if not self.cm.fits(replay(program, self.cm)[1]):
+            return
         self.incumbent = program
         self.best_cost = evaluate(program, self.cm).total_s * (1 + 1e-9)
 

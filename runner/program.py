@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from engine import ops
 from engine.graph import Graph, Node
+from engine.ops import unless_empty
 from engine.plan import Plan
 from engine.program import COMM, LOAD, Instruction
 from engine.theory.core import FULL, PARTIAL
@@ -213,8 +214,58 @@ _INDEX_EMITTERS: dict[str, Callable[..., fx.Node]] = {
 }
 """Einsum, MoE gating, index and opaque operators (an opaque op re-resolves its ATen target by name)."""
 
+
+def conv(x, w, stride, padding, dilation, groups, shape):
+    """F.conv1d/2d/3d on local shards (zeros when a channel shard is empty, see engine.ops.unless_empty)."""
+    fn = (F.conv1d, F.conv2d, F.conv3d)[len(stride) - 1]
+    return unless_empty(fn, shape, x, w, None, stride, padding, dilation, groups)
+
+
+def max_pool(x, kernel, stride, padding, dilation, ceil_mode, shape):
+    fn = getattr(F, f"max_pool{len(kernel)}d")
+    return unless_empty(fn, shape, x, kernel, stride, padding, dilation, ceil_mode)
+
+
+def avg_pool(x, kernel, stride, padding, ceil_mode, count_include_pad, divisor_override, shape):
+    fn = getattr(F, f"avg_pool{len(kernel)}d")
+    extra = () if len(kernel) == 1 else (divisor_override,)  # avg_pool1d has no divisor_override
+    return unless_empty(fn, shape, x, kernel, stride, padding, ceil_mode, count_include_pad, *extra)
+
+
+def adaptive_avg_pool(x, output_size, shape):
+    return unless_empty(getattr(F, f"adaptive_avg_pool{len(output_size)}d"), shape, x, output_size)
+
+
+def batch_norm(x, weight, bias, eps, shape):
+    """Training-mode batch norm on whole channels: the local statistics are the global ones."""
+    return unless_empty(F.batch_norm, shape, x, None, None, weight, bias, True, 0.0, eps)
+
+
+def _emit_batch_norm(g, node, graph, args, shape):
+    a = node.attrs
+    rest = list(args[1:])
+    w = rest.pop(0) if a.get("has_weight") else None
+    b = rest.pop(0) if a.get("has_bias") else None
+    return g.call_function(batch_norm, (args[0], w, b, a["eps"], tuple(shape)))
+
+
+def _attrs_call(fn: Callable, *keys: str) -> Callable[..., fx.Node]:
+    """An emitter calling `fn(x, *attrs[keys], local shape)`."""
+    return lambda g, n, gr, a, s: g.call_function(fn, (a[0], *(n.attrs[k] for k in keys), tuple(s)))
+
+
+_VISION_EMITTERS: dict[str, Callable[..., fx.Node]] = {
+    "conv": lambda g, n, gr, a, s: g.call_function(conv, (a[0], a[1], n.attrs["stride"], n.attrs["padding"],
+                                                         n.attrs["dilation"], n.attrs["groups"], tuple(s))),
+    "max_pool": _attrs_call(max_pool, "kernel", "stride", "padding", "dilation", "ceil_mode"),
+    "avg_pool": _attrs_call(avg_pool, "kernel", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override"),
+    "adaptive_avg_pool": _attrs_call(adaptive_avg_pool, "output_size"),
+    "batch_norm": _emit_batch_norm,
+}
+"""Convolution, pooling, batch norm: named local functions, so `print(gm.code)` reads `conv(x, w, ...)`."""
+
 _EMITTERS: dict[str, Callable[..., fx.Node]] = {
-    **_SHAPE_EMITTERS,
+    **_SHAPE_EMITTERS, **_VISION_EMITTERS,
     "identity": _identity,
     "gelu": lambda g, n, gr, a, s: g.call_function(F.gelu, tuple(a), {"approximate": n.attrs.get("approximate", "none")}),
     "dropout": lambda g, n, gr, a, s: g.call_function(F.dropout, (a[0], n.attrs["p"], n.attrs["train"])),

@@ -96,7 +96,7 @@ def check_rule(node: Node, graph: Graph, r: OpRule, ratios: Sequence[float], see
         offsets = [sum(sizes[(k, f)][:j]) if f >= 0 else 0 for k, f in enumerate(r.inputs)]
         try:
             outs.append(run_node(node, graph, [li[j] for li in local_in], shape, offsets))
-        except RuntimeError:  # the local pieces do not even fit together (e.g. a whole mask on split rows)
+        except RuntimeError:  # the local operands do not even fit the operator (a whole mask on split rows, channels)
             return CheckResult(node.name, str(r), False, math.inf)
     err = _combine_error(ref, outs, r.output)
     tol = 1e-9 * max(1.0, float(ref.double().abs().max()) if ref.numel() else 1.0)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelError
-from . import bert, bert_moe, gpt, hf, mlp
+from . import bert, bert_moe, gpt, hf, mlp, vgg19, vit
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class ZooEntry:
 ZOO: dict[str, ZooEntry] = {
     "mlp": ZooEntry(mlp.MLPConfig, mlp.build, mlp.example_inputs),
     "gpt": ZooEntry(gpt.GPTConfig, gpt.build, gpt.example_inputs),
+    "vgg19": ZooEntry(vgg19.VGG19Config, vgg19.build, vgg19.example_inputs),
+    "vit": ZooEntry(vit.ViTConfig, vit.build, vit.example_inputs),
     "bert": ZooEntry(bert.BertConfig, bert.build, bert.example_inputs),
     "bert_moe": ZooEntry(bert_moe.BertMoEConfig, bert_moe.build, bert_moe.example_inputs),
     "hf_bert": ZooEntry(hf.HFConfig, hf.build_bert, hf.example_inputs),

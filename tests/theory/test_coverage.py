@@ -55,7 +55,18 @@ def kitchen() -> Graph:
     return engine.load_model(Kitchen(), (torch.randn(4, 5, 6), torch.randn(5, 24)))
 
 
-MODELS = {"gpt": gpt_small, "mlp": mlp_small, "kitchen": kitchen}
+@functools.cache
+def vgg19_small() -> Graph:
+    return engine.load_model("zoo:vgg19", batch=4, image_size=32, width=0.125, hidden=16, classes=5, pool_size=2, batch_norm=True)
+
+
+@functools.cache
+def vit_small() -> Graph:
+    return engine.load_model("zoo:vit", batch=3, image_size=8, patch=4, hidden=8, layers=1, heads=2, mlp=16, classes=5,
+                             qkv_fused=True)
+
+
+MODELS = {"gpt": gpt_small, "mlp": mlp_small, "kitchen": kitchen, "vgg19": vgg19_small, "vit": vit_small}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -69,7 +80,8 @@ def test_every_captured_op_has_rules(model: str) -> None:
 def test_every_op_capture_can_emit_is_registered() -> None:
     emitted = set(capture_mod._UNARY.values()) | set(capture_mod._BINARY) | {
         "view", "identity", "permute", "linear", "matmul", "softmax", "log_softmax", "sum", "mean", "layer_norm",
-        "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand"}
+        "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand",
+        "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -100,6 +112,13 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "narrow": ([(4, 5)], {"dim": 1, "start": 1, "end": 5, "step": 2}),
     "select": ([(4, 5)], {"dim": 0, "index": 3}),
     "expand": ([(1, 5)], {"shape": [4, 5]}),
+    "conv": ([(2, 3, 6, 6), (4, 3, 3, 3)], {"stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}),
+    "max_pool": ([(2, 3, 6, 6)], {"spatial": 2, "kernel": [2, 2], "stride": [2, 2], "padding": [0, 0],
+                                  "dilation": [1, 1], "ceil_mode": False}),
+    "avg_pool": ([(2, 3, 6, 6)], {"spatial": 2, "kernel": [3, 3], "stride": [2, 2], "padding": [1, 1], "ceil_mode": True,
+                                  "count_include_pad": False, "divisor_override": None}),
+    "adaptive_avg_pool": ([(2, 3, 6, 6)], {"spatial": 2, "output_size": [4, 4]}),
+    "batch_norm": ([(4, 3, 2, 2), (3,), (3,)], {"eps": 1e-5, "has_weight": True, "has_bias": True}),
 }
 VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5)}
 
