@@ -10,7 +10,9 @@ layers on `sample_clusters/hap_paper_testbed_machines.json` (8 virtual devices: 
 6 P100 machines), and at 12 layers on `sample_clusters/hap_paper_testbed.json` (64 GPUs). The
 paper's image classifiers (§7, Table 1), `zoo:vgg19` and `zoo:vit` at their default (paper)
 sizes and batch 64, on both clusters, and ViT with the paper's 64 images per GPU (batch 4096) on
-the 64 GPUs (`--vision-only` runs just these).
+the 64 GPUs (`--vision-only` runs just these). The paper's language models, `zoo:bert` and
+`zoo:bert_moe` at their default (paper) sizes (BERT-Base; BERT-MoE with 8 experts), on both
+clusters (`--language-only` runs just these).
 
 Run from the repository root:
 
@@ -45,6 +47,8 @@ TESTBED_64 = "sample_clusters/hap_paper_testbed.json"
 GPT = {"hidden": 768, "heads": 12, "ffn": 3072, "seq_len": 128, "batch": 64}
 VISION = ("vgg19", "vit")
 """Zoo image classifiers planned at their default (paper) sizes on 8 and 64 devices."""
+LANGUAGE = ("bert", "bert_moe")
+"""Zoo language models planned at their default (paper) sizes on 8 and 64 devices."""
 DEFAULT_LAYERS = (6, 12, 24, 48)
 QUICK_LAYERS = (6, 12)
 
@@ -221,6 +225,10 @@ def _vision_cases() -> list[dict]:
     return [{"model": m, "cluster": c} for m in VISION for c in (MACHINES, TESTBED_64)] + [paper_batch]
 
 
+def _language_cases() -> list[dict]:
+    return [{"model": m, "cluster": c} for m in LANGUAGE for c in (MACHINES, TESTBED_64)]
+
+
 def _parse_layers(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -238,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case before it is reported as failed")
     parser.add_argument("--repeat", type=int, default=3, help="fresh processes per case; the fastest is reported")
     parser.add_argument("--vision-only", action="store_true", help="only the vgg19 and vit cases")
+    parser.add_argument("--language-only", action="store_true", help="only the bert and bert_moe cases")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -248,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"planning time, zoo:gpt {GPT}; best of {max(1, args.repeat)} fresh processes per case; "
           f"{env['cpus']} CPUs, python {env['python']}, torch {env['torch']}", flush=True)
     results = []
-    for case in ([] if args.vision_only else _cases(layers)) + _vision_cases():
+    only = args.vision_only or args.language_only
+    cases = ([] if only else _cases(layers)) + ([] if args.language_only else _vision_cases())
+    for case in cases + ([] if args.vision_only else _language_cases()):
         print(f"  running {_label(case)} on {Path(case['cluster']).stem} ...", flush=True)
         results.append(run_case(case, args.timeout, max(1, args.repeat)))
     g = growth(results)

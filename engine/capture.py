@@ -9,6 +9,7 @@ linear (which yields `Partial`) stays expressible.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import operator
 import re
@@ -120,6 +121,22 @@ class LossOf(torch.nn.Module):
 _WRAPPED = "inner."
 
 
+def _by_name(module: torch.nn.Module, args: tuple) -> dict[str, Any]:
+    """Positional inputs as keywords of `module.forward`, so that inputs keep their names (x, y)
+    through the loss-only wrapper; a forward taking `*args` keeps them positional-only names."""
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args)
+    except (TypeError, ValueError):
+        return {f"args_{i}": a for i, a in enumerate(args)}
+    out: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = inspect.signature(module.forward).parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            raise ModelError(f"load_model: {type(module).__name__}.forward takes *{name}: pass the inputs as a dict")
+        out[name] = value
+    return out
+
+
 def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str = "model",
             origin: dict[str, Any] | None = None, fallback: str | None = None) -> Graph:
     """Trace `module` on `example_inputs` (positional tuple or keyword dict) into a Graph.
@@ -128,8 +145,8 @@ def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str 
     that have no rule as opaque all-Full nodes instead of refusing the model."""
     if fallback not in FALLBACKS:
         raise ModelError(f"fallback {fallback!r} is not known (choose 'replicate' or leave it unset)")
-    args, kwargs = (tuple(), dict(example_inputs)) if isinstance(example_inputs, dict) else (tuple(example_inputs), {})
-    ep = export_program(LossOf(module), args, kwargs)
+    kwargs = dict(example_inputs) if isinstance(example_inputs, dict) else _by_name(module, tuple(example_inputs))
+    ep = export_program(LossOf(module), (), kwargs)
     return _to_graph(ep, name=name, origin=origin or {}, fallback=fallback)
 
 
@@ -150,8 +167,8 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
                 op = "parameter" if kind == "PARAMETER" else "buffer"
                 if op == "buffer":
                     b.buffers[fx.name] = str(spec.target)  # for the in-place update check in _lower
-                name = re.sub(r"^(p|b)_inner_", r"\1_", fx.name)  # the LossOf wrapper is not part of the model
-                nid = b.add(name, op, [], _shape(val), _dtype(val), {"target": spec.target.removeprefix(_WRAPPED)})
+                leaf = re.sub(r"^(p|b)_inner_", r"\1_", fx.name)  # the LossOf wrapper is not part of the model
+                nid = b.add(leaf, op, [], _shape(val), _dtype(val), {"target": spec.target.removeprefix(_WRAPPED)})
             elif kind == "USER_INPUT":
                 if not isinstance(val, torch.Tensor):
                     continue

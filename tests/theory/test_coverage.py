@@ -66,7 +66,19 @@ def vit_small() -> Graph:
                              qkv_fused=True)
 
 
-MODELS = {"gpt": gpt_small, "mlp": mlp_small, "kitchen": kitchen, "vgg19": vgg19_small, "vit": vit_small}
+@functools.cache
+def bert_small() -> Graph:
+    return engine.load_model("zoo:bert", **BERT_SMALL)
+
+
+@functools.cache
+def bert_moe_small() -> Graph:
+    return engine.load_model("zoo:bert_moe", **BERT_SMALL, experts=5)
+
+
+BERT_SMALL = dict(layers=2, hidden=16, heads=2, ffn=32, vocab=30, seq_len=6, predictions=2, batch=4)
+MODELS = {"gpt": gpt_small, "mlp": mlp_small, "kitchen": kitchen, "vgg19": vgg19_small, "vit": vit_small,
+          "bert": bert_small, "bert_moe": bert_moe_small}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -81,7 +93,8 @@ def test_every_op_capture_can_emit_is_registered() -> None:
     emitted = set(capture_mod._UNARY.values()) | set(capture_mod._BINARY) | {
         "view", "identity", "permute", "linear", "matmul", "softmax", "log_softmax", "sum", "mean", "layer_norm",
         "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand",
-        "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm"}
+        "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm", "einsum", "topk_values", "topk_indices",
+        "one_hot", "cumsum", "gather", "arange", "opaque"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -119,8 +132,16 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
                                   "count_include_pad": False, "divisor_override": None}),
     "adaptive_avg_pool": ([(2, 3, 6, 6)], {"spatial": 2, "output_size": [4, 4]}),
     "batch_norm": ([(4, 3, 2, 2), (3,), (3,)], {"eps": 1e-5, "has_weight": True, "has_bias": True}),
+    **{op: ([(3, 4), (4,)], {}) for op in ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow")},
+    "einsum": ([(2, 3, 4), (4, 5)], {"equation": "bik,kj->bij"}),
+    **{op: ([(3, 4)], {"k": 2, "dim": 1, "largest": True, "sorted": True}) for op in ("topk_values", "topk_indices")},
+    "one_hot": ([((3, 2), "int64")], {"num_classes": 4}),
+    "cumsum": ([(3, 4)], {"dim": 1}),
+    "gather": ([((3, 4), "float64"), ((3, 2), "int64")], {"dim": 1}),
+    "arange": ([], {"start": 0, "end": 5, "step": 1}),
+    "opaque": ([(3, 4)], {"target": "aten::flip.default", "args": [{"tensor": 0}, [0]], "kwargs": {}, "output_index": None}),
 }
-VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5)}
+VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5), "topk_values": (3, 2), "topk_indices": (3, 2), "arange": (5,)}
 
 
 @pytest.mark.parametrize("op", registered_ops())
