@@ -121,20 +121,17 @@ class LossOf(torch.nn.Module):
 _WRAPPED = "inner."
 
 
-def _by_name(module: torch.nn.Module, args: tuple) -> dict[str, Any]:
+def _by_name(module: torch.nn.Module, args: tuple) -> dict[str, Any] | None:
     """Positional inputs as keywords of `module.forward`, so that inputs keep their names (x, y)
-    through the loss-only wrapper; a forward taking `*args` keeps them positional-only names."""
+    through the loss-only wrapper; None when they cannot be named (a `*args` forward)."""
     try:
-        bound = inspect.signature(module.forward).bind_partial(*args)
+        sig = inspect.signature(module.forward)
+        bound = sig.bind_partial(*args)
     except (TypeError, ValueError):
-        return {f"args_{i}": a for i, a in enumerate(args)}
-    out: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        kind = inspect.signature(module.forward).parameters[name].kind
-        if kind is inspect.Parameter.VAR_POSITIONAL:
-            raise ModelError(f"load_model: {type(module).__name__}.forward takes *{name}: pass the inputs as a dict")
-        out[name] = value
-    return out
+        return None
+    if any(sig.parameters[n].kind is inspect.Parameter.VAR_POSITIONAL for n in bound.arguments):
+        return None
+    return dict(bound.arguments)
 
 
 def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str = "model",
@@ -145,8 +142,12 @@ def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str 
     that have no rule as opaque all-Full nodes instead of refusing the model."""
     if fallback not in FALLBACKS:
         raise ModelError(f"fallback {fallback!r} is not known (choose 'replicate' or leave it unset)")
-    kwargs = dict(example_inputs) if isinstance(example_inputs, dict) else _by_name(module, tuple(example_inputs))
-    ep = export_program(LossOf(module), (), kwargs)
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    else:
+        kwargs = _by_name(module, tuple(example_inputs))
+        args = () if kwargs is not None else tuple(example_inputs)
+    ep = export_program(LossOf(module), args, kwargs or {})
     return _to_graph(ep, name=name, origin=origin or {}, fallback=fallback)
 
 

@@ -158,3 +158,17 @@ def test_cli_lists_unsupported_ops_and_plans_them_with_fallback_replicate(capsys
     assert any(n.op == "opaque" for n in g.nodes)
     capsys.readouterr()
     assert main(["plan", "--model", str(tmp_path / "g.json"), "--cluster", sample_path("cpu_2")]) == 0
+
+
+class StarArgs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.fc(xs[0]).pow(2).mean()
+
+
+def test_positional_inputs_keep_forwards_names_or_stay_positional_for_star_args() -> None:
+    g = engine.load_model(StarArgs(), (torch.randn(4, 3),))
+    assert [n.attrs["index"] for n in g.placeholders] == [0] and g.name == "StarArgs"
