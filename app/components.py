@@ -426,4 +426,4 @@ def compare_chart(rows: list[dict[str, Any]]) -> alt.Chart:
     return alt.Chart(df, title="Predicted iteration time, same cost model").mark_bar().encode(
         x=alt.X("predicted_ms:Q", title="ms"), y=alt.Y("strategy:N", sort=None),
         color=alt.condition(alt.datum.strategy == "Q+B+C", alt.value("#e45756"), alt.value("#4c78a8")),
-        tooltip=["strategy", "what", "predicted_ms", "plan_speedup"]).properties(height=200)
+        tooltip=["strategy", "what", "predicted_ms", "plan_speedup"]).properties(height=60 + 36 * len(df))

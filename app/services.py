@@ -258,13 +258,21 @@ def init_state() -> None:
 
 
 def set_model(graph: Graph, source: str) -> None:
+    """Make `graph` the current model; rerun when it changed so the sidebar (drawn first) follows."""
+    changed = st.session_state.get(Keys.GRAPH) != graph
     st.session_state[Keys.GRAPH] = graph
     st.session_state[Keys.MODEL_SOURCE] = source
+    if changed:
+        st.rerun()
 
 
 def set_cluster(cluster: Cluster, source: str) -> None:
+    """Make `cluster` the current cluster; rerun when it changed (see set_model)."""
+    changed = st.session_state.get(Keys.CLUSTER) != cluster
     st.session_state[Keys.CLUSTER] = cluster
     st.session_state[Keys.CLUSTER_SOURCE] = source
+    if changed:
+        st.rerun()
 
 
 def current() -> tuple[Graph, Cluster, Plan | None]:

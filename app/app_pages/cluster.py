@@ -12,8 +12,10 @@ if kind == "Sample cluster":
     names = services.sample_clusters()
     name = st.selectbox("Sample", names, index=names.index(services.DEFAULT_CLUSTER), key="cluster.sample")
     if st.button("Use this sample", type="primary"):
-        st.session_state[services.Keys.BASE] = services.sample_cluster(name)
-        services.set_cluster(st.session_state[services.Keys.BASE], f"sample_clusters/{name}")
+        sample = services.sample_cluster(name)
+        st.session_state.pop(f"{services.Keys.EDITOR}.{sample.fingerprint()[:12]}", None)  # start from the file
+        st.session_state[services.Keys.BASE] = sample
+        services.set_cluster(sample, f"sample_clusters/{name}")
 else:
     upload = st.file_uploader("Cluster spec JSON (schema_version 1, see sample_clusters/)", type=["json"], key="cluster.upload")
     if upload is not None:

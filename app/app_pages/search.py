@@ -40,11 +40,12 @@ if go:
             plan = services.run_plan(graph, cluster, budget, progress)
         st.session_state[services.Keys.PLAN] = plan
         st.session_state[services.Keys.FRONTIER] = points or None
+        st.rerun()  # redraw the page (and the sidebar) around the new plan
     except HapError as e:
+        status.empty()
+        bar.empty()
+        live.empty()
         services.show_error(e)
-    status.empty()
-    bar.empty()
-    live.empty()
 
 if plan is None or not services.plan_matches(plan, graph, cluster):
     st.info("No plan for this model and cluster yet: run the search.")

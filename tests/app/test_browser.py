@@ -151,12 +151,12 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     shoot(page, "cluster")
 
     goto(page, "Theory")
-    page.get_by_text("triples").first.wait_for()
+    page.locator('[data-testid="stDataFrame"]').nth(1).wait_for()
     shoot(page, "theory")
 
     goto(page, "Search")
     page.get_by_role("button", name="Run search").click()
-    page.get_by_text("States expanded").wait_for()
+    page.get_by_text("States expanded", exact=True).wait_for()
     idle(page)
     page.locator('[data-testid="stVegaLiteChart"]').first.wait_for()
     assert charts(page, 1) >= 1, "the frontier chart did not render"
@@ -174,7 +174,7 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     shoot(page, "timeline")
 
     goto(page, "Compare")
-    page.get_by_text("dp-proportional").first.wait_for()
+    page.locator('[data-testid="stDataFrame"]').first.wait_for()
     assert charts(page, 1) >= 1
     assert_no_exception(page)
     shoot(page, "compare")
