@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from ui_helpers import no_exception, open_page
+from ui_helpers import no_exception, open_page, app, tiny_plan  # noqa: F401 (fixtures)
 
 import engine
 

@@ -1,7 +1,7 @@
 """Search page: running the planner with a budget, the live frontier, the Q<->B history."""
 from __future__ import annotations
 
-from ui_helpers import no_exception, open_page
+from ui_helpers import no_exception, open_page, app, tiny_graph, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
 
 from app import components as ui
 from app.services import Keys

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ui_helpers import no_exception, open_page
+from ui_helpers import no_exception, open_page, app, tiny_plan  # noqa: F401 (fixtures)
 
 from app import components as ui
 
