@@ -63,6 +63,11 @@ def graph_key(graph: Graph) -> str:
     return hashlib.sha256(graph.to_json().encode()).hexdigest()
 
 
+def content_digest(data: bytes) -> str:
+    """Short sha256 of uploaded bytes (names widget keys that belong to one upload)."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 def plan_key(plan: Plan) -> str:
     return hashlib.sha256(plan.to_json(indent=None).encode()).hexdigest()
 

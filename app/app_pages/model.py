@@ -45,7 +45,9 @@ else:
                "for a file you wrote or have read.", icon=":material/warning:")
     st.code(services.PYTHON_CONVENTION, language="text")
     upload = st.file_uploader("Python model file", type=["py"], key="model.py")
-    trusted = st.checkbox("I trust this code and want to run it", key=services.Keys.PYTHON_TRUST)
+    digest = services.content_digest(upload.getvalue()) if upload is not None else "none"
+    # the box belongs to this file's content: another upload must be trusted anew
+    trusted = st.checkbox("I trust this code and want to run it", key=f"{services.Keys.PYTHON_TRUST}.{digest}")
     if upload is not None and not trusted:
         st.info(f"{upload.name} is uploaded but NOT executed: tick the box to run it.")
     if upload is not None and trusted:

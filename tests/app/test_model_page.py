@@ -87,22 +87,30 @@ def test_python_file_is_not_executed_unless_trusted(app, tmp_path, tiny_graph):
     assert not marker.exists(), "the uploaded file ran without the trust box"
     assert any("NOT executed" in i.value for i in at.info)
     assert at.session_state[Keys.GRAPH] == tiny_graph
-    at.checkbox(key=Keys.PYTHON_TRUST).check().run()
+    at.checkbox[0].check().run()
     no_exception(at)
     assert marker.read_text() == "executed"
     graph = at.session_state[Keys.GRAPH]
     assert graph.num_parameters == 8 * 4 + 4 and at.session_state[Keys.MODEL_SOURCE] == "python tiny_model.py"
+    # trust belongs to that file: a different upload is not run until its own box is ticked
+    other = tmp_path / "other.txt"
+    at.file_uploader(key="model.py").set_value(("other.py", MODEL_FILE.format(marker=str(other)).encode(), "text/x-python"))
+    at.run()
+    no_exception(at)
+    assert not other.exists() and not at.checkbox[0].value
+    assert at.session_state[Keys.MODEL_SOURCE] == "python tiny_model.py"
 
 
 def test_broken_python_file_shows_a_one_line_error(app):
     at = _python_source(open_page(app, "model"))
-    at.checkbox(key=Keys.PYTHON_TRUST).check()
     at.file_uploader(key="model.py").set_value(("broken.py", b"def build_model(:\n", "text/x-python"))
     at.run()
+    at.checkbox[0].check().run()
     no_exception(at)
     assert len(at.error) == 1 and at.error[0].value.startswith("ModelError: model file broken.py: SyntaxError")
     at.file_uploader(key="model.py").set_value(("empty.py", b"x = 1\n", "text/x-python"))
     at.run()
+    at.checkbox[0].check().run()
     assert "no function build_model()" in at.error[0].value
 
 
