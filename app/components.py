@@ -190,7 +190,7 @@ def theory_rows(graph: Graph) -> list[dict[str, Any]]:
 
 
 def collective_rows(graph: Graph) -> list[dict[str, Any]]:
-    """The communication triples of every tensor that has a gradient path (leaves are never communicated)."""
+    """The communication triples of every computed tensor, from each of its forms (leaves are never communicated)."""
     rows = []
     for n in graph.nodes:
         if n.is_leaf:
