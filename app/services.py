@@ -235,7 +235,8 @@ def bundle_zip(plan_json: str, cluster_text: str) -> tuple[bytes | None, str]:
         d = Path(tmp)
         (d / "plan.json").write_text(plan_json)
         (d / "cluster.json").write_text(cluster_text)
-        cmd = [sys.executable, "-m", "engine.cli", "export", str(d / "plan.json"), "--out", str(d / "bundle"), "--zip"]
+        cmd = [sys.executable, "-m", "engine.cli", "export", str(d / "plan.json"), "--cluster", str(d / "cluster.json"),
+               "--out", str(d / "bundle"), "--zip"]
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         zips = sorted(d.rglob("*.zip"))
         if res.returncode != 0 or not zips:
