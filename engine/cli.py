@@ -162,9 +162,17 @@ def cmd_ui(args: argparse.Namespace) -> int:
         raise _UsageError(f"port {args.port} on {args.host} is busy (another server listens there); choose another with --port N")
     print(f"hap ui: the workbench is at http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
     proc = subprocess.Popen(ui_command(args.host, args.port))
-    signal.signal(signal.SIGTERM, lambda *_: proc.terminate())  # stopping `hap ui` stops the server too
+    stopped: list[int] = []
+
+    def stop(signum: int, _frame) -> None:
+        """Stopping `hap ui` stops the server too."""
+        stopped.append(signum)
+        proc.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
     try:
-        return proc.wait()
+        code = proc.wait()
+        return 0 if stopped and code in (0, -signal.SIGTERM) else code
     except KeyboardInterrupt:
         proc.terminate()
         proc.wait()

@@ -126,6 +126,8 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     # the first screen is the Plan page with the default model already planned
     page.get_by_text("Predicted iteration").first.wait_for()
     idle(page)
+    sidebar = page.locator('[data-testid="stSidebar"]').inner_text()
+    assert "zoo:gpt" in sidebar and "hap_paper_testbed_machines" in sidebar
     assert charts(page, 2) >= 2  # ratios and memory
     assert_no_exception(page)
     shoot(page, "plan_default")

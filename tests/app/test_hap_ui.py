@@ -4,6 +4,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 
 from ui_helpers import ROOT
 
@@ -34,3 +35,25 @@ def test_busy_port_is_refused_with_one_line():
 def test_engine_never_imports_streamlit():
     code = "import sys, engine, engine.cli, engine.compare; assert 'streamlit' not in sys.modules, 'streamlit imported'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=120)
+
+
+def test_stopping_hap_ui_stops_the_server():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "ui", "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while cli.port_is_free("127.0.0.1", port):  # wait for Streamlit to listen
+            assert proc.poll() is None and time.monotonic() < deadline, "the server never started"
+            time.sleep(0.5)
+        proc.terminate()  # SIGTERM to `hap ui` only, not to its child
+        assert proc.wait(timeout=60) == 0
+        deadline = time.monotonic() + 60
+        while not cli.port_is_free("127.0.0.1", port):
+            assert time.monotonic() < deadline, "the Streamlit server outlived `hap ui`"
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
