@@ -40,7 +40,7 @@ class _Builder:
         self.ids: dict[str, int] = {}
         self.multi: dict[str, list[int]] = {}
         self.buffers: dict[str, str] = {}
-        """Buffers (fx name -> module path); they never become nodes."""
+        """Buffers (fx name -> module path); they are `buffer` leaves, pruned when the loss does not use them."""
 
     def add(self, name: str, op: str, inputs: list[int], shape: tuple[int, ...], dtype: str,
             attrs: dict[str, Any] | None = None, flops: float = 0.0, segment: int = 0, source: str = "") -> int:

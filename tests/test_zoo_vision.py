@@ -202,7 +202,8 @@ def test_vision_operators_capture_and_every_rule_holds() -> None:
     assert float(replay(g, module, (x, y))) == pytest.approx(float(module(x, y).detach()), rel=1e-5)
 
 
-def test_buffers_other_than_batch_norm_statistics_are_named_as_unsupported() -> None:
+def test_buffers_other_than_batch_norm_statistics_are_leaves_of_the_graph() -> None:
+    """A buffer a model computes with (e.g. transformers' position ids) is a `buffer` leaf."""
     class Scaled(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -212,8 +213,16 @@ def test_buffers_other_than_batch_norm_statistics_are_named_as_unsupported() -> 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.lin(x * self.scale).sum()
 
-    with pytest.raises(engine.UnsupportedOpError, match="buffer 'scale'"):
-        engine.load_model(Scaled(), (torch.randn(3, 4),))
+    module, x = Scaled(), torch.randn(3, 4)
+    g = engine.load_model(module, (x,))
+    [buf] = [n for n in g.nodes if n.op == "buffer"]
+    assert buf.attrs["target"] == "scale" and buf.shape == (4,)
+    vals: list[torch.Tensor] = []
+    for n in g.nodes:
+        leaf = {"parameter": lambda: module.get_parameter(n.attrs["target"]).detach(),
+                "buffer": lambda: module.get_buffer(n.attrs["target"]), "placeholder": lambda: x}.get(n.op)
+        vals.append(leaf() if leaf else run_node(n, g, [vals[i] for i in n.inputs], n.shape))
+    assert float(vals[g.loss]) == pytest.approx(float(module(x).detach()), rel=1e-6)
 
 
 def test_batch_norm_in_eval_mode_is_unsupported_with_a_hint() -> None:
