@@ -8,7 +8,8 @@ from engine.cluster import Cluster
 from engine.cost import CostModel
 from engine.graph import Graph
 from engine.plan import Plan
-from engine.planner import Candidate, _make_plan
+from engine.planner import Candidate, _make_plan, data_parallel_space
+from engine.segments import Segmentation, segment_graph
 from engine.synthesis import SearchSpace, synthesize
 
 from conftest import cluster_dict
@@ -46,7 +47,19 @@ def forced_plan(model: str, world: int, collective: str) -> Plan:
     """The cheapest program whose only communication is `collective` (and free slices), at RATIOS[world]."""
     g, c, ratios = graph(model), cluster(world), RATIOS[world]
     res = synthesize(g, CostModel(g, c, ratios, "sgd"), space=SearchSpace(collectives=frozenset({collective, "slice"})))
-    return _make_plan("hap", g, c, Candidate(res.program, ratios, res.cost), "sgd", [], {})
+    return _make_plan("hap", g, c, Candidate(res.program, [ratios], res.cost, Segmentation.single(g)), "sgd", [], {})
+
+
+def segmented_plan(model: str, world: int, data_parallel: bool, **knobs) -> Plan:
+    """A two-segment program whose segments have different ratios (RATIOS[world] and its reverse), so
+    sharded tensors crossing the boundary really move (HAP §5.2)."""
+    g = engine.load_model(f"zoo:{model}", **{**MODELS[model], **knobs})
+    c, seg = cluster(world), segment_graph(g, 2)
+    assert seg.count == 2, "the model needs two layers to make two segments"
+    rows = [RATIOS[world], RATIOS[world][::-1]]
+    space = data_parallel_space(g) if data_parallel else None
+    res = synthesize(g, CostModel(g, c, rows, "sgd", seg), space=space)
+    return _make_plan("hap", g, c, Candidate(res.program, rows, res.cost, seg), "sgd", [], {})
 
 
 def collectives_of(plan: Plan) -> set[str]:
