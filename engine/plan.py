@@ -136,6 +136,11 @@ class Plan:
             return Segmentation.single(self.graph)
         return Segmentation(tuple(self.segment_of), max(self.segment_of) + 1)
 
+    @property
+    def ratio_rows(self) -> list[list[float]]:
+        """The ratios as one row per segment, in segment order."""
+        return [self.ratios[k] for k in sorted(self.ratios, key=int)]
+
     def sizes(self, tensor: int, dim: int, segment: int | None = None) -> list[int]:
         """Integer sizes of a sharded dim on every device, inside `segment` (default: the tensor's own)."""
         seg = self.segmentation

@@ -90,11 +90,13 @@ def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], opt
 
 def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
          progress: Callable[[SearchProgress], None] | None = None, *, optimizer: str = "adam",
-         beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6, segments: int = 1) -> Plan:
+         beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6, segments: int = 1,
+         report_every: int = 500) -> Plan:
     """Plan `model` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
 
     `segments` > 1 then iterates again with that many runs of layers, each with its own ratios
-    (§5.2), starting from the one-segment plan; the faster of the two is returned."""
+    (§5.2), starting from the one-segment plan; the faster of the two is returned. `progress` is
+    called every `report_every` expansions of each search (the UI's live frontier)."""
     graph, cluster = _coerce(model, cluster)
     seg = segment_graph(graph, segments)
     start = time.perf_counter()
@@ -107,7 +109,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     history: list[dict[str, Any]] = []
     stats = {"expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
              "baselines_s": {k: None if c is None else c.cost for k, c in baselines.items()}}
-    loop = _Loop(graph, cluster, optimizer, beam_width, max_iterations, progress, deadline, history, stats)
+    loop = _Loop(graph, cluster, optimizer, beam_width, max_iterations, progress, report_every, deadline, history, stats)
     best = loop.run(Segmentation.single(graph), [proportional_ratios(cluster)], best)
     if seg.count > 1 and best is not None:
         best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
@@ -128,6 +130,7 @@ class _Loop:
     beam_width: int | None
     max_iterations: int
     progress: Callable[[SearchProgress], None] | None
+    report_every: int
     deadline: float | None
     history: list[dict[str, Any]]
     stats: dict[str, Any]
@@ -144,7 +147,7 @@ class _Loop:
             report = None if self.progress is None else (lambda p, it=it: self.progress(_tag(p, it)))
             try:
                 res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=self.beam_width,
-                                 incumbent=incumbent)
+                                 incumbent=incumbent, report_every=self.report_every)
             except InfeasibleError:
                 break  # nothing fits under these ratios; keep the best found (or explain in plan())
             _accumulate(self.stats, res)

@@ -156,8 +156,7 @@ def test_segmented_plan_round_trips_and_agrees_with_the_cost_model(segmented_pla
     again = Plan.from_json(segmented_plan.to_json())
     assert again.to_json() == segmented_plan.to_json()
     assert again.segmentation.count == 2
-    rows = [again.ratios[k] for k in sorted(again.ratios, key=int)]
-    cm = CostModel(again.graph, slow_link_cluster(), rows, segmentation=again.segmentation)
+    cm = CostModel(again.graph, slow_link_cluster(), again.ratio_rows, segmentation=again.segmentation)
     assert evaluate(again.program, cm).total_s == pytest.approx(again.predicted_time_s, rel=1e-12)
     assert {s.segment for s in again.stages} == {0, 1}
     for key, sizes in again.shard_sizes.items():
