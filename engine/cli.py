@@ -2,13 +2,16 @@
 
     hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S] [--json]
     hap capture --model zoo:gpt --set layers=2 --out graph.json
-    hap run plan.json [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
+    hap run plan.json|BUNDLE [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
+    hap export plan.json --out DIR [--zip] [--cluster FILE] [--model-file F]      (launch bundle)
+    hap bundle check BUNDLE                                                       (0 valid, 1 invalid, 2 usage)
 
 Bad input exits with status 2 and one line naming the problem, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any, Sequence
 
@@ -124,6 +127,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_main([args.plan, *args.options])
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .bundle import export_bundle, launch_nodes
+    from .plan import Plan
+
+    plan = Plan.from_json(args.plan)
+    out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
+                        rdzv_endpoint=args.rdzv_endpoint, image=args.image)
+    manifest = json.loads((out / "manifest.json").read_text())
+    print(f"bundle {out}: {plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
+          f"{len(manifest['files'])} files" + (f"; zip {out.with_name(out.name + '.zip')}" if args.zip else ""))
+    print(f"check it with `hap bundle check {out}`; run it with `hap run {out}` or see {out / 'README.md'}")
+    return 0
+
+
+def cmd_bundle_check(args: argparse.Namespace) -> int:
+    from .bundle import check_bundle
+
+    report = check_bundle(args.bundle)
+    print(report.render(), file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
+BUNDLE_EXIT_CODES = "exit status: 0 the bundle is valid, 1 the bundle is invalid (each problem printed, naming " \
+                    "the file), 2 usage error"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hap", description="Plan SPMD training of one model on a heterogeneous GPU cluster (HAP).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("plan", help="plan JSON from `hap plan --out`")
     r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
     r.set_defaults(func=cmd_run)
+    e = sub.add_parser("export", help="write a launch bundle (plan, cluster, model, torchrun/Slurm/Kubernetes files)")
+    e.add_argument("plan", help="plan JSON from `hap plan --out`")
+    e.add_argument("--out", required=True, metavar="DIR", help="bundle folder to create (new or empty)")
+    e.add_argument("--zip", action="store_true", help="also write DIR.zip")
+    e.add_argument("--cluster", metavar="FILE", help="cluster spec the plan was made for (default: the sample cluster of its name)")
+    e.add_argument("--model-file", metavar="F", help="Python file defining the model (plans of non-zoo models)")
+    e.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (default: node 0's machine, port 29500)")
+    e.add_argument("--image", default="hap-workbench:latest", help="container image for the Kubernetes files")
+    e.set_defaults(func=cmd_export)
+    b = sub.add_parser("bundle", help="launch bundle tools")
+    bsub = b.add_subparsers(dest="bundle_command", required=True)
+    bc = bsub.add_parser("check", help="validate a bundle without running it", epilog=BUNDLE_EXIT_CODES,
+                         description="Check a bundle folder or zip: manifest, sha256 of every file, no extra or "
+                                     "missing file, plan and cluster parse, world size of the launch scripts.")
+    bc.add_argument("bundle", help="bundle folder or zip from `hap export`")
+    bc.set_defaults(func=cmd_bundle_check)
     return parser
 
 
