@@ -1,0 +1,104 @@
+"""`hap run BUNDLE` (issue 6): checked before the first step, safe zips, GPU-type report, verify passes."""
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine
+from conftest import sample_path
+from engine.bundle import export_bundle
+from runner import launch
+from runner.launch import DistEnv, Inputs, RunConfig, check_inputs, report_device
+from test_runner_cli import TINY_GPT, hap
+
+
+@pytest.fixture(scope="module")
+def bundle4(tmp_path_factory) -> Path:
+    """A bundle (folder + zip) of the engine's plan of a tiny GPT for sample_clusters/cpu_4_uneven.json."""
+    plan = engine.plan(engine.load_model("zoo:gpt", **TINY_GPT), sample_path("cpu_4_uneven"))
+    return export_bundle(plan, None, tmp_path_factory.mktemp("bundle") / "gpt4", zip=True)
+
+
+def test_hap_run_bundle_zip_verify_on_4_gloo_ranks_exits_0(bundle4, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    r = hap("run", str(bundle4.with_name("gpt4.zip")), "--steps", "5", "--verify", "--metrics", str(metrics))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "hap run: device check ok: rank 0: CPU, as planned for device cpu-0" in r.stdout
+    assert "verify: OK" in r.stdout and "largest parameter relative difference" in r.stdout
+    assert len(metrics.read_text().splitlines()) == 5 * 4
+
+
+def copy_bundle(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_hap_run_refuses_an_edited_bundle_by_name_before_starting_any_rank(bundle4, tmp_path):
+    b = copy_bundle(bundle4, tmp_path / "b")
+    (b / "cluster.json").write_text((b / "cluster.json").read_text().replace("20000000000.0", "30000000000.0"))
+    (b / "extra.py").write_text("print('hi')")
+    r = hap("run", str(b), "--steps", "1", timeout=60)
+    assert r.returncode == 2
+    assert "changed file: cluster.json" in r.stderr and "extra file: extra.py" in r.stderr
+    assert "torch.distributed" not in r.stderr and "step" not in r.stdout
+
+
+def test_hap_run_refuses_a_zip_with_an_entry_escaping_the_folder(bundle4, tmp_path):
+    z = tmp_path / "evil.zip"
+    with zipfile.ZipFile(z, "w") as out:
+        for p in sorted(bundle4.iterdir()):
+            out.write(p, f"gpt4/{p.name}")
+        out.writestr("gpt4/../../evil.sh", "echo pwned")
+    r = hap("run", str(z), "--steps", "1", timeout=60)
+    assert r.returncode == 2 and "escapes the bundle folder" in r.stderr
+    assert not (tmp_path.parent / "evil.sh").exists()
+
+
+def test_a_rank_reads_a_bundle_zip_from_its_own_scratch_folder_and_knows_the_gpu_types(bundle4):
+    inputs = check_inputs(RunConfig(plan=str(bundle4.with_name("gpt4.zip"))), 4, rank=2)
+    try:
+        assert inputs.plan.world_size == 4 and inputs.cluster is not None
+        assert [d.gpu_model for d in inputs.cluster.devices] == ["cpu"] * 4
+        assert Path(inputs.scratch, "manifest.json").is_file()
+    finally:
+        shutil.rmtree(inputs.scratch)
+
+
+def inputs_with_gpu(bundle: Path, gpu_model: str) -> Inputs:
+    data = json.loads((bundle / "cluster.json").read_text())
+    for d in data["devices"]:
+        d["gpu_model"] = gpu_model
+    plan = engine.Plan.from_json(bundle / "plan.json")
+    return Inputs(plan, engine.load_cluster(data))
+
+
+def test_a_rank_on_cpu_reports_the_gpu_check_as_skipped(bundle4, capsys):
+    ok = report_device(inputs_with_gpu(bundle4, "P100-PCIE-16GB"), RunConfig(plan="x", device_check="error"),
+                       DistEnv(0, 4, 0, 4), torch.device("cpu"))
+    assert ok and "device check skipped: rank 0: GPU type check skipped: no CUDA here" in capsys.readouterr().out
+
+
+def test_a_rank_on_the_wrong_gpu_type_is_reported_and_stops_the_run_with_device_check_error(bundle4, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-40GB")
+    inputs = inputs_with_gpu(bundle4, "P100-PCIE-16GB")
+    env = DistEnv(3, 4, 3, 4)
+    assert report_device(inputs, RunConfig(plan="x"), env, torch.device("cuda", 0))
+    err = capsys.readouterr().err
+    assert "hap run: warning: rank 3 runs on a 'NVIDIA A100-SXM4-40GB' but the plan puts it on device cpu-3 " \
+           "of type 'P100-PCIE-16GB'" in err
+    assert not report_device(inputs, RunConfig(plan="x", device_check="error"), env, torch.device("cuda", 0))
+    assert "hap run: error: rank 3 runs on" in capsys.readouterr().err
+    assert report_device(inputs, RunConfig(plan="x", device_check="off"), env, torch.device("cuda", 0))
+
+
+def test_checkpoint_files_are_loaded_with_weights_only():
+    source = Path(launch.__file__).with_name("checkpoint.py").read_text()
+    loads = [ln for ln in source.splitlines() if "torch.load(" in ln]
+    assert loads and all("weights_only=True" in ln for ln in loads)
