@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_capture)
     r = sub.add_parser("run", help="train a plan over torch.distributed (starts torchrun on this machine)",
                        epilog="options after PLAN go to the runner: see `hap run PLAN --help`")
-    r.add_argument("plan", help="plan JSON from `hap plan --out`")
+    r.add_argument("plan", help="plan JSON from `hap plan --out`, or a launch bundle (folder or zip) from `hap export`")
     r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
     r.set_defaults(func=cmd_run)
     e = sub.add_parser("export", help="write a launch bundle (plan, cluster, model, torchrun/Slurm/Kubernetes files)")

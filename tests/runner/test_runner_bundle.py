@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -10,7 +14,7 @@ import pytest
 import torch
 
 import engine
-from conftest import sample_path
+from conftest import ROOT, sample_path
 from engine.bundle import export_bundle
 from runner import launch
 from runner.launch import DistEnv, Inputs, RunConfig, check_inputs, report_device
@@ -102,3 +106,39 @@ def test_checkpoint_files_are_loaded_with_weights_only():
     source = Path(launch.__file__).with_name("checkpoint.py").read_text()
     loads = [ln for ln in source.splitlines() if "torch.load(" in ln]
     assert loads and all("weights_only=True" in ln for ln in loads)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TWO_MACHINES = {"schema_version": 1, "name": "cpu_2x2", "description": "two pretend machines of 2 CPU ranks",
+                "sources": ["tests"],
+                "devices": [{"name": "a", "gpu_model": "cpu", "machine": "n0", "flops_per_gpu": 2e10,
+                             "memory_bytes_per_gpu": 2**33, "count": 2},
+                            {"name": "b", "gpu_model": "cpu", "machine": "n1", "flops_per_gpu": 1e10,
+                             "memory_bytes_per_gpu": 2**33, "count": 2}],
+                "network": {"latency_s": 5e-5, "bandwidth_Bps": {"intra_machine": 2e9, "inter_machine": 1e9}}}
+
+
+def test_launch_node_script_on_two_nodes_rendezvous_over_c10d_and_verifies(tmp_path):
+    """Both nodes' generated torchrun lines started on this machine form one 4-rank job."""
+    graph = engine.load_model("zoo:mlp", layers=1, in_features=8, hidden=16, classes=4, batch=12)
+    cluster = engine.load_cluster(TWO_MACHINES)
+    out = export_bundle(engine.plan(graph, cluster, optimizer="sgd"), cluster, tmp_path / "b")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.FAULT_ENV)}
+    env.update(HAP_RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
+               PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]),
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    args = ["--steps", "3", "--verify"]  # every node passes the same runner options
+    nodes = [subprocess.Popen(["bash", str(out / "launch_node.sh"), str(k), *args], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (0, 1)]
+    try:
+        logs = [p.communicate(timeout=150)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], "\n".join(logs)[-4000:]
+    assert "verify: OK" in "".join(logs) and "on 4 ranks (gloo)" in "".join(logs)
