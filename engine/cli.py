@@ -128,7 +128,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .bundle import export_bundle, launch_nodes
+    from .bundle import export_bundle
     from .plan import Plan
 
     plan = Plan.from_json(args.plan)
