@@ -431,11 +431,12 @@ def safe_extract(zip_path: str | Path, dest: str | Path) -> Path:
 
 @dataclass(frozen=True)
 class OpenedBundle:
-    """A checked bundle folder: where its plan is, the cluster (GPU type of every rank)."""
+    """A checked bundle folder: where its plan is, the cluster (GPU type of every rank), the nodes."""
 
     folder: Path
     plan_path: Path
     cluster: Cluster
+    nodes: tuple[LaunchNode, ...]
 
 
 def open_bundle(folder: str | Path) -> OpenedBundle:
@@ -444,4 +445,23 @@ def open_bundle(folder: str | Path) -> OpenedBundle:
     if not report.ok:
         raise BundleError(f"bundle {folder} is invalid: " + "; ".join(report.problems))
     f = Path(folder)
-    return OpenedBundle(f, f / "plan.json", load_cluster(f / "cluster.json"))
+    manifest = json.loads((f / MANIFEST).read_text())
+    nodes = tuple(LaunchNode(int(n["node_rank"]), str(n["machine"]), tuple(int(r) for r in n["ranks"]))
+                  for n in manifest["nodes"])
+    return OpenedBundle(f, f / "plan.json", load_cluster(f / "cluster.json"), nodes)
+
+
+def plan_rank(nodes: Sequence[LaunchNode], node_rank: int, local_rank: int, local_world_size: int) -> int:
+    """The plan device (= rank) that local rank `local_rank` of bundle node `node_rank` runs.
+
+    torchrun's c10d rendezvous numbers the nodes in an order of its own (by host name), so the
+    launch files tell each rank its bundle node (HAP_NODE_RANK) and the runner joins the process
+    group as the rank the bundle gave it: rank r runs plan device r wherever its node came.
+    """
+    if not 0 <= node_rank < len(nodes):
+        raise BundleError(f"HAP_NODE_RANK={node_rank} but the bundle has nodes 0..{len(nodes) - 1}")
+    node = nodes[node_rank]
+    if local_world_size != node.nproc:
+        raise BundleError(f"node {node_rank} (machine {node.machine}) runs {node.nproc} ranks in the bundle but this "
+                          f"launch started {local_world_size} (LOCAL_WORLD_SIZE); use --nproc-per-node={node.nproc}")
+    return node.ranks[local_rank]

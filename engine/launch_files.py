@@ -82,6 +82,7 @@ def launch_node_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
              f'NODE_RANK="${{1:?usage: launch_node.sh NODE_RANK [runner options] (NODE_RANK 0..{len(nodes) - 1})}}"',
              "shift",
              f'RDZV_ENDPOINT="${{HAP_RDZV_ENDPOINT:-{s.rdzv_endpoint}}}"',
+             "export HAP_NODE_RANK=\"$NODE_RANK\"  # the runner maps (node, local rank) to the plan's rank",
              'case "$NODE_RANK" in']
     for n in nodes:
         args = torchrun_args(len(nodes), str(n.node_rank), str(n.nproc), '"$RDZV_ENDPOINT"', s.job)
@@ -113,13 +114,15 @@ def slurm_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
     if uniform:
         args = torchrun_args(len(nodes), '"$SLURM_NODEID"', str(nproc[0]), '"$RDZV_ENDPOINT"', '"$SLURM_JOB_ID"')
         # single quotes: SLURM_NODEID is evaluated by each task, not by the batch shell
-        body = f'srun --ntasks={len(nodes)} --ntasks-per-node=1 bash -c \'exec torchrun {" ".join(args)} ' \
+        body = f'srun --ntasks={len(nodes)} --ntasks-per-node=1 bash -c \'export HAP_NODE_RANK="$SLURM_NODEID"; ' \
+               f'exec torchrun {" ".join(args)} ' \
                f'-m runner.launch "$0" "$@"\' "$BUNDLE_DIR" "$@"'
     else:
         table = " ".join(str(p) for p in nproc)
         args = torchrun_args(len(nodes), '"$SLURM_NODEID"', '"${NPROC[$SLURM_NODEID]}"', '"$RDZV_ENDPOINT"',
                              '"$SLURM_JOB_ID"')
-        body = (f'srun --ntasks={len(nodes)} --ntasks-per-node=1 bash -c \'NPROC=({table}); exec torchrun '
+        body = (f'srun --ntasks={len(nodes)} --ntasks-per-node=1 bash -c \'NPROC=({table}); '
+                f'export HAP_NODE_RANK="$SLURM_NODEID"; exec torchrun '
                 f'{" ".join(args)} -m runner.launch "$0" "$@"\' "$BUNDLE_DIR" "$@"')
     comment = [f"# node {n.node_rank} (SLURM_NODEID): ranks {_span(n.ranks)}, planned for machine {n.machine}"
                for n in nodes]
@@ -246,10 +249,11 @@ restarted job can always pass it).
 
 ## Ranks and devices
 
-Rank r runs plan device r. torchrun numbers ranks node by node, so node k runs a consecutive
-block. With c10d rendezvous torchrun orders the nodes itself (by host name), so check the table:
-at start every rank compares its GPU (`torch.cuda.get_device_name`) with the planned type and
-reports a mismatch naming the rank and both types (`--device-check error` makes it fatal).
+Rank r runs plan device r; node k runs a consecutive block of ranks. torchrun's c10d rendezvous
+orders the nodes itself, so `launch_node.sh` and `slurm.sbatch` pass the node number
+(`HAP_NODE_RANK`) and every rank joins as the rank this table gives it. At start every rank
+compares its GPU (`torch.cuda.get_device_name`) with the planned type and reports a mismatch
+naming the rank and both types (`--device-check error` makes it fatal).
 
 | rank | node | local rank | machine | device | GPU type |
 |---|---|---|---|---|---|

@@ -55,6 +55,8 @@ from .train import GRAD_SYNC, RankState, make_batch, setup_rank, train_step
 from .verify import verify
 
 FAULT_ENV = "HAP_RUNNER_FAULT"
+NODE_ENV = "HAP_NODE_RANK"
+"""Set by a bundle's launch files: the bundle node this torchrun runs (see engine.bundle.plan_rank)."""
 DEVICE_CHECK = ("warn", "error", "off")
 
 
@@ -191,6 +193,8 @@ class Inputs:
     """The checked inputs of one rank."""
 
     plan: Plan
+    env: DistEnv
+    """This process's place in the launch, its rank being the plan device it runs."""
     cluster: Cluster | None = None
     """The bundle's cluster (GPU type of every rank); None for a bare plan file."""
     start_step: int = 0
@@ -199,8 +203,8 @@ class Inputs:
     """Temporary folder a bundle zip was extracted to (removed at the end)."""
 
 
-def open_source(path: str, scratch_prefix: str = "hap-bundle-") -> tuple[str, Cluster | None, str | None]:
-    """(plan path, cluster, scratch folder) of a plan file or a checked bundle (a zip is extracted safely)."""
+def open_source(path: str, scratch_prefix: str = "hap-bundle-") -> tuple[str, bundle.OpenedBundle | None, str | None]:
+    """(plan path, opened bundle, scratch folder) of a plan file or a checked bundle (a zip is extracted safely)."""
     if not bundle.is_bundle(path):
         return path, None, None
     scratch = None
@@ -218,13 +222,28 @@ def open_source(path: str, scratch_prefix: str = "hap-bundle-") -> tuple[str, Cl
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
-    return str(opened.plan_path), opened.cluster, scratch
+    return str(opened.plan_path), opened, scratch
 
 
-def check_inputs(cfg: RunConfig, world_size: int, rank: int = 0) -> Inputs:
-    """Everything about the inputs that can fail, checked before any process group starts."""
-    plan_path, cluster, scratch = open_source(cfg.plan)
+def bundle_rank(env: DistEnv, opened: bundle.OpenedBundle | None, environ: Mapping[str, str] = os.environ) -> DistEnv:
+    """`env` with the rank the bundle gives this process (rank r runs plan device r, whatever node
+    order torchrun's rendezvous chose); unchanged without a bundle node (HAP_NODE_RANK) or when rank 0
+    must host the process group's store (no torchrun agent store), where renumbering is unsafe."""
+    if opened is None or NODE_ENV not in environ or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return env
     try:
+        node_rank = int(environ[NODE_ENV])
+    except ValueError:
+        raise ValueError(f"{NODE_ENV}={environ[NODE_ENV]!r} is not a node number") from None
+    rank = bundle.plan_rank(opened.nodes, node_rank, env.local_rank, env.local_world_size)
+    return DistEnv(rank, env.world_size, env.local_rank, env.local_world_size)
+
+
+def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) -> Inputs:
+    """Everything about the inputs that can fail, checked before any process group starts."""
+    plan_path, opened, scratch = open_source(cfg.plan)
+    try:
+        env = bundle_rank(env or DistEnv(0, world_size, 0, world_size), opened)
         plan = load_plan(plan_path, world_size)
         if cfg.speeds:
             parse_speeds(cfg.speeds, world_size)
@@ -233,9 +252,9 @@ def check_inputs(cfg: RunConfig, world_size: int, rank: int = 0) -> Inputs:
                 raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
         start = 0
         if cfg.resume:
-            found = checkpoint.latest_complete(cfg.checkpoint_dir, run_key(plan, cfg), rank)
+            found = checkpoint.latest_complete(cfg.checkpoint_dir, run_key(plan, cfg), env.rank)
             start = found or 0
-        return Inputs(plan, cluster, start, scratch)
+        return Inputs(plan, env, opened.cluster if opened else None, start, scratch)
     except BaseException:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -385,20 +404,19 @@ def report_device(inputs: Inputs, cfg: RunConfig, env: DistEnv, device: torch.de
         level = "error" if cfg.device_check == "error" else "warning"
         print(f"hap run: {level}: {message}", file=sys.stderr, flush=True)
         return cfg.device_check != "error"
-    if env.rank == 0:
-        print(f"hap run: device check {status}: {message}", flush=True)
+    print(f"hap run: device check {status}: {message}", flush=True)
     return True
 
 
 def run(cfg: RunConfig, env: DistEnv, init_method: str | None = None) -> int:
     """Train (and verify) on this rank; the exit status (0 ok, 1 verification failed, 2 bad input)."""
     try:
-        inputs = check_inputs(cfg, env.world_size, env.rank)
+        inputs = check_inputs(cfg, env.world_size, env)
     except (HapError, ValueError, OSError) as e:
         print(f"hap run: error: {e}", file=sys.stderr)
         return 2
     try:
-        return run_checked(cfg, env, inputs, init_method)
+        return run_checked(cfg, inputs.env, inputs, init_method)
     finally:
         if inputs.scratch:
             shutil.rmtree(inputs.scratch, ignore_errors=True)

@@ -269,10 +269,10 @@ def test_launch_node_script_has_one_torchrun_line_per_node(bundle_a100):
 
 
 def fake_torchrun(tmp_path: Path) -> dict[str, str]:
-    """PATH with a `torchrun` that prints its arguments one a line."""
+    """PATH with a `torchrun` that prints HAP_NODE_RANK and its arguments, one a line."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "$@"\n')
+    (bin_dir / "torchrun").write_text('#!/usr/bin/env bash\nprintf "%s\\n" "HAP_NODE_RANK=$HAP_NODE_RANK" "$@"\n')
     (bin_dir / "torchrun").chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
 
@@ -282,7 +282,7 @@ def test_launch_node_script_runs_torchrun_with_this_nodes_arguments(bundle_a100,
     r = subprocess.run(["bash", str(bundle_a100 / "launch_node.sh"), "1", "--steps", "7"], env=env,
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.splitlines() == ["--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+    assert r.stdout.splitlines() == ["HAP_NODE_RANK=1", "--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
                                      "--rdzv-endpoint=m0:29500", f"--rdzv-id={bundle_a100_job()}", "-m",
                                      "runner.launch", str(bundle_a100), "--steps", "7"]
     bad = subprocess.run(["bash", str(bundle_a100 / "launch_node.sh"), "2"], env=env, capture_output=True,
@@ -300,7 +300,7 @@ def test_slurm_script_passes_bash_n_and_runs_one_torchrun_per_node(bundle_a100, 
     text = path.read_text()
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=2" in text
     srun = [ln for ln in text.splitlines() if ln.startswith("srun ")]
-    assert len(srun) == 1 and "--ntasks=2" in srun[0]
+    assert len(srun) == 1 and "--ntasks=2" in srun[0] and 'export HAP_NODE_RANK="$SLURM_NODEID"' in srun[0]
     for arg in ("torchrun --nnodes=2", '--node-rank="$SLURM_NODEID"', "--nproc-per-node=2", "--rdzv-backend=c10d",
                 '--rdzv-endpoint="$RDZV_ENDPOINT"', '-m runner.launch "$0" "$@"\' "$BUNDLE_DIR" "$@"'):
         assert arg in srun[0]

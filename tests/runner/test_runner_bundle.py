@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import engine
 from conftest import ROOT, sample_path
 from engine.bundle import export_bundle
 from runner import launch
-from runner.launch import DistEnv, Inputs, RunConfig, check_inputs, report_device
+from runner.launch import NODE_ENV, DistEnv, Inputs, RunConfig, bundle_rank, check_inputs, report_device
 from test_runner_cli import TINY_GPT, hap
 
 
@@ -66,7 +67,7 @@ def test_hap_run_refuses_a_zip_with_an_entry_escaping_the_folder(bundle4, tmp_pa
 
 
 def test_a_rank_reads_a_bundle_zip_from_its_own_scratch_folder_and_knows_the_gpu_types(bundle4):
-    inputs = check_inputs(RunConfig(plan=str(bundle4.with_name("gpt4.zip"))), 4, rank=2)
+    inputs = check_inputs(RunConfig(plan=str(bundle4.with_name("gpt4.zip"))), 4, DistEnv(2, 4, 2, 4))
     try:
         assert inputs.plan.world_size == 4 and inputs.cluster is not None
         assert [d.gpu_model for d in inputs.cluster.devices] == ["cpu"] * 4
@@ -80,7 +81,7 @@ def inputs_with_gpu(bundle: Path, gpu_model: str) -> Inputs:
     for d in data["devices"]:
         d["gpu_model"] = gpu_model
     plan = engine.Plan.from_json(bundle / "plan.json")
-    return Inputs(plan, engine.load_cluster(data))
+    return Inputs(plan, DistEnv(0, 4, 0, 4), engine.load_cluster(data))
 
 
 def test_a_rank_on_cpu_reports_the_gpu_check_as_skipped(bundle4, capsys):
@@ -124,7 +125,8 @@ TWO_MACHINES = {"schema_version": 1, "name": "cpu_2x2", "description": "two pret
 
 
 def test_launch_node_script_on_two_nodes_rendezvous_over_c10d_and_verifies(tmp_path):
-    """Both nodes' generated torchrun lines started on this machine form one 4-rank job."""
+    """Both nodes' generated torchrun lines started on this machine form one 4-rank job, and node k
+    runs the bundle's ranks of node k whichever order the c10d rendezvous gave the nodes."""
     graph = engine.load_model("zoo:mlp", layers=1, in_features=8, hidden=16, classes=4, batch=12)
     cluster = engine.load_cluster(TWO_MACHINES)
     out = export_bundle(engine.plan(graph, cluster, optimizer="sgd"), cluster, tmp_path / "b")
@@ -133,8 +135,12 @@ def test_launch_node_script_on_two_nodes_rendezvous_over_c10d_and_verifies(tmp_p
                PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]),
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     args = ["--steps", "3", "--verify"]  # every node passes the same runner options
-    nodes = [subprocess.Popen(["bash", str(out / "launch_node.sh"), str(k), *args], env=env, cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for k in (0, 1)]
+    nodes = {}
+    for k in (1, 0):  # node 1 first: its agent usually gets the lower pid, so c10d numbers it first
+        nodes[k] = subprocess.Popen(["bash", str(out / "launch_node.sh"), str(k), *args], env=env, cwd=tmp_path,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(0.5)
+    nodes = [nodes[0], nodes[1]]
     try:
         logs = [p.communicate(timeout=150)[0] for p in nodes]
     finally:
@@ -142,3 +148,23 @@ def test_launch_node_script_on_two_nodes_rendezvous_over_c10d_and_verifies(tmp_p
             p.kill()
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(logs)[-4000:]
     assert "verify: OK" in "".join(logs) and "on 4 ranks (gloo)" in "".join(logs)
+    for k, log in enumerate(logs):  # whatever order the rendezvous chose, node k runs its bundle ranks
+        for local, name in enumerate(("a", "b")[k] + f"-{i}" for i in range(2)):
+            assert f"rank {2 * k + local}: CPU, as planned for device {name}" in log, log[-3000:]
+
+
+def test_a_rank_joins_as_the_plan_device_its_bundle_node_and_local_rank_give(tmp_path):
+    """torchrun's c10d rendezvous may number the nodes the other way round; the bundle's rank wins."""
+    graph = engine.load_model("zoo:mlp", layers=1, in_features=8, hidden=16, classes=4, batch=12)
+    cluster = engine.load_cluster(TWO_MACHINES)
+    opened = engine.bundle.open_bundle(export_bundle(engine.evaluate(graph, cluster, "dp-even"), cluster, tmp_path / "b"))
+    torchrun_env = DistEnv(0, 4, 1, 2)  # torchrun made node 1's local rank 1 global rank 0
+    agent = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert bundle_rank(torchrun_env, opened, {**agent, NODE_ENV: "1"}) == DistEnv(3, 4, 1, 2)
+    assert bundle_rank(torchrun_env, opened, {**agent, NODE_ENV: "0"}) == DistEnv(1, 4, 1, 2)
+    assert bundle_rank(torchrun_env, opened, {NODE_ENV: "1"}) == torchrun_env  # rank 0 hosts the store: keep
+    assert bundle_rank(torchrun_env, None, {**agent, NODE_ENV: "1"}) == torchrun_env
+    with pytest.raises(engine.bundle.BundleError, match="runs 2 ranks in the bundle but this launch started 3"):
+        bundle_rank(DistEnv(0, 4, 0, 3), opened, {**agent, NODE_ENV: "1"})
+    with pytest.raises(engine.bundle.BundleError, match="HAP_NODE_RANK=2 but the bundle has nodes 0..1"):
+        bundle_rank(torchrun_env, opened, {**agent, NODE_ENV: "2"})
