@@ -14,7 +14,9 @@ Two nodes (run on each, `--node-rank` 0 and 1):
 A launch bundle (`hap export`, a folder or a zip) runs the same way, e.g. from its
 `launch_node.sh`: `torchrun ... -m runner.launch BUNDLE --steps 100`. Every rank then checks the
 bundle against its manifest before anything else, extracts a zip safely (its own temporary
-folder), and compares its GPU with the type the plan's device has (engine.bundle.gpu_type_check).
+folder), joins as the rank the bundle gives its node and local rank (HAP_NODE_RANK, set by the
+bundle's launch files; see engine.bundle.plan_rank), and compares its GPU with the type the
+plan's device has (engine.bundle.gpu_type_check).
 
 Order of work in `run`: read the launch environment, check the inputs (bundle, plan for this
 world size, options, checkpoint to resume), check the GPU type, start the process group (NCCL on
