@@ -75,6 +75,16 @@ def launch_nodes(plan: Plan, cluster: Cluster) -> list[LaunchNode]:
     return nodes
 
 
+def check_nodes(plan: Plan, cluster: Cluster, nodes: Sequence[LaunchNode]) -> list[LaunchNode]:
+    """Nodes given by hand: numbered 0.., holding ranks 0..world-1 in order (torchrun's numbering)."""
+    check_runnable(plan, cluster)
+    ranks = [r for n in nodes for r in n.ranks]
+    if ranks != list(range(plan.world_size)) or [n.node_rank for n in nodes] != list(range(len(nodes))):
+        raise BundleError(f"nodes {[(n.node_rank, list(n.ranks)) for n in nodes]} must be numbered 0.. and hold ranks "
+                          f"0..{plan.world_size - 1} in order, node by node (torchrun numbers ranks that way)")
+    return list(nodes)
+
+
 def check_runnable(plan: Plan, cluster: Cluster) -> None:
     """The runner runs one process per plan device: the cluster must be the plan's, one GPU per device."""
     names = [d.name for d in cluster.devices]
@@ -162,14 +172,12 @@ def package_versions() -> dict[str, str]:
 
 def bundle_files(plan: Plan, cluster: Cluster, *, model_file: str | Path | None = None,
                  nodes: Sequence[LaunchNode] | None = None, rdzv_endpoint: str | None = None,
-                 image: str = DEFAULT_IMAGE, created: str | None = None) -> dict[str, bytes]:
+                 image: str = DEFAULT_IMAGE, run_args: Sequence[str] = (), created: str | None = None) -> dict[str, bytes]:
     """Every file of the bundle (path -> bytes), manifest included."""
-    nodes = list(nodes) if nodes is not None else launch_nodes(plan, cluster)
-    if sum(n.nproc for n in nodes) != plan.world_size:
-        raise BundleError(f"nodes run {sum(n.nproc for n in nodes)} ranks but the plan has {plan.world_size} devices")
+    nodes = launch_nodes(plan, cluster) if nodes is None else check_nodes(plan, cluster, nodes)
     endpoint = rdzv_endpoint or f"{nodes[0].machine}:{DEFAULT_RDZV_PORT}"
     gpus = any(d.gpu_model.strip().lower() != "cpu" for d in cluster.devices)
-    s = LaunchSettings(job=job_name(plan), rdzv_endpoint=endpoint, image=image, gpus=gpus)
+    s = LaunchSettings(job=job_name(plan), rdzv_endpoint=endpoint, image=image, gpus=gpus, run_args=tuple(run_args))
     source, extra = model_source(plan, model_file)
     files: dict[str, bytes] = {"plan.json": plan.to_json().encode(),
                                "cluster.json": (json.dumps(cluster.to_dict(), indent=1) + "\n").encode(),
@@ -217,15 +225,17 @@ def find_cluster(plan: Plan, cluster: str | Path | Cluster | None) -> Cluster:
 def export_bundle(plan: Plan | str | Path, cluster: Cluster | str | Path | None, out_dir: str | Path, *,
                   zip: bool = False, model_source: str | Path | None = None,
                   nodes: Sequence[LaunchNode] | None = None, rdzv_endpoint: str | None = None,
-                  image: str = DEFAULT_IMAGE) -> Path:
+                  image: str = DEFAULT_IMAGE, run_args: Sequence[str] = ()) -> Path:
     """Write the bundle folder `out_dir` (and `out_dir`.zip with `zip=True`); returns the folder.
 
     `model_source` is a user's model file to ship (zoo plans carry their name and config);
-    `nodes` overrides the grouping of devices into nodes (default: by the cluster's machines).
+    `nodes` overrides the grouping of devices into nodes (default: by the cluster's machines);
+    `run_args` are runner options for the Kubernetes files (the scripts take them on their command line).
     """
     plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
     cl = find_cluster(plan, cluster)
-    files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, rdzv_endpoint=rdzv_endpoint, image=image)
+    files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, rdzv_endpoint=rdzv_endpoint, image=image,
+                         run_args=run_args)
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BundleError(f"--out {out} exists and is not an empty folder: choose a new folder")

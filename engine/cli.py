@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from typing import Any, Sequence
 
@@ -133,7 +134,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     plan = Plan.from_json(args.plan)
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
-                        rdzv_endpoint=args.rdzv_endpoint, image=args.image)
+                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=shlex.split(args.run_args or ""))
     manifest = json.loads((out / "manifest.json").read_text())
     print(f"bundle {out}: {plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
           f"{len(manifest['files'])} files" + (f"; zip {out.with_name(out.name + '.zip')}" if args.zip else ""))
@@ -183,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model-file", metavar="F", help="Python file defining the model (plans of non-zoo models)")
     e.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (default: node 0's machine, port 29500)")
     e.add_argument("--image", default="hap-workbench:latest", help="container image for the Kubernetes files")
+    e.add_argument("--run-args", metavar="'OPTIONS'", help="runner options written into the Kubernetes files, "
+                   "e.g. '--steps 1000 --checkpoint-dir /ckpt --checkpoint-every 100 --resume'")
     e.set_defaults(func=cmd_export)
     b = sub.add_parser("bundle", help="launch bundle tools")
     bsub = b.add_subparsers(dest="bundle_command", required=True)

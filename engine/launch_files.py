@@ -58,6 +58,8 @@ class LaunchSettings:
     """Container image holding hap-workbench and the bundle at CONTAINER_BUNDLE_DIR (Kubernetes)."""
     gpus: bool = True
     """Ask launchers for one GPU per rank (False for CPU clusters)."""
+    run_args: tuple[str, ...] = ()
+    """Runner options written into the Kubernetes files (e.g. --steps 100), where nobody types them."""
 
 
 def job_name(plan: Plan) -> str:
@@ -181,7 +183,7 @@ def pytorchjob_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | Non
 
     def replica(n: LaunchNode, count: int) -> dict[str, Any]:
         args = torchrun_args(len(nodes), "$(RANK)", str(n.nproc), "$(MASTER_ADDR):$(MASTER_PORT)", s.job)
-        args += ["-m", "runner.launch", CONTAINER_BUNDLE_DIR]
+        args += ["-m", "runner.launch", CONTAINER_BUNDLE_DIR, *s.run_args]
         return {"replicas": count, "restartPolicy": "OnFailure",
                 "template": {"spec": {"containers": [_container(s, args, n.nproc)]}}}
 
@@ -202,7 +204,7 @@ def trainjob_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | None:
               "# The torch-distributed runtime sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR",
               "# and PET_MASTER_PORT, which torchrun reads as its defaults."]
     trainer: dict[str, Any] = {"image": s.image, "numNodes": len(nodes), "numProcPerNode": nodes[0].nproc,
-                               "command": ["torchrun", "-m", "runner.launch", CONTAINER_BUNDLE_DIR]}
+                               "command": ["torchrun", "-m", "runner.launch", CONTAINER_BUNDLE_DIR, *s.run_args]}
     if s.gpus:
         trainer["resourcesPerNode"] = {"limits": {"nvidia.com/gpu": nodes[0].nproc}}
     doc = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": {"name": s.job},
@@ -240,7 +242,9 @@ Check the bundle first (exit 0 valid, 1 invalid: a changed, extra or missing fil
 - Kubernetes (Kubeflow training operator): build an image holding hap-workbench and this folder
   at `{CONTAINER_BUNDLE_DIR}` (e.g. `FROM` your PyTorch image, `pip install hap-workbench`,
   `COPY . {CONTAINER_BUNDLE_DIR}`), set it in `pytorchjob.yaml` (`{s.image}` now), then
-  `kubectl apply -f pytorchjob.yaml`; with Kubeflow Trainer v2, `kubectl apply -f trainjob.yaml`.{not_made}
+  `kubectl apply -f pytorchjob.yaml`; with Kubeflow Trainer v2, `kubectl apply -f trainjob.yaml`.
+  Their runner options come from `hap export --run-args '...'` (append more to the container
+  args).{not_made}
 
 Runner options go after the bundle or the script, the same on every node: `--steps N`, `--verify`, `--metrics FILE`,
 `--checkpoint-dir DIR --checkpoint-every N` (on a file system every rank sees) and `--resume`

@@ -337,6 +337,14 @@ def test_pytorchjob_yaml_parses_with_replicas_nnodes_nproc_rendezvous_and_comman
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
 
 
+def test_runner_options_go_into_the_kubernetes_files(plan_a100, tmp_path):
+    out = export_bundle(plan_a100, None, tmp_path / "b", run_args=["--steps", "100", "--resume", "--checkpoint-dir", "/ckpt"])
+    specs = yaml.safe_load((out / "pytorchjob.yaml").read_text())["spec"]["pytorchReplicaSpecs"]
+    assert specs["Worker"]["template"]["spec"]["containers"][0]["args"][-7:] == \
+        ["runner.launch", "/workspace/bundle", "--steps", "100", "--resume", "--checkpoint-dir", "/ckpt"]
+    assert yaml.safe_load((out / "trainjob.yaml").read_text())["spec"]["trainer"]["command"][-2:] == ["--checkpoint-dir", "/ckpt"]
+
+
 def test_trainjob_yaml_parses_with_nodes_and_processes(bundle_a100):
     job = yaml.safe_load((bundle_a100 / "trainjob.yaml").read_text())
     assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
@@ -390,3 +398,14 @@ def test_bundle_module_never_unpickles():
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not imported & {"pickle", "torch", "dill", "marshal", "shelve"}, imported
+
+
+def test_nodes_can_be_given_by_hand_when_they_hold_the_ranks_in_order(plan4, tmp_path):
+    two = [LaunchNode(0, "host-a", (0, 1)), LaunchNode(1, "host-b", (2, 3))]
+    out = export_bundle(plan4, None, tmp_path / "b", nodes=two, rdzv_endpoint="host-a:1234")
+    lines = [ln for ln in (out / "launch_node.sh").read_text().splitlines() if "exec torchrun" in ln]
+    assert len(lines) == 2 and all("--nnodes=2" in ln and "--nproc-per-node=2" in ln for ln in lines)
+    assert "HAP_RDZV_ENDPOINT:-host-a:1234" in (out / "launch_node.sh").read_text()
+    assert check_bundle(out).ok
+    with pytest.raises(BundleError, match="must be numbered 0.. and hold ranks 0..3 in order"):
+        export_bundle(plan4, None, tmp_path / "c", nodes=[LaunchNode(0, "a", (0, 2)), LaunchNode(1, "b", (1, 3))])
