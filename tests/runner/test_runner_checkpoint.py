@@ -12,14 +12,27 @@ from dist_harness import run_ranks
 from runner import checkpoint
 from runner.launch import FAULT_ENV, DistEnv, MetricsFile, RunConfig, parse_args, run, run_key
 from runner.train import setup_rank
-from runner_plans import engine_plan
+from engine.cost import CostModel
+from engine.planner import Candidate, _make_plan
+from engine.synthesis import SearchSpace, synthesize
+from engine.theory.core import FULL
+from runner_plans import RATIOS, cluster, graph
 
 STEPS = 10
 
 
+def sharded_plan(model: str, world: int):
+    """The cheapest program that keeps no parameter whole: every rank holds uneven slices (RATIOS)."""
+    g, c, ratios = graph(model), cluster(world), RATIOS[world]
+    res = synthesize(g, CostModel(g, c, ratios, "sgd"), space=SearchSpace(param_forms=lambda node, form: form != FULL))
+    return _make_plan("hap", g, c, Candidate(res.program, ratios, res.cost), "sgd", [], {})
+
+
 @pytest.fixture(scope="module")
 def plan2(tmp_path_factory):
-    plan = engine_plan("mlp", 2)
+    plan = sharded_plan("mlp", 2)
+    shapes = [[tuple(p.shape) for p in setup_rank(plan, r, 0).params] for r in (0, 1)]
+    assert shapes[0] != shapes[1], "each rank should hold its own, uneven slices"
     path = tmp_path_factory.mktemp("plan") / "plan.json"
     plan.save(path)
     return plan, path
@@ -119,10 +132,8 @@ def test_load_refuses_slices_of_another_shape(plan2, tmp_path):
     plan, _ = plan2
     st = setup_rank(plan, 0, 5, "adam", 0.01)
     checkpoint.save(tmp_path, {}, st, 0, 1, barrier=lambda: None)
-    other = setup_rank(plan, 1, 5, "adam", 0.01)  # rank 1's slices differ in size (uneven ratios)
-    if [p.shape for p in other.params] == [p.shape for p in st.params]:
-        pytest.skip("the plan gives both ranks equal slices")
-    with pytest.raises(checkpoint.CheckpointError, match="do not match this rank's"):
+    other = setup_rank(plan, 1, 5, "adam", 0.01)  # rank 1's slices are smaller (uneven ratios)
+    with pytest.raises(checkpoint.CheckpointError, match=r"parameter slices \[\(14, 8\).* do not match this rank's \[\(10, 8\)"):
         checkpoint.load(tmp_path, 1, 0, other)
 
 
