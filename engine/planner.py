@@ -189,6 +189,16 @@ def _better(a: Candidate | None, b: Candidate) -> Candidate:
     return b if a is None or b.cost < a.cost * (1 - 1e-12) else a
 
 
+def plan_of(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
+            *, optimizer: str = "adam", segmentation: Segmentation | None = None, strategy: str = "hap") -> Plan:
+    """The Plan of a given program and ratios (one flat list, or one row per segment): for programs
+    made by hand or by a restricted search, e.g. in tests and ablations."""
+    seg = segmentation or Segmentation.single(graph)
+    cm = CostModel(graph, cluster, ratios, optimizer, seg)
+    cand = Candidate(program, cm.ratios, evaluate_program(program, cm).total_s, seg)
+    return _make_plan(strategy, graph, cluster, cand, optimizer, [], {})
+
+
 def _make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str,
                history: list[dict[str, Any]], stats: dict[str, Any]) -> Plan:
     seg = cand.segmentation

@@ -9,8 +9,8 @@ from engine.cost import CostModel
 from engine.errors import InfeasibleError
 from engine.graph import Graph
 from engine.plan import Plan
-from engine.planner import Candidate, _make_plan, data_parallel_space
-from engine.segments import Segmentation, segment_graph
+from engine.planner import data_parallel_space, plan_of
+from engine.segments import segment_graph
 from engine.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
 
@@ -62,7 +62,7 @@ def forced_plan(model: str, world: int, collective: str) -> Plan:
         except InfeasibleError:
             continue
         if any(i.rule == collective for i in res.program):
-            return _make_plan("hap", g, c, Candidate(res.program, [ratios], res.cost, Segmentation.single(g)), "sgd", [], {})
+            return plan_of(res.program, g, c, ratios, optimizer="sgd")
     raise AssertionError(f"no program of {model} on {world} ranks uses {collective}")
 
 
@@ -75,7 +75,7 @@ def segmented_plan(model: str, world: int, data_parallel: bool, **knobs) -> Plan
     rows = [RATIOS[world], RATIOS[world][::-1]]
     space = data_parallel_space(g) if data_parallel else None
     res = synthesize(g, CostModel(g, c, rows, "sgd", seg), space=space)
-    return _make_plan("hap", g, c, Candidate(res.program, rows, res.cost, seg), "sgd", [], {})
+    return plan_of(res.program, g, c, rows, optimizer="sgd", segmentation=seg)
 
 
 def collectives_of(plan: Plan) -> set[str]:
