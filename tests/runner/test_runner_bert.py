@@ -29,7 +29,7 @@ def test_bert_trains_like_one_device(tmp_path):
 def forced_plan(model: str, world: int, split: dict[str, int]):
     """The cheapest program with the parameters named in `split` (by target suffix) in the given form."""
     from engine.cost import CostModel
-    from engine.planner import Candidate, _make_plan
+    from engine.planner import plan_of
     from engine.synthesis import SearchSpace, synthesize
     from runner_plans import RATIOS, cluster, graph
 
@@ -37,7 +37,7 @@ def forced_plan(model: str, world: int, split: dict[str, int]):
     forced = {n.id: f for n in g.parameters for suffix, f in split.items() if n.attrs["target"].endswith(suffix)}
     space = SearchSpace(param_forms=lambda n, f: f == forced[n] if n in forced else True)
     res = synthesize(g, CostModel(g, c, ratios, "sgd"), space=space)
-    return _make_plan("hap", g, c, Candidate(res.program, ratios, res.cost), "sgd", [], {})
+    return plan_of(res.program, g, c, ratios, optimizer="sgd")
 
 
 @pytest.mark.parametrize("world", [3, 4])
