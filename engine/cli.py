@@ -3,13 +3,20 @@
     hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S] [--json]
     hap capture --model zoo:gpt --set layers=2 --out graph.json
     hap run plan.json [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
+    hap ui [--port 8501] [--host 127.0.0.1]                                (the Streamlit workbench)
 
 Bad input exits with status 2 and one line naming the problem, never a traceback.
 """
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib.util
+import signal
+import socket
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import HapError
@@ -124,6 +131,54 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_main([args.plan, *args.options])
 
 
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now (a listening socket makes the bind fail)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise _UsageError(f"--host {host}: cannot bind ({e.strerror}); use 127.0.0.1 or an address of this machine") from None
+    return True
+
+
+def ui_command(host: str, port: int) -> list[str]:
+    """The `streamlit run` line of the workbench (the engine itself never imports Streamlit)."""
+    app = Path(__file__).resolve().parent.parent / "app" / "main.py"
+    return [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", host, "--server.port", str(port),
+            "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    if not 1 <= args.port <= 65535:
+        raise _UsageError(f"--port {args.port}: must be between 1 and 65535")
+    if not (Path(__file__).resolve().parent.parent / "app" / "main.py").exists():
+        raise _UsageError("the workbench (app/main.py) is not in this installation; install from a source checkout")
+    if importlib.util.find_spec("streamlit") is None:
+        raise _UsageError("streamlit is not installed; install the app extra: pip install -e '.[app]'")
+    if not port_is_free(args.host, args.port):
+        raise _UsageError(f"port {args.port} on {args.host} is busy (another server listens there); choose another with --port N")
+    print(f"hap ui: the workbench is at http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
+    proc = subprocess.Popen(ui_command(args.host, args.port))
+    stopped: list[int] = []
+
+    def stop(signum: int, _frame) -> None:
+        """Stopping `hap ui` stops the server too."""
+        stopped.append(signum)
+        proc.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        code = proc.wait()
+        return 0 if stopped and code in (0, -signal.SIGTERM) else code
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        raise
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hap", description="Plan SPMD training of one model on a heterogeneous GPU cluster (HAP).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("plan", help="plan JSON from `hap plan --out`")
     r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
     r.set_defaults(func=cmd_run)
+    u = sub.add_parser("ui", help="serve the Streamlit workbench (binds 127.0.0.1 by default)")
+    u.add_argument("--port", type=int, default=8501, help="TCP port (default 8501)")
+    u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    u.set_defaults(func=cmd_ui)
     return parser
 
 
