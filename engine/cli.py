@@ -1,9 +1,12 @@
 """The `hap` command line: headless planning from a shell.
 
-    hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S] [--json]
+    hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S]
+             [--segments N] [--json]
     hap capture --model zoo:gpt --set layers=2 --out graph.json
-    hap run plan.json [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
-    hap ui [--port 8501] [--host 127.0.0.1]                                (the Streamlit workbench)
+    hap run plan.json|BUNDLE [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
+    hap export plan.json --out DIR [--zip] [--cluster FILE] [--model-file F]      (launch bundle)
+    hap bundle check BUNDLE                                                       (0 valid, 1 invalid, 2 usage)
+    hap ui [--port 8501] [--host 127.0.0.1]                                       (the Streamlit workbench)
 
 Bad input exits with status 2 and one line naming the problem, never a traceback.
 """
@@ -12,6 +15,8 @@ from __future__ import annotations
 import argparse
 import errno
 import importlib.util
+import json
+import shlex
 import signal
 import socket
 import subprocess
@@ -26,6 +31,12 @@ GIB = 2**30
 
 class _UsageError(HapError):
     pass
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'")
+    return int(text)
 
 
 def _knobs(pairs: Sequence[str]) -> dict[str, Any]:
@@ -66,7 +77,7 @@ def _device_runs(plan, cluster) -> list[tuple[str, str, list[str]]]:
     """Rows per run of consecutive devices with identical figures (64 identical rows say nothing more than one)."""
     runs: list[tuple[str, str, list[str]]] = []
     for j, d in enumerate(cluster.devices):
-        cells = [f"{d.gpu_model} x{d.num_gpus}", f"{plan.ratios['0'][j]:.4f}",
+        cells = [f"{d.gpu_model} x{d.num_gpus}", "/".join(f"{r[j]:.4f}" for r in plan.ratios.values()),
                  f"{plan.memory_bytes[j] / GIB:.2f} GiB", f"{d.memory_bytes_per_gpu / GIB:.1f} GiB"]
         if runs and runs[-1][2] == cells:
             runs[-1] = (runs[-1][0], d.name, cells)
@@ -86,7 +97,7 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
         else:
             rows.append([name, f"{t * 1e3:.2f} ms", f"{t / plan.predicted_time_s:.2f}x"])
     lines += [_table(rows), ""]
-    dev = [["device", "gpu", "ratio", "memory / GPU", "capacity"]]
+    dev = [["device", "gpu", "ratio" if len(plan.ratios) == 1 else "ratio per segment", "memory / GPU", "capacity"]]
     for first, last, cells in _device_runs(plan, cluster):
         name = first if first == last else f"{first} .. {last}"
         dev.append([name] + cells)
@@ -102,7 +113,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     graph = _load_graph(args)
     cluster = load_cluster(args.cluster)
-    result = plan(graph, cluster, time_budget_s=args.time_budget, progress=_progress_printer(), optimizer=args.optimizer)
+    result = plan(graph, cluster, time_budget_s=args.time_budget, progress=_progress_printer(), optimizer=args.optimizer,
+                  segments=args.segments)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if args.out:
@@ -129,6 +141,32 @@ def cmd_run(args: argparse.Namespace) -> int:
     from runner.cli import main as run_main  # lazily: the engine never imports the runner
 
     return run_main([args.plan, *args.options])
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .bundle import export_bundle
+    from .plan import Plan
+
+    plan = Plan.from_json(args.plan)
+    out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
+                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=shlex.split(args.run_args or ""))
+    manifest = json.loads((out / "manifest.json").read_text())
+    print(f"bundle {out}: {plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
+          f"{len(manifest['files'])} files" + (f"; zip {out.with_name(out.name + '.zip')}" if args.zip else ""))
+    print(f"check it with `hap bundle check {out}`; run it with `hap run {out}` or see {out / 'README.md'}")
+    return 0
+
+
+def cmd_bundle_check(args: argparse.Namespace) -> int:
+    from .bundle import check_bundle
+
+    report = check_bundle(args.bundle)
+    print(report.render(), file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
+BUNDLE_EXIT_CODES = "exit status: 0 the bundle is valid, 1 the bundle is invalid (each problem printed, naming " \
+                    "the file), 2 usage error"
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -189,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--time-budget", type=float, default=None, metavar="S", help="stop searching after S seconds")
     p.add_argument("--optimizer", choices=["adam", "sgd", "none"], default="adam", help="optimizer state counted in memory")
+    p.add_argument("--segments", type=_positive_int, default=1, metavar="N",
+                   help="give N runs of layers their own sharding ratios (HAP §5.2; default 1)")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     p.set_defaults(func=cmd_plan)
     c = sub.add_parser("capture", help="capture a model into a graph JSON file")
@@ -198,9 +238,27 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_capture)
     r = sub.add_parser("run", help="train a plan over torch.distributed (starts torchrun on this machine)",
                        epilog="options after PLAN go to the runner: see `hap run PLAN --help`")
-    r.add_argument("plan", help="plan JSON from `hap plan --out`")
+    r.add_argument("plan", help="plan JSON from `hap plan --out`, or a launch bundle (folder or zip) from `hap export`")
     r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
     r.set_defaults(func=cmd_run)
+    e = sub.add_parser("export", help="write a launch bundle (plan, cluster, model, torchrun/Slurm/Kubernetes files)")
+    e.add_argument("plan", help="plan JSON from `hap plan --out`")
+    e.add_argument("--out", required=True, metavar="DIR", help="bundle folder to create (new or empty)")
+    e.add_argument("--zip", action="store_true", help="also write DIR.zip")
+    e.add_argument("--cluster", metavar="FILE", help="cluster spec the plan was made for (default: the sample cluster of its name)")
+    e.add_argument("--model-file", metavar="F", help="Python file defining the model (plans of non-zoo models)")
+    e.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (default: node 0's machine, port 29500)")
+    e.add_argument("--image", default="hap-workbench:latest", help="container image for the Kubernetes files")
+    e.add_argument("--run-args", metavar="'OPTIONS'", help="runner options written into the Kubernetes files, "
+                   "e.g. '--steps 1000 --checkpoint-dir /ckpt --checkpoint-every 100 --resume'")
+    e.set_defaults(func=cmd_export)
+    b = sub.add_parser("bundle", help="launch bundle tools")
+    bsub = b.add_subparsers(dest="bundle_command", required=True)
+    bc = bsub.add_parser("check", help="validate a bundle without running it", epilog=BUNDLE_EXIT_CODES,
+                         description="Check a bundle folder or zip: manifest, sha256 of every file, no extra or "
+                                     "missing file, plan and cluster parse, world size of the launch scripts.")
+    bc.add_argument("bundle", help="bundle folder or zip from `hap export`")
+    bc.set_defaults(func=cmd_bundle_check)
     u = sub.add_parser("ui", help="serve the Streamlit workbench (binds 127.0.0.1 by default)")
     u.add_argument("--port", type=int, default=8501, help="TCP port (default 8501)")
     u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
