@@ -229,7 +229,7 @@ class _Search:
         (then it is no solution, and its cost would prune the programs that fit)."""
         from .cost import evaluate, replay
 
-        if not self.cm.fits(replay(program, self.cm)[1]):
+        if not self.cm.fits(self.cm.class_memory(replay(program, self.cm)[1])):
             return
         self.incumbent = program
         self.best_cost = evaluate(program, self.cm).total_s * (1 + 1e-9)
