@@ -3,6 +3,7 @@
     hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S] [--json]
     hap capture --model zoo:gpt --set layers=2 --out graph.json
     hap run plan.json [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
+    hap profile --out cluster.json [--parquet raw.parquet] [--nproc N] [--speeds 1,0.5]   (runner; `hap profile --help`)
 
 Bad input exits with status 2 and one line naming the problem, never a traceback.
 """
@@ -124,6 +125,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_main([args.plan, *args.options])
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from runner.profile import main as profile_main  # lazily: the engine never imports the runner
+
+    return profile_main(args.options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hap", description="Plan SPMD training of one model on a heterogeneous GPU cluster (HAP).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -146,12 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("plan", help="plan JSON from `hap plan --out`")
     r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
     r.set_defaults(func=cmd_run)
+    f = sub.add_parser("profile", add_help=False, help="measure this cluster (FLOP/s, collectives) and write a cluster spec",
+                       description="options go to the profiler: see `hap profile --help`")
+    f.set_defaults(func=cmd_profile)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "profile":  # every option belongs to the profiler (runner.profile), --help included
+        args.options = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except HapError as e:

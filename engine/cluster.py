@@ -274,6 +274,36 @@ def nominal_collectives(m: int, latency_s: float, bottleneck_Bps: float) -> dict
     }
 
 
+def fit_collective(payload_bytes: list[float] | tuple[float, ...], seconds: list[float] | tuple[float, ...]) -> CollectiveFit:
+    """Least-squares ``time = latency + bytes / bandwidth`` over measured points (HAP §3.2), latency >= 0.
+
+    Each point is weighted by 1/time, i.e. the fit minimises *relative* error, so the small
+    payloads (latency-bound) count as much as the large ones (bandwidth-bound). A negative
+    intercept is clamped to 0 (the slope refitted through the origin); a slope <= 0 (time does
+    not grow with size) gives FREE_BANDWIDTH_BPS and the mean relative time as latency.
+    Give it one point per payload, each already a robust summary (e.g. a median of repeats).
+    """
+    if len(payload_bytes) != len(seconds) or len(seconds) < 2:
+        raise ValueError(f"fit_collective needs >= 2 (bytes, seconds) points of equal count, got "
+                         f"{len(payload_bytes)} and {len(seconds)}")
+    if any(t <= 0 for t in seconds) or any(b < 0 for b in payload_bytes):
+        raise ValueError("fit_collective needs positive times and non-negative payloads")
+    w = [1.0 / t for t in seconds]
+    # normal equations of min sum w_i^2 (a + s x_i - t_i)^2
+    s00 = sum(wi * wi for wi in w)
+    s01 = sum(wi * wi * x for wi, x in zip(w, payload_bytes))
+    s11 = sum(wi * wi * x * x for wi, x in zip(w, payload_bytes))
+    r0 = sum(wi * wi * t for wi, t in zip(w, seconds))
+    r1 = sum(wi * wi * x * t for wi, x, t in zip(w, payload_bytes, seconds))
+    det = s00 * s11 - s01 * s01
+    latency, slope = ((s11 * r0 - s01 * r1) / det, (s00 * r1 - s01 * r0) / det) if det > 0 else (-1.0, 0.0)
+    if latency < 0:
+        latency, slope = 0.0, (r1 / s11 if s11 > 0 else 0.0)
+    if slope <= 0:
+        return CollectiveFit(latency_s=r0 / s00, bandwidth_Bps=FREE_BANDWIDTH_BPS)
+    return CollectiveFit(latency_s=latency, bandwidth_Bps=min(1.0 / slope, FREE_BANDWIDTH_BPS))
+
+
 def _bottleneck(devices: tuple[Device, ...], levels: Mapping[str, float]) -> float:
     """Slowest bandwidth among the link levels the layout uses (FREE_BANDWIDTH_BPS if none)."""
     used = required_link_levels(devices)
