@@ -13,9 +13,10 @@
 
 Iteration time: each step's slowest rank (`step_time_s` in the metrics, the same clock for
 DDP), median over the steps after warm-up; each measurement is launched twice, interleaved with
-the ones it is compared with, and the faster launch is reported. Part 2 runs every plan twice more: with gradients all-reduced in one bucket
-after backward (the runner's default, as DDP does) and one all-reduce per Full parameter during
-backward (`--grad-sync per-param`), which is the stage structure the engine's cost model prices.
+the ones it is compared with, and the faster launch is reported. Part 2 runs every plan twice: with
+gradients all-reduced in one bucket after backward (the runner's default, as DDP does, and what
+the engine's cost model prices) and one all-reduce per Full parameter during backward
+(`--grad-sync per-param`, shown for contrast: each all-reduce pays its own latency).
 Run from the repository root:
 
     PYTHONPATH=. python bench/runner.py              # both parts (about 3 minutes on 2 cores)

@@ -5,8 +5,9 @@ A program splits into stages at every synchronising collective. The iteration ti
     t(Q, B) = sum over stages i of [ comm_i(B) + max_j comp_ij(B_j) ]
 
 counted for the forward and the backward pass. Backward stages mirror forward ones: each forward
-collective has a dual in the backward pass (all-gather <-> reduce-scatter, ...), and a Full
-parameter adds a gradient all-reduce where it is loaded. Computation on device j is
+collective has a dual in the backward pass (all-gather <-> reduce-scatter, ...). The gradients of
+all Full parameters are all-reduced in one bucket after the backward pass, as the runner (and DDP
+with one bucket) does: one latency, the summed bytes. Computation on device j is
 flops / flops_j, times the ratio B_j when the instruction runs on a sharded dimension; inside a
 virtual device of k GPUs the gradients of its parameters are also all-reduced (k > 1, §3.2).
 Communication is `latency + payload / bandwidth` with the payload conventions of
@@ -72,9 +73,9 @@ class Stage:
     direction: str
     """`forward` or `backward`."""
     comm: str
-    """Collective key that opens the stage (`` for the first stage), `grad_all_reduce` for a Full parameter."""
+    """Collective key that opens the stage (`` for the first stage), `grad_all_reduce` for the gradient bucket."""
     comm_node: int
-    """Reference tensor of the collective (-1 when none)."""
+    """Reference tensor of the collective (-1 when none, and for the gradient bucket)."""
     comm_const: float
     """Part of the communication time independent of the ratios (latency, whole-tensor payloads)."""
     comm_per_max_ratio: float
@@ -121,7 +122,7 @@ class CostModel:
         if key == "slice" or m == 1:
             return 0.0, 0.0
         h = self.hierarchy_s_per_byte
-        if key in ("all_reduce", "grad_all_reduce"):
+        if key == "all_reduce":
             fit = c["all_reduce"]
             return fit.latency_s + nbytes / fit.bandwidth_Bps + nbytes * h, 0.0
         if key == "all_gather.grouped":
@@ -129,6 +130,13 @@ class CostModel:
             return m * fit.latency_s + nbytes / fit.bandwidth_Bps + nbytes * h / m, 0.0
         fit = c[{"all_gather.padded": "all_gather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all"}[key]]
         return fit.latency_s, nbytes / fit.bandwidth_Bps + nbytes * h
+
+    def grad_bucket_terms(self) -> tuple[float, float]:
+        """(latency, seconds per byte) of the one all-reduce of all Full parameters' gradients."""
+        if self.cluster.num_devices == 1:
+            return 0.0, 0.0
+        fit = self.cluster.collectives["all_reduce"]
+        return fit.latency_s, 1.0 / fit.bandwidth_Bps + self.hierarchy_s_per_byte
 
     def comm_time(self, key: str, node: int) -> float:
         t = self._comm_cache.get((key, node))
@@ -208,10 +216,15 @@ def is_sharded(ins: Instruction) -> bool:
 
 
 def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage], Acc]:
-    """Split a program into forward and backward stages with linear work terms, and sum its memory terms."""
+    """Split a program into forward and backward stages with linear work terms, and sum its memory terms.
+
+    Backward stages are listed mirroring the forward ones (they run in reverse order); the gradient
+    bucket, which runs last, is listed first among them.
+    """
     stages: list[Stage] = []
     fwd, bwd, mem = ZERO, ZERO, ZERO
     fwd_open = bwd_open = ("", -1, 0.0, 0.0)
+    bucket_bytes = 0.0
     for ins in program:
         if ins.kind == COMPUTE:
             f, b, a = cm.compute_delta(ins.node, is_sharded(ins))
@@ -220,8 +233,7 @@ def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage]
             sync, m = cm.load_delta(ins.node, ins.post)
             mem = add(mem, m)
             if cm.graph[ins.node].op == "parameter" and ins.post == FULL:
-                stages.append(Stage("backward", *bwd_open, bwd))
-                bwd_open, bwd = ("grad_all_reduce", ins.node, *cm.comm_terms("grad_all_reduce", ins.node)), ZERO
+                bucket_bytes += cm.nbytes[ins.node]
             bwd = add(bwd, sync)
         elif ins.kind == COMM and ins.rule != "slice":
             stages.append(Stage("forward", *fwd_open, fwd))
@@ -232,6 +244,10 @@ def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage]
                 bwd_open, bwd = (dual, ins.node, *cm.comm_terms(dual, ins.node)), ZERO
     stages.append(Stage("forward", *fwd_open, fwd))
     stages.append(Stage("backward", *bwd_open, bwd))
+    if bucket_bytes:
+        latency, per_byte = cm.grad_bucket_terms()
+        first_bwd = next(i for i, s in enumerate(stages) if s.direction == "backward")
+        stages.insert(first_bwd, Stage("backward", "grad_all_reduce", -1, latency + bucket_bytes * per_byte, 0.0, ZERO))
     return [s for s in stages if s.comm or any(s.work)], mem
 
 

@@ -45,6 +45,7 @@ from .theory.core import FULL, PARTIAL, OpRule
 _K = 16          # property code = tensor * _K + form + _OFF
 _OFF = 3         # forms -2 (P), -1 (F), 0.. (S(d)); code 0 is the "communicated" marker
 _COMMUNICATED = -3
+_BUCKET = -1     # a property-set marker (not a tensor code): the gradient bucket's latency is paid
 
 
 def code(tensor: int, form: int) -> int:
@@ -208,6 +209,7 @@ class _Search:
         self.slice_ok = "slice" in self.prep.collectives
         self.deltas = [{sh: cm.compute_delta(nid, sh) for sh in (False, True)} for nid in self.prep.order]
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
+        self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
 
     def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
         from .cost import evaluate
@@ -231,7 +233,8 @@ class _Search:
         consumer accepts needs at least one collective (forward and backward dual). Admissible."""
         forms: dict[int, list[int]] = {}
         for c in s.props:
-            forms.setdefault(c // _K, []).append(c % _K - _OFF)
+            if c >= 0:
+                forms.setdefault(c // _K, []).append(c % _K - _OFF)
         total = 0.0
         for t, fs in forms.items():
             if self.graph[t].is_leaf:
@@ -480,9 +483,11 @@ class _Search:
         for t, f in loads.items():
             sync, m = cm.load_delta(t, f)
             mem = add(mem, m)
-            if graph[t].op == "parameter" and f == FULL:
-                closed += cm.stage_time(bacc) + cm.comm_time("grad_all_reduce", t)
-                bacc = ZERO
+            if graph[t].op == "parameter" and f == FULL:  # its gradient joins the bucket (engine.cost)
+                closed += cm.nbytes[t] * self.bucket_s_per_byte
+                if _BUCKET not in props:
+                    closed += self.bucket_latency
+                    props.add(_BUCKET)
             bacc = add(bacc, sync)
             props.add(code(t, f))
             step.append((LOAD, t, graph[t].op, (), f))

@@ -61,8 +61,8 @@ class RankState:
 
 GRAD_SYNC = ("bucket", "per-param")
 """How Full parameters' gradients are all-reduced: `bucket`, one flat all-reduce after backward (as
-DDP does with one bucket); `per-param`, one all-reduce per parameter as soon as its gradient is
-ready during backward, the stage structure the engine's cost model predicts (`grad_all_reduce`)."""
+DDP does with one bucket), which is what the engine's cost model predicts (`grad_all_reduce`);
+`per-param`, one all-reduce per parameter as soon as its gradient is ready during backward."""
 
 
 def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: float = 0.05, *,
