@@ -4,7 +4,11 @@ For each local cluster — 2 gloo ranks with emulated speeds 1.0/0.5, and 4 rank
 1.0/1.0/0.5/0.5 (`--speeds`, runner.timing) — and each model family (zoo:gpt, zoo:mlp):
 
 1. `hap profile` measures the cluster (FLOP/s on the family's own operators at the profiler's
-   small config, collective fits on the gloo group) and writes a cluster spec;
+   small config, collective fits on the gloo group), `--profiles` times in a row; the spec the
+   plans use combines them from their Parquet files the way the launches are combined below:
+   per rank the best FLOP/s, per collective and payload the fastest of the profiles' medians,
+   refitted with `engine.cluster.fit_collective` (load only ever adds time, so the best of a few
+   samples is the closest to the machine without other jobs, on both sides of the comparison);
 2. every variant of the family (sizes x layer counts) is planned on that spec twice: the HAP
    plan (`engine.plan`) and the `dp-even` baseline (`engine.evaluate`), SGD as the runner uses;
 3. each plan runs with `hap run --speeds ... --timing --metrics` for `--steps` steps. Iteration
@@ -69,13 +73,42 @@ def speeds_arg(speeds: tuple[float, ...]) -> str:
     return ",".join(f"{s:g}" for s in speeds)
 
 
-def profile(cluster: str, family: str, out: Path) -> Path:
-    """`hap profile` of a local cluster with the family's own operators; the spec's path."""
+def profile(cluster: str, family: str, out: Path, count: int) -> Path:
+    """`count` runs of `hap profile` on a local cluster with the family's own operators, combined; the spec's path."""
     speeds = CLUSTERS[cluster]
-    spec = out / f"cluster_{len(speeds)}_{family}.json"
-    hap("profile", "--out", str(spec), "--parquet", str(spec.with_suffix(".parquet")), "--nproc", str(len(speeds)),
-        "--speeds", speeds_arg(speeds), "--model", f"zoo:{family}", "--name", f"local_{len(speeds)}_{family}")
-    return spec
+    specs = []
+    for k in range(count):
+        spec = out / f"cluster_{len(speeds)}_{family}_{k}.json"
+        hap("profile", "--out", str(spec), "--parquet", str(spec.with_suffix(".parquet")), "--nproc", str(len(speeds)),
+            "--speeds", speeds_arg(speeds), "--model", f"zoo:{family}", "--name", f"local_{len(speeds)}_{family}")
+        specs.append(spec)
+    combined = out / f"cluster_{len(speeds)}_{family}.json"
+    combined.write_text(json.dumps(combine_profiles(specs), indent=1))
+    return combined
+
+
+def combine_profiles(specs: list[Path]) -> dict:
+    """One spec from several profiles: per device the best FLOP/s, per collective the fastest median per payload, refitted."""
+    import pyarrow.parquet as pq
+
+    from engine.cluster import fit_collective
+    from runner.profile import COLLECTIVES, collective_points
+
+    docs = [json.loads(s.read_text()) for s in specs]
+    out = json.loads(json.dumps(docs[0]))
+    for j, dev in enumerate(out["devices"]):
+        dev["flops_per_gpu"] = max(d["devices"][j]["flops_per_gpu"] for d in docs)
+    tables = [pq.read_table(s.with_suffix(".parquet")).to_pylist() for s in specs]
+    for name in COLLECTIVES:
+        points = [collective_points(rows, name) for rows in tables]
+        sizes = points[0][0]
+        fastest = [min(p[1][i] for p in points) for i in range(len(sizes))]
+        out["network"]["collectives"][name] = fit_collective(sizes, fastest).to_dict()
+    bcast = out["network"]["collectives"]["broadcast"]
+    out["network"]["latency_s"] = bcast["latency_s"]
+    out["network"]["bandwidth_Bps"] = {k: bcast["bandwidth_Bps"] for k in out["network"]["bandwidth_Bps"]}
+    out["description"] += f" Best of {len(specs)} profiles (bench/accuracy.py)."
+    return out
 
 
 def make_plans(family: str, knobs: dict, spec: Path, out: Path, tag: str) -> dict[str, Path]:
@@ -173,13 +206,15 @@ def describe(family: str, knobs: dict) -> str:
 
 def report(rows: list[dict]) -> str:
     head = [["cluster", "model", "plan", "predicted", "measured", "error", "pred comp", "meas comp", "pred comm",
-             "meas comm", "collectives"]]
+             "meas comm", "launch spread", "load", "collectives"]]
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     for r in rows:
         p, m = r["predicted"], r["measured"]
         head.append([r["cluster"], r["model"], r["strategy"], ms(p["iteration_s"]), ms(m["iteration_s"]),
                      f"{(p['iteration_s'] - m['iteration_s']) / m['iteration_s']:+.0%}", ms(p["compute_s"]),
-                     ms(m["compute_s"]), ms(p["comm_s"]), ms(m["comm_s"]), ",".join(p["collectives"]) or "-"])
+                     ms(m["compute_s"]), ms(p["comm_s"]), ms(m["comm_s"]), f"{r['launch_spread']:.0%}",
+                     f"{m['load_before']:.1f}",
+                     ",".join(p["collectives"]) or "-"])
     lines = [table(head), ""]
     groups = {"all variants": rows, **{c: [r for r in rows if r["cluster"] == c] for c in CLUSTERS}}
     stats = [["variants", "n", "Pearson r", "MAPE", "Spearman rho", "mean signed error"]]
@@ -193,7 +228,9 @@ def report(rows: list[dict]) -> str:
     lines += ["", f"targets: Pearson r >= 0.97: {'PASS' if f['pearson_r'] >= 0.97 else 'MISS'} ({f['pearson_r']:.3f}); "
                   f"MAPE <= 20%: {'PASS' if f['mape'] <= 0.20 else 'MISS'} ({f['mape']:.1%})",
               "pred/meas comp: slowest device's computation (measured: compute + emulated slow-down of the slowest rank); "
-              "meas comm: the least-waiting rank's collective time"]
+              "meas comm: the least-waiting rank's collective time; launch spread: slowest / fastest launch - 1 "
+              "(the noise of this machine); load: 1-minute load average before the kept launch; collectives: those of the program ('-': data parallel, only the "
+              "gradient bucket)"]
     return "\n".join(lines)
 
 
@@ -209,7 +246,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             continue
         cases = []
         for family in args.families.split(","):
-            spec = profile(cluster, family, out)
+            spec = profile(cluster, family, out, args.profiles)
             print(f"[{time.strftime('%H:%M:%S')}] profiled {cluster} for zoo:{family}: {spec.name}", file=sys.stderr)
             for i, knobs in enumerate(VARIANTS[family]):
                 tag = f"{len(speeds)}_{family}{i}"
@@ -220,15 +257,28 @@ def run(args: argparse.Namespace) -> list[dict]:
         for launch in range(args.repeat):  # interleaved, so a burst of load from elsewhere hits all plans alike
             for case in cases:
                 metrics = out / f"metrics_{case['plan'].stem}_{launch}.jsonl"
+                load = os.getloadavg()[0]
                 case["launches"].append(measured(run_plan(case["plan"], speeds, args.steps, metrics), args.warmup))
+                case["launches"][-1]["load_before"] = load
                 print(f"[{time.strftime('%H:%M:%S')}] {cluster} {case['model']} {case['strategy']} launch {launch}: "
                       f"{case['launches'][-1]['iteration_s'] * 1e3:.1f} ms (predicted "
                       f"{case['predicted']['iteration_s'] * 1e3:.1f} ms)", file=sys.stderr)
         for case in cases:
             case["measured"] = min(case["launches"], key=lambda m: m["iteration_s"])
+            its = [m["iteration_s"] for m in case["launches"]]
+            case["launch_spread"] = max(its) / min(its) - 1
             case["plan"] = str(case["plan"].relative_to(ROOT))
             rows.append(case)
+        save(args, rows, partial=True)  # a later failure keeps what was measured
     return rows
+
+
+def save(args: argparse.Namespace, rows: list[dict], partial: bool = False) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "accuracy.json").write_text(json.dumps({
+        "partial": partial, "steps": args.steps, "warmup": args.warmup, "repeat": args.repeat,
+        "profiles": args.profiles, "clusters": CLUSTERS, "figures": figures(rows) if len(rows) >= 2 else {},
+        "rows": rows, "load_average": os.getloadavg(), "cpu_count": os.cpu_count()}, indent=1, default=str))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,21 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=14, help="steps per launch (default 14)")
     p.add_argument("--warmup", type=int, default=4, help="steps discarded at the start of each launch (default 4)")
     p.add_argument("--repeat", type=int, default=2, help="launches per plan, the fastest kept (default 2)")
-    p.add_argument("--quick", action="store_true", help="10 steps, one launch per plan")
+    p.add_argument("--profiles", type=int, default=2, help="hap profile runs per cluster and family, the best kept (default 2)")
+    p.add_argument("--quick", action="store_true", help="10 steps, one launch per plan, one profile")
     p.add_argument("--families", default="gpt,mlp", help="model families (default gpt,mlp)")
     p.add_argument("--clusters", default="", help="only these rank counts, e.g. 2 or 2,4 (default all)")
     args = p.parse_args(argv)
     if args.quick:
-        args.steps, args.repeat = 10, 1
+        args.steps, args.repeat, args.profiles = 10, 1, 1
     start = time.perf_counter()
     rows = run(args)
     print(report(rows))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "accuracy.json").write_text(json.dumps({
-        "steps": args.steps, "warmup": args.warmup, "repeat": args.repeat, "clusters": CLUSTERS,
-        "figures": figures(rows), "rows": rows, "load_average": os.getloadavg(), "cpu_count": os.cpu_count(),
-        "elapsed_s": time.perf_counter() - start}, indent=1, default=str))
-    print(f"\nwritten to bench/results/accuracy.json ({time.perf_counter() - start:.0f} s)")
+    save(args, rows)
+    print(f"\nwritten to bench/results/accuracy.json ({time.perf_counter() - start:.0f} s; "
+          f"1-minute load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
     return 0
 
 

@@ -275,12 +275,15 @@ def nominal_collectives(m: int, latency_s: float, bottleneck_Bps: float) -> dict
 
 
 def fit_collective(payload_bytes: list[float] | tuple[float, ...], seconds: list[float] | tuple[float, ...]) -> CollectiveFit:
-    """Least-squares ``time = latency + bytes / bandwidth`` over measured points (HAP §3.2), latency >= 0.
+    """Weighted least-squares ``time = latency + bytes / bandwidth`` over measured points (HAP §3.2), latency >= 0.
 
-    Each point is weighted by 1/time, i.e. the fit minimises *relative* error, so the small
-    payloads (latency-bound) count as much as the large ones (bandwidth-bound). A negative
-    intercept is clamped to 0 (the slope refitted through the origin); a slope <= 0 (time does
-    not grow with size) gives FREE_BANDWIDTH_BPS and the mean relative time as latency.
+    Squared residuals are weighted by 1/time: timing noise grows with the time itself (a
+    collective is a sequence of chunk transfers, each delayed at random on a loaded host), so a
+    residual counts relative to the square root of the time. This sits between absolute least
+    squares, where the largest payloads alone decide, and relative least squares, where the many
+    latency-bound small payloads decide the bandwidth that large gradient buckets pay. A
+    negative intercept is clamped to 0 (the slope refitted through the origin); a slope <= 0
+    (time does not grow with size) gives FREE_BANDWIDTH_BPS and the weighted mean time as latency.
     Give it one point per payload, each already a robust summary (e.g. a median of repeats).
     """
     if len(payload_bytes) != len(seconds) or len(seconds) < 2:
@@ -288,7 +291,7 @@ def fit_collective(payload_bytes: list[float] | tuple[float, ...], seconds: list
                          f"{len(payload_bytes)} and {len(seconds)}")
     if any(t <= 0 for t in seconds) or any(b < 0 for b in payload_bytes):
         raise ValueError("fit_collective needs positive times and non-negative payloads")
-    w = [1.0 / t for t in seconds]
+    w = [1.0 / math.sqrt(t) for t in seconds]
     # normal equations of min sum w_i^2 (a + s x_i - t_i)^2
     s00 = sum(wi * wi for wi in w)
     s01 = sum(wi * wi * x for wi, x in zip(w, payload_bytes))

@@ -55,7 +55,8 @@ PROFILE_KNOBS: dict[str, dict[str, Any]] = {
     "mlp": dict(layers=2, in_features=256, hidden=1024, classes=16, batch=64),
 }
 """Small configs of the zoo models (~0.1 s per step on one CPU thread); `--set` knobs apply on top."""
-DEFAULT_SIZES = (4 * 2**10, 32 * 2**10, 256 * 2**10, 2**20, 4 * 2**20)
+DEFAULT_SIZES = (16 * 2**10, 128 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
+"""Collective payloads: latency-bound activations up to the multi-MiB gradient buckets of the zoo models."""
 DEFAULT_MATMUL = (128, 256, 512)
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 IMPL = {"all_reduce": "all_reduce", "all_gather": "all_gather.padded", "reduce_scatter": "reduce_scatter",
@@ -87,9 +88,9 @@ class ProfileConfig:
     """Zoo model whose operators set the recorded FLOP/s, or `none` for the best matmul rate."""
     knobs: tuple[str, ...] = ()
     """`KEY=VALUE` knobs on top of PROFILE_KNOBS."""
-    repeats: int = 7
+    repeats: int = 5
     """Timed repetitions per measurement (the median is used)."""
-    warmup: int = 2
+    warmup: int = 1
     """Untimed repetitions before each measurement."""
     name: str = "profiled"
     """Name of the cluster in the spec."""
@@ -140,14 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, help="ranks to start on this machine (default: one per --speeds factor, GPU, or 2)")
     p.add_argument("--speeds", metavar="F,F,..", help="emulated speed factor per rank in (0, 1], e.g. 1,0.5")
     p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES), metavar="B,B,..",
-                   help="collective payloads in bytes (K, M, G suffixes; default 4K..4M)")
+                   help="collective payloads in bytes (K, M, G suffixes; default 16K,128K,1M,4M,16M)")
     p.add_argument("--matmul", default=",".join(str(s) for s in DEFAULT_MATMUL), metavar="N,N,..",
                    help="square matmul sizes (default 128,256,512)")
     p.add_argument("--model", default="zoo:gpt", help="zoo model whose own operators set the FLOP/s (zoo:gpt, zoo:mlp) or 'none'")
     p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
                    help="a knob of the profiling model, on top of its small default config")
-    p.add_argument("--repeats", type=int, default=7, help="timed repetitions per measurement (default 7)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed repetitions first (default 2)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
     p.add_argument("--name", default="profiled", help="cluster name in the spec")
     p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0, metavar="S", help="process-group timeout")
     return p
