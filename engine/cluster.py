@@ -275,35 +275,32 @@ def nominal_collectives(m: int, latency_s: float, bottleneck_Bps: float) -> dict
 
 
 def fit_collective(payload_bytes: list[float] | tuple[float, ...], seconds: list[float] | tuple[float, ...]) -> CollectiveFit:
-    """Weighted least-squares ``time = latency + bytes / bandwidth`` over measured points (HAP §3.2), latency >= 0.
+    """Fit ``time = latency + bytes / bandwidth`` to measured points (HAP §3.2), anchored at the smallest payload.
 
-    Squared residuals are weighted by 1/time: timing noise grows with the time itself (a
-    collective is a sequence of chunk transfers, each delayed at random on a loaded host), so a
-    residual counts relative to the square root of the time. This sits between absolute least
-    squares, where the largest payloads alone decide, and relative least squares, where the many
-    latency-bound small payloads decide the bandwidth that large gradient buckets pay. A
-    negative intercept is clamped to 0 (the slope refitted through the origin); a slope <= 0
-    (time does not grow with size) gives FREE_BANDWIDTH_BPS and the weighted mean time as latency.
-    Give it one point per payload, each already a robust summary (e.g. a median of repeats).
+    The line goes through the smallest payload's point, where latency dominates, and its slope is
+    the weighted least-squares slope of the other points, with squared residuals weighted by
+    1/time: timing noise grows with the time (a collective is a sequence of chunk transfers, each
+    delayed at random on a loaded host). Measured collectives are not quite linear (on a CPU host
+    gloo's bandwidth drops for multi-MiB payloads); the anchor keeps small, latency-bound
+    collectives priced at what they cost, and the weighting lets the large payloads, such as
+    gradient buckets, set the bandwidth. A negative intercept is clamped to 0; a slope <= 0 (time
+    does not grow with size) gives FREE_BANDWIDTH_BPS with the mean time as latency. Give it one
+    point per payload, each already a robust summary (e.g. a median of repeats).
     """
     if len(payload_bytes) != len(seconds) or len(seconds) < 2:
         raise ValueError(f"fit_collective needs >= 2 (bytes, seconds) points of equal count, got "
                          f"{len(payload_bytes)} and {len(seconds)}")
     if any(t <= 0 for t in seconds) or any(b < 0 for b in payload_bytes):
         raise ValueError("fit_collective needs positive times and non-negative payloads")
-    w = [1.0 / math.sqrt(t) for t in seconds]
-    # normal equations of min sum w_i^2 (a + s x_i - t_i)^2
-    s00 = sum(wi * wi for wi in w)
-    s01 = sum(wi * wi * x for wi, x in zip(w, payload_bytes))
-    s11 = sum(wi * wi * x * x for wi, x in zip(w, payload_bytes))
-    r0 = sum(wi * wi * t for wi, t in zip(w, seconds))
-    r1 = sum(wi * wi * x * t for wi, x, t in zip(w, payload_bytes, seconds))
-    det = s00 * s11 - s01 * s01
-    latency, slope = ((s11 * r0 - s01 * r1) / det, (s00 * r1 - s01 * r0) / det) if det > 0 else (-1.0, 0.0)
-    if latency < 0:
-        latency, slope = 0.0, (r1 / s11 if s11 > 0 else 0.0)
+    x0, t0 = min(zip(payload_bytes, seconds))
+    num = sum((x - x0) * (t - t0) / t for x, t in zip(payload_bytes, seconds))
+    den = sum((x - x0) ** 2 / t for x, t in zip(payload_bytes, seconds))
+    slope = num / den if den > 0 else 0.0
     if slope <= 0:
-        return CollectiveFit(latency_s=r0 / s00, bandwidth_Bps=FREE_BANDWIDTH_BPS)
+        return CollectiveFit(latency_s=sum(seconds) / len(seconds), bandwidth_Bps=FREE_BANDWIDTH_BPS)
+    latency = t0 - slope * x0
+    if latency < 0:  # refit through the origin: min sum (s x - t)^2 / t
+        latency, slope = 0.0, sum(payload_bytes) / sum(x * x / t for x, t in zip(payload_bytes, seconds))
     return CollectiveFit(latency_s=latency, bandwidth_Bps=min(1.0 / slope, FREE_BANDWIDTH_BPS))
 
 

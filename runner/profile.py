@@ -16,9 +16,11 @@ fit the latency and bandwidth in a linear model"):
   `all_gather` (the padded implementation; payload: one shard), `reduce_scatter` and
   `all_to_all` (payload: one shard), and `broadcast` timed as the grouped all-gather (one
   broadcast per rank; its time divided by the number of ranks, payload: one shard). Each
-  payload runs `--warmup` times untimed, then `--repeats` times after a barrier; a repeat's
-  time is its slowest rank's, a payload's time the median over repeats, and
-  `engine.cluster.fit_collective` fits latency + bandwidth per collective.
+  payload runs `--warmup` times untimed, then `--repeats` times after a barrier, one rank in
+  turn arriving ARRIVAL_DELAY_S late so that the others wait inside the collective as they do
+  in training; a repeat's time is the late rank's (from the last arrival to the end), a
+  payload's time the median over repeats, and `engine.cluster.fit_collective` fits latency +
+  bandwidth per collective.
 
 Under an existing launch (torchrun or Slurm setting RANK and WORLD_SIZE) this process is one
 rank; otherwise `hap profile` starts
@@ -62,10 +64,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broa
 IMPL = {"all_reduce": "all_reduce", "all_gather": "all_gather.padded", "reduce_scatter": "reduce_scatter",
         "all_to_all": "all_to_all", "broadcast": "all_gather.grouped"}
 """The runner code path each fit is measured on (the cost model's collective keys)."""
+ARRIVAL_DELAY_S = 0.002
+"""In each timed repeat of a collective one rank (in turn) arrives this much later than the others,
+which are by then blocked inside the collective, as ranks are in training; its time is the one
+used. It so includes waking the waiting ranks, which on a loaded CPU host costs milliseconds."""
 MIN_FLOPS_PER_SAMPLE = 1e8
 """A matmul sample repeats the product until it does at least this much work (~1 ms on a CPU core)."""
 PARQUET_COLUMNS = ("kind", "op", "impl", "rank", "speed", "size", "payload_bytes", "calls", "flops", "repeat",
-                   "seconds", "backend", "world_size")
+                   "arrival_delay_s", "seconds", "backend", "world_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -260,11 +266,12 @@ class Recorder:
     rows: list[dict[str, Any]] = field(default_factory=list)
 
     def add(self, kind: str, op: str, impl: str, size: int, seconds: list[float], *, payload_bytes: int | None = None,
-            calls: int = 1, flops: float | None = None) -> None:
+            calls: int = 1, flops: float | None = None, delays: list[float] | None = None) -> None:
         for i, s in enumerate(seconds):
             self.rows.append({"kind": kind, "op": op, "impl": impl, "rank": self.rank, "speed": self.speed,
                               "size": size, "payload_bytes": payload_bytes, "calls": calls, "flops": flops,
-                              "repeat": i, "seconds": s, "backend": self.backend, "world_size": self.world_size})
+                              "repeat": i, "arrival_delay_s": delays[i] if delays else 0.0, "seconds": s,
+                              "backend": self.backend, "world_size": self.world_size})
 
 
 def time_repeats(fn: Callable[[], Any], repeats: int, warmup: int, *, barrier: Callable[[], Any],
@@ -285,6 +292,27 @@ def time_repeats(fn: Callable[[], Any], repeats: int, warmup: int, *, barrier: C
         sync()
         out.append(time.perf_counter() - start)
     return out
+
+
+def time_collective(fn: Callable[[], Any], repeats: int, warmup: int, rank: int, world_size: int, *,
+                    barrier: Callable[[], Any], sync: Callable[[], Any]) -> tuple[list[float], list[float]]:
+    """(seconds, arrival delay) per repetition: after a barrier, rank (i mod world) waits ARRIVAL_DELAY_S
+    first; every rank times from its own arrival, so the late rank's time runs from the last arrival."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times, delays = [], []
+    for i in range(repeats):
+        barrier()
+        late = i % world_size == rank
+        if late:
+            time.sleep(ARRIVAL_DELAY_S)
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+        delays.append(ARRIVAL_DELAY_S if late else 0.0)
+    return times, delays
 
 
 def measure_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:
@@ -368,12 +396,12 @@ def collective_op(name: str, nbytes: int, m: int, device) -> tuple[Callable[[], 
 def measure_collectives(cfg: ProfileConfig, rec: Recorder, device, barrier, sync, progress: Progress) -> None:
     import torch.distributed as dist
 
-    m = dist.get_world_size()
+    m, rank = dist.get_world_size(), dist.get_rank()
     for name in COLLECTIVES:
         for size in cfg.sizes:
             fn, payload, calls = collective_op(name, size, m, device)
-            times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync)
-            rec.add("collective", name, IMPL[name], size, times, payload_bytes=payload, calls=calls)
+            times, delays = time_collective(fn, cfg.repeats, cfg.warmup, rank, m, barrier=barrier, sync=sync)
+            rec.add("collective", name, IMPL[name], size, times, payload_bytes=payload, calls=calls, delays=delays)
             progress.step(f"{name} {_human(payload)}")
 
 
@@ -381,12 +409,11 @@ def measure_collectives(cfg: ProfileConfig, rec: Recorder, device, barrier, sync
 
 
 def collective_points(rows: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
-    """(payload bytes, seconds per call) of one collective: per repeat the slowest rank, then the median."""
+    """(payload bytes, seconds per call) of one collective: per repeat the late rank's time, then the median."""
     per_repeat: dict[tuple[int, int], float] = {}
     for r in rows:
-        if r["kind"] == "collective" and r["op"] == name:
-            key = (r["payload_bytes"], r["repeat"])
-            per_repeat[key] = max(per_repeat.get(key, 0.0), r["seconds"] / r["calls"])
+        if r["kind"] == "collective" and r["op"] == name and r["arrival_delay_s"] > 0:
+            per_repeat[(r["payload_bytes"], r["repeat"])] = r["seconds"] / r["calls"]
     payloads = sorted({p for p, _ in per_repeat})
     return ([float(p) for p in payloads],
             [statistics.median(t for (p, _), t in per_repeat.items() if p == q) for q in payloads])
@@ -469,8 +496,8 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
                        + (f", emulated speeds {cfg.speeds}" if cfg.speeds else "") + ".",
         "sources": [f"flops_per_gpu: forward+backward of {model} at batch and half batch (the best square matmul "
                     f"when the model is 'none'), median of {cfg.repeats} repeats after {cfg.warmup} warm-ups",
-                    f"collectives: least-squares latency + bandwidth over payloads {[_human(s) for s in cfg.sizes]}, "
-                    "per payload the median over repeats of the slowest rank",
+                    f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
+                    "per payload the median over repeats of the time from the last rank's arrival",
                     "network: latency and bandwidth of the broadcast fit (point to point)"],
         "devices": devices,
         "network": {"latency_s": bcast.latency_s,
@@ -486,7 +513,8 @@ def write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
     schema = pa.schema([("kind", pa.string()), ("op", pa.string()), ("impl", pa.string()), ("rank", pa.int32()),
                         ("speed", pa.float64()), ("size", pa.int64()), ("payload_bytes", pa.int64()),
                         ("calls", pa.int32()), ("flops", pa.float64()), ("repeat", pa.int32()),
-                        ("seconds", pa.float64()), ("backend", pa.string()), ("world_size", pa.int32())])
+                        ("arrival_delay_s", pa.float64()), ("seconds", pa.float64()), ("backend", pa.string()),
+                        ("world_size", pa.int32())])
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
 
 

@@ -32,6 +32,15 @@ TINY_GPT = ["--set", "layers=1", "--set", "hidden=32", "--set", "heads=4", "--se
 # ----------------------------------------------------------------------------- the fit (pure)
 
 
+def test_fit_passes_through_the_smallest_payload_and_takes_the_large_payloads_slope():
+    # a host whose bandwidth drops above 1 MB: small collectives keep their latency, buckets their bandwidth
+    sizes = [16e3, 128e3, 1e6, 4e6, 16e6]
+    times = [400e-6, 450e-6, 900e-6, 12e-3, 41e-3]
+    fit = fit_collective(sizes, times)
+    assert fit.time(16e3) == pytest.approx(400e-6, rel=1e-9)
+    assert fit.time(16e6) == pytest.approx(41e-3, rel=0.25) and fit.time(4e6) == pytest.approx(12e-3, rel=0.25)
+
+
 def test_fit_recovers_latency_and_bandwidth_from_exact_points():
     sizes = [4e3, 3.2e4, 2.56e5, 1e6, 4e6]
     fit = fit_collective(sizes, [50e-6 + b / 2e9 for b in sizes])
@@ -74,14 +83,17 @@ def test_fit_rejects_too_few_or_non_positive_points():
 
 def _row(kind, op, rank, size, repeat, seconds, **kw):
     return {"kind": kind, "op": op, "rank": rank, "size": size, "repeat": repeat, "seconds": seconds,
-            "payload_bytes": kw.get("payload"), "calls": kw.get("calls", 1), "flops": kw.get("flops")}
+            "payload_bytes": kw.get("payload"), "calls": kw.get("calls", 1), "flops": kw.get("flops"),
+            "arrival_delay_s": kw.get("delay", 0.0)}
 
 
-def test_collective_points_take_the_slowest_rank_per_repeat_then_the_median_per_call():
-    rows = [_row("collective", "broadcast", r, 1024, i, t, payload=1024, calls=2)
-            for i, (t0, t1) in enumerate([(2.0, 4.0), (6.0, 1.0), (10.0, 20.0)]) for r, t in ((0, t0), (1, t1))]
-    rows.append(_row("collective", "all_reduce", 0, 1024, 0, 99.0, payload=1024))
-    assert collective_points(rows, "broadcast") == ([1024.0], [3.0])  # per repeat max 4, 6, 20 -> /2 -> median 3
+def test_collective_points_take_the_late_ranks_time_per_repeat_then_the_median_per_call():
+    # repeat i: rank i % 2 arrives late; the early rank's time includes its wait and is not used
+    times = [(2.0, 9.0), (9.0, 6.0), (20.0, 9.0)]
+    rows = [_row("collective", "broadcast", r, 1024, i, t, payload=1024, calls=2, delay=0.002 if i % 2 == r else 0.0)
+            for i, pair in enumerate(times) for r, t in enumerate(pair)]
+    rows.append(_row("collective", "all_reduce", 0, 1024, 0, 99.0, payload=1024, delay=0.002))
+    assert collective_points(rows, "broadcast") == ([1024.0], [3.0])  # late: 2, 6, 20 -> /2 calls -> median 3
 
 
 def test_rank_rates_sum_flops_over_the_median_times_and_the_spec_takes_the_model_rate():
@@ -149,6 +161,13 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute")
     assert {r["speed"] for r in rows} == {1.0, 0.5} and all(r["seconds"] > 0 for r in rows)
     assert {r["calls"] for r in rows if r["op"] == "broadcast"} == {2}  # grouped all-gather: one broadcast per rank
+    late = {}
+    for r in rows:
+        if r["kind"] == "collective" and r["arrival_delay_s"] > 0:
+            key = (r["op"], r["size"], r["repeat"])
+            assert key not in late, key  # exactly one late rank per repeat, taking turns
+            late[key] = r["rank"]
+    assert len(late) == 5 * 3 * 3 and {late[("all_reduce", 4096, i)] for i in range(3)} == {0, 1}
 
 
 def test_a_plan_made_from_the_profiled_spec_runs(profiled, tmp_path):
