@@ -1,4 +1,4 @@
-# The README's two commands: `make run` (plan the default model on a sample cluster) and `make test`.
+# The README's two commands: `make run` (the workbench, with the default model planned) and `make test`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -10,13 +10,14 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned, so pip takes the CPU wheel on disk and never pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e ".[test,app]"
 	touch $@
 
 install: $(BIN)/.installed
 
+# the workbench on http://127.0.0.1:8501, with a default model and cluster already planned
 run: install
-	$(BIN)/hap plan --model zoo:gpt --cluster sample_clusters/hap_paper_testbed_machines.json --out plan.json
+	$(BIN)/hap ui --port 8501
 
 test: install
 	$(BIN)/python -m pytest
@@ -25,4 +26,4 @@ bench: install
 	$(BIN)/python bench/synthesis.py
 
 clean:
-	rm -rf $(VENV) plan.json .pytest_cache
+	rm -rf $(VENV) plan.json .pytest_cache tests/artifacts

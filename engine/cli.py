@@ -2,7 +2,10 @@
 
     hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S] [--json]
     hap capture --model zoo:gpt --set layers=2 --out graph.json
-    hap run plan.json [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
+    hap run plan.json|BUNDLE [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
+    hap export plan.json --out DIR [--zip] [--cluster FILE] [--model-file F]      (launch bundle)
+    hap bundle check BUNDLE                                                       (0 valid, 1 invalid, 2 usage)
+    hap ui [--port 8501] [--host 127.0.0.1]                                       (the Streamlit workbench)
     hap profile --out cluster.json [--parquet raw.parquet] [--nproc N] [--speeds 1,0.5]   (runner; `hap profile --help`)
 
 Bad input exits with status 2 and one line naming the problem, never a traceback.
@@ -10,7 +13,15 @@ Bad input exits with status 2 and one line naming the problem, never a traceback
 from __future__ import annotations
 
 import argparse
+import errno
+import importlib.util
+import json
+import shlex
+import signal
+import socket
+import subprocess
 import sys
+from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import HapError
@@ -131,6 +142,80 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return profile_main(args.options)
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .bundle import export_bundle
+    from .plan import Plan
+
+    plan = Plan.from_json(args.plan)
+    out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
+                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=shlex.split(args.run_args or ""))
+    manifest = json.loads((out / "manifest.json").read_text())
+    print(f"bundle {out}: {plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
+          f"{len(manifest['files'])} files" + (f"; zip {out.with_name(out.name + '.zip')}" if args.zip else ""))
+    print(f"check it with `hap bundle check {out}`; run it with `hap run {out}` or see {out / 'README.md'}")
+    return 0
+
+
+def cmd_bundle_check(args: argparse.Namespace) -> int:
+    from .bundle import check_bundle
+
+    report = check_bundle(args.bundle)
+    print(report.render(), file=sys.stdout if report.ok else sys.stderr)
+    return 0 if report.ok else 1
+
+
+BUNDLE_EXIT_CODES = "exit status: 0 the bundle is valid, 1 the bundle is invalid (each problem printed, naming " \
+                    "the file), 2 usage error"
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether a server could listen on host:port now (a listening socket makes the bind fail)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise _UsageError(f"--host {host}: cannot bind ({e.strerror}); use 127.0.0.1 or an address of this machine") from None
+    return True
+
+
+def ui_command(host: str, port: int) -> list[str]:
+    """The `streamlit run` line of the workbench (the engine itself never imports Streamlit)."""
+    app = Path(__file__).resolve().parent.parent / "app" / "main.py"
+    return [sys.executable, "-m", "streamlit", "run", str(app), "--server.address", host, "--server.port", str(port),
+            "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+
+
+def cmd_ui(args: argparse.Namespace) -> int:
+    if not 1 <= args.port <= 65535:
+        raise _UsageError(f"--port {args.port}: must be between 1 and 65535")
+    if not (Path(__file__).resolve().parent.parent / "app" / "main.py").exists():
+        raise _UsageError("the workbench (app/main.py) is not in this installation; install from a source checkout")
+    if importlib.util.find_spec("streamlit") is None:
+        raise _UsageError("streamlit is not installed; install the app extra: pip install -e '.[app]'")
+    if not port_is_free(args.host, args.port):
+        raise _UsageError(f"port {args.port} on {args.host} is busy (another server listens there); choose another with --port N")
+    print(f"hap ui: the workbench is at http://{args.host}:{args.port}  (Ctrl-C stops it)", flush=True)
+    proc = subprocess.Popen(ui_command(args.host, args.port))
+    stopped: list[int] = []
+
+    def stop(signum: int, _frame) -> None:
+        """Stopping `hap ui` stops the server too."""
+        stopped.append(signum)
+        proc.terminate()
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        code = proc.wait()
+        return 0 if stopped and code in (0, -signal.SIGTERM) else code
+    except KeyboardInterrupt:
+        proc.terminate()
+        proc.wait()
+        raise
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hap", description="Plan SPMD training of one model on a heterogeneous GPU cluster (HAP).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -150,9 +235,31 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_capture)
     r = sub.add_parser("run", help="train a plan over torch.distributed (starts torchrun on this machine)",
                        epilog="options after PLAN go to the runner: see `hap run PLAN --help`")
-    r.add_argument("plan", help="plan JSON from `hap plan --out`")
+    r.add_argument("plan", help="plan JSON from `hap plan --out`, or a launch bundle (folder or zip) from `hap export`")
     r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
     r.set_defaults(func=cmd_run)
+    e = sub.add_parser("export", help="write a launch bundle (plan, cluster, model, torchrun/Slurm/Kubernetes files)")
+    e.add_argument("plan", help="plan JSON from `hap plan --out`")
+    e.add_argument("--out", required=True, metavar="DIR", help="bundle folder to create (new or empty)")
+    e.add_argument("--zip", action="store_true", help="also write DIR.zip")
+    e.add_argument("--cluster", metavar="FILE", help="cluster spec the plan was made for (default: the sample cluster of its name)")
+    e.add_argument("--model-file", metavar="F", help="Python file defining the model (plans of non-zoo models)")
+    e.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (default: node 0's machine, port 29500)")
+    e.add_argument("--image", default="hap-workbench:latest", help="container image for the Kubernetes files")
+    e.add_argument("--run-args", metavar="'OPTIONS'", help="runner options written into the Kubernetes files, "
+                   "e.g. '--steps 1000 --checkpoint-dir /ckpt --checkpoint-every 100 --resume'")
+    e.set_defaults(func=cmd_export)
+    b = sub.add_parser("bundle", help="launch bundle tools")
+    bsub = b.add_subparsers(dest="bundle_command", required=True)
+    bc = bsub.add_parser("check", help="validate a bundle without running it", epilog=BUNDLE_EXIT_CODES,
+                         description="Check a bundle folder or zip: manifest, sha256 of every file, no extra or "
+                                     "missing file, plan and cluster parse, world size of the launch scripts.")
+    bc.add_argument("bundle", help="bundle folder or zip from `hap export`")
+    bc.set_defaults(func=cmd_bundle_check)
+    u = sub.add_parser("ui", help="serve the Streamlit workbench (binds 127.0.0.1 by default)")
+    u.add_argument("--port", type=int, default=8501, help="TCP port (default 8501)")
+    u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    u.set_defaults(func=cmd_ui)
     f = sub.add_parser("profile", add_help=False, help="measure this cluster (FLOP/s, collectives) and write a cluster spec",
                        description="options go to the profiler: see `hap profile --help`")
     f.set_defaults(func=cmd_profile)

@@ -83,8 +83,11 @@ def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], opt
 
 def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
          progress: Callable[[SearchProgress], None] | None = None, *, optimizer: str = "adam",
-         beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6) -> Plan:
-    """Plan `model` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found."""
+         beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6, report_every: int = 500) -> Plan:
+    """Plan `model` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
+
+    `progress` is called every `report_every` expansions of each search (the UI's live frontier).
+    """
     graph, cluster = _coerce(model, cluster)
     start = time.perf_counter()
     check_total_memory(graph, cluster, optimizer)
@@ -101,7 +104,8 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
         cm = CostModel(graph, cluster, ratios, optimizer)
         report = None if progress is None else (lambda p, it=it: progress(_tag(p, it)))
         try:
-            res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=beam_width, incumbent=incumbent)
+            res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=beam_width, incumbent=incumbent,
+                             report_every=report_every)
         except InfeasibleError:
             break  # nothing fits under these ratios; keep the best found (or explain below)
         _accumulate(stats, res)

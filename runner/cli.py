@@ -1,4 +1,4 @@
-"""`hap run PLAN.json [--steps N] [--verify] [--metrics FILE] [--seed S] ...`
+"""`hap run PLAN.json|BUNDLE [--steps N] [--verify] [--metrics FILE] [--seed S] ...`
 
 Under an existing launch (torchrun or a Slurm script that sets RANK and WORLD_SIZE) this process
 is one rank: it runs `runner.launch` in-process. Otherwise it starts
@@ -7,11 +7,17 @@ is one rank: it runs `runner.launch` in-process. Otherwise it starts
 
 on this machine, relays its output, and returns its exit status. When a rank crashes or is
 killed, torchrun stops the others and fails; this command then names the rank that failed first.
+
+A launch bundle (folder or zip from `hap export`) is checked against its manifest before
+torchrun starts (a changed, extra or missing file is refused by name, exit status 2); a zip is
+extracted once, safely, into a temporary folder that the ranks then run from.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,10 +89,27 @@ def main(argv: Sequence[str]) -> int:
     cfg = launch.parse_args(argv)
     if under_launcher():  # this process is one rank; it exits here (see launch.exit_process)
         launch.exit_process(launch.main(argv))
+    scratch = None
     try:
-        plan = launch.check_inputs(cfg, Plan.from_json(cfg.plan).world_size)
-    except (HapError, ValueError) as e:
+        plan_path, _, scratch = launch.open_source(cfg.plan)
+        source = str(Path(plan_path).parent) if scratch else cfg.plan  # the ranks run the extracted folder
+        world_size = Plan.from_json(plan_path).world_size
+        launch.check_inputs(dataclasses.replace(cfg, plan=source), world_size)
+    except (HapError, ValueError, OSError) as e:
         print(f"hap run: error: {e}", file=sys.stderr)
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
         return 2
     sys.stdout.flush()
-    return run_torchrun(plan.world_size, list(argv))
+    try:
+        return run_torchrun(world_size, with_source(argv, cfg.plan, source))
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def with_source(argv: Sequence[str], old: str, new: str) -> list[str]:
+    """argv with the plan/bundle argument `old` replaced by `new` (the extracted bundle folder)."""
+    out = list(argv)
+    out[out.index(old)] = new
+    return out

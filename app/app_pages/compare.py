@@ -1,0 +1,54 @@
+"""Compare: the plan against data parallelism and the ablations of HAP Fig. 15, and what-if clusters."""
+import pandas as pd
+import streamlit as st
+
+from app import components as ui
+from app import services
+from engine import HapError
+
+st.title("Compare")
+graph, cluster, plan = services.current()
+if plan is None or not services.plan_matches(plan, graph, cluster):
+    st.info("No plan for this model and cluster yet: run the search on the Search page.")
+    st.stop()
+budget = float(st.session_state[services.Keys.BUDGET])
+st.markdown("All rows are predicted by the same cost model. Ablations (§7.4): **Q** program synthesis alone with "
+            "flops-proportional ratios; **Q+B** with the load balancer's LP ratios; **Q+B+C** adds communication "
+            "optimisation (grouped-broadcast all-gather, sufficient-factor broadcasting): the plan.")
+try:
+    result = services.comparison(services.plan_key(plan), cluster.fingerprint(), budget, plan, cluster)
+    table = result.table()
+    st.altair_chart(ui.compare_chart(table), width="stretch")
+    st.dataframe(pd.DataFrame(table), hide_index=True, width="stretch",
+                 column_config={"predicted_ms": st.column_config.NumberColumn("predicted ms", format="%.2f"),
+                                "plan_speedup": st.column_config.NumberColumn("plan speed-up", format="%.2fx")})
+except HapError as e:
+    services.show_error(e)
+
+st.subheader("What if?")
+models = sorted({d.gpu_model for d in cluster.devices})
+levels = sorted(cluster.network.bandwidth_Bps)
+c = st.columns(2)
+gpu = c[0].selectbox("GPU model", models, key="compare.gpu")
+flops = c[0].slider("scale its FLOP/s", 0.25, 4.0, 1.0, 0.25, key="compare.flops")
+level = c[1].selectbox("Link level", levels, key="compare.level") if levels else None
+bw = c[1].slider("scale its bandwidth", 0.25, 16.0, 1.0, 0.25, key="compare.bw", disabled=not levels)
+if flops == 1.0 and bw == 1.0:
+    st.caption("Move a slider to re-plan on a changed cluster.")
+    st.stop()
+try:
+    w = services.what_if(services.plan_key(plan), cluster.fingerprint(), (gpu, flops) if flops != 1.0 else None,
+                         (level, bw) if level and bw != 1.0 else None, budget, plan, cluster)
+except HapError as e:
+    services.show_error(e)
+    st.stop()
+st.markdown(f"Changed: {', '.join(w.changes)}")
+m = st.columns(3)
+m[0].metric("Plan, original cluster", ui.ms(w.before_s))
+m[1].metric("Same plan, changed cluster", ui.ms(w.same_plan_s), delta=f"{(w.same_plan_s - w.before_s) * 1e3:+.4g} ms",
+            delta_color="inverse")
+m[2].metric("Re-planned, changed cluster", ui.ms(w.replanned_s), delta=f"{(w.replanned_s - w.same_plan_s) * 1e3:+.4g} ms",
+            delta_color="inverse", help="change against the same plan on the changed cluster")
+st.altair_chart(ui.ratios_chart([{**r, "segment": f"re-planned {r['segment']}"} for r in ui.ratio_rows(w.replanned)]
+                                + [{**r, "segment": f"plan {r['segment']}"} for r in ui.ratio_rows(plan)]),
+                width="stretch")

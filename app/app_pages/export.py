@@ -1,0 +1,31 @@
+"""Export: download the plan (and a launch bundle once `engine.bundle` exists) and the commands to run it."""
+import importlib.util
+
+import streamlit as st
+
+from app import services
+
+st.title("Export")
+graph, cluster, plan = services.current()
+if plan is None:
+    st.info("No plan yet: run the search on the Search page.")
+    st.stop()
+st.download_button("Download plan.json", plan.to_json(), file_name="plan.json", mime="application/json",
+                   type="primary", key="export.plan")
+st.download_button("Download cluster.json", services.cluster_json(cluster), file_name="cluster.json",
+                   mime="application/json", key="export.cluster")
+if importlib.util.find_spec("engine.bundle") is not None:
+    bundle, message = services.bundle_zip(plan.to_json(), services.cluster_json(cluster))
+    if bundle is not None:
+        st.download_button("Download launch bundle (zip)", bundle, file_name="hap_bundle.zip", mime="application/zip",
+                           key="export.bundle")
+    else:
+        st.error(f"hap export: {message}")
+else:
+    st.caption("Launch bundles (`hap export`) are not part of this build yet: the plan alone runs with `hap run`.")
+st.subheader("Run it")
+st.markdown("On one machine with as many processes as the plan has devices (gloo on CPU, NCCL on GPUs):")
+st.code(f"hap run plan.json --steps 5 --verify\n"
+        f"torchrun --standalone --nproc-per-node={plan.world_size} -m runner.launch plan.json --steps 100 "
+        f"--timing --metrics metrics.jsonl", language="bash")
+st.markdown("Then upload `metrics.jsonl` on the Timeline page to see the measured timeline beside the predicted one.")

@@ -1,0 +1,66 @@
+"""Search: run the planner (A* + LP, HAP §3.1) with a time budget and watch the frontier move."""
+import time
+
+import pandas as pd
+import streamlit as st
+
+from app import components as ui
+from app import services
+from engine import HapError
+
+st.title("Search")
+graph, cluster, plan = services.current()
+st.markdown(f"Model **{st.session_state[services.Keys.MODEL_SOURCE]}** ({len(graph)} nodes) on cluster "
+            f"**{cluster.name}** ({cluster.num_devices} devices).")
+budget = st.slider("Time budget (s): the search returns the best plan found when it runs out", 1.0, 120.0,
+                   value=float(st.session_state[services.Keys.BUDGET]), key="search.budget_slider")
+st.session_state[services.Keys.BUDGET] = budget
+go = st.button("Run search", type="primary", key="search.run")
+status, bar, live = st.empty(), st.empty(), st.empty()
+
+if go:
+    points: list[dict] = []
+    last = [0.0]
+    start = time.perf_counter()
+
+    def progress(p) -> None:
+        """Called by the engine every few dozen expansions: redraw at most 4 times a second."""
+        points.append({"expanded": p.expanded, "queue_size": p.queue_size, "best_cost": p.best_cost,
+                       "lowest_open_score": p.lowest_open_score, "iteration": p.iteration})
+        now = time.perf_counter()
+        if now - last[0] > 0.25:
+            last[0] = now
+            best = "none yet" if p.best_cost == float("inf") else ui.ms(p.best_cost)
+            status.info(f"Q<->B iteration {p.iteration}: {p.expanded} states expanded, queue {p.queue_size}, best {best}")
+            bar.progress(min(1.0, (now - start) / budget), text=f"{now - start:.1f} s of {budget:.0f} s")
+            live.altair_chart(ui.frontier_chart(ui.frontier_rows(points)), width="stretch")
+
+    try:
+        with st.spinner("Searching ..."):
+            plan = services.run_plan(graph, cluster, budget, progress)
+        st.session_state[services.Keys.PLAN] = plan
+        st.session_state[services.Keys.FRONTIER] = points or None
+        st.rerun()  # redraw the page (and the sidebar) around the new plan
+    except HapError as e:
+        status.empty()
+        bar.empty()
+        live.empty()
+        services.show_error(e)
+
+if plan is None or not services.plan_matches(plan, graph, cluster):
+    st.info("No plan for this model and cluster yet: run the search.")
+    st.stop()
+s = plan.search
+c = st.columns(4)
+c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
+c[1].metric("States expanded", s.get("expanded", 0))
+c[2].metric("Q<->B iterations", s.get("iterations", 0))
+c[3].metric("Search time", f"{s.get('elapsed_s', 0.0):.2f} s")
+st.caption("proven optimal for its rule set" if s.get("optimal") else
+           "beam-limited or stopped by the budget: the best plan found, not proven optimal")
+points = st.session_state.get(services.Keys.FRONTIER) or s.get("frontier", [])
+if points:
+    st.altair_chart(ui.frontier_chart(ui.frontier_rows(points)), width="stretch")
+if plan.history:
+    st.altair_chart(ui.history_chart(ui.history_rows(plan)), width="stretch")
+    st.dataframe(pd.DataFrame(ui.history_rows(plan))[["step", "predicted_ms"]], hide_index=True)

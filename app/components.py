@@ -1,0 +1,429 @@
+"""Reusable render pieces: pure data builders, graphviz DOT builders and Altair charts.
+
+Everything above the "charts" section returns plain data (lists of dicts, DOT strings) so tests
+can call it without Streamlit; the chart functions only turn such data into Altair specs.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any, Iterable
+
+import altair as alt
+import pandas as pd
+
+from engine import Cluster, Graph, Plan
+from engine.program import COMM, COMPUTE, LOAD
+from engine.theory import COLLECTIVES, collectives_from, form_long, form_str, leaf_forms, op_rules
+from engine.theory.core import FULL, PARTIAL
+
+GIB = 2**30
+FORM_SENTENCES = {
+    "Full": "Full(e): every device holds the whole reference tensor e (the paper's e | Identity).",
+    "Shard(d)": "Shard(e, d): the devices hold slices of e along dim d, sized by the sharding ratios "
+                "(e | All-Gather(d): an all-gather rebuilds e).",
+    "Partial": "Partial(e): every device holds an addend and e is their sum (e | All-Reduce: an all-reduce rebuilds e).",
+}
+"""One sentence per property form (HAP §4.2)."""
+FORM_COLORS = {"F": "#d9d9d9", "P": "#fdae6b"}
+SHARD_COLORS = ["#9ecae1", "#a1d99b", "#bcbddc", "#fdd0a2", "#c6dbef", "#c7e9c0"]
+KIND_COLORS = {"compute": "#4c78a8", "communication": "#e45756", "idle": "#d9d9d9", "emulated": "#bab0ac"}
+
+
+def _q(text: str) -> str:
+    """A DOT string literal."""
+    return json.dumps(str(text), ensure_ascii=False)
+
+
+def bandwidth_label(bps: float) -> str:
+    """Bytes/s as GB/s (the unit datasheets use)."""
+    return f"{bps / 1e9:.3g} GB/s"
+
+
+def ms(seconds: float) -> str:
+    """Seconds as milliseconds with 4 significant digits (tiny and large plans both stay readable)."""
+    return f"{seconds * 1e3:.4g} ms"
+
+
+def form_color(form: str) -> str:
+    if form in FORM_COLORS:
+        return FORM_COLORS[form]
+    return SHARD_COLORS[int(form[2:-1]) % len(SHARD_COLORS)]
+
+
+# ----------------------------------------------------------------------------- model
+
+
+def model_summary(graph: Graph) -> dict[str, Any]:
+    """Headline figures of a model: parameters, flops per iteration (fwd + ~2x bwd), nodes, segments."""
+    return {"parameters": graph.num_parameters, "forward_flops": graph.flops,
+            "iteration_flops": 3 * graph.flops, "nodes": len(graph), "segments": graph.num_segments}
+
+
+def graph_dot(graph: Graph, *, expand: Iterable[int] | None = None, forms: dict[int, str] | None = None,
+              comms: dict[int, list[str]] | None = None) -> str:
+    """The model graph in DOT. Segments (layers) not in `expand` collapse into one box each (all
+    expanded when `expand` is None); `forms` colours tensors by sharding form, `comms` annotates
+    the collectives run on a tensor."""
+    shown = None if expand is None else set(expand)
+    forms, comms = forms or {}, comms or {}
+    lines = ["digraph model {", "rankdir=TB; node [shape=box, style=\"rounded,filled\", fontsize=10, fillcolor=white];"]
+    rep = {}
+    for seg, members in _by_segment(graph).items():
+        if shown is None or seg in shown:
+            for n in members:
+                rep[n.id] = f"n{n.id}"
+                lines.append(f"n{n.id} [label={_q(_node_label(n, forms.get(n.id), comms.get(n.id)))}, "
+                             f"fillcolor={_q(form_color(forms[n.id]) if n.id in forms else '#ffffff')}"
+                             f"{', shape=ellipse' if n.is_leaf else ''}];")
+        else:
+            for n in members:
+                rep[n.id] = f"seg{seg}"
+            hist = Counter(n.op for n in members if not n.is_leaf)
+            top = ", ".join(f"{op} x{k}" for op, k in hist.most_common(3))
+            label = f"layer {seg} ({len(members)} nodes)\n{top}"
+            lines.append(f"seg{seg} [label={_q(label)}, shape=box3d, fillcolor=\"#f0f0f0\"];")
+    edges = dict.fromkeys((rep[i], rep[n.id]) for n in graph.nodes for i in n.inputs if rep[i] != rep[n.id])
+    lines += [f"{a} -> {b};" for a, b in edges]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _by_segment(graph: Graph) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for n in graph.nodes:
+        out.setdefault(n.segment, []).append(n)
+    return out
+
+
+def _node_label(n, form: str | None, comm: list[str] | None) -> str:
+    shape = "x".join(str(s) for s in n.shape) or "scalar"
+    head = f"{n.name}\n{n.op} [{shape}]"
+    if form:
+        head += f"\n{form}"
+    if comm:
+        head += "\n" + "\n".join(f"⇄ {c}" for c in comm)
+    return head
+
+
+# ----------------------------------------------------------------------------- cluster
+
+
+def device_rows(cluster: Cluster) -> list[dict[str, Any]]:
+    """Devices as editable table rows (the JSON fields of a device)."""
+    return [d.to_dict() for d in cluster.devices]
+
+
+def link_rows(cluster: Cluster) -> list[dict[str, Any]]:
+    """Link levels and their bandwidth as editable table rows."""
+    return [{"level": k, "bandwidth_Bps": v} for k, v in cluster.network.bandwidth_Bps.items()]
+
+
+def records(df: pd.DataFrame) -> list[dict[str, Any]]:
+    """Table rows as JSON-style dicts: empty cells left out (the engine then names the missing
+    field), numpy scalars as Python numbers."""
+    out = []
+    for row in df.to_dict("records"):
+        out.append({k: (v.item() if hasattr(v, "item") else v) for k, v in row.items() if not _empty(v)})
+    return out
+
+
+def _empty(v: Any) -> bool:
+    return v is None or (isinstance(v, float) and v != v) or v is pd.NA or v is pd.NaT
+
+
+def cluster_dot(cluster: Cluster) -> str:
+    """The cluster as DOT: devices boxed by machine, a switch per link level, edges labelled with bandwidth."""
+    bw = cluster.network.bandwidth_Bps
+    lines = ["graph cluster {", "rankdir=TB; node [fontsize=10, style=filled, fillcolor=white]; edge [fontsize=9];"]
+    machines: dict[str, list] = {}
+    for j, d in enumerate(cluster.devices):
+        machines.setdefault(d.machine, []).append((j, d))
+    groups = sorted({d.group for d in cluster.devices if d.group})
+    top = "net"
+    lines.append(f"net [shape=diamond, label={_q('network')}, fillcolor=\"#fff2cc\"];")
+    for g in groups:
+        lines.append(f"grp_{_ident(g)} [shape=diamond, label={_q(f'group {g}')}, fillcolor=\"#fff2cc\"];")
+        lines.append(f"grp_{_ident(g)} -- net [label={_q(bandwidth_label(bw.get('inter_group', 0)))}];")
+    for k, (m, devs) in enumerate(machines.items()):
+        lines.append(f"subgraph cluster_m{k} {{ label={_q(f'machine {m}')}; style=rounded; color=\"#888888\";")
+        for j, d in devs:
+            inside = f"\n{d.num_gpus} GPUs, {bandwidth_label(d.intra_bandwidth_Bps)} inside" if d.num_gpus > 1 else ""
+            label = f"{d.name}\n{d.gpu_model}\n{d.flops / 1e12:.3g} TFLOP/s, {d.memory_bytes_per_gpu / GIB:.3g} GiB/GPU{inside}"
+            lines.append(f"d{j} [shape=box, label={_q(label)}, fillcolor=\"#dae8fc\"];")
+        hub = f"d{devs[0][0]}"
+        if len(devs) > 1:
+            hub = f"bus{k}"
+            lines.append(f"bus{k} [shape=point, width=0.15];")
+            lines += [f"d{j} -- bus{k} [label={_q(bandwidth_label(bw.get('intra_machine', 0)))}];" for j, _ in devs]
+        lines.append("}")
+        up = f"grp_{_ident(devs[0][1].group)}" if devs[0][1].group else top
+        if len(machines) > 1 or groups:
+            lines.append(f"{hub} -- {up} [label={_q(bandwidth_label(bw.get('inter_machine', 0)))}];")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def _ident(text: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in text)
+
+
+# ----------------------------------------------------------------------------- theory
+
+
+def theory_rows(graph: Graph) -> list[dict[str, Any]]:
+    """Every Hoare triple of the background theory T of `graph` (HAP §4.2): leaf loads, compute
+    rules and collectives, one row each."""
+    rows = []
+    for n in graph.nodes:
+        if n.is_leaf:
+            for f in leaf_forms(n):
+                kind = "Parameter" if n.op == "parameter" else "Placeholder"
+                name = f"{kind}-{'Full' if f == FULL else f'Shard({f})'}"
+                rows.append(_triple(n, "leaf", n.op, name, "", "{}", form_str(f)))
+        else:
+            for r in op_rules(n, graph):
+                pre = ", ".join(f"{graph[i].name}:{form_str(f)}" for i, f in zip(n.inputs, r.inputs))
+                rows.append(_triple(n, "compute", n.op, r.name, "", f"{{{pre}}}", form_str(r.output)))
+    rows += collective_rows(graph)
+    return rows
+
+
+def collective_rows(graph: Graph) -> list[dict[str, Any]]:
+    """The communication triples of every computed tensor, from each of its forms (leaves are never communicated)."""
+    rows = []
+    for n in graph.nodes:
+        if n.is_leaf:
+            continue
+        for f in [FULL, PARTIAL] + list(range(n.rank)):
+            for coll, g in collectives_from(f, n.shape):
+                rows.append(_triple(n, "collective", n.op, coll.key, coll.key, f"{{{n.name}:{form_str(f)}}}", form_str(g)))
+    return rows
+
+
+def _triple(n, kind: str, op: str, rule: str, collective: str, pre: str, post: str) -> dict[str, Any]:
+    return {"tensor": n.name, "op": op, "kind": kind, "rule": rule, "collective": collective,
+            "triple": f"{pre} {rule} {{{n.name}:{post}}}", "post": post, "segment": n.segment}
+
+
+def rule_counts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How many triples of each kind and rule."""
+    c = Counter((r["kind"], r["rule"]) for r in rows)
+    return [{"kind": k, "rule": r, "triples": v} for (k, r), v in sorted(c.items())]
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan_forms(plan: Plan) -> dict[int, str]:
+    """The form every tensor is loaded or computed in (short notation, `S(1)`)."""
+    return {ins.node: form_str(ins.post) for ins in plan.program if ins.kind in (LOAD, COMPUTE)}
+
+
+def plan_collectives(plan: Plan) -> dict[int, list[str]]:
+    """For each tensor, the collectives the program runs on it, e.g. `all_gather.padded S(2)->F`."""
+    out: dict[int, list[str]] = {}
+    for ins in plan.program:
+        if ins.kind == COMM:
+            pre = ", ".join(form_str(f) for _, f in ins.pre)
+            out.setdefault(ins.node, []).append(f"{ins.rule} {pre}->{form_str(ins.post)}")
+    return out
+
+
+def form_counts(plan: Plan) -> list[dict[str, Any]]:
+    """How many tensors the plan holds in each form, and how many collectives of each kind it runs."""
+    c = Counter(plan_forms(plan).values())
+    rows = [{"what": f"tensors {k}", "count": v} for k, v in sorted(c.items())]
+    coll = Counter(ins.rule for ins in plan.program if ins.kind == COMM)
+    return rows + [{"what": k, "count": v} for k, v in sorted(coll.items())]
+
+
+def ratio_rows(plan: Plan) -> list[dict[str, Any]]:
+    """Sharding ratio per segment and device (`plan.ratios` is keyed by segment)."""
+    return [{"segment": seg, "device": dev, "ratio": r}
+            for seg, ratios in plan.ratios.items() for dev, r in zip(plan.device_names, ratios)]
+
+
+def memory_rows(plan: Plan, cluster: Cluster) -> list[dict[str, Any]]:
+    """Predicted peak memory per GPU of every device against its capacity."""
+    return [{"device": d.name, "predicted_gib": m / GIB, "capacity_gib": d.memory_bytes_per_gpu / GIB,
+             "fits": m <= d.memory_bytes_per_gpu} for d, m in zip(cluster.devices, plan.memory_bytes)]
+
+
+# ----------------------------------------------------------------------------- search
+
+
+def frontier_rows(points: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Frontier points with expansions made cumulative over the Q<->B iterations (each search
+    restarts its own count): best complete cost and lowest open score in ms, queue size."""
+    rows, offset, last, last_it = [], 0, 0, None
+    for p in points:
+        it = p.get("iteration")
+        if (it is not None and last_it is not None and it != last_it) or p["expanded"] < last:
+            offset += last
+        last, last_it = p["expanded"], it
+        best = p["best_cost"]
+        rows.append({"expansions": offset + p["expanded"], "queue_size": p["queue_size"],
+                     "best_ms": best * 1e3 if best != float("inf") else None,
+                     "lowest_open_ms": p["lowest_open_score"] * 1e3 if p["lowest_open_score"] != float("inf") else None,
+                     "iteration": it if it is not None else 0})
+    return rows
+
+
+def history_rows(plan: Plan) -> list[dict[str, Any]]:
+    """The Q<->B iteration history: predicted time after each synthesis (Q) and balancing (B) step."""
+    return [{"step": f"{h['iteration']}:{h['step']}", "order": k, "kind": h["step"], "predicted_ms": h["predicted_time_s"] * 1e3}
+            for k, h in enumerate(plan.history)]
+
+
+# ----------------------------------------------------------------------------- timeline
+
+
+def execution_stages(plan: Plan) -> list[tuple[int, Any]]:
+    """Stages in execution order: forward as listed, then backward reversed (`plan.stages` lists
+    backward stages in forward program order; the backward pass runs them last to first)."""
+    fwd = [(i, s) for i, s in enumerate(plan.stages) if s.direction == "forward"]
+    bwd = [(i, s) for i, s in enumerate(plan.stages) if s.direction != "forward"]
+    return fwd + bwd[::-1]
+
+
+def device_groups(plan: Plan, group: bool) -> list[tuple[str, list[int]]]:
+    """Rows of the timeline: each device, or runs of devices with identical compute in every stage."""
+    if not group:
+        return [(name, [j]) for j, name in enumerate(plan.device_names)]
+    out: list[tuple[str, list[int]]] = []
+    sig = [tuple(s.comp_s[j] for s in plan.stages) for j in range(plan.world_size)]
+    for j, name in enumerate(plan.device_names):
+        if out and sig[out[-1][1][-1]] == sig[j]:
+            out[-1][1].append(j)
+        else:
+            out.append((name, [j]))
+    return [(n if len(m) == 1 else f"{n} .. {plan.device_names[m[-1]]} ({len(m)})", m) for n, m in out]
+
+
+def timeline_rows(plan: Plan, *, group: bool = False) -> list[dict[str, Any]]:
+    """Gantt bars of the predicted iteration (HAP §3.2): per device (or device group) and stage,
+    the communication, the device's compute, and the idle time waiting for the slowest device.
+    A forward stage opens with its collective; a backward stage computes, then runs its collective."""
+    rows, t = [], 0.0
+    groups = device_groups(plan, group)
+    for order, (idx, s) in enumerate(execution_stages(plan)):
+        slowest = max(s.comp_s)
+        comm_first = s.direction == "forward"
+        comp_start = t + s.comm_s if comm_first else t
+        comm_start = t if comm_first else t + slowest
+        label = f"{s.direction[:3]} {order}: {s.comm or 'start'}" + (f" {s.comm_tensor}" if s.comm_tensor else "")
+        for name, members in groups:
+            base = {"device": name, "stage": order, "record": idx, "direction": s.direction, "stage_label": label}
+            comp = s.comp_s[members[0]]
+            rows.append({**base, "kind": "compute", "start_ms": comp_start * 1e3, "end_ms": (comp_start + comp) * 1e3})
+            if slowest - comp > 0:
+                rows.append({**base, "kind": "idle", "start_ms": (comp_start + comp) * 1e3,
+                             "end_ms": (comp_start + slowest) * 1e3})
+            if s.comm_s > 0:
+                rows.append({**base, "kind": "communication", "start_ms": comm_start * 1e3,
+                             "end_ms": (comm_start + s.comm_s) * 1e3})
+        t += s.comm_s + slowest
+    return rows
+
+
+def parse_metrics(text: str) -> list[dict[str, Any]]:
+    """Records of a runner metrics file (JSON lines, one per step and rank; see runner.launch)."""
+    records = []
+    for k, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"metrics file line {k}: not JSON ({e.msg}); upload the file written by `hap run --metrics`") from None
+        if not isinstance(rec, dict) or "rank" not in rec or "step" not in rec:
+            raise ValueError(f"metrics file line {k}: a record needs 'step' and 'rank' (written by `hap run --metrics`)")
+        records.append(rec)
+    if not records:
+        raise ValueError("metrics file: empty; run `hap run PLAN --metrics FILE --timing` to record one")
+    return records
+
+
+def measured_rows(records: list[dict[str, Any]], step: int | None = None) -> list[dict[str, Any]]:
+    """Gantt bars of one measured step (the last by default) from `--timing` records: per rank, its
+    compute, communication (waiting for slower ranks included) and emulated-slowdown segments."""
+    timed = [r for r in records if r.get("timeline")]
+    if not timed:
+        raise ValueError("metrics file: no 'timeline' in any record; record it with `hap run PLAN --timing --metrics FILE`")
+    step = max(r["step"] for r in timed) if step is None else step
+    kinds = {"compute": "compute", "comm": "communication", "emulated": "emulated"}
+    rows = []
+    for r in sorted((r for r in timed if r["step"] == step), key=lambda r: r["rank"]):
+        for seg in r["timeline"]:
+            rows.append({"device": f"rank {r['rank']}", "kind": kinds.get(seg["kind"], seg["kind"]), "phase": seg["phase"],
+                         "name": seg["name"], "start_ms": seg["start_s"] * 1e3, "end_ms": (seg["start_s"] + seg["s"]) * 1e3})
+    return rows
+
+
+# ----------------------------------------------------------------------------- charts
+
+
+def _kind_scale() -> alt.Scale:
+    return alt.Scale(domain=list(KIND_COLORS), range=list(KIND_COLORS.values()))
+
+
+def gantt_chart(rows: list[dict[str, Any]], title: str, tooltip: list[str]) -> alt.Chart:
+    """Horizontal bars per device over time, coloured by compute / communication / idle."""
+    height = max(160, 34 * len({r["device"] for r in rows}))
+    return alt.Chart(pd.DataFrame(rows), title=title).mark_bar().encode(
+        x=alt.X("start_ms:Q", title="time (ms)"), x2="end_ms:Q",
+        y=alt.Y("device:N", sort=None, title=None),
+        color=alt.Color("kind:N", scale=_kind_scale(), title=None),
+        tooltip=tooltip).properties(height=height)
+
+
+def frontier_chart(rows: list[dict[str, Any]]) -> alt.VConcatChart:
+    """The search frontier: best complete cost and lowest open score vs expansions, and the queue size."""
+    df = pd.DataFrame(rows)
+    cost = df.melt(id_vars=["expansions", "iteration"], value_vars=["best_ms", "lowest_open_ms"],
+                   var_name="series", value_name="ms").dropna()
+    cost["series"] = cost["series"].map({"best_ms": "best complete cost", "lowest_open_ms": "lowest open score"})
+    top = alt.Chart(cost, title="Search frontier").mark_line(point=True).encode(
+        x=alt.X("expansions:Q", title="states expanded"), y=alt.Y("ms:Q", title="predicted ms", scale=alt.Scale(zero=False)),
+        color=alt.Color("series:N", title=None), tooltip=["expansions", "series", "ms", "iteration"]).properties(height=220)
+    queue = alt.Chart(df).mark_area(opacity=0.5).encode(
+        x=alt.X("expansions:Q", title="states expanded"), y=alt.Y("queue_size:Q", title="queue size"),
+        tooltip=["expansions", "queue_size"]).properties(height=110)
+    return alt.vconcat(top, queue)
+
+
+def history_chart(rows: list[dict[str, Any]]) -> alt.Chart:
+    return alt.Chart(pd.DataFrame(rows), title="Q<->B iterations").mark_line(point=True).encode(
+        x=alt.X("step:N", sort=None, title="iteration:step"), y=alt.Y("predicted_ms:Q", scale=alt.Scale(zero=False)),
+        color=alt.value("#4c78a8"), tooltip=["step", "predicted_ms"]).properties(height=220)
+
+
+def ratios_chart(rows: list[dict[str, Any]]) -> alt.Chart:
+    return alt.Chart(pd.DataFrame(rows), title="Sharding ratios").mark_bar().encode(
+        x=alt.X("device:N", sort=None), xOffset="segment:N", y="ratio:Q", color=alt.Color("segment:N"),
+        tooltip=["segment", "device", "ratio"]).properties(height=240)
+
+
+def memory_chart(rows: list[dict[str, Any]]) -> alt.LayerChart:
+    df = pd.DataFrame(rows)
+    bars = alt.Chart(df, title="Memory per GPU vs capacity").mark_bar().encode(
+        x=alt.X("device:N", sort=None), y=alt.Y("predicted_gib:Q", title="GiB"),
+        color=alt.condition("datum.fits", alt.value("#4c78a8"), alt.value("#e45756")),
+        tooltip=["device", "predicted_gib", "capacity_gib"])
+    cap = alt.Chart(df).mark_tick(color="black", thickness=2, size=30).encode(x=alt.X("device:N", sort=None), y="capacity_gib:Q")
+    return (bars + cap).properties(height=240)
+
+
+def histogram_chart(hist: dict[str, int]) -> alt.Chart:
+    df = pd.DataFrame([{"op": k, "count": v} for k, v in hist.items()])
+    return alt.Chart(df, title="Operators").mark_bar().encode(
+        x=alt.X("count:Q"), y=alt.Y("op:N", sort="-x"), tooltip=["op", "count"]).properties(height=max(120, 18 * len(df)))
+
+
+def compare_chart(rows: list[dict[str, Any]]) -> alt.Chart:
+    df = pd.DataFrame([r for r in rows if r["predicted_ms"] is not None])
+    return alt.Chart(df, title="Predicted iteration time, same cost model").mark_bar().encode(
+        x=alt.X("predicted_ms:Q", title="ms"), y=alt.Y("strategy:N", sort=None),
+        color=alt.condition(alt.datum.strategy == "Q+B+C", alt.value("#e45756"), alt.value("#4c78a8")),
+        tooltip=["strategy", "what", "predicted_ms", "plan_speedup"]).properties(height=60 + 36 * len(df))

@@ -1,0 +1,291 @@
+"""Cached wrappers over the engine's public API, and every session-state key of the app.
+
+Pages call only this module (and `components` to draw). Expensive engine calls are cached on
+content hashes: a graph by the sha256 of its JSON, a cluster by its fingerprint, an upload by
+its bytes. Plans are kept in one process-wide store keyed the same way, so the default plan is
+computed once per server, and a search run with a live progress callback is stored for reuse.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import streamlit as st
+
+import engine
+from engine import Cluster, Graph, HapError, ModelError, Plan
+from engine import compare as engine_compare
+from engine.zoo import ZOO
+
+from . import components as ui
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_DIR = ROOT / "sample_clusters"
+DEFAULT_ZOO = "gpt"
+DEFAULT_KNOBS: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 16384,
+                                 "seq_len": 128, "batch": 32}
+"""A GPT small enough to plan in a couple of seconds, big enough to need more than data parallelism."""
+DEFAULT_CLUSTER = "hap_paper_testbed_machines.json"
+"""The paper's testbed (§7.1) as 8 virtual devices: plans in seconds, pictures stay readable."""
+DEFAULT_BUDGET_S = 10.0
+REPORT_EVERY = 64
+"""Expansions between two progress reports of the search (a point of the frontier chart)."""
+
+
+class Keys:
+    """Every `st.session_state` key, prefixed by the page that owns it."""
+
+    GRAPH = "model.graph"
+    MODEL_SOURCE = "model.source"
+    CLUSTER = "cluster.cluster"
+    CLUSTER_SOURCE = "cluster.source"
+    PLAN = "search.plan"
+    BUDGET = "search.budget"
+    FRONTIER = "search.frontier"
+    PYTHON_TRUST = "model.trust"
+    EDITOR = "cluster.editor"
+    BASE = "cluster.base"
+
+
+# ----------------------------------------------------------------------------- keys and hashes
+
+
+def graph_key(graph: Graph) -> str:
+    """Content hash of a graph (its full JSON, names included)."""
+    return hashlib.sha256(graph.to_json().encode()).hexdigest()
+
+
+def content_digest(data: bytes) -> str:
+    """Short sha256 of uploaded bytes (names widget keys that belong to one upload)."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def plan_key(plan: Plan) -> str:
+    return hashlib.sha256(plan.to_json(indent=None).encode()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def zoo_knobs(name: str) -> list[tuple[str, type, Any]]:
+    """(knob, type, default) of a zoo model's config, in declaration order."""
+    types = {"int": int, "float": float, "bool": bool, "str": str}
+    out = []
+    for f in dataclasses.fields(ZOO[name].config_cls):
+        kind = f.type if isinstance(f.type, type) else types.get(str(f.type), str)
+        out.append((f.name, kind, f.default))
+    return out
+
+
+@st.cache_data(show_spinner="Capturing the model with torch.export ...", max_entries=32)
+def zoo_model(name: str, knobs: tuple[tuple[str, Any], ...]) -> Graph:
+    """A zoo model captured on the meta device (cached on name and knobs)."""
+    return engine.load_model(f"zoo:{name}", **dict(knobs))
+
+
+@st.cache_data(max_entries=16)
+def graph_from_json(data: bytes) -> Graph:
+    """A graph-IR JSON upload (safe: plain data); ModelError with the engine's message if malformed."""
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"graph JSON: not valid JSON ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    return Graph.from_dict(d)
+
+
+PYTHON_CONVENTION = """\
+The file must define two functions at top level:
+
+    def build_model() -> torch.nn.Module        # the model; its forward returns a scalar loss
+    def example_inputs() -> tuple | dict        # the forward's arguments (meta tensors are fine)
+
+The model is built and captured with `engine.load_model(build_model(), example_inputs())`."""
+
+
+@st.cache_data(show_spinner="Running the uploaded model file and capturing it ...", max_entries=8)
+def model_from_python(source: bytes, filename: str) -> Graph:
+    """Execute an uploaded model file (only ever called after the user trusts it) and capture it."""
+    module = ModuleType("hap_user_model")
+    module.__file__ = filename
+    try:
+        exec(compile(source.decode("utf-8"), filename, "exec"), module.__dict__)  # noqa: S102 (opt-in by the user)
+    except Exception as e:  # user code may raise anything; show one line
+        raise ModelError(f"model file {filename}: {type(e).__name__}: {_first_line(e)}") from None
+    for fn in ("build_model", "example_inputs"):
+        if not callable(module.__dict__.get(fn)):
+            raise ModelError(f"model file {filename}: no function {fn}() defined (see the convention on the page)")
+    try:
+        model, inputs = module.build_model(), module.example_inputs()
+    except Exception as e:
+        raise ModelError(f"model file {filename}: building the model failed: {type(e).__name__}: {_first_line(e)}") from None
+    return engine.load_model(model, inputs)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@st.cache_data(max_entries=16)
+def theory(key: str, _graph: Graph) -> list[dict[str, Any]]:
+    """Every triple of the graph's background theory (cached on the graph's content hash)."""
+    return ui.theory_rows(_graph)
+
+
+# ----------------------------------------------------------------------------- clusters
+
+
+def sample_clusters() -> list[str]:
+    return sorted(p.name for p in SAMPLE_DIR.glob("*.json"))
+
+
+@st.cache_data(max_entries=16)
+def sample_cluster(name: str) -> Cluster:
+    return engine.load_cluster(SAMPLE_DIR / name)
+
+
+@st.cache_data(max_entries=16)
+def cluster_from_json(data: bytes) -> Cluster:
+    """A cluster JSON upload; ClusterError with the engine's one-line message if malformed."""
+    try:
+        d = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise engine.ClusterError(f"cluster JSON: not valid JSON ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    return engine.load_cluster(d)
+
+
+def cluster_with_edits(cluster: Cluster, devices: list[dict[str, Any]], links: list[dict[str, Any]],
+                       latency_s: float) -> Cluster:
+    """The cluster with edited devices, link levels and latency, validated by the engine (raises
+    ClusterError naming the bad field). Unchanged input gives the cluster back as it is."""
+    d = cluster.to_dict()
+    levels = {str(r.get("level", "")): r.get("bandwidth_Bps") for r in links}
+    if devices == d["devices"] and levels == d["network"]["bandwidth_Bps"] and latency_s == d["network"]["latency_s"]:
+        return cluster
+    d["devices"] = devices
+    d["network"] = {"latency_s": latency_s, "bandwidth_Bps": levels}  # collective fits re-derived for the new layout
+    return engine.load_cluster(d)
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+@st.cache_resource
+def _plan_store() -> dict[tuple, Plan]:
+    """Plans by (graph hash, cluster fingerprint, budget), shared by every session of the server."""
+    return {}
+
+
+_store_lock = threading.Lock()
+
+
+def stored_plan(graph: Graph, cluster: Cluster, budget_s: float) -> Plan | None:
+    with _store_lock:
+        return _plan_store().get((graph_key(graph), cluster.fingerprint(), budget_s))
+
+
+def run_plan(graph: Graph, cluster: Cluster, budget_s: float,
+             progress: Callable[[engine.SearchProgress], None] | None = None) -> Plan:
+    """Plan with the engine (the Q<->B loop, A* + LP) and keep it in the store."""
+    found = stored_plan(graph, cluster, budget_s)
+    if found is not None:
+        return found
+    result = engine.plan(graph, cluster, time_budget_s=budget_s, progress=progress, report_every=REPORT_EVERY)
+    with _store_lock:
+        _plan_store()[(graph_key(graph), cluster.fingerprint(), budget_s)] = result
+    return result
+
+
+def plan_matches(plan: Plan, graph: Graph, cluster: Cluster) -> bool:
+    """Whether the plan was made for this model and cluster."""
+    return plan.model_fingerprint == graph.fingerprint() and plan.cluster_fingerprint == cluster.fingerprint()
+
+
+@st.cache_data(show_spinner="Comparing with the baselines and the ablations ...", max_entries=16)
+def comparison(key: str, cluster_fp: str, budget_s: float, _plan: Plan, _cluster: Cluster) -> engine_compare.Comparison:
+    """Plan vs dp-even, dp-proportional and the Fig. 15 ablations (cached on plan and cluster hashes)."""
+    return engine_compare.compare(_plan, _cluster, time_budget_s=budget_s)
+
+
+@st.cache_data(show_spinner="Re-planning on the changed cluster ...", max_entries=32)
+def what_if(key: str, cluster_fp: str, flops: tuple[str, float] | None, link: tuple[str, float] | None,
+            budget_s: float, _plan: Plan, _cluster: Cluster) -> engine_compare.WhatIf:
+    """The plan on a cluster with one GPU model's flops and one link level's bandwidth scaled."""
+    return engine_compare.what_if(_plan, _cluster, flops_scale=dict([flops]) if flops else None,
+                                  link_scale=link, time_budget_s=budget_s)
+
+
+def cluster_json(cluster: Cluster) -> str:
+    return json.dumps(cluster.to_dict(), indent=1)
+
+
+@st.cache_data(show_spinner="Building the launch bundle ...", max_entries=4)
+def bundle_zip(plan_json: str, cluster_text: str) -> tuple[bytes | None, str]:
+    """A launch bundle made by `hap export PLAN --out DIR --zip` (when the engine has it): (zip bytes
+    or None, the command's one-line message)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        (d / "plan.json").write_text(plan_json)
+        (d / "cluster.json").write_text(cluster_text)
+        cmd = [sys.executable, "-m", "engine.cli", "export", str(d / "plan.json"), "--cluster", str(d / "cluster.json"),
+               "--out", str(d / "bundle"), "--zip"]
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        zips = sorted(d.rglob("*.zip"))
+        if res.returncode != 0 or not zips:
+            lines = (res.stderr or res.stdout).strip().splitlines()
+            return None, lines[-1] if lines else f"hap export exited with status {res.returncode}"
+        return zips[0].read_bytes(), (res.stdout.strip().splitlines() or [""])[-1]
+
+
+# ----------------------------------------------------------------------------- session defaults
+
+
+def init_state() -> None:
+    """Default model, cluster and plan, so the first screen shows a real plan (cached per server)."""
+    ss = st.session_state
+    if Keys.GRAPH not in ss:
+        ss[Keys.GRAPH] = zoo_model(DEFAULT_ZOO, tuple(DEFAULT_KNOBS.items()))
+        ss[Keys.MODEL_SOURCE] = f"zoo:{DEFAULT_ZOO} " + " ".join(f"{k}={v}" for k, v in DEFAULT_KNOBS.items())
+    if Keys.CLUSTER not in ss:
+        ss[Keys.CLUSTER] = sample_cluster(DEFAULT_CLUSTER)
+        ss[Keys.CLUSTER_SOURCE] = f"sample_clusters/{DEFAULT_CLUSTER}"
+    ss.setdefault(Keys.BUDGET, DEFAULT_BUDGET_S)
+    if Keys.PLAN not in ss:
+        with st.spinner("Planning the default model on the default cluster ..."):
+            ss[Keys.PLAN] = run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], DEFAULT_BUDGET_S)
+
+
+def set_model(graph: Graph, source: str) -> None:
+    """Make `graph` the current model; rerun when it changed so the sidebar (drawn first) follows."""
+    changed = st.session_state.get(Keys.GRAPH) != graph
+    st.session_state[Keys.GRAPH] = graph
+    st.session_state[Keys.MODEL_SOURCE] = source
+    if changed:
+        st.rerun()
+
+
+def set_cluster(cluster: Cluster, source: str) -> None:
+    """Make `cluster` the current cluster; rerun when it changed (see set_model)."""
+    changed = st.session_state.get(Keys.CLUSTER) != cluster
+    st.session_state[Keys.CLUSTER] = cluster
+    st.session_state[Keys.CLUSTER_SOURCE] = source
+    if changed:
+        st.rerun()
+
+
+def current() -> tuple[Graph, Cluster, Plan | None]:
+    ss = st.session_state
+    return ss[Keys.GRAPH], ss[Keys.CLUSTER], ss.get(Keys.PLAN)
+
+
+def show_error(e: HapError) -> None:
+    """The engine's one-line message, never a traceback."""
+    st.error(f"{type(e).__name__}: {e}")

@@ -1,0 +1,134 @@
+"""Sharded checkpoints and resume: every rank saves and loads only its own slices.
+
+Layout under `--checkpoint-dir D`, one folder per checkpoint, named by the steps done:
+
+    D/step-00000006/rank-00000.pt ... rank-00003.pt   each rank's parameter slices, optimizer
+                                                      state, losses so far, RNG state
+    D/step-00000006/COMPLETE                          JSON written by rank 0 after a barrier
+
+A rank file is written to a temporary name and renamed (atomic on POSIX), and a checkpoint
+counts only once its `COMPLETE` marker exists: rank 0 writes it after every rank has renamed its
+file, so a run killed while saving leaves an incomplete folder that resume skips. Resume takes the
+newest complete checkpoint whose run key (model, program, shard sizes, seed, optimizer, lr, world
+size) matches this run. Batches are a function of (seed, step) (`runner.train.make_batch`), so
+the resumed steps see the same data and the run ends exactly where an uninterrupted one would.
+
+Files hold tensors and plain containers only (`torch.save`); they are loaded with
+`weights_only=True`, never unpickled as arbitrary objects. `D` must be on a file system every
+rank sees (rank 0 writes the marker for all).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine.plan import Plan
+
+from .train import RankState
+
+CHECKPOINT_SCHEMA_VERSION = 1
+COMPLETE = "COMPLETE"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used for this run (another run's, a missing rank file, wrong shapes)."""
+
+
+def step_dir(root: str | Path, steps_done: int) -> Path:
+    return Path(root) / f"step-{steps_done:08d}"
+
+
+def rank_file(root: str | Path, steps_done: int, rank: int) -> Path:
+    return step_dir(root, steps_done) / f"rank-{rank:05d}.pt"
+
+
+def run_key(plan: Plan, *, seed: int, optimizer: str, lr: float) -> dict[str, Any]:
+    """What must be equal for a checkpoint to continue this run."""
+    program = json.dumps([i.to_dict() for i in plan.program], sort_keys=True)
+    sizes = json.dumps(plan.shard_sizes, sort_keys=True)
+    return {"model": plan.model_fingerprint, "program": hashlib.sha256((program + sizes).encode()).hexdigest()[:16],
+            "world_size": plan.world_size, "seed": seed, "optimizer": optimizer, "lr": lr}
+
+
+def _write_atomic(path: Path, write: Callable[[Any], None]) -> None:
+    """Write through `write(file)` to a temporary name, flush to disk, then rename over `path`."""
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rank_state(st: RankState, rank: int, steps_done: int) -> dict[str, Any]:
+    """This rank's share of a checkpoint: tensors and plain containers only."""
+    state: dict[str, Any] = {"schema_version": CHECKPOINT_SCHEMA_VERSION, "rank": rank, "steps_done": steps_done,
+                             "params": [p.detach().cpu() for p in st.params],
+                             "optimizer": st.optimizer.state_dict(), "losses": list(st.losses),
+                             "rng": torch.get_rng_state()}
+    if st.device.type == "cuda":
+        state["cuda_rng"] = torch.cuda.get_rng_state(st.device)
+    return state
+
+
+def save(root: str | Path, key: dict[str, Any], st: RankState, rank: int, steps_done: int,
+         barrier: Callable[[], None]) -> None:
+    """Every rank writes its file; after `barrier`, rank 0 marks the checkpoint complete."""
+    folder = step_dir(root, steps_done)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = rank_state(st, rank, steps_done)
+    _write_atomic(rank_file(root, steps_done, rank), lambda f: torch.save(state, f))
+    barrier()
+    if rank == 0:
+        marker = {"steps_done": steps_done, "key": key,
+                  "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        _write_atomic(folder / COMPLETE, lambda f: f.write((json.dumps(marker, indent=1) + "\n").encode()))
+
+
+def latest_complete(root: str | Path, key: dict[str, Any], rank: int) -> int | None:
+    """Steps done by the newest complete checkpoint of this run under `root` (None: start afresh)."""
+    folders = sorted(Path(root).glob("step-*"), reverse=True) if Path(root).is_dir() else []
+    for folder in folders:
+        marker = folder / COMPLETE
+        if not marker.is_file():
+            continue  # a save that did not finish on every rank
+        try:
+            info = json.loads(marker.read_text())
+            steps = int(info["steps_done"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{marker}: unreadable marker ({e}); delete {folder} to resume from an older one") from None
+        if info.get("key") != key:
+            diff = ", ".join(f"{k} {info.get('key', {}).get(k)!r} != {v!r}" for k, v in key.items()
+                             if info.get("key", {}).get(k) != v)
+            raise CheckpointError(f"{folder} was written by another run ({diff}); use a new --checkpoint-dir "
+                                  "or the same plan and options")
+        if not rank_file(root, steps, rank).is_file():
+            raise CheckpointError(f"{rank_file(root, steps, rank)} missing although {marker} exists: "
+                                  "--checkpoint-dir must be a file system every rank sees")
+        return steps
+    return None
+
+
+def load(root: str | Path, steps_done: int, rank: int, st: RankState) -> None:
+    """Restore this rank's slices, optimizer state, losses and RNG state from a checkpoint."""
+    path = rank_file(root, steps_done, rank)
+    state = torch.load(path, map_location=st.device, weights_only=True)
+    params = state["params"]
+    if len(params) != len(st.params) or any(a.shape != p.shape for a, p in zip(params, st.params)):
+        have = [tuple(p.shape) for p in st.params]
+        got = [tuple(a.shape) for a in params]
+        raise CheckpointError(f"{path}: parameter slices {got} do not match this rank's {have}")
+    with torch.no_grad():
+        for p, saved in zip(st.params, params):
+            p.copy_(saved)
+    st.optimizer.load_state_dict(state["optimizer"])
+    st.losses[:] = [float(x) for x in state["losses"]]
+    torch.set_rng_state(state["rng"].cpu())
+    if "cuda_rng" in state and st.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"].cpu(), st.device)

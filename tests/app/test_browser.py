@@ -1,0 +1,193 @@
+"""The workbench in a real headless Chromium (Debian `chromium`, driven by Playwright's Python API).
+
+`hap ui --port <free port>` serves the app on 127.0.0.1; the test picks the zoo MLP and
+`hap_paper_testbed.json`, runs the search, checks that the frontier and timeline charts render
+(Vega canvas or svg present, no Streamlit exception box), downloads the plan and parses it, and
+saves a screenshot of every page under tests/artifacts/.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "tests" / "artifacts"
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+PAGES = ["Model", "Cluster", "Theory", "Search", "Plan", "Timeline", "Compare", "Export"]
+WAIT_MS = 180_000
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                                reason=f"{CHROMIUM} is absent: install Debian's chromium (`apt-get install -y chromium`, "
+                                       "as .ci/run does) to run the real-browser test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Poll Streamlit's health endpoint until the server answers (or the process dies)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"`hap ui` exited with status {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the workbench did not answer on {url} within {timeout_s} s")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`hap ui` on a free port of 127.0.0.1, stopped (with its Streamlit child) at the end."""
+    port = free_port()
+    log = (tmp_path_factory.mktemp("ui") / "server.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "ui", "--port", str(port)], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+def idle(page) -> None:
+    """Wait until the script run is over (Streamlit shows a 'Running...' status widget while busy)."""
+    page.wait_for_timeout(300)
+    page.wait_for_selector('[data-testid="stStatusWidget"]', state="detached", timeout=WAIT_MS)
+
+
+def goto(page, title: str) -> None:
+    page.locator('[data-testid="stSidebarNav"] a', has_text=title).first.click()
+    page.get_by_role("heading", name=title, exact=True).first.wait_for(timeout=WAIT_MS)
+    idle(page)
+
+
+def pick(page, label: str, option: str) -> None:
+    """Choose `option` in the Streamlit selectbox labelled `label`."""
+    page.get_by_role("combobox", name=label).click()
+    page.get_by_role("option", name=option, exact=True).click()
+    idle(page)
+
+
+def charts(page, at_least: int = 1) -> int:
+    """Wait until `at_least` Vega charts have drawn (a canvas or an svg inside the chart element); their count."""
+    drawn = page.locator('[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg.marks')
+    drawn.nth(at_least - 1).wait_for(timeout=60_000)
+    return drawn.count()
+
+
+def assert_no_exception(page) -> None:
+    assert page.locator('[data-testid="stException"]').count() == 0, page.locator('[data-testid="stException"]').first.inner_text()
+
+
+def shoot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def test_workbench_in_chromium(server, browser, tmp_path):
+    import engine
+
+    ctx = browser.new_context(accept_downloads=True, viewport={"width": 1400, "height": 1000})
+    page = ctx.new_page()
+    page.set_default_timeout(WAIT_MS)
+    page.goto(server)
+    # the first screen is the Plan page with the default model already planned
+    page.get_by_text("Predicted iteration").first.wait_for()
+    idle(page)
+    sidebar = page.locator('[data-testid="stSidebar"]').inner_text()
+    assert "zoo:gpt" in sidebar and "hap_paper_testbed_machines" in sidebar
+    assert charts(page, 2) >= 2  # ratios and memory
+    assert_no_exception(page)
+    shoot(page, "plan_default")
+    goto(page, "Timeline")
+    page.locator('[data-testid="stVegaLiteChart"]').first.wait_for()
+    shoot(page, "timeline_default")
+
+    goto(page, "Model")
+    pick(page, "Zoo model", "mlp")
+    page.get_by_role("button", name="Load zoo model").click()
+    idle(page)
+    page.get_by_text("Current model: zoo:mlp").wait_for()
+    assert_no_exception(page)
+    shoot(page, "model")
+
+    goto(page, "Cluster")
+    pick(page, "Sample", "hap_paper_testbed.json")
+    page.get_by_role("button", name="Use this sample").click()
+    idle(page)
+    page.get_by_text("hap_paper_testbed: 64 devices").wait_for()
+    assert page.locator('[data-testid="stGraphVizChart"] svg').count() >= 1
+    assert_no_exception(page)
+    shoot(page, "cluster")
+
+    goto(page, "Theory")
+    page.locator('[data-testid="stDataFrame"]').nth(1).wait_for()
+    shoot(page, "theory")
+
+    goto(page, "Search")
+    page.get_by_role("button", name="Run search").click()
+    page.get_by_text("States expanded", exact=True).wait_for()
+    idle(page)
+    page.locator('[data-testid="stVegaLiteChart"]').first.wait_for()
+    assert charts(page, 1) >= 1, "the frontier chart did not render"
+    assert_no_exception(page)
+    shoot(page, "search")
+
+    goto(page, "Plan")
+    assert charts(page, 2) >= 2
+    shoot(page, "plan")
+
+    goto(page, "Timeline")
+    page.locator('[data-testid="stVegaLiteChart"]').first.wait_for()
+    assert charts(page, 1) >= 1, "the timeline chart did not render"
+    assert_no_exception(page)
+    shoot(page, "timeline")
+
+    goto(page, "Compare")
+    page.locator('[data-testid="stDataFrame"]').first.wait_for()
+    assert charts(page, 1) >= 1
+    assert_no_exception(page)
+    shoot(page, "compare")
+
+    goto(page, "Export")
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Download plan.json").click()
+    path = tmp_path / "plan.json"
+    dl.value.save_as(path)
+    plan = engine.Plan.from_json(path)
+    assert plan.cluster_name == "hap_paper_testbed" and plan.graph.name == "mlp" and plan.world_size == 64
+    assert_no_exception(page)
+    shoot(page, "export")
+    ctx.close()

@@ -1,0 +1,39 @@
+"""Compare page: the plan against the baselines and the Fig. 15 ablations, and the what-if sliders."""
+from __future__ import annotations
+
+from ui_helpers import no_exception, open_page, app, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
+
+from app import components as ui
+from engine import compare
+
+
+def test_compare_table_lists_baselines_and_ablations_with_times(app, tiny_plan):
+    at = open_page(app, "compare")
+    no_exception(at)
+    table = at.dataframe[0].value
+    assert list(table["strategy"]) == ["dp-even", "dp-proportional", "Q", "Q+B", "Q+B+C"]
+    assert table["predicted_ms"].notna().all() and (table["predicted_ms"] > 0).all()
+    plan_ms = tiny_plan.predicted_time_s * 1e3
+    assert table["predicted_ms"].iloc[-1] == plan_ms
+    base = tiny_plan.search["baselines_s"]
+    assert abs(table["predicted_ms"].iloc[0] - base["dp-even"] * 1e3) < 1e-9 * plan_ms
+    assert (table["predicted_ms"].iloc[:2] >= plan_ms * (1 - 1e-9)).all()  # the plan never loses to DP
+    assert "Predicted iteration time" in at.get("vega_lite_chart")[0].proto.spec
+
+
+def test_what_if_replans_on_a_changed_cluster(app, tiny_plan, cpu_cluster):
+    at = open_page(app, "compare")
+    assert any("Move a slider" in c.value for c in at.caption)
+    at.selectbox(key="compare.gpu").set_value("P100-PCIE-16GB")
+    at.slider(key="compare.flops").set_value(4.0)
+    at.selectbox(key="compare.level").set_value("inter_machine")
+    at.slider(key="compare.bw").set_value(0.5).run()
+    no_exception(at)
+    expected = compare.what_if(tiny_plan, cpu_cluster, flops_scale={"P100-PCIE-16GB": 4.0},
+                               link_scale=("inter_machine", 0.5), time_budget_s=3.0)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Plan, original cluster"] == ui.ms(tiny_plan.predicted_time_s)
+    assert metrics["Same plan, changed cluster"] == ui.ms(expected.same_plan_s)
+    assert metrics["Re-planned, changed cluster"] == ui.ms(expected.replanned_s)
+    assert expected.same_plan_s != tiny_plan.predicted_time_s and expected.replanned_s <= expected.same_plan_s * (1 + 1e-9)
+    assert any("P100-PCIE-16GB flops x4, inter_machine bandwidth x0.5" in m.value for m in at.markdown)

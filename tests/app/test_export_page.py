@@ -1,0 +1,52 @@
+"""Export page: plan download, bundle when the engine has one, the commands to run the plan."""
+from __future__ import annotations
+
+import importlib.util
+import io
+import zipfile
+
+import pytest
+
+from ui_helpers import no_exception, open_page, app, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
+
+import engine
+
+
+def test_export_offers_the_plan_and_the_run_commands(app, tiny_plan):
+    at = open_page(app, "export")
+    no_exception(at)
+    labels = [b.proto.label for b in at.get("download_button")]
+    assert labels[:2] == ["Download plan.json", "Download cluster.json"]
+    commands = at.code[0].value
+    assert "hap run plan.json --steps 5 --verify" in commands
+    assert f"--nproc-per-node={tiny_plan.world_size}" in commands
+    if importlib.util.find_spec("engine.bundle") is None:
+        assert any("not part of this build" in c.value for c in at.caption)
+
+
+def test_the_downloaded_text_is_the_plan(tiny_plan):
+    """AppTest cannot read download bytes: the page offers plan.to_json(), which must parse back."""
+    again = engine.Plan.from_json(tiny_plan.to_json())
+    assert again.to_json() == tiny_plan.to_json()
+
+
+HAS_BUNDLE = importlib.util.find_spec("engine.bundle") is not None
+
+
+@pytest.mark.skipif(not HAS_BUNDLE, reason="engine.bundle (`hap export`) is not in this build yet")
+def test_bundle_zip_holds_the_plan(tiny_plan, cpu_cluster):
+    from app import services
+
+    data, message = services.bundle_zip(tiny_plan.to_json(), services.cluster_json(cpu_cluster))
+    assert data is not None, message
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        name = next(n for n in zf.namelist() if n.endswith("plan.json"))
+        assert engine.Plan.from_json(zf.read(name).decode()).to_json() == tiny_plan.to_json()
+
+
+@pytest.mark.skipif(not HAS_BUNDLE, reason="engine.bundle (`hap export`) is not in this build yet")
+def test_export_page_offers_the_bundle(app):
+    at = open_page(app, "export")
+    no_exception(at)
+    assert not at.error, [e.value for e in at.error]
+    assert "Download launch bundle (zip)" in [b.proto.label for b in at.get("download_button")]

@@ -1,0 +1,81 @@
+"""engine.compare: baselines and Fig. 15 ablations under one cost model, and what-if clusters."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import engine
+from engine import ClusterError, compare
+from engine.cost import CostModel
+from engine.planner import DEFAULT_BEAM_WIDTH, proportional_ratios
+from engine.synthesis import synthesize
+
+SAMPLES = Path(__file__).resolve().parent.parent / "sample_clusters"
+
+
+@pytest.fixture(scope="module")
+def setting():
+    graph = engine.load_model("zoo:gpt", layers=1, hidden=64, heads=4, ffn=128, vocab=256, seq_len=16, batch=8)
+    cluster = engine.load_cluster(SAMPLES / "a100x2_p100x2.json")
+    return graph, cluster, engine.plan(graph, cluster)
+
+
+def test_predict_reproduces_the_plan(setting):
+    graph, cluster, plan = setting
+    assert compare.predict(plan.program, graph, cluster, plan.ratios["0"]) == pytest.approx(plan.predicted_time_s, rel=1e-12)
+
+
+def test_comparison_rows_and_their_order(setting):
+    graph, cluster, plan = setting
+    result = compare.compare(plan, cluster)
+    rows = {r.name: r for r in result.rows}
+    assert list(rows) == ["dp-even", "dp-proportional", "Q", "Q+B", "Q+B+C"]
+    assert rows["Q+B+C"].predicted_time_s == plan.predicted_time_s
+    assert rows["dp-even"].predicted_time_s == pytest.approx(plan.search["baselines_s"]["dp-even"], rel=1e-12)
+    assert rows["Q+B"].predicted_time_s <= rows["Q"].predicted_time_s * (1 + 1e-12)  # the LP only improves on B(0)
+    for name in ("dp-even", "dp-proportional"):
+        assert result.speedup(rows[name]) >= 1 - 1e-9
+    assert [t["strategy"] for t in result.table()] == list(rows)
+
+
+def test_ablation_space_has_no_communication_optimisation(setting):
+    graph, cluster, _ = setting
+    space = compare.without_comm_optimisation(graph)
+    assert "all_gather.grouped" not in space.collectives and "all_gather.padded" in space.collectives
+    res = synthesize(graph, CostModel(graph, cluster, proportional_ratios(cluster)), space=space, beam_width=DEFAULT_BEAM_WIDTH)
+    for ins in res.program:
+        assert ins.rule != "all_gather.grouped"
+        assert not (graph[ins.node].op in compare.MATMUL_OPS and ins.kind == "compute" and ins.rule == "replicate")
+    assert compare.ablation_q(graph, cluster).predicted_time_s == pytest.approx(res.cost, rel=1e-12)
+
+
+def test_scale_link_follows_the_bottleneck():
+    cluster = engine.load_cluster(SAMPLES / "hap_paper_testbed.json")
+    faster = compare.scale_link(cluster, "inter_machine", 2.0)
+    assert faster.network.bandwidth_Bps["inter_machine"] == 2 * cluster.network.bandwidth_Bps["inter_machine"]
+    assert faster.collectives["all_reduce"].bandwidth_Bps == pytest.approx(2 * cluster.collectives["all_reduce"].bandwidth_Bps)
+    intra = compare.scale_link(cluster, "intra_machine", 2.0)  # not the bottleneck: the fits stay
+    assert intra.collectives == cluster.collectives and intra.network != cluster.network
+
+
+def test_scale_link_keeps_explicit_fits_and_rejects_bad_input():
+    d = engine.load_cluster(SAMPLES / "a100x2_p100x2.json").to_dict()
+    d["network"]["collectives"] = {"all_reduce": {"latency_s": 1e-4, "bandwidth_Bps": 5e8}}
+    cluster = engine.load_cluster(d)
+    scaled = compare.scale_link(cluster, "inter_machine", 4.0)
+    assert scaled.collectives["all_reduce"] == cluster.collectives["all_reduce"]
+    assert scaled.collectives["all_gather"].bandwidth_Bps == pytest.approx(4 * cluster.collectives["all_gather"].bandwidth_Bps)
+    with pytest.raises(ClusterError, match="link level 'inter_group': not in cluster"):
+        compare.scale_link(cluster, "inter_group", 2.0)
+    with pytest.raises(ClusterError, match="must be a positive number"):
+        compare.scale_link(cluster, "inter_machine", 0)
+
+
+def test_what_if_predicts_and_replans(setting):
+    graph, cluster, plan = setting
+    w = compare.what_if(plan, cluster, flops_scale={"P100-PCIE-16GB": 0.25}, link_scale=("inter_machine", 0.5))
+    assert w.changes == ["P100-PCIE-16GB flops x0.25", "inter_machine bandwidth x0.5"]
+    assert w.before_s == plan.predicted_time_s and w.same_plan_s > plan.predicted_time_s
+    assert w.replanned_s <= w.same_plan_s * (1 + 1e-9)
+    assert w.replanned.cluster_fingerprint == w.cluster.fingerprint() != cluster.fingerprint()
