@@ -187,20 +187,21 @@ def _plan_store() -> dict[tuple, Plan]:
 _store_lock = threading.Lock()
 
 
-def stored_plan(graph: Graph, cluster: Cluster, budget_s: float) -> Plan | None:
+def stored_plan(graph: Graph, cluster: Cluster, budget_s: float, segments: int = 1) -> Plan | None:
     with _store_lock:
-        return _plan_store().get((graph_key(graph), cluster.fingerprint(), budget_s))
+        return _plan_store().get((graph_key(graph), cluster.fingerprint(), budget_s, segments))
 
 
 def run_plan(graph: Graph, cluster: Cluster, budget_s: float,
-             progress: Callable[[engine.SearchProgress], None] | None = None) -> Plan:
-    """Plan with the engine (the Q<->B loop, A* + LP) and keep it in the store."""
-    found = stored_plan(graph, cluster, budget_s)
+             progress: Callable[[engine.SearchProgress], None] | None = None, segments: int = 1) -> Plan:
+    """Plan with the engine (the Q<->B loop, A* + LP; `segments` > 1 also tries per-segment ratios) and keep it in the store."""
+    found = stored_plan(graph, cluster, budget_s, segments)
     if found is not None:
         return found
-    result = engine.plan(graph, cluster, time_budget_s=budget_s, progress=progress, report_every=REPORT_EVERY)
+    result = engine.plan(graph, cluster, time_budget_s=budget_s, progress=progress, report_every=REPORT_EVERY,
+                         segments=segments)
     with _store_lock:
-        _plan_store()[(graph_key(graph), cluster.fingerprint(), budget_s)] = result
+        _plan_store()[(graph_key(graph), cluster.fingerprint(), budget_s, segments)] = result
     return result
 
 

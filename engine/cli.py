@@ -1,6 +1,7 @@
 """The `hap` command line: headless planning from a shell.
 
-    hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S] [--json]
+    hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S]
+             [--segments N] [--json]
     hap capture --model zoo:gpt --set layers=2 --out graph.json
     hap run plan.json|BUNDLE [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
     hap export plan.json --out DIR [--zip] [--cluster FILE] [--model-file F]      (launch bundle)
@@ -31,6 +32,12 @@ GIB = 2**30
 
 class _UsageError(HapError):
     pass
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'")
+    return int(text)
 
 
 def _knobs(pairs: Sequence[str]) -> dict[str, Any]:
@@ -71,7 +78,7 @@ def _device_runs(plan, cluster) -> list[tuple[str, str, list[str]]]:
     """Rows per run of consecutive devices with identical figures (64 identical rows say nothing more than one)."""
     runs: list[tuple[str, str, list[str]]] = []
     for j, d in enumerate(cluster.devices):
-        cells = [f"{d.gpu_model} x{d.num_gpus}", f"{plan.ratios['0'][j]:.4f}",
+        cells = [f"{d.gpu_model} x{d.num_gpus}", "/".join(f"{r[j]:.4f}" for r in plan.ratios.values()),
                  f"{plan.memory_bytes[j] / GIB:.2f} GiB", f"{d.memory_bytes_per_gpu / GIB:.1f} GiB"]
         if runs and runs[-1][2] == cells:
             runs[-1] = (runs[-1][0], d.name, cells)
@@ -91,7 +98,7 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
         else:
             rows.append([name, f"{t * 1e3:.2f} ms", f"{t / plan.predicted_time_s:.2f}x"])
     lines += [_table(rows), ""]
-    dev = [["device", "gpu", "ratio", "memory / GPU", "capacity"]]
+    dev = [["device", "gpu", "ratio" if len(plan.ratios) == 1 else "ratio per segment", "memory / GPU", "capacity"]]
     for first, last, cells in _device_runs(plan, cluster):
         name = first if first == last else f"{first} .. {last}"
         dev.append([name] + cells)
@@ -107,7 +114,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     graph = _load_graph(args)
     cluster = load_cluster(args.cluster)
-    result = plan(graph, cluster, time_budget_s=args.time_budget, progress=_progress_printer(), optimizer=args.optimizer)
+    result = plan(graph, cluster, time_budget_s=args.time_budget, progress=_progress_printer(), optimizer=args.optimizer,
+                  segments=args.segments)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if args.out:
@@ -226,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--time-budget", type=float, default=None, metavar="S", help="stop searching after S seconds")
     p.add_argument("--optimizer", choices=["adam", "sgd", "none"], default="adam", help="optimizer state counted in memory")
+    p.add_argument("--segments", type=_positive_int, default=1, metavar="N",
+                   help="give N runs of layers their own sharding ratios (HAP §5.2; default 1)")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     p.set_defaults(func=cmd_plan)
     c = sub.add_parser("capture", help="capture a model into a graph JSON file")

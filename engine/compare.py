@@ -24,6 +24,7 @@ from .cost import CostModel, evaluate as evaluate_program
 from .errors import ClusterError, InfeasibleError
 from .graph import Graph
 from .plan import Plan
+from .segments import Segmentation
 from .planner import DEFAULT_BEAM_WIDTH, evaluate, plan, proportional_ratios
 from .program import Instruction
 from .synthesis import SearchSpace, synthesize
@@ -77,10 +78,10 @@ def without_comm_optimisation(graph: Graph) -> SearchSpace:
                        rule_filter=lambda nid, r: not (nid in matmuls and r.name == "replicate"))
 
 
-def predict(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ratios: list[float],
-            optimizer: str = "adam") -> float:
-    """Predicted iteration time of a fixed program and ratios on `cluster` (HAP §3.2)."""
-    return evaluate_program(program, CostModel(graph, cluster, ratios, optimizer)).total_s
+def predict(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
+            optimizer: str = "adam", segmentation: Segmentation | None = None) -> float:
+    """Predicted iteration time of a fixed program and ratios (one row per segment) on `cluster` (HAP §3.2)."""
+    return evaluate_program(program, CostModel(graph, cluster, ratios, optimizer, segmentation)).total_s
 
 
 def _search(graph: Graph, cluster: Cluster, ratios: list[float], space: SearchSpace, optimizer: str,
@@ -194,6 +195,6 @@ def what_if(the_plan: Plan, cluster: Cluster, *, flops_scale: dict[str, float] |
         changed = scale_link(changed, *link_scale)
         changes.append(f"{link_scale[0]} bandwidth x{link_scale[1]:g}")
     optimizer = the_plan.search.get("optimizer", "adam")
-    same = predict(the_plan.program, the_plan.graph, changed, the_plan.ratios["0"], optimizer)
+    same = predict(the_plan.program, the_plan.graph, changed, the_plan.ratio_rows, optimizer, the_plan.segmentation)
     fresh = plan(the_plan.graph, changed, time_budget_s=time_budget_s, optimizer=optimizer)
     return WhatIf(changed, the_plan.predicted_time_s, same, fresh, changes)

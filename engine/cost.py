@@ -17,6 +17,11 @@ Memory per GPU (not in the paper, users need it): parameter, gradient and optimi
 local slice of every parameter, plus the activations kept for the backward pass (split over the
 k GPUs of a virtual device).
 
+Segments (§5.2): with several segments every segment k has its own ratios B_k; a stage lies
+inside one segment and its work scales with that segment's ratios, and a tensor sharded across a
+boundary is re-split by an all-to-all (`resplit`) whose payload is the larger of the two
+segments' largest shards. Memory sums the segments' terms.
+
 Everything here is linear in B_j (or in max_j B_j), which is what makes the load balancer an LP.
 """
 from __future__ import annotations
@@ -26,13 +31,14 @@ from dataclasses import dataclass
 from .cluster import Cluster
 from .graph import Graph
 from .program import COMM, COMPUTE, LOAD, Instruction
+from .segments import RESPLIT, Segmentation, instruction_segments, source_segments
 from .theory.core import FULL
 
 STATE_BYTES_PER_PARAM_BYTE = {"adam": 4, "sgd": 3, "none": 2}
 """Bytes kept per byte of parameter: the weight, its gradient, and the optimizer state (Adam: m, v; SGD: momentum)."""
 
 DUAL = {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
-        "all_gather.grouped": "all_gather.grouped", "all_to_all": "all_to_all", "slice": "slice"}
+        "all_gather.grouped": "all_gather.grouped", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT}
 """The collective that runs in the backward pass for each forward collective (its dual)."""
 
 Acc = tuple[float, float, float, float]
@@ -42,7 +48,7 @@ ZERO: Acc = (0.0, 0.0, 0.0, 0.0)
 
 @dataclass(frozen=True)
 class DeviceClass:
-    """Devices that are interchangeable for the cost model (same hardware and ratio)."""
+    """Devices that are interchangeable for the cost model (same hardware and ratios in every segment)."""
 
     devices: tuple[int, ...]
     flops: float
@@ -50,20 +56,29 @@ class DeviceClass:
     num_gpus: int
     sync_s_per_byte: float
     """Seconds per gradient byte of the all-reduce inside the virtual device (0 for one GPU)."""
-    ratio: float
+    ratios: tuple[float, ...]
+    """The ratio of each of its devices in every segment (empty when grouping by hardware only)."""
 
 
-def device_classes(cluster: Cluster, ratios: list[float] | None) -> tuple[DeviceClass, ...]:
-    """Group devices with equal hardware (and equal ratio, when ratios are given)."""
+def device_classes(cluster: Cluster, ratios: list[list[float]] | None) -> tuple[DeviceClass, ...]:
+    """Group devices with equal hardware (and equal ratios per segment, when `ratios[segment][device]` are given)."""
     groups: dict[tuple, list[int]] = {}
     for j, d in enumerate(cluster.devices):
-        key = (d.flops, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps, None if ratios is None else round(ratios[j], 12))
-        groups.setdefault(key, []).append(j)
+        mine = () if ratios is None else tuple(round(row[j], 12) for row in ratios)
+        groups.setdefault((d.flops, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps, mine), []).append(j)
     out = []
     for (flops, mem, k, intra, _), members in groups.items():
         sync = 2.0 * (k - 1) / k / intra if k > 1 else 0.0  # ring all-reduce inside the box
-        out.append(DeviceClass(tuple(members), flops, float(mem), k, sync, 0.0 if ratios is None else ratios[members[0]]))
+        mine = () if ratios is None else tuple(row[members[0]] for row in ratios)
+        out.append(DeviceClass(tuple(members), flops, float(mem), k, sync, mine))
     return tuple(out)
+
+
+def ratio_rows(ratios: list[float] | list[list[float]], segments: int, devices: int) -> list[list[float]]:
+    """Ratios as one row per segment: a flat list (one segment's worth) is shared by every segment."""
+    rows = [list(r) for r in ratios] if ratios and isinstance(ratios[0], (list, tuple)) else [list(ratios)] * segments
+    assert len(rows) == segments and all(len(r) == devices for r in rows), "one ratio per device and segment"
+    return rows
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,10 @@ class Stage:
     comm_per_max_ratio: float
     """Part of the communication time proportional to max_j B_j (largest-shard payloads)."""
     work: Acc
+    segment: int = 0
+    """The segment whose ratios scale the work."""
+    comm_segments: tuple[int, ...] = (0,)
+    """Segments whose largest ratio bounds the payload (two for a resplit across a boundary)."""
 
 
 @dataclass
@@ -94,16 +113,20 @@ class Breakdown:
     """Per stage, the computation time of every device."""
     memory_bytes: list[float]
     """Predicted peak memory per GPU of every device."""
+    ratios: list[list[float]]
+    """The ratios evaluated, one row per segment."""
 
 
 class CostModel:
     """Costs of instructions on a given cluster under given ratios B (one ratio per device)."""
 
-    def __init__(self, graph: Graph, cluster: Cluster, ratios: list[float], optimizer: str = "adam") -> None:
-        assert len(ratios) == cluster.num_devices, "one ratio per device"
-        self.graph, self.cluster, self.ratios = graph, cluster, list(ratios)
+    def __init__(self, graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]], optimizer: str = "adam",
+                 segmentation: Segmentation | None = None) -> None:
+        self.graph, self.cluster = graph, cluster
+        self.segmentation = segmentation or Segmentation.single(graph)
+        self.ratios = ratio_rows(ratios, self.segmentation.count, cluster.num_devices)
         self.classes = device_classes(cluster, self.ratios)
-        self.max_ratio = max(ratios)
+        self.max_ratios = [max(r) for r in self.ratios]
         self.state_factor = STATE_BYTES_PER_PARAM_BYTE[optimizer]
         self.requires_grad = _requires_grad(graph)
         self.bwd_flops = [_backward_flops(graph, n.id, self.requires_grad) for n in graph.nodes]
@@ -128,7 +151,8 @@ class CostModel:
         if key == "all_gather.grouped":
             fit = c["broadcast"]
             return m * fit.latency_s + nbytes / fit.bandwidth_Bps + nbytes * h / m, 0.0
-        fit = c[{"all_gather.padded": "all_gather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all"}[key]]
+        fit = c[{"all_gather.padded": "all_gather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
+                 RESPLIT: "all_to_all"}[key]]
         return fit.latency_s, nbytes / fit.bandwidth_Bps + nbytes * h
 
     def grad_bucket_terms(self) -> tuple[float, float]:
@@ -138,37 +162,44 @@ class CostModel:
         fit = self.cluster.collectives["all_reduce"]
         return fit.latency_s, 1.0 / fit.bandwidth_Bps + self.hierarchy_s_per_byte
 
-    def comm_time(self, key: str, node: int) -> float:
-        t = self._comm_cache.get((key, node))
+    def comm_time(self, key: str, node: int, segments: tuple[int, ...] = (0,)) -> float:
+        """Seconds of collective `key` on `node` while `segments`' ratios bound its payload."""
+        t = self._comm_cache.get((key, node, segments))
         if t is None:
             const, per = self.comm_terms(key, node)
-            t = self._comm_cache[(key, node)] = const + per * self.max_ratio
+            t = self._comm_cache[(key, node, segments)] = const + per * max(self.max_ratios[k] for k in segments)
         return t
 
     # --- computation -----------------------------------------------------------------------
-    def class_times(self, acc: Acc) -> list[float]:
+    def class_times(self, acc: Acc, segment: int = 0) -> list[float]:
         s, r, ss, rs = acc
-        return [(s * c.ratio + r) / c.flops + (ss * c.ratio + rs) * c.sync_s_per_byte for c in self.classes]
+        return [(s * c.ratios[segment] + r) / c.flops + (ss * c.ratios[segment] + rs) * c.sync_s_per_byte for c in self.classes]
 
-    def stage_time(self, acc: Acc) -> float:
-        s, r, ss, rs = acc
-        return max((s * c.ratio + r) / c.flops + (ss * c.ratio + rs) * c.sync_s_per_byte for c in self.classes)
+    def stage_time(self, acc: Acc, segment: int = 0) -> float:
+        return max(self.class_times(acc, segment))
 
-    def device_times(self, acc: Acc) -> list[float]:
+    def device_times(self, acc: Acc, segment: int = 0) -> list[float]:
         out = [0.0] * self.cluster.num_devices
-        for c, t in zip(self.classes, self.class_times(acc)):
+        for c, t in zip(self.classes, self.class_times(acc, segment)):
             for j in c.devices:
                 out[j] = t
         return out
 
     # --- memory ----------------------------------------------------------------------------
-    def memory_by_class(self, mem: Acc) -> list[float]:
+    def memory_by_class(self, mem: Acc, segment: int = 0) -> tuple[float, ...]:
         """Per-GPU bytes from (sharded state, replicated state, sharded activations, replicated activations)."""
         s, r, sa, ra = mem
-        return [s * c.ratio + r + (sa * c.ratio + ra) / c.num_gpus for c in self.classes]
+        return tuple(s * c.ratios[segment] + r + (sa * c.ratios[segment] + ra) / c.num_gpus for c in self.classes)
 
-    def fits(self, mem: Acc) -> bool:
-        return all(b <= c.memory_bytes for b, c in zip(self.memory_by_class(mem), self.classes))
+    def class_memory(self, mems: list[Acc]) -> tuple[float, ...]:
+        """Per-GPU bytes of every class, summed over the segments' memory terms."""
+        out = (0.0,) * len(self.classes)
+        for k, mem in enumerate(mems):
+            out = add(out, self.memory_by_class(mem, k))
+        return out
+
+    def fits(self, class_bytes: tuple[float, ...]) -> bool:
+        return all(b <= c.memory_bytes for b, c in zip(class_bytes, self.classes))
 
     # --- per-instruction deltas used by the search and by replay ---------------------------
     def compute_delta(self, node: int, sharded: bool) -> tuple[Acc, Acc, Acc]:
@@ -192,8 +223,8 @@ class CostModel:
         return (0.0, 0.0, nbytes, 0.0), (state, 0.0, 0.0, 0.0)
 
 
-def add(a: Acc, b: Acc) -> Acc:
-    return (a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3])
+def add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(x + y for x, y in zip(a, b))
 
 
 def _requires_grad(graph: Graph) -> list[bool]:
@@ -215,51 +246,60 @@ def is_sharded(ins: Instruction) -> bool:
     return ins.post >= 0 or any(f >= 0 for _, f in ins.pre)
 
 
-def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage], Acc]:
-    """Split a program into forward and backward stages with linear work terms, and sum its memory terms.
+def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage], list[Acc]]:
+    """Split a program into forward and backward stages with linear work terms, and sum its memory
+    terms per segment.
 
     Backward stages are listed mirroring the forward ones (they run in reverse order); the gradient
-    bucket, which runs last, is listed first among them.
+    bucket, which runs last, is listed first among them. A segment boundary ends both open stages.
     """
+    segs = instruction_segments(program, cm.segmentation)
+    sources = source_segments(program, cm.segmentation)
     stages: list[Stage] = []
-    fwd, bwd, mem = ZERO, ZERO, ZERO
-    fwd_open = bwd_open = ("", -1, 0.0, 0.0)
-    bucket_bytes = 0.0
-    for ins in program:
+    fwd, bwd = ZERO, ZERO
+    mems = [ZERO] * cm.segmentation.count
+    none = ("", -1, 0.0, 0.0, (0,))
+    fwd_open = bwd_open = none
+    bucket_bytes, cur = 0.0, segs[0] if segs else 0
+    for i, ins in enumerate(program):
+        k = segs[i]
+        if k != cur:  # a boundary: every stage lies inside one segment (§5.2)
+            stages += [Stage("forward", *fwd_open[:4], fwd, cur, fwd_open[4]), Stage("backward", *bwd_open[:4], bwd, cur, bwd_open[4])]
+            fwd_open, bwd_open, fwd, bwd, cur = none, none, ZERO, ZERO, k
         if ins.kind == COMPUTE:
             f, b, a = cm.compute_delta(ins.node, is_sharded(ins))
-            fwd, bwd, mem = add(fwd, f), add(bwd, b), add(mem, a)
+            fwd, bwd, mems[k] = add(fwd, f), add(bwd, b), add(mems[k], a)
         elif ins.kind == LOAD:
             sync, m = cm.load_delta(ins.node, ins.post)
-            mem = add(mem, m)
+            mems[k] = add(mems[k], m)
             if cm.graph[ins.node].op == "parameter" and ins.post == FULL:
                 bucket_bytes += cm.nbytes[ins.node]
             bwd = add(bwd, sync)
         elif ins.kind == COMM and ins.rule != "slice":
-            stages.append(Stage("forward", *fwd_open, fwd))
-            fwd_open, fwd = (ins.rule, ins.node, *cm.comm_terms(ins.rule, ins.node)), ZERO
+            over = (sources[i], k) if ins.rule == RESPLIT else (k,)
+            stages.append(Stage("forward", *fwd_open[:4], fwd, k, fwd_open[4]))
+            fwd_open, fwd = (ins.rule, ins.node, *cm.comm_terms(ins.rule, ins.node), over), ZERO
             if cm.requires_grad[ins.node]:
-                stages.append(Stage("backward", *bwd_open, bwd))
+                stages.append(Stage("backward", *bwd_open[:4], bwd, k, bwd_open[4]))
                 dual = DUAL[ins.rule]
-                bwd_open, bwd = (dual, ins.node, *cm.comm_terms(dual, ins.node)), ZERO
-    stages.append(Stage("forward", *fwd_open, fwd))
-    stages.append(Stage("backward", *bwd_open, bwd))
+                bwd_open, bwd = (dual, ins.node, *cm.comm_terms(dual, ins.node), over), ZERO
+    stages += [Stage("forward", *fwd_open[:4], fwd, cur, fwd_open[4]), Stage("backward", *bwd_open[:4], bwd, cur, bwd_open[4])]
     if bucket_bytes:
         latency, per_byte = cm.grad_bucket_terms()
         first_bwd = next(i for i, s in enumerate(stages) if s.direction == "backward")
         stages.insert(first_bwd, Stage("backward", "grad_all_reduce", -1, latency + bucket_bytes * per_byte, 0.0, ZERO))
-    return [s for s in stages if s.comm or any(s.work)], mem
+    return [s for s in stages if s.comm or any(s.work)], mems
 
 
 def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
     """t(Q, B) with its breakdown per stage and device, and memory per device."""
-    stages, mem = replay(program, cm)
-    comm = [s.comm_const + s.comm_per_max_ratio * cm.max_ratio for s in stages]
-    comp = [cm.device_times(s.work) for s in stages]
+    stages, mems = replay(program, cm)
+    comm = [s.comm_const + s.comm_per_max_ratio * max(cm.max_ratios[k] for k in s.comm_segments) for s in stages]
+    comp = [cm.device_times(s.work, s.segment) for s in stages]
     total = sum(comm) + sum(max(c) for c in comp)
-    per_class = cm.memory_by_class(mem)
+    per_class = cm.class_memory(mems)
     memory = [0.0] * cm.cluster.num_devices
     for c, b in zip(cm.classes, per_class):
         for j in c.devices:
             memory[j] = b
-    return Breakdown(total, stages, comm, comp, memory)
+    return Breakdown(total, stages, comm, comp, memory, cm.ratios)

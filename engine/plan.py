@@ -15,6 +15,7 @@ from .cost import Breakdown
 from .errors import PlanError
 from .graph import Graph
 from .program import COMPUTE, Instruction
+from .segments import Segmentation, instruction_segments, source_segments
 
 PLAN_SCHEMA_VERSION = 1
 
@@ -34,48 +35,61 @@ def split_sizes(total: int, ratios: list[float]) -> list[int]:
     return sizes
 
 
-def shard_units(program: tuple[Instruction, ...], graph: Graph) -> dict[tuple[int, int], int]:
-    """For every sharded (tensor, dim) of the program, its number of units.
+ShardKey = tuple[int, int, int]
+"""(tensor, dim, segment): a sharded dim as seen inside one segment (§5.2: segments have their own sizes)."""
+
+
+def shard_units(program: tuple[Instruction, ...], graph: Graph, seg: Segmentation | None = None) -> dict[ShardKey, int]:
+    """For every sharded (tensor, dim, segment) of the program, its number of units.
 
     A rule links the dims it shards (a view's shard on C=768 and on heads=12, a linear's output
     features and its weight rows). Linked dims must split into the same number of pieces, so each
     linked class shares `units = gcd(sizes)`; a dim of size s then moves in steps of s / units.
+    A collective links nothing: its result is a new layout (a resplit's in the next segment).
     """
-    parent: dict[tuple[int, int], tuple[int, int]] = {}
+    seg = seg or Segmentation.single(graph)
+    parent: dict[ShardKey, ShardKey] = {}
 
-    def find(x: tuple[int, int]) -> tuple[int, int]:
+    def find(x: ShardKey) -> ShardKey:
         parent.setdefault(x, x)
         while parent[x] != x:
             parent[x] = parent[parent[x]]
             x = parent[x]
         return x
 
-    for ins in program:
-        dims = [(t, f) for t, f in ins.pre if f >= 0]
+    for ins, k, src in zip(program, instruction_segments(program, seg), source_segments(program, seg)):
+        dims = [(t, f, src) for t, f in ins.pre if f >= 0]
         if ins.post >= 0:
-            dims.append((ins.node, ins.post))
+            dims.append((ins.node, ins.post, k))
         linked = dims if ins.kind == COMPUTE else dims[-1:]
         for d in linked:
             find(d)
         for a, b in zip(linked, linked[1:]):
             parent[find(a)] = find(b)
-    classes: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    classes: dict[ShardKey, list[ShardKey]] = {}
     for d in list(parent):
         classes.setdefault(find(d), []).append(d)
-    units: dict[tuple[int, int], int] = {}
+    units: dict[ShardKey, int] = {}
     for members in classes.values():
-        g = math.gcd(*[graph[t].shape[d] for t, d in members])
+        g = math.gcd(*[graph[t].shape[d] for t, d, _ in members])
         units.update({m: g for m in members})
     return units
 
 
-def shard_sizes(program: tuple[Instruction, ...], graph: Graph, ratios: list[float]) -> dict[tuple[int, int], list[int]]:
-    """Integer size of every sharded (tensor, dim) on every device; linked dims split alike."""
+def shard_sizes(program: tuple[Instruction, ...], graph: Graph, ratios: list[list[float]],
+                seg: Segmentation | None = None) -> dict[ShardKey, list[int]]:
+    """Integer size of every sharded (tensor, dim, segment) on every device; linked dims split alike."""
     out = {}
-    for (t, d), units in shard_units(program, graph).items():
+    for (t, d, k), units in shard_units(program, graph, seg).items():
         step = graph[t].shape[d] // units
-        out[(t, d)] = [u * step for u in split_sizes(units, ratios)]
+        out[(t, d, k)] = [u * step for u in split_sizes(units, ratios[k])]
     return out
+
+
+def shard_key(graph: Graph, seg: Segmentation, tensor: int, dim: int, segment: int) -> str:
+    """The plan JSON key of a sharded dim: `name:dim` in the tensor's own segment, `name:dim@k` after a resplit into k."""
+    base = f"{graph[tensor].name}:{dim}"
+    return base if segment == seg.of_node[tensor] else f"{base}@{segment}"
 
 
 @dataclass
@@ -87,6 +101,7 @@ class StageRecord:
     comm_tensor: str
     comm_s: float
     comp_s: list[float]
+    segment: int = 0
 
 
 @dataclass
@@ -101,16 +116,38 @@ class Plan:
     device_names: list[str]
     program: tuple[Instruction, ...]
     ratios: dict[str, list[float]]
-    """Ratios per segment (`"0"`: the whole model), one per device."""
+    """Ratios per segment (`"0"`, `"1"`, ...), one per device."""
     shard_sizes: dict[str, list[int]]
-    """`"<tensor>:<dim>"` -> integer size on every device (sums to the dim's size)."""
+    """`"<tensor>:<dim>"` (or `"<tensor>:<dim>@<segment>"` after a resplit, see `shard_key`) -> integer
+    size on every device (sums to the dim's size)."""
     predicted_time_s: float
     stages: list[StageRecord]
     memory_bytes: list[float]
     """Predicted peak memory per GPU of every device."""
     history: list[dict[str, Any]] = field(default_factory=list)
     search: dict[str, Any] = field(default_factory=dict)
+    segment_of: list[int] = field(default_factory=list)
+    """Segment of every graph node (empty: the whole model is one segment)."""
     schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def segmentation(self) -> Segmentation:
+        if not self.segment_of:
+            return Segmentation.single(self.graph)
+        return Segmentation(tuple(self.segment_of), max(self.segment_of) + 1)
+
+    @property
+    def ratio_rows(self) -> list[list[float]]:
+        """The ratios as one row per segment, in segment order."""
+        return [self.ratios[k] for k in sorted(self.ratios, key=int)]
+
+    def sizes(self, tensor: int, dim: int, segment: int | None = None) -> list[int]:
+        """Integer sizes of a sharded dim on every device, inside `segment` (default: the tensor's own)."""
+        seg = self.segmentation
+        key = shard_key(self.graph, seg, tensor, dim, seg.of_node[tensor] if segment is None else segment)
+        if key not in self.shard_sizes:
+            raise PlanError(f"plan has no shard sizes for {key}")
+        return self.shard_sizes[key]
 
     @property
     def world_size(self) -> int:
@@ -131,7 +168,7 @@ class Plan:
                 "predicted_time_s": self.predicted_time_s, "ratios": self.ratios, "shard_sizes": self.shard_sizes,
                 "memory_bytes": self.memory_bytes, "stages": [asdict(s) for s in self.stages],
                 "program": [ins.to_dict() for ins in self.program], "history": self.history, "search": self.search,
-                "graph": self.graph.to_dict()}
+                "segments": self.segment_of, "graph": self.graph.to_dict()}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -151,7 +188,8 @@ class Plan:
                         program=tuple(Instruction.from_dict(x) for x in d["program"]), ratios=d["ratios"],
                         shard_sizes=d["shard_sizes"], predicted_time_s=float(d["predicted_time_s"]),
                         stages=[StageRecord(**s) for s in d["stages"]], memory_bytes=list(d["memory_bytes"]),
-                        history=list(d.get("history", [])), search=dict(d.get("search", {})))
+                        history=list(d.get("history", [])), search=dict(d.get("search", {})),
+                        segment_of=[int(k) for k in d.get("segments", [])])
         except (KeyError, TypeError, ValueError) as e:
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
 
@@ -176,5 +214,5 @@ class Plan:
 
 
 def stage_records(b: Breakdown, graph: Graph) -> list[StageRecord]:
-    return [StageRecord(s.direction, s.comm, graph[s.comm_node].name if s.comm_node >= 0 else "", c, comp)
+    return [StageRecord(s.direction, s.comm, graph[s.comm_node].name if s.comm_node >= 0 else "", c, comp, s.segment)
             for s, c, comp in zip(b.stages, b.stage_comm_s, b.stage_comp_s)]

@@ -8,6 +8,10 @@ until Q repeats (convergence or oscillation); the best (Q, B) pair seen is kept.
 baselines are programs of the same search space (parameters Full, inputs sharded on the batch
 dim, no other communication), so they seed the search as incumbents: a HAP plan is never
 predicted slower than them.
+
+With `segments=g > 1` (§5.2) the model is cut into g segments at layer boundaries, B becomes one
+ratio vector per segment, and tensors crossing a boundary are re-split by all-to-alls. The
+one-segment baselines stay candidates, so segments are used only where they pay.
 """
 from __future__ import annotations
 
@@ -20,7 +24,8 @@ from .cluster import Cluster, load_cluster
 from .cost import CostModel, evaluate as evaluate_program
 from .errors import InfeasibleError, PlanError
 from .graph import Graph
-from .plan import Plan, shard_sizes, stage_records
+from .plan import Plan, shard_key, shard_sizes, stage_records
+from .segments import Segmentation, segment_graph, with_resplits
 from .program import Instruction
 from .synthesis import SearchProgress, SearchSpace, synthesize
 from .theory.core import FULL
@@ -32,8 +37,10 @@ BASELINES = ("dp-even", "dp-proportional")
 @dataclass
 class Candidate:
     program: tuple[Instruction, ...]
-    ratios: list[float]
+    ratios: list[list[float]]
+    """One row per segment."""
     cost: float
+    segmentation: Segmentation
 
 
 def proportional_ratios(cluster: Cluster) -> list[float]:
@@ -68,8 +75,8 @@ def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam"
         res = synthesize(graph, cm, space=data_parallel_space(graph))
     except InfeasibleError:
         raise InfeasibleError(_oom_message(graph, cluster, optimizer, data_parallel_space(graph), strategy, ratios)) from None
-    return _make_plan(strategy, graph, cluster, Candidate(res.program, ratios, res.cost), optimizer, [],
-                      {"expanded": res.expanded, "elapsed_s": res.elapsed_s})
+    return _make_plan(strategy, graph, cluster, Candidate(res.program, [ratios], res.cost, Segmentation.single(graph)),
+                      optimizer, [], {"expanded": res.expanded, "elapsed_s": res.elapsed_s})
 
 
 def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], optimizer: str) -> Candidate | None:
@@ -78,18 +85,22 @@ def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], opt
         res = synthesize(graph, cm, space=data_parallel_space(graph))
     except InfeasibleError:
         return None
-    return Candidate(res.program, ratios, res.cost)
+    return Candidate(res.program, [ratios], res.cost, Segmentation.single(graph))
 
 
 def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
          progress: Callable[[SearchProgress], None] | None = None, *, optimizer: str = "adam",
-         beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6, report_every: int = 500) -> Plan:
+         beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6, segments: int = 1,
+         report_every: int = 500) -> Plan:
     """Plan `model` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
 
-    `progress` is called every `report_every` expansions of each search (the UI's live frontier).
-    """
+    `segments` > 1 then iterates again with that many runs of layers, each with its own ratios
+    (§5.2), starting from the one-segment plan; the faster of the two is returned. `progress` is
+    called every `report_every` expansions of each search (the UI's live frontier)."""
     graph, cluster = _coerce(model, cluster)
+    seg = segment_graph(graph, segments)
     start = time.perf_counter()
+    deadline = None if time_budget_s is None else start + time_budget_s
     check_total_memory(graph, cluster, optimizer)
     baselines = {"dp-proportional": _baseline_candidate(graph, cluster, proportional_ratios(cluster), optimizer),
                  "dp-even": _baseline_candidate(graph, cluster, even_ratios(cluster), optimizer)}
@@ -98,35 +109,65 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     history: list[dict[str, Any]] = []
     stats = {"expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
              "baselines_s": {k: None if c is None else c.cost for k, c in baselines.items()}}
-    ratios, incumbent, seen = proportional_ratios(cluster), (seeds[0].program if seeds else None), set()
-    for it in range(max_iterations):
-        left = None if time_budget_s is None else max(0.05, time_budget_s - (time.perf_counter() - start))
-        cm = CostModel(graph, cluster, ratios, optimizer)
-        report = None if progress is None else (lambda p, it=it: progress(_tag(p, it)))
-        try:
-            res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=beam_width, incumbent=incumbent,
-                             report_every=report_every)
-        except InfeasibleError:
-            break  # nothing fits under these ratios; keep the best found (or explain below)
-        _accumulate(stats, res)
-        history.append({"iteration": it, "step": "Q", "predicted_time_s": res.cost, "ratios": ratios})
-        best = _better(best, Candidate(res.program, ratios, res.cost))
-        key = tuple(res.program)
-        if key in seen:
-            break
-        seen.add(key)
-        try:
-            bal = balance(res.program, graph, cluster, optimizer=optimizer)
-        except InfeasibleError:
-            break  # this program cannot fit under any ratios; keep the best found
-        cost = evaluate_program(res.program, CostModel(graph, cluster, bal.ratios, optimizer)).total_s
-        history.append({"iteration": it, "step": "B", "predicted_time_s": cost, "ratios": bal.ratios})
-        best = _better(best, Candidate(res.program, bal.ratios, cost))
-        ratios, incumbent = bal.ratios, res.program
+    loop = _Loop(graph, cluster, optimizer, beam_width, max_iterations, progress, report_every, deadline, history, stats)
+    best = loop.run(Segmentation.single(graph), [proportional_ratios(cluster)], best)
+    if seg.count > 1 and best is not None:
+        best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
     if best is None:
         raise InfeasibleError(_oom_message(graph, cluster, optimizer))
     stats["elapsed_s"] = time.perf_counter() - start
+    stats["segments"] = best.segmentation.count
     return _make_plan("hap", graph, cluster, best, optimizer, history, stats)
+
+
+@dataclass
+class _Loop:
+    """The Q<->B iteration for one segmentation, recording history and search statistics."""
+
+    graph: Graph
+    cluster: Cluster
+    optimizer: str
+    beam_width: int | None
+    max_iterations: int
+    progress: Callable[[SearchProgress], None] | None
+    report_every: int
+    deadline: float | None
+    history: list[dict[str, Any]]
+    stats: dict[str, Any]
+
+    def run(self, seg: Segmentation, ratios: list[list[float]], best: Candidate | None,
+            incumbent: tuple[Instruction, ...] | None = None) -> Candidate | None:
+        graph, cluster, optimizer = self.graph, self.cluster, self.optimizer
+        incumbent = incumbent or (best.program if best is not None and best.segmentation.count == 1 else None)
+        seen: set = set()
+        for _ in range(self.max_iterations):
+            it = len(self.history) // 2
+            left = None if self.deadline is None else max(0.05, self.deadline - time.perf_counter())
+            cm = CostModel(graph, cluster, ratios, optimizer, seg)
+            report = None if self.progress is None else (lambda p, it=it: self.progress(_tag(p, it)))
+            try:
+                res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=self.beam_width,
+                                 incumbent=incumbent, report_every=self.report_every)
+            except InfeasibleError:
+                break  # nothing fits under these ratios; keep the best found (or explain in plan())
+            _accumulate(self.stats, res)
+            self.history.append({"iteration": it, "step": "Q", "predicted_time_s": res.cost, "ratios": ratios,
+                                 "segments": seg.count})
+            best = _better(best, Candidate(res.program, ratios, res.cost, seg))
+            key = tuple(res.program)
+            if key in seen:
+                break
+            seen.add(key)
+            try:
+                bal = balance(res.program, graph, cluster, optimizer=optimizer, segmentation=seg)
+            except InfeasibleError:
+                break  # this program cannot fit under any ratios; keep the best found
+            cost = evaluate_program(res.program, CostModel(graph, cluster, bal.by_segment, optimizer, seg)).total_s
+            self.history.append({"iteration": it, "step": "B", "predicted_time_s": cost, "ratios": bal.by_segment,
+                                 "segments": seg.count})
+            best = _better(best, Candidate(res.program, bal.by_segment, cost, seg))
+            ratios, incumbent = bal.by_segment, res.program
+        return best
 
 
 def _tag(p: SearchProgress, iteration: int) -> SearchProgress:
@@ -148,15 +189,27 @@ def _better(a: Candidate | None, b: Candidate) -> Candidate:
     return b if a is None or b.cost < a.cost * (1 - 1e-12) else a
 
 
+def plan_of(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
+            *, optimizer: str = "adam", segmentation: Segmentation | None = None, strategy: str = "hap") -> Plan:
+    """The Plan of a given program and ratios (one flat list, or one row per segment): for programs
+    made by hand or by a restricted search, e.g. in tests and ablations."""
+    seg = segmentation or Segmentation.single(graph)
+    cm = CostModel(graph, cluster, ratios, optimizer, seg)
+    cand = Candidate(program, cm.ratios, evaluate_program(program, cm).total_s, seg)
+    return _make_plan(strategy, graph, cluster, cand, optimizer, [], {})
+
+
 def _make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str,
                history: list[dict[str, Any]], stats: dict[str, Any]) -> Plan:
-    cm = CostModel(graph, cluster, cand.ratios, optimizer)
+    seg = cand.segmentation
+    cm = CostModel(graph, cluster, cand.ratios, optimizer, seg)
     b = evaluate_program(cand.program, cm)
-    sizes = {f"{graph[t].name}:{d}": s for (t, d), s in shard_sizes(cand.program, graph, cand.ratios).items()}
+    sizes = {shard_key(graph, seg, t, d, k): s for (t, d, k), s in shard_sizes(cand.program, graph, cand.ratios, seg).items()}
     return Plan(strategy=strategy, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
-                device_names=[d.name for d in cluster.devices], program=cand.program, ratios={"0": list(cand.ratios)},
-                shard_sizes=sizes, predicted_time_s=b.total_s, stages=stage_records(b, graph),
-                memory_bytes=b.memory_bytes, history=history, search={**stats, "optimizer": optimizer})
+                device_names=[d.name for d in cluster.devices], program=cand.program,
+                ratios={str(k): list(r) for k, r in enumerate(cand.ratios)}, shard_sizes=sizes, predicted_time_s=b.total_s,
+                stages=stage_records(b, graph), memory_bytes=b.memory_bytes, history=history,
+                search={**stats, "optimizer": optimizer}, segment_of=list(seg.of_node) if seg.count > 1 else [])
 
 
 def check_total_memory(graph: Graph, cluster: Cluster, optimizer: str) -> None:

@@ -39,6 +39,7 @@ from .cost import DUAL, ZERO, Acc, CostModel, add
 from .errors import InfeasibleError
 from .graph import Graph
 from .program import COMM, COMPUTE, LOAD, Instruction
+from .segments import RESPLIT, Segmentation
 from .theory import collectives_from, leaf_forms, op_rules
 from .theory.core import FULL, PARTIAL, OpRule
 
@@ -94,7 +95,7 @@ class SearchResult:
 class _State:
     __slots__ = ("p", "props", "closed", "facc", "bacc", "mem", "tf", "tb", "score", "parent", "step", "alive")
 
-    def __init__(self, p: int, props: frozenset, closed: float, facc: Acc, bacc: Acc, mem: Acc,
+    def __init__(self, p: int, props: frozenset, closed: float, facc: Acc, bacc: Acc, mem: tuple[float, ...],
                  parent: "_State | None", step: tuple[Instruction, ...]) -> None:
         self.p, self.props, self.closed, self.facc, self.bacc, self.mem = p, props, closed, facc, bacc, mem
         self.parent, self.step, self.alive = parent, step, True
@@ -106,9 +107,11 @@ class _State:
 class _Prepared:
     """Per-graph tables the search consults in its inner loop."""
 
-    def __init__(self, graph: Graph, space: SearchSpace) -> None:
+    def __init__(self, graph: Graph, space: SearchSpace, segmentation: Segmentation) -> None:
         self.graph = graph
         self.order = [n.id for n in graph.nodes if not n.is_leaf]
+        self.segment = [segmentation.of_node[nid] for nid in self.order] + [0]
+        """Segment of each position (§5.2); a change between p-1 and p is a segment boundary."""
         pos_of = {nid: k for k, nid in enumerate(self.order)}
         self.rules = [[r for r in op_rules(graph[nid], graph) if space.rule_filter(nid, r)] for nid in self.order]
         for nid, rules in zip(self.order, self.rules):
@@ -184,7 +187,8 @@ class _Search:
         self.graph, self.cm, self.budget, self.progress, self.report_every = graph, cm, budget, progress, report_every
         self.beam_width = beam_width
         self.beam_cut = math.inf  # lowest score of a state the beam skipped
-        self.prep = _Prepared(graph, space)
+        self.prep = _Prepared(graph, space, cm.segmentation)
+        self.seg = self.prep.segment
         n = len(self.prep.order)
         self.rem_f = [0.0] * (n + 1)
         self.rem_b = [0.0] * (n + 1)
@@ -207,9 +211,18 @@ class _Search:
         self.debt_cache: dict[tuple, float] = {}
         self.ways_cache: dict[tuple, list[tuple]] = {}
         self.slice_ok = "slice" in self.prep.collectives
-        self.deltas = [{sh: cm.compute_delta(nid, sh) for sh in (False, True)} for nid in self.prep.order]
+        self.deltas = [{sh: self._compute_delta(k, sh) for sh in (False, True)} for k in range(n)]
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
         self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
+
+    def root(self) -> _State:
+        """The empty program."""
+        return _State(0, frozenset(), 0.0, ZERO, ZERO, (0.0,) * len(self.cm.classes), None, ())
+
+    def _compute_delta(self, k: int, sharded: bool) -> tuple[Acc, Acc, tuple[float, ...]]:
+        """Forward work, backward work and per-class memory bytes of computing position k."""
+        f, b, m = self.cm.compute_delta(self.prep.order[k], sharded)
+        return f, b, self.cm.memory_by_class(m, self.seg[k])
 
     def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
         from .cost import evaluate
@@ -224,8 +237,9 @@ class _Search:
         return top + max(0.0, remaining - slack) / self.sum_flops
 
     def _finish(self, s: _State) -> None:
-        s.tf = tuple(self.cm.class_times(s.facc))
-        s.tb = tuple(self.cm.class_times(s.bacc))
+        k = self.seg[max(s.p - 1, 0)]  # the open stages hold work of the last computed position's segment
+        s.tf = tuple(self.cm.class_times(s.facc, k))
+        s.tb = tuple(self.cm.class_times(s.bacc, k))
         s.score = s.closed + self._bound(s.tf, self.rem_f[s.p]) + self._bound(s.tb, self.rem_b[s.p]) + self._debt(s)
 
     def _debt(self, s: _State) -> float:
@@ -251,7 +265,9 @@ class _Search:
         i = prep.next_consumer(t, p)
         if i == len(prep.consumers[t]):
             return 0.0
-        want = prep.wanted[prep.consumers[t][i]].get(t, set())
+        consumer = prep.consumers[t][i]
+        want = prep.wanted[consumer].get(t, set())
+        where = (self.seg[consumer],)
         if any(f in want for f in fs):
             return 0.0
         slice_ok = "slice" in prep.collectives and FULL in fs
@@ -265,9 +281,9 @@ class _Search:
                 continue
             for coll, g in collectives_from(f, self.graph[t].shape):
                 if coll.key in prep.collectives and coll.is_communication and (g in want or (g == FULL and slice_ok)):
-                    c = self.cm.comm_time(coll.key, t)
+                    c = self.cm.comm_time(coll.key, t, where)
                     if self.cm.requires_grad[t]:
-                        c += self.cm.comm_time(DUAL[coll.key], t)
+                        c += self.cm.comm_time(DUAL[coll.key], t, where)
                     best = min(best, c)
         return best
 
@@ -316,7 +332,7 @@ class _Search:
     # --- main loop -----------------------------------------------------------------------
     def run(self) -> SearchResult:
         start = time.perf_counter()
-        self._push(_State(0, frozenset(), 0.0, ZERO, ZERO, ZERO, None, ()))
+        self._push(self.root())
         optimal = True
         while self.heap:
             score, _, _, s = self.heap[0] if not self.greedy else (self.heap[0][1], 0, 0, self.heap[0][3])
@@ -386,7 +402,7 @@ class _Search:
         node = graph[nid]
         for r in self.prep.rules[s.p]:
             pairs = list(zip(node.inputs, r.inputs))
-            ways = [self._ways(s.props, t, f) for t, f in pairs]
+            ways = [self._ways(s.props, t, f, self.seg[s.p]) for t, f in pairs]
             if any(not w for w in ways):
                 continue
             for combo in product(*ways):
@@ -396,7 +412,7 @@ class _Search:
                 if self._merge(combo, pairs, loads, comms, slices):
                     yield self._after_compute(s, nid, r, loads, comms, slices)
 
-    def _ways(self, props: frozenset, t: int, f: int) -> list[tuple]:
+    def _ways(self, props: frozenset, t: int, f: int, k: int) -> list[tuple]:
         """How operand t can be had in form f: ("have",), ("slice",), ("load", g), ("comm", src, key, g)."""
         if code(t, f) in props:
             return [("have",)]
@@ -412,32 +428,33 @@ class _Search:
             return ways
         if code(t, _COMMUNICATED) in props:
             return []
-        return self._comm_ways(props, t, f)
+        return self._comm_ways(props, t, f, k)
 
-    def _comm_ways(self, props: frozenset, t: int, f: int) -> list[tuple]:
+    def _comm_ways(self, props: frozenset, t: int, f: int, k: int) -> list[tuple]:
         present = tuple(src for src in range(-2, self.graph[t].rank) if code(t, src) in props)
-        key = (t, f, present)
+        key = (t, f, present, k)
         ways = self.ways_cache.get(key)
         if ways is None:
-            ways = self.ways_cache[key] = self._comm_ways_from(t, f, present)
+            ways = self.ways_cache[key] = self._comm_ways_from(t, f, present, k)
         return ways
 
-    def _comm_ways_from(self, t: int, f: int, present: tuple[int, ...]) -> list[tuple]:
+    def _comm_ways_from(self, t: int, f: int, present: tuple[int, ...], k: int) -> list[tuple]:
         best: dict[int, tuple[float, tuple]] = {}
         for src in present:
             for coll, g in collectives_from(src, self.graph[t].shape):
                 if not coll.is_communication or coll.key not in self.prep.collectives:
                     continue
                 if g == f or (g == FULL and f >= 0 and self.slice_ok):
-                    c = self._comm_cost(coll.key, t)
+                    c = self._comm_cost(coll.key, t, (k,))
                     if g not in best or c < best[g][0]:  # same post: keep the cheaper implementation (§4.4)
                         best[g] = (c, ("comm", src, coll.key, g))
         return [w for _, w in best.values()]
 
-    def _comm_cost(self, key: str, t: int) -> float:
-        c = self.cm.comm_time(key, t)
+    def _comm_cost(self, key: str, t: int, segments: tuple[int, ...]) -> float:
+        """A collective on t and, when t needs a gradient, its dual in the backward pass."""
+        c = self.cm.comm_time(key, t, segments)
         if self.cm.requires_grad[t]:
-            c += self.cm.comm_time(DUAL[key], t)
+            c += self.cm.comm_time(DUAL[key], t, segments)
         return c
 
     @staticmethod
@@ -468,12 +485,13 @@ class _Search:
         cm, graph = self.cm, self.graph
         closed, facc, bacc, mem = s.closed, s.facc, s.bacc, s.mem
         props = set(s.props)
+        k = self.seg[s.p]
         step: list[tuple] = []  # instructions as plain tuples; built into Instructions only for the result
         for t, src, key, g in comms:
-            closed += cm.stage_time(facc) + cm.comm_time(key, t)
+            closed += cm.stage_time(facc, k) + cm.comm_time(key, t, (k,))
             facc = ZERO
             if cm.requires_grad[t]:
-                closed += cm.stage_time(bacc) + cm.comm_time(DUAL[key], t)
+                closed += cm.stage_time(bacc, k) + cm.comm_time(DUAL[key], t, (k,))
                 bacc = ZERO
             props.add(code(t, g))
             props.add(code(t, _COMMUNICATED))
@@ -482,7 +500,7 @@ class _Search:
             step.append((COMM, t, key, ((t, src),), g))
         for t, f in loads.items():
             sync, m = cm.load_delta(t, f)
-            mem = add(mem, m)
+            mem = add(mem, cm.memory_by_class(m, k))
             if graph[t].op == "parameter" and f == FULL:  # its gradient joins the bucket (engine.cost)
                 closed += cm.nbytes[t] * self.bucket_s_per_byte
                 if _BUCKET not in props:
@@ -501,10 +519,23 @@ class _Search:
             if code(t, _COMMUNICATED) in props:
                 self._drop_redundant(props, t, s.p + 1)
         p = s.p + 1
-        if p == len(self.prep.order):  # close the open stages: the program is whole
-            closed += cm.stage_time(facc) + cm.stage_time(bacc)
+        if p == len(self.prep.order) or self.seg[p] != k:  # the program is whole, or a segment ends (§5.2)
+            closed += cm.stage_time(facc, k) + cm.stage_time(bacc, k)
             facc = bacc = ZERO
+            if p < len(self.prep.order):
+                closed += self._resplit(props, step, (k, self.seg[p]))
         return _State(p, frozenset(props), closed, facc, bacc, mem, s, tuple(step))
+
+    def _resplit(self, props: set[int], step: list[tuple], segments: tuple[int, int]) -> float:
+        """Re-split every live sharded tensor to the next segment's sizes by an all-to-all; its cost."""
+        cost = 0.0
+        for c in sorted(props):
+            if c < 0 or c % _K - _OFF < 0:
+                continue
+            t, d = c // _K, c % _K - _OFF
+            cost += self._comm_cost(RESPLIT, t, segments)
+            step.append((COMM, t, RESPLIT, ((t, d),), d))
+        return cost
 
     def _drop_redundant(self, props: set[int], t: int, p: int) -> None:
         """Third optimisation of §4.5: once t is communicated, drop forms no remaining consumer wants."""
@@ -519,12 +550,12 @@ class _Search:
                 props.discard(c)
 
 
-def _worst_memory(graph: Graph, cm: CostModel) -> Acc:
-    """Memory terms of the most memory-hungry program (everything Full): if even it fits, memory never binds."""
+def _worst_memory(graph: Graph, cm: CostModel) -> tuple[float, ...]:
+    """Per-class bytes of the most memory-hungry program (everything Full): if even it fits, memory never binds."""
     mem = ZERO
     for n in graph.nodes:
         if n.op == "parameter":
             mem = add(mem, cm.load_delta(n.id, FULL)[1])
         elif not n.is_leaf:
             mem = add(mem, cm.compute_delta(n.id, False)[2])
-    return mem
+    return cm.memory_by_class(mem)  # Full terms do not depend on the ratios

@@ -6,6 +6,7 @@
 | reduce_scatter(d)   P -> S(d)   | all_gather(d)                     |
 | all_gather(d)       S(d) -> F   | reduce_scatter(d)                 |
 | all_to_all(a -> b)  S(a)->S(b)  | all_to_all(b -> a)                |
+| resplit(d)          S(d)->S(d)  | resplit back (segment boundary)   |
 | slice(d)            F -> S(d)   | zero padding (free)               |
 | replicate           F -> F      | all_reduce (a Full parameter)     |
 
@@ -16,6 +17,7 @@ reach the backend.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -105,6 +107,25 @@ def all_to_all_uneven(x: Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence
     return torch.cat(pieces, dim=src_dim)
 
 
+def resplit_uneven(x: Tensor, dim: int, src_sizes: Sequence[int], dst_sizes: Sequence[int]) -> Tensor:
+    """Move a Shard(dim) tensor from one segment's sizes to another's (HAP §5.2): every rank sends
+    each other rank the rows where its old range meets their new one, in one all_to_all_single."""
+    rank = dist.get_rank()
+    src_off, dst_off = _offsets(src_sizes), _offsets(dst_sizes)
+
+    def overlap(i: int, j: int) -> int:  # rows of old shard i that belong to new shard j
+        return max(0, min(src_off[i] + src_sizes[i], dst_off[j] + dst_sizes[j]) - max(src_off[i], dst_off[j]))
+
+    m = len(src_sizes)
+    rows = x.movedim(dim, 0).contiguous()
+    row_numel = math.prod(rows.shape[1:])
+    send = [overlap(rank, j) * row_numel for j in range(m)]
+    recv = [overlap(i, rank) * row_numel for i in range(m)]
+    out = rows.new_empty((dst_sizes[rank], *rows.shape[1:]))
+    dist.all_to_all_single(out.view(-1), rows.view(-1), output_split_sizes=recv, input_split_sizes=send)
+    return out.movedim(0, dim)
+
+
 class AllReduce(torch.autograd.Function):
     """Partial -> Full; the gradient of a Full output is partial, so backward all-reduces too."""
 
@@ -164,6 +185,19 @@ class AllToAll(torch.autograd.Function):
         return run_collective("all_to_all", ctx.tag, all_to_all_uneven, g, *ctx.args), None, None, None, None, None
 
 
+class Resplit(torch.autograd.Function):
+    """Shard(d) with one segment's sizes -> Shard(d) with the next segment's; backward moves back."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, src_sizes: list[int], dst_sizes: list[int], tag: str) -> Tensor:
+        ctx.args, ctx.tag = (dim, dst_sizes, src_sizes), tag
+        return run_collective("resplit", tag, resplit_uneven, x, dim, src_sizes, dst_sizes)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return run_collective("resplit", ctx.tag, resplit_uneven, g, *ctx.args), None, None, None, None
+
+
 class Replicate(torch.autograd.Function):
     """A Full parameter's use: identity forward; its gradient on each device is an addend (partial),
     so backward all-reduces it. The training loop applies the same all-reduce to all Full
@@ -202,6 +236,10 @@ def reduce_scatter(x: Tensor, dim: int, sizes: list[int], tag: str = "") -> Tens
 
 def all_to_all(x: Tensor, src: int, dst: int, src_sizes: list[int], dst_sizes: list[int], tag: str = "") -> Tensor:
     return AllToAll.apply(x, src, dst, src_sizes, dst_sizes, tag)
+
+
+def resplit(x: Tensor, dim: int, src_sizes: list[int], dst_sizes: list[int], tag: str = "") -> Tensor:
+    return Resplit.apply(x, dim, src_sizes, dst_sizes, tag)
 
 
 def all_reduce_coalesced(tensors: list[Tensor], tag: str = "gradients") -> None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine.graph import Graph, Node
 from engine.plan import Plan
 from engine.program import COMM, LOAD, Instruction
+from engine.segments import RESPLIT, instruction_segments, source_segments
 from engine.theory.core import FULL, PARTIAL
 
 from . import collectives as C
@@ -47,17 +48,15 @@ class RankProgram:
     is_param: dict[int, bool] = None  # type: ignore[assignment]
 
 
-def sizes_of(plan: Plan, tensor: int, dim: int) -> list[int]:
-    key = f"{plan.graph[tensor].name}:{dim}"
-    if key not in plan.shard_sizes:
-        raise KeyError(f"plan has no shard sizes for {key}")
-    return plan.shard_sizes[key]
+def sizes_of(plan: Plan, tensor: int, dim: int, segment: int | None = None) -> list[int]:
+    """Sizes of a sharded dim on every rank inside `segment` (default: the tensor's own segment)."""
+    return plan.sizes(tensor, dim, segment)
 
 
-def local_shape(plan: Plan, tensor: int, form: int, rank: int) -> list[int]:
+def local_shape(plan: Plan, tensor: int, form: int, rank: int, segment: int | None = None) -> list[int]:
     shape = list(plan.graph[tensor].shape)
     if form >= 0:
-        shape[form] = sizes_of(plan, tensor, form)[rank]
+        shape[form] = sizes_of(plan, tensor, form, segment)[rank]
     return shape
 
 
@@ -76,14 +75,16 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False) -> RankPr
     env: dict[tuple[int, int], fx.Node] = {}
     leaves: list[tuple[int, int]] = []
     graph = plan.graph
-    for ins in plan.program:
+    segs = instruction_segments(plan.program, plan.segmentation)
+    sources = source_segments(plan.program, plan.segmentation)
+    for ins, seg, src in zip(plan.program, segs, sources):
         if ins.kind == LOAD:
             env[(ins.node, ins.post)] = g.placeholder(_safe(graph[ins.node].name))
             leaves.append((ins.node, ins.post))
         elif ins.kind == COMM:
-            env[(ins.node, ins.post)] = _emit_comm(g, plan, ins, env, rank)
+            env[(ins.node, ins.post)] = _emit_comm(g, plan, ins, env, rank, seg, src)
         else:
-            out = _emit_compute(g, plan, ins, env, rank)
+            out = _emit_compute(g, plan, ins, env, rank, seg)
             if probes:
                 out = g.call_function(probe, (out, f"{graph[ins.node].name}:{ins.rule}"))
             env[(ins.node, ins.post)] = out
@@ -98,27 +99,33 @@ def _safe(name: str) -> str:
     return name.replace(".", "_")
 
 
-def _emit_comm(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int) -> fx.Node:
+def _emit_comm(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, seg: int, from_seg: int) -> fx.Node:
+    """A collective in segment `seg`; a resplit moves its tensor there from segment `from_seg`."""
     (t, src), = ins.pre
     x = env[(t, src)]
     tag = {"tag": plan.graph[t].name}
+
+    def sizes(dim: int) -> list[int]:
+        return sizes_of(plan, t, dim, seg)
     if ins.rule == "slice":
-        return g.call_function(C.local_slice, (x, ins.post, sizes_of(plan, t, ins.post), rank))
+        return g.call_function(C.local_slice, (x, ins.post, sizes(ins.post), rank))
     if ins.rule == "all_reduce":
         return g.call_function(C.all_reduce, (x,), tag)
     if ins.rule == "reduce_scatter":
-        return g.call_function(C.reduce_scatter, (x, ins.post, sizes_of(plan, t, ins.post)), tag)
+        return g.call_function(C.reduce_scatter, (x, ins.post, sizes(ins.post)), tag)
     if ins.rule.startswith("all_gather"):
-        return g.call_function(C.all_gather, (x, src, sizes_of(plan, t, src), ins.rule.split(".")[1]), tag)
+        return g.call_function(C.all_gather, (x, src, sizes(src), ins.rule.split(".")[1]), tag)
     if ins.rule == "all_to_all":
-        return g.call_function(C.all_to_all, (x, src, ins.post, sizes_of(plan, t, src), sizes_of(plan, t, ins.post)), tag)
+        return g.call_function(C.all_to_all, (x, src, ins.post, sizes(src), sizes(ins.post)), tag)
+    if ins.rule == RESPLIT:
+        return g.call_function(C.resplit, (x, src, sizes_of(plan, t, src, from_seg), sizes(src)), tag)
     raise ValueError(f"unknown collective '{ins.rule}' in plan")
 
 
-def _emit_compute(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int) -> fx.Node:
+def _emit_compute(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, seg: int) -> fx.Node:
     node = plan.graph[ins.node]
     args = [env[p] for p in ins.pre]
-    shape = local_shape(plan, ins.node, ins.post, rank)
+    shape = local_shape(plan, ins.node, ins.post, rank, seg)
     return _EMITTERS.get(node.op, _emit_generic)(g, node, plan.graph, args, shape)
 
 

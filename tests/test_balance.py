@@ -20,6 +20,12 @@ from engine.program import COMPUTE
 from engine.synthesis import SearchSpace, synthesize
 
 
+def one_segment(by_key: dict) -> dict:
+    """(tensor, dim, segment) keys of a one-segment program as (tensor, dim)."""
+    assert {k for _, _, k in by_key} <= {0}
+    return {(t, d): v for (t, d, _), v in by_key.items()}
+
+
 def cost_at(program, graph, cluster, ratios) -> float:
     return evaluate(program, CostModel(graph, cluster, list(ratios))).total_s
 
@@ -213,7 +219,7 @@ def gpt_plan(small_gpt, load_sample):
 def test_shard_sizes_of_linked_dims_scale_consistently(small_gpt, gpt_plan, ratios):
     graph, program = gpt_plan.graph, gpt_plan.program
     ratios = ratios or gpt_plan.ratios["0"]
-    sizes = shard_sizes(program, graph, ratios)
+    sizes = one_segment(shard_sizes(program, graph, [ratios]))
     for (t, d), per_device in sizes.items():
         assert sum(per_device) == graph[t].shape[d], graph[t].name
         assert all(s >= 0 for s in per_device)
@@ -241,7 +247,7 @@ def heads_program(small_gpt, load_sample):
 
 @pytest.mark.parametrize("ratios", [[0.25, 0.25, 0.25, 0.25], [0.55, 0.3, 0.1, 0.05], [0.4, 0.4, 0.1, 0.1]])
 def test_head_split_view_gives_each_device_whole_heads_of_the_hidden_dim(small_gpt, heads_program, ratios):
-    sizes = shard_sizes(heads_program, small_gpt, ratios)
+    sizes = one_segment(shard_sizes(heads_program, small_gpt, [ratios]))
     views = [ins for ins in heads_program if ins.kind == COMPUTE and small_gpt[ins.node].op == "view"
              and small_gpt[ins.node].rank == 4 and ins.post == 2]
     assert views, "expected q/k/v views split on the heads dim"
@@ -255,7 +261,7 @@ def test_head_split_view_gives_each_device_whole_heads_of_the_hidden_dim(small_g
 
 
 def test_shard_units_of_a_head_view_are_the_number_of_heads(small_gpt, heads_program):
-    units = shard_units(heads_program, small_gpt)
+    units = one_segment(shard_units(heads_program, small_gpt))
     for (t, d), u in units.items():
         assert small_gpt[t].shape[d] % u == 0
     views = [(t, d) for (t, d) in units if small_gpt[t].op == "view" and small_gpt[t].rank == 4 and d == 2]

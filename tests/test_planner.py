@@ -127,8 +127,9 @@ def test_plan_history_has_program_and_balance_steps_with_predicted_times(small_p
     assert steps[0] == "Q"
     for h in small_plan.history:
         assert h["predicted_time_s"] > 0 and math.isfinite(h["predicted_time_s"])
-        assert len(h["ratios"]) == small_plan.world_size
-        assert sum(h["ratios"]) == pytest.approx(1.0, abs=1e-9)
+        assert len(h["ratios"]) == h["segments"] == 1  # one row of ratios per segment
+        assert len(h["ratios"][0]) == small_plan.world_size
+        assert sum(h["ratios"][0]) == pytest.approx(1.0, abs=1e-9)
     # the best (Q, B) pair seen is the one kept
     assert small_plan.predicted_time_s <= min(h["predicted_time_s"] for h in small_plan.history) * (1 + 1e-9)
 

@@ -32,7 +32,7 @@ def enumerate_programs(graph: Graph, cm: CostModel, space: SearchSpace | None = 
     """
     search = _Search(graph, cm, space or SearchSpace(), None, None, 500, None)
     end = len(search.prep.order)
-    stack = [_State(0, frozenset(), 0.0, ZERO, ZERO, ZERO, None, ())]
+    stack = [search.root()]
     while stack:
         s = stack.pop()
         if s.p < end:

@@ -15,6 +15,8 @@ st.markdown(f"Model **{st.session_state[services.Keys.MODEL_SOURCE]}** ({len(gra
 budget = st.slider("Time budget (s): the search returns the best plan found when it runs out", 1.0, 120.0,
                    value=float(st.session_state[services.Keys.BUDGET]), key="search.budget_slider")
 st.session_state[services.Keys.BUDGET] = budget
+segments = st.number_input("Segments: runs of layers with their own sharding ratios (HAP §5.2; 1 = one set of ratios)",
+                           min_value=1, max_value=max(1, graph.num_segments), value=1, step=1, key="search.segments")
 go = st.button("Run search", type="primary", key="search.run")
 status, bar, live = st.empty(), st.empty(), st.empty()
 
@@ -37,7 +39,7 @@ if go:
 
     try:
         with st.spinner("Searching ..."):
-            plan = services.run_plan(graph, cluster, budget, progress)
+            plan = services.run_plan(graph, cluster, budget, progress, int(segments))
         st.session_state[services.Keys.PLAN] = plan
         st.session_state[services.Keys.FRONTIER] = points or None
         st.rerun()  # redraw the page (and the sidebar) around the new plan
@@ -51,11 +53,12 @@ if plan is None or not services.plan_matches(plan, graph, cluster):
     st.info("No plan for this model and cluster yet: run the search.")
     st.stop()
 s = plan.search
-c = st.columns(4)
+c = st.columns(5)
 c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
 c[1].metric("States expanded", s.get("expanded", 0))
 c[2].metric("Q<->B iterations", s.get("iterations", 0))
 c[3].metric("Search time", f"{s.get('elapsed_s', 0.0):.2f} s")
+c[4].metric("Segments", len(plan.ratios))
 st.caption("proven optimal for its rule set" if s.get("optimal") else
            "beam-limited or stopped by the budget: the best plan found, not proven optimal")
 points = st.session_state.get(services.Keys.FRONTIER) or s.get("frontier", [])

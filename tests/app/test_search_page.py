@@ -1,7 +1,7 @@
 """Search page: running the planner with a budget, the live frontier, the Q<->B history."""
 from __future__ import annotations
 
-from ui_helpers import no_exception, open_page, app, tiny_graph, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
+from ui_helpers import TINY_GPT, no_exception, open_page, app, tiny_graph, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
 
 from app import components as ui
 from app.services import Keys
@@ -26,6 +26,20 @@ def test_run_search_makes_a_plan_with_frontier_and_history(app, tiny_graph, cpu_
     assert len(charts) == 2  # frontier and Q<->B history
     assert "Search frontier" in charts[0].proto.spec and "Q<->B iterations" in charts[1].proto.spec
     assert len(at.dataframe[0].value) == len(plan.history)
+
+
+def test_search_with_segments_asks_the_engine_for_them(app):
+    import engine
+
+    app.session_state[Keys.GRAPH] = engine.load_model("zoo:gpt", **{**TINY_GPT, "layers": 2})
+    app.session_state[Keys.PLAN] = None
+    at = open_page(app, "search")
+    at.number_input(key="search.segments").set_value(2)
+    at.button(key="search.run").click().run()
+    no_exception(at)
+    plan = at.session_state[Keys.PLAN]
+    assert any(h.get("segments") == 2 for h in plan.history), "the planner iterated with two segments"
+    assert {m.label: m.value for m in at.metric}["Segments"] == str(len(plan.ratios))
 
 
 def test_frontier_rows_accumulate_expansions_over_iterations():

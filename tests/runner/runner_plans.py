@@ -9,7 +9,8 @@ from engine.cost import CostModel
 from engine.errors import InfeasibleError
 from engine.graph import Graph
 from engine.plan import Plan
-from engine.planner import Candidate, _make_plan
+from engine.planner import data_parallel_space, plan_of
+from engine.segments import segment_graph
 from engine.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
 
@@ -61,8 +62,20 @@ def forced_plan(model: str, world: int, collective: str) -> Plan:
         except InfeasibleError:
             continue
         if any(i.rule == collective for i in res.program):
-            return _make_plan("hap", g, c, Candidate(res.program, ratios, res.cost), "sgd", [], {})
+            return plan_of(res.program, g, c, ratios, optimizer="sgd")
     raise AssertionError(f"no program of {model} on {world} ranks uses {collective}")
+
+
+def segmented_plan(model: str, world: int, data_parallel: bool, **knobs) -> Plan:
+    """A two-segment program whose segments have different ratios (RATIOS[world] and its reverse), so
+    sharded tensors crossing the boundary really move (HAP §5.2)."""
+    g = engine.load_model(f"zoo:{model}", **{**MODELS[model], **knobs})
+    c, seg = cluster(world), segment_graph(g, 2)
+    assert seg.count == 2, "the model needs two layers to make two segments"
+    rows = [RATIOS[world], RATIOS[world][::-1]]
+    space = data_parallel_space(g) if data_parallel else None
+    res = synthesize(g, CostModel(g, c, rows, "sgd", seg), space=space)
+    return plan_of(res.program, g, c, rows, optimizer="sgd", segmentation=seg)
 
 
 def collectives_of(plan: Plan) -> set[str]:

@@ -13,7 +13,7 @@ from runner import checkpoint
 from runner.launch import FAULT_ENV, DistEnv, MetricsFile, RunConfig, parse_args, run, run_key
 from runner.train import setup_rank
 from engine.cost import CostModel
-from engine.planner import Candidate, _make_plan
+from engine.planner import plan_of
 from engine.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
 from runner_plans import RATIOS, cluster, graph
@@ -25,7 +25,7 @@ def sharded_plan(model: str, world: int):
     """The cheapest program that keeps no parameter whole: every rank holds uneven slices (RATIOS)."""
     g, c, ratios = graph(model), cluster(world), RATIOS[world]
     res = synthesize(g, CostModel(g, c, ratios, "sgd"), space=SearchSpace(param_forms=lambda node, form: form != FULL))
-    return _make_plan("hap", g, c, Candidate(res.program, ratios, res.cost), "sgd", [], {})
+    return plan_of(res.program, g, c, ratios, optimizer="sgd")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,10 @@ SIZES = {2: [3, 2], 3: [1, 3, 1], 4: [2, 0, 2, 1]}
 """Uneven shard sizes of dim 1 (5 = sum) per world size; the 4-rank case has an empty shard."""
 OTHER = {2: [1, 1], 3: [1, 0, 1], 4: [0, 1, 1, 0]}
 """Sizes of dim 0 (2) for the all-to-all target."""
-OPS = ["all_reduce", "all_gather.padded", "all_gather.grouped", "reduce_scatter", "all_to_all", "slice", "replicate"]
+RESPLIT = {2: [1, 4], 3: [3, 0, 2], 4: [1, 2, 0, 2]}
+"""New sizes of dim 1 after a segment boundary (the same total, other cuts)."""
+OPS = ["all_reduce", "all_gather.padded", "all_gather.grouped", "reduce_scatter", "all_to_all", "slice", "replicate",
+       "resplit"]
 
 
 def _full(seed: int, shape=SHAPE) -> torch.Tensor:
@@ -49,7 +52,8 @@ def out_grads(op: str, world: int) -> list[torch.Tensor]:
               "replicate": [SHAPE] * world,
               "reduce_scatter": [_with_dim(SHAPE, 1, s) for s in sizes],
               "slice": [_with_dim(SHAPE, 1, s) for s in sizes],
-              "all_to_all": [_with_dim(SHAPE, 0, s) for s in other]}[op]
+              "all_to_all": [_with_dim(SHAPE, 0, s) for s in other],
+              "resplit": [_with_dim(SHAPE, 1, s) for s in RESPLIT[world]]}[op]
     return [_full(200 + r, shape) for r, shape in enumerate(shapes)]
 
 
@@ -65,6 +69,8 @@ def apply_distributed(op: str, x: torch.Tensor, rank: int, world: int) -> torch.
         return C.all_to_all(x, 1, 0, sizes, other)
     if op == "slice":
         return C.local_slice(x, 1, sizes, rank)
+    if op == "resplit":
+        return C.resplit(x, 1, sizes, RESPLIT[world])
     return C.replicate(x)
 
 
@@ -81,6 +87,8 @@ def apply_reference(op: str, xs: list[torch.Tensor], world: int) -> list[torch.T
         return list(torch.split(torch.cat(xs, 1), other, 0))
     if op == "slice":
         return list(torch.split(xs[0], sizes, 1))
+    if op == "resplit":
+        return list(torch.split(torch.cat(xs, 1), RESPLIT[world], 1))
     return [xs[0]] * world
 
 

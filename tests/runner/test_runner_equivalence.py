@@ -18,7 +18,7 @@ from dist_harness import run_ranks
 from runner.launch import DistEnv, RunConfig, run
 from runner.train import build_module, reference_run
 from runner.verify import TOLERANCE, compare, rel_diff
-from runner_plans import FORCEABLE, RATIOS, collectives_of, dp_even_plan, engine_plan, forced_plan
+from runner_plans import FORCEABLE, RATIOS, collectives_of, dp_even_plan, engine_plan, forced_plan, segmented_plan
 
 STEPS = 5
 ALL_COLLECTIVES = set(FORCEABLE) | {"slice"}
@@ -64,6 +64,15 @@ def test_distributed_training_equals_single_device(model, world, kind, optimizer
     if kind == "hap":
         assert len(set(plan.ratios["0"])) == world, "the ratios should be uneven"
     check_equivalence(plan, tmp_path, optimizer)
+
+
+@pytest.mark.parametrize("model, world, data_parallel, knobs", [
+    pytest.param("mlp", 3, True, {}, id="mlp-3ranks-dp"), pytest.param("gpt", 2, False, {"layers": 2}, id="gpt-2ranks-hap")])
+def test_segments_with_their_own_ratios_train_the_same(model, world, data_parallel, knobs, tmp_path):
+    plan = segmented_plan(model, world, data_parallel, **knobs)
+    assert plan.ratios["0"] != plan.ratios["1"] and "resplit" in collectives_of(plan)
+    assert any("@1" in key for key in plan.shard_sizes), "some tensor is resplit into segment 1"
+    check_equivalence(plan, tmp_path, "sgd")
 
 
 def test_per_parameter_gradient_all_reduce_during_backward_trains_the_same(tmp_path):

@@ -15,6 +15,7 @@ from hypothesis import given
 
 from engine.plan import split_sizes as plan_split_sizes
 from engine.cost import DUAL
+from engine.segments import RESPLIT
 from engine.theory import COLLECTIVES, FULL, PARTIAL, collectives_from
 from engine.theory.check import split_sizes
 from engine.theory.collectives import ALL_REDUCE, BY_KEY, Collective
@@ -123,7 +124,8 @@ def forms_of(shape: tuple[int, ...]) -> list[int]:
 
 def test_every_collective_has_a_simulation_and_a_dual() -> None:
     assert {c.key for c in COLLECTIVES} == set(SIMULATE) == set(BY_KEY)
-    assert set(DUAL) == set(BY_KEY)
+    assert set(DUAL) == set(BY_KEY) | {RESPLIT}  # resplit: forced at segment boundaries, not a search choice
+    assert DUAL[RESPLIT] == RESPLIT
     assert DUAL["all_reduce"] == "all_reduce"
     assert DUAL["reduce_scatter"] == "all_gather.padded" and DUAL["all_gather.padded"] == "reduce_scatter"
     assert DUAL["all_to_all"] == "all_to_all"
@@ -252,4 +254,5 @@ def test_dual_table_names() -> None:
     """The cost model's duals follow the table; the grouped all-gather's dual (m reduces) is costed like
     the grouped broadcast it mirrors (same traffic), so it maps to itself."""
     assert DUAL == {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
-                    "all_gather.grouped": "all_gather.grouped", "all_to_all": "all_to_all", "slice": "slice"}
+                    "all_gather.grouped": "all_gather.grouped", "all_to_all": "all_to_all", "slice": "slice",
+                    RESPLIT: RESPLIT}
