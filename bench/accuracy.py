@@ -146,7 +146,7 @@ def predicted(plan_path: Path) -> dict[str, float]:
 
     plan = Plan.from_json(plan_path)
     return {"iteration_s": plan.predicted_time_s, "compute_s": sum(max(s.comp_s) for s in plan.stages),
-            "comm_s": sum(s.comm_s for s in plan.stages), "ratios": plan.ratios["0"],
+            "comm_s": sum(s.comm_s for s in plan.stages), "ratios": plan.ratios,
             "collectives": sorted({i.rule for i in plan.program if i.kind == "comm"})}
 
 
