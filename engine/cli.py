@@ -7,6 +7,7 @@
     hap export plan.json --out DIR [--zip] [--cluster FILE] [--model-file F]      (launch bundle)
     hap bundle check BUNDLE                                                       (0 valid, 1 invalid, 2 usage)
     hap ui [--port 8501] [--host 127.0.0.1]                                       (the Streamlit workbench)
+    hap profile --out cluster.json [--parquet raw.parquet] [--nproc N] [--speeds 1,0.5]   (runner; `hap profile --help`)
 
 Bad input exits with status 2 and one line naming the problem, never a traceback.
 """
@@ -143,6 +144,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run_main([args.plan, *args.options])
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from runner.profile import main as profile_main  # lazily: the engine never imports the runner
+
+    return profile_main(args.options)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from .bundle import export_bundle
     from .plan import Plan
@@ -267,12 +274,19 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--port", type=int, default=8501, help="TCP port (default 8501)")
     u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     u.set_defaults(func=cmd_ui)
+    f = sub.add_parser("profile", add_help=False, help="measure this cluster (FLOP/s, collectives) and write a cluster spec",
+                       description="options go to the profiler: see `hap profile --help`")
+    f.set_defaults(func=cmd_profile)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "profile":  # every option belongs to the profiler (runner.profile), --help included
+        args.options = extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except HapError as e:

@@ -274,6 +274,36 @@ def nominal_collectives(m: int, latency_s: float, bottleneck_Bps: float) -> dict
     }
 
 
+def fit_collective(payload_bytes: list[float] | tuple[float, ...], seconds: list[float] | tuple[float, ...]) -> CollectiveFit:
+    """Fit ``time = latency + bytes / bandwidth`` to measured points (HAP §3.2), anchored at the smallest payload.
+
+    The line goes through the smallest payload's point, where latency dominates, and its slope is
+    the weighted least-squares slope of the other points, with squared residuals weighted by
+    1/time: timing noise grows with the time (a collective is a sequence of chunk transfers, each
+    delayed at random on a loaded host). Measured collectives are not quite linear (on a CPU host
+    gloo's bandwidth drops for multi-MiB payloads); the anchor keeps small, latency-bound
+    collectives priced at what they cost, and the weighting lets the large payloads, such as
+    gradient buckets, set the bandwidth. A negative intercept is clamped to 0; a slope <= 0 (time
+    does not grow with size) gives FREE_BANDWIDTH_BPS with the mean time as latency. Give it one
+    point per payload, each already a robust summary (e.g. a median of repeats).
+    """
+    if len(payload_bytes) != len(seconds) or len(seconds) < 2:
+        raise ValueError(f"fit_collective needs >= 2 (bytes, seconds) points of equal count, got "
+                         f"{len(payload_bytes)} and {len(seconds)}")
+    if any(t <= 0 for t in seconds) or any(b < 0 for b in payload_bytes):
+        raise ValueError("fit_collective needs positive times and non-negative payloads")
+    x0, t0 = min(zip(payload_bytes, seconds))
+    num = sum((x - x0) * (t - t0) / t for x, t in zip(payload_bytes, seconds))
+    den = sum((x - x0) ** 2 / t for x, t in zip(payload_bytes, seconds))
+    slope = num / den if den > 0 else 0.0
+    if slope <= 0:
+        return CollectiveFit(latency_s=sum(seconds) / len(seconds), bandwidth_Bps=FREE_BANDWIDTH_BPS)
+    latency = t0 - slope * x0
+    if latency < 0:  # refit through the origin: min sum (s x - t)^2 / t
+        latency, slope = 0.0, sum(payload_bytes) / sum(x * x / t for x, t in zip(payload_bytes, seconds))
+    return CollectiveFit(latency_s=latency, bandwidth_Bps=min(1.0 / slope, FREE_BANDWIDTH_BPS))
+
+
 def _bottleneck(devices: tuple[Device, ...], levels: Mapping[str, float]) -> float:
     """Slowest bandwidth among the link levels the layout uses (FREE_BANDWIDTH_BPS if none)."""
     used = required_link_levels(devices)

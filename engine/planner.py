@@ -140,6 +140,7 @@ class _Loop:
         graph, cluster, optimizer = self.graph, self.cluster, self.optimizer
         incumbent = incumbent or (best.program if best is not None and best.segmentation.count == 1 else None)
         seen: set = set()
+        rebalanced = False
         for _ in range(self.max_iterations):
             it = len(self.history) // 2
             left = None if self.deadline is None else max(0.05, self.deadline - time.perf_counter())
@@ -148,8 +149,12 @@ class _Loop:
             try:
                 res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=self.beam_width,
                                  incumbent=incumbent, report_every=self.report_every)
-            except InfeasibleError:
-                break  # nothing fits under these ratios; keep the best found (or explain in plan())
+            except InfeasibleError:  # nothing fits under these ratios: let the LP (memory constraints) move them once
+                moved = None if incumbent is None or rebalanced else self.memory_feasible_ratios(incumbent, seg)
+                if moved is None:
+                    break  # keep the best found (or explain in plan())
+                ratios, rebalanced = moved, True
+                continue
             _accumulate(self.stats, res)
             self.history.append({"iteration": it, "step": "Q", "predicted_time_s": res.cost, "ratios": ratios,
                                  "segments": seg.count})
@@ -168,6 +173,13 @@ class _Loop:
             best = _better(best, Candidate(res.program, bal.by_segment, cost, seg))
             ratios, incumbent = bal.by_segment, res.program
         return best
+
+    def memory_feasible_ratios(self, program: tuple[Instruction, ...], seg: Segmentation) -> list[list[float]] | None:
+        """The LP's ratios for `program` (e.g. a baseline), which respect every device's memory; None if none do."""
+        try:
+            return balance(program, self.graph, self.cluster, optimizer=self.optimizer, segmentation=seg).by_segment
+        except InfeasibleError:
+            return None
 
 
 def _tag(p: SearchProgress, iteration: int) -> SearchProgress:

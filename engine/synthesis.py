@@ -227,6 +227,8 @@ class _Search:
     def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
         from .cost import evaluate
 
+        if not self.cm.fits(self.cm.class_memory(replay(program, self.cm)[1])):
+            return
         self.incumbent = program
         self.best_cost = evaluate(program, self.cm).total_s * (1 + 1e-9)
 

@@ -37,9 +37,9 @@ def under_launcher(env=os.environ) -> bool:
     return "RANK" in env and "WORLD_SIZE" in env
 
 
-def torchrun_command(world_size: int, argv: Sequence[str]) -> list[str]:
+def torchrun_command(world_size: int, argv: Sequence[str], module: str = "runner.launch") -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world_size}",
-            "-m", "runner.launch", *argv]
+            "-m", module, *argv]
 
 
 def child_env() -> dict[str, str]:
@@ -57,18 +57,18 @@ def failed_rank(stderr_text: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def describe_failure(returncode: int, stderr_text: str) -> str:
+def describe_failure(returncode: int, stderr_text: str, command: str = "hap run") -> str:
     found = failed_rank(stderr_text)
     if found is None:
-        return f"hap run: torchrun exited with status {returncode}"
+        return f"{command}: torchrun exited with status {returncode}"
     rank, code = found
     how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-    return f"hap run: rank {rank} {how}; torchrun stopped the other ranks (exit status {returncode})"
+    return f"{command}: rank {rank} {how}; torchrun stopped the other ranks (exit status {returncode})"
 
 
-def run_torchrun(world_size: int, argv: Sequence[str]) -> int:
-    """Start torchrun, relay its output, and explain a failure by naming the rank."""
-    proc = subprocess.Popen(torchrun_command(world_size, argv), env=child_env(), stderr=subprocess.PIPE,
+def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.launch", command: str = "hap run") -> int:
+    """Start torchrun with `-m module argv`, relay its output, and explain a failure by naming the rank."""
+    proc = subprocess.Popen(torchrun_command(world_size, argv, module), env=child_env(), stderr=subprocess.PIPE,
                             text=True, bufsize=1)
     tail: list[str] = []
     try:
@@ -81,7 +81,7 @@ def run_torchrun(world_size: int, argv: Sequence[str]) -> int:
         proc.wait()
         raise
     if returncode != 0:
-        print(describe_failure(returncode, "".join(tail)), file=sys.stderr, flush=True)
+        print(describe_failure(returncode, "".join(tail), command), file=sys.stderr, flush=True)
     return returncode
 
 

@@ -170,8 +170,8 @@ def speeds_from_cluster(cluster: Any) -> list[float]:
     return [r / top for r in rates]
 
 
-def parse_speeds(text: str, world_size: int) -> list[float]:
-    """`"1,1,0.5,0.5"` -> one factor per rank (a single value applies to all ranks)."""
+def parse_speeds(text: str, world_size: int, owner: str = "the plan") -> list[float]:
+    """`"1,1,0.5,0.5"` -> one factor per rank (a single value applies to all ranks); `owner` has the ranks."""
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -179,7 +179,7 @@ def parse_speeds(text: str, world_size: int) -> list[float]:
     if len(values) == 1:
         values *= world_size
     if len(values) != world_size:
-        raise ValueError(f"--speeds gives {len(values)} factors but the plan has {world_size} ranks")
+        raise ValueError(f"--speeds gives {len(values)} factors but {owner} has {world_size} ranks")
     bad = [v for v in values if not 0 < v <= 1]
     if bad:
         raise ValueError(f"--speeds factors must be in (0, 1] (1 = full speed, 0.5 = half), got {bad}")

@@ -15,7 +15,7 @@ import pytest
 import engine
 from engine.cost import CostModel
 from engine.graph import Graph
-from engine.planner import Candidate, _make_plan
+from engine.planner import plan_of
 from engine.synthesis import SearchSpace, synthesize
 from runner_plans import RATIOS, cluster
 from test_runner_equivalence import check_equivalence
@@ -35,7 +35,7 @@ def forced(g: Graph, world: int, banned: dict[str, set[str]]):
     """The cheapest program at RATIOS[world] that uses none of the `banned` rules (op -> rule names)."""
     space = SearchSpace(rule_filter=lambda nid, r: r.name not in banned.get(g[nid].op, set()))
     res = synthesize(g, CostModel(g, cluster(world), RATIOS[world], "sgd"), space=space)
-    return _make_plan("hap", g, cluster(world), Candidate(res.program, RATIOS[world], res.cost), "sgd", [], {})
+    return plan_of(res.program, g, cluster(world), RATIOS[world], optimizer="sgd")
 
 
 def rules_of(plan, op: str) -> set[str]:

@@ -1,0 +1,650 @@
+"""`hap profile --out cluster.json [--parquet raw.parquet] [--nproc N] [--speeds 1,0.5] ...`
+
+Measures the cluster this job runs on and writes a cluster spec the planner reads directly
+(HAP §3.2: "run each collective operation on the cluster with tensors of different sizes and
+fit the latency and bandwidth in a linear model"):
+
+* **compute**: each rank's achieved FLOP/s on the model's own operators — one forward plus
+  backward of a zoo model at its batch and at half of it, flops counted exactly as the cost
+  model counts them (`engine.cost.CostModel`), which is the rate the spec records — and on
+  square matmuls at several sizes (recorded for reference: on CPU a matmul runs about 3x faster
+  than a whole model, whose small element-wise operators are memory-bound). Emulated speeds
+  (`--speeds`) use the runner's own emulation (`runner.timing.Pacer`), so a rank of speed 0.5
+  measures half the rate; CPU thread settings are the runner's (`launch.apply_cpu_threads`).
+* **communication**: every collective the cost model prices, with the runner's implementations
+  and the payload conventions of `engine.cluster`: `all_reduce` (payload: the whole tensor),
+  `all_gather` (the padded implementation; payload: one shard), `reduce_scatter` and
+  `all_to_all` (payload: one shard), and `broadcast` timed as the grouped all-gather (one
+  broadcast per rank; its time divided by the number of ranks, payload: one shard). Each
+  payload runs `--warmup` times untimed, then `--repeats` times after a barrier, one rank in
+  turn arriving ARRIVAL_DELAY_S late so that the others wait inside the collective as they do
+  in training; a repeat's time is the late rank's (from the last arrival to the end), a
+  payload's time the median over repeats, and `engine.cluster.fit_collective` fits latency +
+  bandwidth per collective.
+
+Under an existing launch (torchrun or Slurm setting RANK and WORLD_SIZE) this process is one
+rank; otherwise `hap profile` starts
+
+    python -m torch.distributed.run --standalone --nproc-per-node=N -m runner.profile ...
+
+on this machine. Several machines: run on each node, e.g.
+
+    torchrun --nnodes=2 --nproc-per-node=4 --node-rank=0 --rdzv-backend=c10d \\
+        --rdzv-endpoint=HOST:29500 -m runner.profile --out cluster.json
+
+Rank 0 shows progress on stderr, prints a summary, and writes the spec (devices `rank-0`,
+`rank-1`, ... on machines named by host) and the raw measurements as Parquet (`--parquet`).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from engine.errors import HapError
+
+PROFILE_KNOBS: dict[str, dict[str, Any]] = {
+    "gpt": dict(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq_len=64, batch=16),
+    "mlp": dict(layers=2, in_features=256, hidden=1024, classes=16, batch=64),
+}
+"""Small configs of the zoo models (~0.1 s per step on one CPU thread); `--set` knobs apply on top."""
+DEFAULT_SIZES = (16 * 2**10, 128 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
+"""Collective payloads: latency-bound activations up to the multi-MiB gradient buckets of the zoo models."""
+DEFAULT_MATMUL = (128, 256, 512)
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+IMPL = {"all_reduce": "all_reduce", "all_gather": "all_gather.padded", "reduce_scatter": "reduce_scatter",
+        "all_to_all": "all_to_all", "broadcast": "all_gather.grouped"}
+"""The runner code path each fit is measured on (the cost model's collective keys)."""
+ARRIVAL_DELAY_S = 0.002
+"""In each timed repeat of a collective one rank (in turn) arrives this much later than the others,
+which are by then blocked inside the collective, as ranks are in training; its time is the one
+used. It so includes waking the waiting ranks, which on a loaded CPU host costs milliseconds."""
+MIN_FLOPS_PER_SAMPLE = 1e8
+"""A matmul sample repeats the product until it does at least this much work (~1 ms on a CPU core)."""
+PARQUET_COLUMNS = ("kind", "op", "impl", "rank", "speed", "size", "payload_bytes", "calls", "flops", "repeat",
+                   "arrival_delay_s", "seconds", "backend", "world_size")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileConfig:
+    """What to measure; identical on every rank."""
+
+    out: str
+    """Path of the cluster spec JSON to write."""
+    parquet: str | None = None
+    """Path of the raw measurements (Parquet), or None."""
+    nproc: int | None = None
+    """Ranks to start when not under a launcher (default: one per --speeds factor, else per GPU, else 2)."""
+    speeds: str | None = None
+    """Emulated speed factor per rank, e.g. `1,0.5` (see runner.timing)."""
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    """Collective payloads in bytes."""
+    matmul: tuple[int, ...] = DEFAULT_MATMUL
+    """Square matmul sizes n (n x n @ n x n)."""
+    model: str = "zoo:gpt"
+    """Zoo model whose operators set the recorded FLOP/s, or `none` for the best matmul rate."""
+    knobs: tuple[str, ...] = ()
+    """`KEY=VALUE` knobs on top of PROFILE_KNOBS."""
+    repeats: int = 5
+    """Timed repetitions per measurement (the median is used)."""
+    warmup: int = 1
+    """Untimed repetitions before each measurement."""
+    name: str = "profiled"
+    """Name of the cluster in the spec."""
+    timeout_s: float = 120.0
+    """Process-group timeout."""
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
+        if self.warmup < 0:
+            raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if len(self.sizes) < 2:
+            raise ValueError(f"--sizes needs at least 2 payloads to fit latency and bandwidth, got {len(self.sizes)}")
+        if self.nproc is not None and self.nproc < 1:
+            raise ValueError(f"--nproc must be at least 1, got {self.nproc}")
+        if not self.matmul and self.model == "none":
+            raise ValueError("--model none needs --matmul sizes to measure FLOP/s")
+
+
+def _byte_size(text: str) -> int:
+    """`4096`, `4K`, `1M`, `2G` (binary units) -> bytes."""
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+    try:
+        value = float(text[:-1] if scale > 1 else text) * scale
+    except ValueError:
+        raise ValueError(f"--sizes expects sizes such as 4096,64K,1M, got '{text}'") from None
+    if value < 64:
+        raise ValueError(f"--sizes: payloads must be at least 64 bytes, got '{text}'")
+    return int(value)
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{what} expects comma-separated integers, got '{text}'") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{what} values must be positive, got '{text}'")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hap profile", description="Measure FLOP/s and collective costs of this cluster "
+                                "and write a cluster spec (starts torchrun on this machine unless RANK and WORLD_SIZE are set).")
+    p.add_argument("--out", required=True, help="cluster spec JSON to write")
+    p.add_argument("--parquet", help="also write the raw measurements here (Parquet, needs pyarrow)")
+    p.add_argument("--nproc", type=int, help="ranks to start on this machine (default: one per --speeds factor, GPU, or 2)")
+    p.add_argument("--speeds", metavar="F,F,..", help="emulated speed factor per rank in (0, 1], e.g. 1,0.5")
+    p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES), metavar="B,B,..",
+                   help="collective payloads in bytes (K, M, G suffixes; default 16K,128K,1M,4M,16M)")
+    p.add_argument("--matmul", default=",".join(str(s) for s in DEFAULT_MATMUL), metavar="N,N,..",
+                   help="square matmul sizes (default 128,256,512)")
+    p.add_argument("--model", default="zoo:gpt", help="zoo model whose own operators set the FLOP/s (zoo:gpt, zoo:mlp) or 'none'")
+    p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
+                   help="a knob of the profiling model, on top of its small default config")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
+    p.add_argument("--name", default="profiled", help="cluster name in the spec")
+    p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0, metavar="S", help="process-group timeout")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> ProfileConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        values = vars(args)
+        values["sizes"] = tuple(sorted({_byte_size(s) for s in args.sizes.split(",") if s.strip()}))
+        values["matmul"] = _int_list(args.matmul, "--matmul")
+        values["knobs"] = tuple(args.knobs)
+        return ProfileConfig(**values)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+# ----------------------------------------------------------------------------- checks before launch
+
+
+def model_config(cfg: ProfileConfig) -> tuple[str, dict[str, Any]] | None:
+    """(zoo name, knobs) of the profiling model, or None for `--model none`; raises HapError/ValueError."""
+    from engine import zoo
+
+    if cfg.model == "none":
+        return None
+    if not cfg.model.startswith("zoo:"):
+        raise ValueError(f"--model must be zoo:NAME or none, got '{cfg.model}' (the profiler builds zoo models only)")
+    name = cfg.model.removeprefix("zoo:")
+    knobs = dict(PROFILE_KNOBS.get(name, {}))
+    for pair in cfg.knobs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set expects KEY=VALUE, got '{pair}'")
+        knobs[key.strip()] = value.strip()
+    zoo.make_config(name, **knobs)  # validates name and knobs
+    return name, knobs
+
+
+def default_nproc(cfg: ProfileConfig) -> int:
+    import torch
+
+    if cfg.nproc:
+        return cfg.nproc
+    if cfg.speeds:
+        return len(cfg.speeds.split(","))
+    return torch.cuda.device_count() or 2
+
+
+def check_inputs(cfg: ProfileConfig, world_size: int) -> None:
+    """Everything about the inputs that can fail, checked before any process group starts."""
+    from .timing import parse_speeds
+
+    if cfg.speeds:
+        parse_speeds(cfg.speeds, world_size, "this launch")
+    model_config(cfg)
+    for what, path in (("--out", cfg.out), ("--parquet", cfg.parquet)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise ValueError(f"{what} {path}: directory {folder} does not exist")
+    if cfg.parquet:
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise ValueError("--parquet needs pyarrow: pip install 'hap-workbench[profile]'") from None
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A bar on rank 0's stderr (one line per item when stderr is not a terminal); silent elsewhere."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self.tty = enabled and sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        width = 24
+        filled = width * self.done // max(1, self.total)
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done:3d}/{self.total} "
+                f"{time.perf_counter() - self.start:5.1f} s  {label}")
+        sys.stderr.write(f"\r{line:<100}" if self.tty else f"hap profile: {line}\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+@dataclass
+class Recorder:
+    """Raw measurements of this rank, one dict per timed repetition (the Parquet rows)."""
+
+    rank: int
+    speed: float
+    backend: str
+    world_size: int
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, kind: str, op: str, impl: str, size: int, seconds: list[float], *, payload_bytes: int | None = None,
+            calls: int = 1, flops: float | None = None, delays: list[float] | None = None) -> None:
+        for i, s in enumerate(seconds):
+            self.rows.append({"kind": kind, "op": op, "impl": impl, "rank": self.rank, "speed": self.speed,
+                              "size": size, "payload_bytes": payload_bytes, "calls": calls, "flops": flops,
+                              "repeat": i, "arrival_delay_s": delays[i] if delays else 0.0, "seconds": s,
+                              "backend": self.backend, "world_size": self.world_size})
+
+
+def time_repeats(fn: Callable[[], Any], repeats: int, warmup: int, *, barrier: Callable[[], Any],
+                 sync: Callable[[], Any], pacer=None) -> list[float]:
+    """Wall seconds of `fn` per repetition, each started after a barrier; the pacer (if any) stretches compute."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        barrier()
+        if pacer is not None:
+            pacer.begin_step()
+        start = time.perf_counter()
+        fn()
+        if pacer is not None:
+            pacer.end_step()
+        sync()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def time_collective(fn: Callable[[], Any], repeats: int, warmup: int, rank: int, world_size: int, *,
+                    barrier: Callable[[], Any], sync: Callable[[], Any]) -> tuple[list[float], list[float]]:
+    """(seconds, arrival delay) per repetition: after a barrier, rank (i mod world) waits ARRIVAL_DELAY_S
+    first; every rank times from its own arrival, so the late rank's time runs from the last arrival."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    times, delays = [], []
+    for i in range(repeats):
+        barrier()
+        late = i % world_size == rank
+        if late:
+            time.sleep(ARRIVAL_DELAY_S)
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+        delays.append(ARRIVAL_DELAY_S if late else 0.0)
+    return times, delays
+
+
+def measure_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:
+    """n x n @ n x n at each size, repeated within a sample to reach MIN_FLOPS_PER_SAMPLE."""
+    import torch
+
+    for n in cfg.matmul:
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        inner = max(1, math.ceil(MIN_FLOPS_PER_SAMPLE / (2.0 * n**3)))
+
+        def fn() -> None:
+            for _ in range(inner):
+                torch.mm(a, b)
+
+        times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
+        rec.add("compute", "matmul", "mm", n, times, flops=2.0 * n**3 * inner)
+        progress.step(f"matmul {n}x{n}")
+
+
+def model_batches(knobs: dict[str, Any]) -> list[int | None]:
+    """The profiling model's batch and half of it (the shards a device runs are smaller than the batch)."""
+    if "batch" not in knobs:
+        return [None]
+    batch = int(knobs["batch"])
+    return [batch] + ([batch // 2] if batch >= 2 else [])
+
+
+def measure_model(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:
+    """Forward + backward of the zoo model at each batch; flops are filled in by rank 0 (capture)."""
+    import torch
+
+    from engine import zoo
+
+    spec = model_config(cfg)
+    if spec is None:
+        return
+    name, knobs = spec
+    entry = zoo.entry(name)
+    for batch in model_batches(knobs):
+        config = zoo.make_config(name, **{**knobs, **({"batch": batch} if batch else {})})
+        torch.manual_seed(0)
+        module = entry.build(config).to(device)
+        inputs = entry.example_inputs(config, "cpu", seed=0)
+        inputs = tuple(t.to(device) for t in inputs)
+        params = list(module.parameters())
+
+        def fn() -> None:
+            module(*inputs).backward()
+            for p in params:
+                p.grad = None
+
+        times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
+        rec.add("compute", f"zoo:{name}", "forward+backward", batch or 0, times)
+        progress.step(f"zoo:{name} batch {batch}")
+
+
+def collective_op(name: str, nbytes: int, m: int, device) -> tuple[Callable[[], Any], int, int]:
+    """(run it once, payload bytes in the cost model's convention, backend calls per run) on the runner's code path."""
+    import torch
+    import torch.distributed as dist
+
+    from . import collectives as C
+
+    n = max(m, (nbytes // 4) // m * m)  # fp32 elements, a multiple of m
+    x = torch.ones(n, device=device)
+    if name == "all_reduce":
+        return (lambda: dist.all_reduce(x)), 4 * n, 1
+    if name == "all_gather":
+        return (lambda: C.gather_padded(x, 0, [n] * m)), 4 * n, 1
+    if name == "reduce_scatter":
+        full = torch.ones(n * m, device=device)
+        return (lambda: C.reduce_scatter_uneven(full, 0, [n] * m)), 4 * n, 1
+    if name == "all_to_all":
+        local = x.view(1, n)
+        return (lambda: C.all_to_all_uneven(local, 0, 1, [1] * m, [n // m] * m)), 4 * n, 1
+    if name == "broadcast":
+        return (lambda: C.gather_grouped(x, 0, [n] * m)), 4 * n, m
+    raise ValueError(f"unknown collective '{name}'")
+
+
+def measure_collectives(cfg: ProfileConfig, rec: Recorder, device, barrier, sync, progress: Progress) -> None:
+    import torch.distributed as dist
+
+    m, rank = dist.get_world_size(), dist.get_rank()
+    for name in COLLECTIVES:
+        for size in cfg.sizes:
+            fn, payload, calls = collective_op(name, size, m, device)
+            times, delays = time_collective(fn, cfg.repeats, cfg.warmup, rank, m, barrier=barrier, sync=sync)
+            rec.add("collective", name, IMPL[name], size, times, payload_bytes=payload, calls=calls, delays=delays)
+            progress.step(f"{name} {_human(payload)}")
+
+
+# ----------------------------------------------------------------------------- summarising (rank 0)
+
+
+def collective_points(rows: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
+    """(payload bytes, seconds per call) of one collective: per repeat the late rank's time, then the median."""
+    per_repeat: dict[tuple[int, int], float] = {}
+    for r in rows:
+        if r["kind"] == "collective" and r["op"] == name and r["arrival_delay_s"] > 0:
+            per_repeat[(r["payload_bytes"], r["repeat"])] = r["seconds"] / r["calls"]
+    payloads = sorted({p for p, _ in per_repeat})
+    return ([float(p) for p in payloads],
+            [statistics.median(t for (p, _), t in per_repeat.items() if p == q) for q in payloads])
+
+
+def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
+    """Put the cost model's forward + backward flops of each profiled batch into the model rows."""
+    spec = model_config(cfg)
+    if spec is None:
+        return
+    name, knobs = spec
+    flops = {}
+    for r in rows:
+        if r["kind"] == "compute" and r["op"] == f"zoo:{name}":
+            if r["size"] not in flops:
+                flops[r["size"]] = step_flops(name, {**knobs, **({"batch": r["size"]} if r["size"] else {})})
+            r["flops"] = flops[r["size"]]
+
+
+def step_flops(name: str, knobs: dict[str, Any]) -> float:
+    """Forward plus backward flops of one step of a zoo model, as engine.cost counts them."""
+    import engine
+    from engine.cost import CostModel
+
+    graph = engine.load_model(f"zoo:{name}", **knobs)
+    one = engine.load_cluster({"schema_version": 1, "name": "one", "devices": [
+        {"name": "d", "gpu_model": "d", "machine": "m", "flops_per_gpu": 1.0, "memory_bytes_per_gpu": 1}],
+        "network": {"latency_s": 0.0, "bandwidth_Bps": {}}})
+    cm = CostModel(graph, one, [1.0], "sgd")
+    return sum(n.flops for n in graph.nodes) + sum(cm.bwd_flops)
+
+
+def rank_rates(rows: list[dict[str, Any]], rank: int) -> dict[str, float]:
+    """FLOP/s of one rank per compute op: total flops over the sum of per-size median times."""
+    out: dict[str, float] = {}
+    for op in dict.fromkeys(r["op"] for r in rows if r["kind"] == "compute"):
+        mine = [r for r in rows if r["kind"] == "compute" and r["op"] == op and r["rank"] == rank]
+        if op == "matmul":
+            sizes = sorted({r["size"] for r in mine})
+            out.update({f"matmul {n}": _rate([r for r in mine if r["size"] == n]) for n in sizes})
+        else:
+            out[op] = _rate(mine)
+    return out
+
+
+def _rate(rows: list[dict[str, Any]]) -> float:
+    """sum over sizes of flops / sum over sizes of the median seconds."""
+    flops, seconds = 0.0, 0.0
+    for size in {r["size"] for r in rows}:
+        mine = [r for r in rows if r["size"] == size]
+        flops += mine[0]["flops"]
+        seconds += statistics.median(r["seconds"] for r in mine)
+    return flops / seconds
+
+
+def device_flops(rates: dict[str, float]) -> float:
+    """The rate the spec records: the model's own operators, else the best matmul."""
+    model = [v for k, v in rates.items() if not k.startswith("matmul")]
+    return model[0] if model else max(rates.values())
+
+
+def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cluster spec JSON (schema_version 1): one device per rank, the fitted collectives."""
+    from engine.cluster import fit_collective, required_link_levels, Device
+
+    fits = {name: fit_collective(*collective_points(rows, name)) for name in COLLECTIVES}
+    devices = []
+    for info in infos:
+        rates = rank_rates(rows, info["rank"])
+        devices.append({"name": f"rank-{info['rank']}", "gpu_model": info["gpu_model"], "machine": info["host"],
+                        "flops_per_gpu": device_flops(rates), "memory_bytes_per_gpu": info["memory_bytes"]})
+    layout = tuple(Device(name=d["name"], gpu_model="", machine=d["machine"], flops_per_gpu=1.0,
+                          memory_bytes_per_gpu=1) for d in devices)
+    bcast = fits["broadcast"]
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    model = cfg.model if cfg.model == "none" else f"{cfg.model} {json.dumps(model_config(cfg)[1])}"  # type: ignore[index]
+    return {
+        "schema_version": 1, "name": cfg.name,
+        "description": f"Measured by hap profile on {len(infos)} ranks ({infos[0]['backend']}) at {when}"
+                       + (f", emulated speeds {cfg.speeds}" if cfg.speeds else "") + ".",
+        "sources": [f"flops_per_gpu: forward+backward of {model} at batch and half batch (the best square matmul "
+                    f"when the model is 'none'), median of {cfg.repeats} repeats after {cfg.warmup} warm-ups",
+                    f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
+                    "per payload the median over repeats of the time from the last rank's arrival",
+                    "network: latency and bandwidth of the broadcast fit (point to point)"],
+        "devices": devices,
+        "network": {"latency_s": bcast.latency_s,
+                    "bandwidth_Bps": {level: bcast.bandwidth_Bps for level in required_link_levels(layout)},
+                    "collectives": {k: f.to_dict() for k, f in fits.items()}},
+    }
+
+
+def write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([("kind", pa.string()), ("op", pa.string()), ("impl", pa.string()), ("rank", pa.int32()),
+                        ("speed", pa.float64()), ("size", pa.int64()), ("payload_bytes", pa.int64()),
+                        ("calls", pa.int32()), ("flops", pa.float64()), ("repeat", pa.int32()),
+                        ("arrival_delay_s", pa.float64()), ("seconds", pa.float64()), ("backend", pa.string()),
+                        ("world_size", pa.int32())])
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
+
+
+def summary(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'device':<10} {'machine':<16} {'model':<16} {'GFLOP/s (spec)':>14} {'matmul best':>12} {'memory':>10}"]
+    for j, d in enumerate(spec["devices"]):
+        best = max((v for k, v in rank_rates(rows, j).items() if k.startswith("matmul")), default=float("nan"))
+        lines.append(f"{d['name']:<10} {d['machine'][:16]:<16} {d['gpu_model'][:16]:<16} {d['flops_per_gpu'] / 1e9:14.2f} "
+                     f"{best / 1e9:12.2f} {d['memory_bytes_per_gpu'] / 2**30:7.1f} GiB")
+    lines += ["", f"{'collective':<16} {'latency':>10} {'bandwidth':>12}"]
+    for k, f in spec["network"]["collectives"].items():
+        lines.append(f"{k:<16} {f['latency_s'] * 1e6:7.1f} us {f['bandwidth_Bps'] / 1e9:8.3f} GB/s")
+    return "\n".join(lines)
+
+
+def _human(nbytes: float) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes:g} B"
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def rank_info(rank: int, local_world_size: int, speed: float, backend: str, device) -> dict[str, Any]:
+    """Host, device model and memory of this rank (CPU ranks on one host share its memory)."""
+    import torch
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        model, memory = props.name, int(props.total_memory)
+    else:
+        model = "cpu"
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, local_world_size)
+    if speed != 1.0:
+        model = f"{model} x{speed:g}"
+    return {"rank": rank, "host": socket.gethostname(), "gpu_model": model, "memory_bytes": int(memory),
+            "backend": backend}
+
+
+def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int:
+    """Measure on this rank; rank 0 writes the spec and the Parquet file. Exit status (0 ok, 2 bad input)."""
+    import torch
+    import torch.distributed as dist
+
+    from . import launch
+    from .timing import Pacer, parse_speeds
+
+    try:
+        check_inputs(cfg, env.world_size)
+        backend, device = launch.pick_device(env.local_rank)
+    except (HapError, ValueError) as e:
+        print(f"hap profile: error: {e}", file=sys.stderr)
+        return 2
+    speed = parse_speeds(cfg.speeds, env.world_size)[env.rank] if cfg.speeds else 1.0
+    if device.type == "cpu":
+        launch.apply_cpu_threads(env, emulating=bool(cfg.speeds))
+    launch.init_distributed(env, backend, cfg.timeout_s, init_method)
+    try:
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        pacer = Pacer(speed, sync=sync if device.type == "cuda" else None)
+        rec = Recorder(env.rank, speed, backend, env.world_size)
+        spec = model_config(cfg)
+        total = len(cfg.matmul) + (len(model_batches(spec[1])) if spec else 0) + len(COLLECTIVES) * len(cfg.sizes)
+        progress = Progress(total, enabled=env.rank == 0)
+        measure_matmuls(cfg, rec, pacer, device, dist.barrier, sync, progress)
+        measure_model(cfg, rec, pacer, device, dist.barrier, sync, progress)
+        measure_collectives(cfg, rec, device, dist.barrier, sync, progress)
+        progress.close()
+        gathered: list[Any] = [None] * env.world_size
+        dist.all_gather_object(gathered, (rank_info(env.rank, env.local_world_size, speed, backend, device), rec.rows))
+        if env.rank == 0:
+            write_outputs(cfg, [g[0] for g in gathered], [r for g in gathered for r in g[1]])
+        return 0
+    finally:
+        dist.destroy_process_group()
+
+
+def write_outputs(cfg: ProfileConfig, infos: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    fill_model_flops(rows, cfg)
+    spec = cluster_spec(cfg, rows, infos)
+    Path(cfg.out).write_text(json.dumps(spec, indent=2) + "\n")
+    if cfg.parquet:
+        write_parquet(cfg.parquet, rows)
+    print(summary(spec, rows))
+    print(f"\ncluster spec written to {cfg.out}" + (f", raw measurements to {cfg.parquet}" if cfg.parquet else ""),
+          flush=True)
+
+
+# ----------------------------------------------------------------------------- entry
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`hap profile ...`: one rank under a launcher, else start torchrun on this machine."""
+    from . import launch
+    from .cli import run_torchrun, under_launcher
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cfg = parse_args(argv)
+    if under_launcher():
+        try:
+            env = launch.DistEnv.from_environ()
+        except ValueError as e:
+            print(f"hap profile: error: {e}", file=sys.stderr)
+            return 2
+        launch.exit_process(profile_rank(cfg, env))
+    try:
+        nproc = default_nproc(cfg)
+        check_inputs(cfg, nproc)
+    except (HapError, ValueError) as e:
+        print(f"hap profile: error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    return run_torchrun(nproc, rank_argv(argv), module="runner.profile", command="hap profile")
+
+
+def rank_argv(argv: Sequence[str]) -> list[str]:
+    """The options without `--nproc` (the ranks do not need it, and torchrun's own parser would take it
+    for an ambiguous abbreviation of its --nproc-per-node even after the module name)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())

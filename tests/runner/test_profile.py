@@ -1,0 +1,197 @@
+"""`hap profile` (issue 6 item 4): the fit, the summaries, and a real profile on 2 gloo ranks whose spec plans and runs."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import engine
+from conftest import ROOT
+from engine.cluster import FREE_BANDWIDTH_BPS, fit_collective
+from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, ProfileConfig, _byte_size, collective_points, device_flops,
+                            parse_args, rank_rates)
+
+def hap(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`python -m engine.cli ARGS` outside any launch (no RANK/WORLD_SIZE), this checkout importable."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+TINY_MLP = ["--set", "layers=1", "--set", "in_features=32", "--set", "hidden=64", "--set", "batch=16"]
+TINY_GPT = ["--set", "layers=1", "--set", "hidden=32", "--set", "heads=4", "--set", "ffn=64", "--set", "vocab=64",
+            "--set", "seq_len=8", "--set", "batch=8"]
+
+
+# ----------------------------------------------------------------------------- the fit (pure)
+
+
+def test_fit_passes_through_the_smallest_payload_and_takes_the_large_payloads_slope():
+    # a host whose bandwidth drops above 1 MB: small collectives keep their latency, buckets their bandwidth
+    sizes = [16e3, 128e3, 1e6, 4e6, 16e6]
+    times = [400e-6, 450e-6, 900e-6, 12e-3, 41e-3]
+    fit = fit_collective(sizes, times)
+    assert fit.time(16e3) == pytest.approx(400e-6, rel=1e-9)
+    assert fit.time(16e6) == pytest.approx(41e-3, rel=0.25) and fit.time(4e6) == pytest.approx(12e-3, rel=0.25)
+
+
+def test_fit_recovers_latency_and_bandwidth_from_exact_points():
+    sizes = [4e3, 3.2e4, 2.56e5, 1e6, 4e6]
+    fit = fit_collective(sizes, [50e-6 + b / 2e9 for b in sizes])
+    assert fit.latency_s == pytest.approx(50e-6, rel=1e-6)
+    assert fit.bandwidth_Bps == pytest.approx(2e9, rel=1e-6)
+
+
+def test_fit_recovers_known_figures_within_5_percent_from_noisy_medians():
+    rng = random.Random(7)
+    sizes = [2.0**k for k in range(10, 24, 2)]
+    medians = []
+    for b in sizes:  # 9 noisy repeats per payload, then the median, as the profiler does
+        samples = sorted((300e-6 + b / 7e8) * (1 + rng.uniform(-0.1, 0.1)) for _ in range(9))
+        medians.append(samples[4])
+    fit = fit_collective(sizes, medians)
+    assert fit.latency_s == pytest.approx(300e-6, rel=0.05)
+    assert fit.bandwidth_Bps == pytest.approx(7e8, rel=0.05)
+
+
+def test_fit_clamps_a_negative_intercept_to_zero_latency():
+    sizes = [1e5, 1e6, 1e7]
+    fit = fit_collective(sizes, [b / 1e9 - 10e-6 for b in sizes])
+    assert fit.latency_s == 0.0 and 0.95e9 < fit.bandwidth_Bps < 1.1e9
+
+
+def test_fit_of_times_that_do_not_grow_gives_free_bandwidth_and_the_level_as_latency():
+    fit = fit_collective([1e3, 1e6], [2e-4, 1.9e-4])
+    assert fit.bandwidth_Bps == FREE_BANDWIDTH_BPS and 1.9e-4 <= fit.latency_s <= 2e-4
+
+
+def test_fit_rejects_too_few_or_non_positive_points():
+    with pytest.raises(ValueError, match=">= 2"):
+        fit_collective([1e3], [1e-4])
+    with pytest.raises(ValueError, match="positive times"):
+        fit_collective([1e3, 1e4], [1e-4, 0.0])
+
+
+# ----------------------------------------------------------------------------- summaries (pure)
+
+
+def _row(kind, op, rank, size, repeat, seconds, **kw):
+    return {"kind": kind, "op": op, "rank": rank, "size": size, "repeat": repeat, "seconds": seconds,
+            "payload_bytes": kw.get("payload"), "calls": kw.get("calls", 1), "flops": kw.get("flops"),
+            "arrival_delay_s": kw.get("delay", 0.0)}
+
+
+def test_collective_points_take_the_late_ranks_time_per_repeat_then_the_median_per_call():
+    # repeat i: rank i % 2 arrives late; the early rank's time includes its wait and is not used
+    times = [(2.0, 9.0), (9.0, 6.0), (20.0, 9.0)]
+    rows = [_row("collective", "broadcast", r, 1024, i, t, payload=1024, calls=2, delay=0.002 if i % 2 == r else 0.0)
+            for i, pair in enumerate(times) for r, t in enumerate(pair)]
+    rows.append(_row("collective", "all_reduce", 0, 1024, 0, 99.0, payload=1024, delay=0.002))
+    assert collective_points(rows, "broadcast") == ([1024.0], [3.0])  # late: 2, 6, 20 -> /2 calls -> median 3
+
+
+def test_rank_rates_sum_flops_over_the_median_times_and_the_spec_takes_the_model_rate():
+    rows = [_row("compute", "zoo:gpt", 0, 16, i, t, flops=4e9) for i, t in enumerate([1.0, 2.0, 3.0])]
+    rows += [_row("compute", "zoo:gpt", 0, 8, i, t, flops=2e9) for i, t in enumerate([0.5, 0.5, 9.0])]
+    rows += [_row("compute", "matmul", 0, 64, i, 1e-3, flops=1e8) for i in range(3)]
+    rows += [_row("compute", "zoo:gpt", 1, 16, 0, 100.0, flops=4e9)]
+    rates = rank_rates(rows, 0)
+    assert rates["zoo:gpt"] == pytest.approx(6e9 / 2.5)
+    assert rates["matmul 64"] == pytest.approx(1e11)
+    assert device_flops(rates) == pytest.approx(6e9 / 2.5)
+    assert device_flops({"matmul 64": 1e11, "matmul 128": 2e11}) == 2e11
+
+
+def test_options_parse_units_and_reject_bad_values():
+    cfg = parse_args(["--out", "c.json", "--sizes", "64K,4096,1M", "--matmul", "64,128", "--repeats", "3"])
+    assert cfg.sizes == (4096, 65536, 2**20) and cfg.matmul == (64, 128) and cfg.repeats == 3
+    assert _byte_size("2MiB") == 2 * 2**20
+    with pytest.raises(ValueError, match="at least 2 payloads"):
+        ProfileConfig(out="c.json", sizes=(4096,))
+    with pytest.raises(ValueError, match="--repeats must be at least 1, got 0"):
+        ProfileConfig(out="c.json", repeats=0)
+
+
+# ----------------------------------------------------------------------------- a real profile on 2 gloo ranks
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory) -> tuple[Path, Path, str]:
+    """`hap profile` on 2 gloo ranks with small sizes and few repeats: (spec, parquet, stderr)."""
+    folder = tmp_path_factory.mktemp("profile")
+    spec, raw = folder / "cluster.json", folder / "raw.parquet"
+    r = hap("profile", "--out", str(spec), "--parquet", str(raw), "--nproc", "2", "--speeds", "1,0.5",
+            "--sizes", "4K,64K,256K", "--matmul", "64,128", "--repeats", "3", "--warmup", "1",
+            "--model", "zoo:mlp", *TINY_MLP, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "cluster spec written to" in r.stdout
+    return spec, raw, r.stderr
+
+
+def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(profiled):
+    spec, _, stderr = profiled
+    cluster = engine.load_cluster(spec)
+    assert [d.name for d in cluster.devices] == ["rank-0", "rank-1"]
+    assert [d.gpu_model for d in cluster.devices] == ["cpu", "cpu x0.5"]
+    assert all(d.flops_per_gpu > 0 and d.memory_bytes_per_gpu > 0 for d in cluster.devices)
+    written = json.loads(spec.read_text())["network"]["collectives"]
+    assert set(written) == set(COLLECTIVES)  # every fit measured, none nominal
+    for name, fit in cluster.collectives.items():
+        assert fit.latency_s >= 0 and fit.bandwidth_Bps > 0 and fit.time(4096) > 0, (name, fit)
+    assert "19/19" in stderr  # progress: 2 matmuls + 2 model batches + 5 collectives x 3 payloads
+
+
+def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
+    import pyarrow.parquet as pq
+
+    _, raw, _ = profiled
+    table = pq.read_table(raw)
+    assert tuple(table.column_names) == PARQUET_COLUMNS
+    rows = table.to_pylist()
+    assert len(rows) == 2 * 3 * (2 + 2 + 5 * 3)  # ranks x repeats x (matmuls + model batches + collective payloads)
+    assert {r["op"] for r in rows if r["kind"] == "collective"} == set(COLLECTIVES)
+    assert {(r["op"], r["size"]) for r in rows if r["kind"] == "compute"} == {
+        ("matmul", 64), ("matmul", 128), ("zoo:mlp", 16), ("zoo:mlp", 8)}
+    assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute")
+    assert {r["speed"] for r in rows} == {1.0, 0.5} and all(r["seconds"] > 0 for r in rows)
+    assert {r["calls"] for r in rows if r["op"] == "broadcast"} == {2}  # grouped all-gather: one broadcast per rank
+    late = {}
+    for r in rows:
+        if r["kind"] == "collective" and r["arrival_delay_s"] > 0:
+            key = (r["op"], r["size"], r["repeat"])
+            assert key not in late, key  # exactly one late rank per repeat, taking turns
+            late[key] = r["rank"]
+    assert len(late) == 5 * 3 * 3 and {late[("all_reduce", 4096, i)] for i in range(3)} == {0, 1}
+
+
+def test_a_plan_made_from_the_profiled_spec_runs(profiled, tmp_path):
+    spec, _, _ = profiled
+    plan = tmp_path / "plan.json"
+    r = hap("plan", "--model", "zoo:gpt", *TINY_GPT, "--cluster", str(spec), "--out", str(plan), "--optimizer", "sgd")
+    assert r.returncode == 0, r.stderr
+    r = hap("run", str(plan), "--steps", "2", "--speeds", "1,0.5")
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "step    1" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--speeds", "1,0.5,0.5", "--nproc", "2"], "--speeds gives 3 factors but this launch has 2 ranks"),
+    (["--model", "zoo:gpt", "--set", "layerz=2"], "unknown knob 'layerz'"),
+    (["--model", "graph.json"], "--model must be zoo:NAME or none"),
+    (["--parquet", "no/such/dir/raw.parquet"], "--parquet no/such/dir/raw.parquet: directory"),
+])
+def test_hap_profile_refuses_bad_input_in_one_line_before_starting_ranks(args, message, tmp_path):
+    r = hap("profile", "--out", str(tmp_path / "c.json"), *args, timeout=60)
+    assert r.returncode == 2 and message in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "torch.distributed" not in r.stderr
+
+
+def test_hap_rejects_unknown_arguments_of_other_commands():
+    r = hap("capture", "--model", "zoo:mlp", "--out", "x.json", "--bogus", timeout=60)
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
