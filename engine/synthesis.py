@@ -225,7 +225,9 @@ class _Search:
         return f, b, self.cm.memory_by_class(m, self.seg[k])
 
     def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
-        from .cost import evaluate
+        """Bound the search by `program`, unless it overflows a device's memory under these ratios
+        (then it is no solution, and its cost would prune the programs that fit)."""
+        from .cost import evaluate, replay
 
         if not self.cm.fits(self.cm.class_memory(replay(program, self.cm)[1])):
             return
