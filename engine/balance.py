@@ -64,7 +64,7 @@ def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *,
     """Solve Eq. 3 for `program`; raises InfeasibleError naming the device short of memory."""
     probe = CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices, optimizer, segmentation)
     stages, mems = replay(program, probe)
-    classes = device_classes(cluster, None)
+    classes = device_classes(cluster, None, optimizer)
     prob = pulp.LpProblem("hap_sharding_ratios", pulp.LpMinimize)
     B = [_ratio_vars(prob, classes, k) for k in range(len(mems))]
     M = [_max_ratio(prob, row, k) for k, row in enumerate(B)]
@@ -118,7 +118,8 @@ def _stage_epigraphs(prob: pulp.LpProblem, stages: list[Stage], classes, B) -> l
             continue
         ti = prob.add_variable(f"t_{i}", lowBound=0)
         for k, (c, b) in enumerate(zip(classes, B[st.segment])):
-            prob += ti >= (s * b + r) / c.flops + (ss * b + rs) * c.sync_s_per_byte, f"stage_{i}_class_{k}"
+            work = (s * b + r) / c.flops + ss * b * c.sharded_param_s_per_byte + rs * c.full_param_s_per_byte
+            prob += ti >= work, f"stage_{i}_class_{k}"
         t.append(ti)
     return t
 

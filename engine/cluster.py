@@ -59,7 +59,7 @@ DEFAULT_INTRA_BANDWIDTH_BPS = 1e11
 
 _TOP_KEYS = ("schema_version", "name", "description", "sources", "devices", "network")
 _DEVICE_KEYS = ("name", "gpu_model", "machine", "group", "num_gpus", "flops_per_gpu",
-                "memory_bytes_per_gpu", "intra_bandwidth_Bps", "count")
+                "memory_bytes_per_gpu", "memory_bandwidth_Bps", "intra_bandwidth_Bps", "count")
 _NETWORK_KEYS = ("latency_s", "bandwidth_Bps", "collectives")
 _FIT_KEYS = ("latency_s", "bandwidth_Bps")
 
@@ -71,6 +71,7 @@ _HINTS: dict[str, str] = {
     "num_gpus": "GPUs inside this virtual device, e.g. 1 or 8",
     "flops_per_gpu": "the sustained FLOP/s of one GPU, e.g. 1.5e13",
     "memory_bytes_per_gpu": "bytes of memory of one GPU, e.g. 17179869184 for 16 GiB",
+    "memory_bandwidth_Bps": "bytes/s one GPU reads and writes its own memory, e.g. 1.555e12 for an A100-40GB",
     "intra_bandwidth_Bps": "bytes/s between the GPUs inside the virtual device, e.g. 1.5e11",
     "count": "how many identical devices this entry expands to, e.g. 8",
     "latency_s": "seconds of latency, e.g. 2e-05",
@@ -102,6 +103,9 @@ class Device:
     """Sustained FLOP/s of one GPU (> 0)."""
     memory_bytes_per_gpu: int
     """Bytes of memory of one GPU (> 0)."""
+    memory_bandwidth_Bps: float | None = None
+    """Bytes/s one GPU moves to and from its memory; prices the memory-bound optimizer update and
+    gradient-bucket copies (`engine.cost`). None: those are not priced."""
     intra_bandwidth_Bps: float = DEFAULT_INTRA_BANDWIDTH_BPS
     """Bytes/s between the GPUs inside this virtual device; used only when num_gpus > 1."""
 
@@ -116,6 +120,7 @@ class Device:
             "name": self.name, "gpu_model": self.gpu_model, "machine": self.machine,
             "group": self.group, "num_gpus": self.num_gpus, "flops_per_gpu": self.flops_per_gpu,
             "memory_bytes_per_gpu": self.memory_bytes_per_gpu,
+            **({"memory_bandwidth_Bps": self.memory_bandwidth_Bps} if self.memory_bandwidth_Bps is not None else {}),
             "intra_bandwidth_Bps": self.intra_bandwidth_Bps,
         }
 
@@ -498,6 +503,9 @@ def _parse_device_entry(entry: Any, path: str) -> list[Device]:
                                 field_path("flops_per_gpu"), "flops_per_gpu"),
         memory_bytes_per_gpu=_positive_int(_require(entry, "memory_bytes_per_gpu", field_path("memory_bytes_per_gpu")),
                                            field_path("memory_bytes_per_gpu"), "memory_bytes_per_gpu"),
+        memory_bandwidth_Bps=(None if entry.get("memory_bandwidth_Bps") is None else
+                              _positive(entry["memory_bandwidth_Bps"], field_path("memory_bandwidth_Bps"),
+                                        "memory_bandwidth_Bps")),
         intra_bandwidth_Bps=_positive(entry.get("intra_bandwidth_Bps", DEFAULT_INTRA_BANDWIDTH_BPS),
                                       field_path("intra_bandwidth_Bps"), "intra_bandwidth_Bps"),
     )

@@ -13,6 +13,13 @@ virtual device of k GPUs the gradients of its parameters are also all-reduced (k
 Communication is `latency + payload / bandwidth` with the payload conventions of
 `engine.cluster`: the largest shard (max_j B_j) for sharded collectives.
 
+Memory-bound work per parameter byte (not in the paper; measured to matter on small models):
+after the backward pass every device updates its local slice of every parameter (the optimizer
+step, `UPDATE_TRAFFIC` bytes moved per parameter byte) and copies the Full parameters' gradients
+into and out of the bucket (`BUCKET_TRAFFIC`), at the device's `memory_bandwidth_Bps` (not priced
+when the cluster spec leaves it out). Like the sync inside a virtual device, this work is linear
+in the local parameter bytes and is counted in the backward stage that holds the parameter.
+
 Memory per GPU (not in the paper, users need it): parameter, gradient and optimizer state of the
 local slice of every parameter, plus the activations kept for the backward pass (split over the
 k GPUs of a virtual device).
@@ -35,14 +42,21 @@ from .segments import RESPLIT, Segmentation, instruction_segments, source_segmen
 from .theory.core import FULL
 
 STATE_BYTES_PER_PARAM_BYTE = {"adam": 4, "sgd": 3, "none": 2}
-"""Bytes kept per byte of parameter: the weight, its gradient, and the optimizer state (Adam: m, v; SGD: momentum)."""
+"""Bytes kept per byte of parameter: the weight, its gradient, and the optimizer state (Adam: m, v; SGD:
+a momentum buffer, kept in the count so that a plan stays valid with momentum)."""
+UPDATE_TRAFFIC = {"adam": 16.0, "sgd": 3.0, "none": 0.0}
+"""Bytes read and written per parameter byte by one optimizer step, as PyTorch's multi-tensor
+implementations run it: SGD reads w and g and writes w; Adam's passes over g, m, v and w move
+about 16 (these are the runner's optimizers, `runner.train.make_optimizer`)."""
+BUCKET_TRAFFIC = 4.0
+"""Bytes moved per gradient byte of a Full parameter by the bucket: copied in (read + write), copied back out."""
 
 DUAL = {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
         "all_gather.grouped": "all_gather.grouped", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT}
 """The collective that runs in the backward pass for each forward collective (its dual)."""
 
 Acc = tuple[float, float, float, float]
-"""Linear work of a stage: (sharded flops, replicated flops, sharded sync bytes, replicated sync bytes)."""
+"""Linear work of a stage: (sharded flops, replicated flops, sharded parameter bytes, Full parameter bytes)."""
 ZERO: Acc = (0.0, 0.0, 0.0, 0.0)
 
 
@@ -54,23 +68,29 @@ class DeviceClass:
     flops: float
     memory_bytes: float
     num_gpus: int
-    sync_s_per_byte: float
-    """Seconds per gradient byte of the all-reduce inside the virtual device (0 for one GPU)."""
+    sharded_param_s_per_byte: float
+    """Seconds per byte of a sharded parameter's local slice: the gradient all-reduce inside the
+    virtual device (0 for one GPU) and the optimizer update."""
+    full_param_s_per_byte: float
+    """Seconds per byte of a Full parameter: the same, plus the copies into and out of the gradient bucket."""
     ratios: tuple[float, ...]
     """The ratio of each of its devices in every segment (empty when grouping by hardware only)."""
 
 
-def device_classes(cluster: Cluster, ratios: list[list[float]] | None) -> tuple[DeviceClass, ...]:
+def device_classes(cluster: Cluster, ratios: list[list[float]] | None, optimizer: str = "adam") -> tuple[DeviceClass, ...]:
     """Group devices with equal hardware (and equal ratios per segment, when `ratios[segment][device]` are given)."""
     groups: dict[tuple, list[int]] = {}
     for j, d in enumerate(cluster.devices):
         mine = () if ratios is None else tuple(round(row[j], 12) for row in ratios)
-        groups.setdefault((d.flops, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps, mine), []).append(j)
+        key = (d.flops, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps, d.memory_bandwidth_Bps, mine)
+        groups.setdefault(key, []).append(j)
     out = []
-    for (flops, mem, k, intra, _), members in groups.items():
+    for (flops, mem, k, intra, mem_bw, _), members in groups.items():
         sync = 2.0 * (k - 1) / k / intra if k > 1 else 0.0  # ring all-reduce inside the box
+        update = UPDATE_TRAFFIC[optimizer] / mem_bw if mem_bw else 0.0
+        bucket = BUCKET_TRAFFIC / mem_bw if mem_bw and cluster.num_devices > 1 else 0.0
         mine = () if ratios is None else tuple(row[members[0]] for row in ratios)
-        out.append(DeviceClass(tuple(members), flops, float(mem), k, sync, mine))
+        out.append(DeviceClass(tuple(members), flops, float(mem), k, sync + update, sync + update + bucket, mine))
     return tuple(out)
 
 
@@ -125,7 +145,7 @@ class CostModel:
         self.graph, self.cluster = graph, cluster
         self.segmentation = segmentation or Segmentation.single(graph)
         self.ratios = ratio_rows(ratios, self.segmentation.count, cluster.num_devices)
-        self.classes = device_classes(cluster, self.ratios)
+        self.classes = device_classes(cluster, self.ratios, optimizer)
         self.max_ratios = [max(r) for r in self.ratios]
         self.state_factor = STATE_BYTES_PER_PARAM_BYTE[optimizer]
         self.requires_grad = _requires_grad(graph)
@@ -173,7 +193,8 @@ class CostModel:
     # --- computation -----------------------------------------------------------------------
     def class_times(self, acc: Acc, segment: int = 0) -> list[float]:
         s, r, ss, rs = acc
-        return [(s * c.ratios[segment] + r) / c.flops + (ss * c.ratios[segment] + rs) * c.sync_s_per_byte for c in self.classes]
+        return [(s * c.ratios[segment] + r) / c.flops + ss * c.ratios[segment] * c.sharded_param_s_per_byte
+                + rs * c.full_param_s_per_byte for c in self.classes]
 
     def stage_time(self, acc: Acc, segment: int = 0) -> float:
         return max(self.class_times(acc, segment))
@@ -212,7 +233,7 @@ class CostModel:
         return (0.0, f, 0.0, 0.0), (0.0, b, 0.0, 0.0), (0.0, 0.0, 0.0, act)
 
     def load_delta(self, node: int, form: int) -> tuple[Acc, Acc]:
-        """(backward sync work, memory) of loading a leaf in `form`."""
+        """(backward per-parameter-byte work, memory) of loading a leaf in `form`."""
         n = self.graph[node]
         if n.op != "parameter":
             return ZERO, ZERO

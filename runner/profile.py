@@ -11,6 +11,9 @@ fit the latency and bandwidth in a linear model"):
   than a whole model, whose small element-wise operators are memory-bound). Emulated speeds
   (`--speeds`) use the runner's own emulation (`runner.timing.Pacer`), so a rank of speed 0.5
   measures half the rate; CPU thread settings are the runner's (`launch.apply_cpu_threads`).
+* **memory**: the memory-bound tail of a step on each rank — the gradient bucket's copies and one
+  SGD step over the model's parameters — as the bytes they move per second
+  (`memory_bandwidth_Bps`, which prices the optimizer update in `engine.cost`);
 * **communication**: every collective the cost model prices, with the runner's implementations
   and the payload conventions of `engine.cluster`: `all_reduce` (payload: the whole tensor),
   `all_gather` (the padded implementation; payload: one shard), `reduce_scatter` and
@@ -369,6 +372,56 @@ def measure_model(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, syn
         progress.step(f"zoo:{name} batch {batch}")
 
 
+UPDATE_BYTES_WITHOUT_MODEL = 16 * 2**20
+"""Parameter bytes of the update measurement when no model is profiled (`--model none`)."""
+
+
+def update_tensors(cfg: ProfileConfig, device) -> list:
+    """Parameters to update: the profiled zoo model's (its own tensor sizes), else 16 tensors of 1 MiB."""
+    import torch
+
+    from engine import zoo
+
+    spec = model_config(cfg)
+    if spec is None:
+        return [torch.zeros(UPDATE_BYTES_WITHOUT_MODEL // 64, device=device, requires_grad=True) for _ in range(16)]
+    name, knobs = spec
+    return [p.detach().to(device).requires_grad_() for p in zoo.entry(name).build(zoo.make_config(name, **knobs)).parameters()]
+
+
+def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:
+    """The memory-bound tail of a step, as the runner runs it: the gradient bucket's copies in and out
+    and one SGD step, over the parameters; the spec's `memory_bandwidth_Bps` is the bytes they move per second."""
+    import torch
+
+    from engine.cost import BUCKET_TRAFFIC, UPDATE_TRAFFIC
+
+    from .train import make_optimizer
+
+    params = update_tensors(cfg, device)
+    for t in params:
+        t.grad = torch.ones_like(t)
+    optimizer = make_optimizer(params, "sgd", lr=1e-6)
+    grads = [t.grad for t in params]
+
+    def fn() -> None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        for g, piece in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            g.copy_(piece.view_as(g))
+        optimizer.step()
+
+    nbytes = sum(t.numel() * t.element_size() for t in params)
+    times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
+    rec.add("memory", "update", "bucket+sgd", nbytes, times, payload_bytes=int(nbytes * (BUCKET_TRAFFIC + UPDATE_TRAFFIC["sgd"])))
+    progress.step("optimizer update")
+
+
+def memory_bandwidth(rows: list[dict[str, Any]], rank: int) -> float:
+    """Bytes per second of the update measurement of one rank (median over repeats)."""
+    mine = [r for r in rows if r["kind"] == "memory" and r["rank"] == rank]
+    return mine[0]["payload_bytes"] / statistics.median(r["seconds"] for r in mine)
+
+
 def collective_op(name: str, nbytes: int, m: int, device) -> tuple[Callable[[], Any], int, int]:
     """(run it once, payload bytes in the cost model's convention, backend calls per run) on the runner's code path."""
     import torch
@@ -484,7 +537,8 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
     for info in infos:
         rates = rank_rates(rows, info["rank"])
         devices.append({"name": f"rank-{info['rank']}", "gpu_model": info["gpu_model"], "machine": info["host"],
-                        "flops_per_gpu": device_flops(rates), "memory_bytes_per_gpu": info["memory_bytes"]})
+                        "flops_per_gpu": device_flops(rates), "memory_bytes_per_gpu": info["memory_bytes"],
+                        "memory_bandwidth_Bps": memory_bandwidth(rows, info["rank"])})
     layout = tuple(Device(name=d["name"], gpu_model="", machine=d["machine"], flops_per_gpu=1.0,
                           memory_bytes_per_gpu=1) for d in devices)
     bcast = fits["broadcast"]
@@ -496,6 +550,8 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
                        + (f", emulated speeds {cfg.speeds}" if cfg.speeds else "") + ".",
         "sources": [f"flops_per_gpu: forward+backward of {model} at batch and half batch (the best square matmul "
                     f"when the model is 'none'), median of {cfg.repeats} repeats after {cfg.warmup} warm-ups",
+                    f"memory_bandwidth_Bps: bytes moved by the gradient bucket's copies and one SGD step over the "
+                    f"{'model' if cfg.model != 'none' else 'synthetic'} parameters, per second (median of {cfg.repeats} repeats)",
                     f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
                     "per payload the median over repeats of the time from the last rank's arrival",
                     "network: latency and bandwidth of the broadcast fit (point to point)"],
@@ -519,11 +575,12 @@ def write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
 
 
 def summary(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'device':<10} {'machine':<16} {'model':<16} {'GFLOP/s (spec)':>14} {'matmul best':>12} {'memory':>10}"]
+    lines = [f"{'device':<10} {'machine':<16} {'model':<16} {'GFLOP/s (spec)':>14} {'matmul best':>12} {'memory':>10} "
+             f"{'update GB/s':>12}"]
     for j, d in enumerate(spec["devices"]):
         best = max((v for k, v in rank_rates(rows, j).items() if k.startswith("matmul")), default=float("nan"))
         lines.append(f"{d['name']:<10} {d['machine'][:16]:<16} {d['gpu_model'][:16]:<16} {d['flops_per_gpu'] / 1e9:14.2f} "
-                     f"{best / 1e9:12.2f} {d['memory_bytes_per_gpu'] / 2**30:7.1f} GiB")
+                     f"{best / 1e9:12.2f} {d['memory_bytes_per_gpu'] / 2**30:7.1f} GiB {d['memory_bandwidth_Bps'] / 1e9:12.2f}")
     lines += ["", f"{'collective':<16} {'latency':>10} {'bandwidth':>12}"]
     for k, f in spec["network"]["collectives"].items():
         lines.append(f"{k:<16} {f['latency_s'] * 1e6:7.1f} us {f['bandwidth_Bps'] / 1e9:8.3f} GB/s")
@@ -579,10 +636,11 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
         pacer = Pacer(speed, sync=sync if device.type == "cuda" else None)
         rec = Recorder(env.rank, speed, backend, env.world_size)
         spec = model_config(cfg)
-        total = len(cfg.matmul) + (len(model_batches(spec[1])) if spec else 0) + len(COLLECTIVES) * len(cfg.sizes)
+        total = len(cfg.matmul) + (len(model_batches(spec[1])) if spec else 0) + 1 + len(COLLECTIVES) * len(cfg.sizes)
         progress = Progress(total, enabled=env.rank == 0)
         measure_matmuls(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_model(cfg, rec, pacer, device, dist.barrier, sync, progress)
+        measure_update(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_collectives(cfg, rec, device, dist.barrier, sync, progress)
         progress.close()
         gathered: list[Any] = [None] * env.world_size

@@ -243,6 +243,8 @@ def test_invalid_json_error_gives_line_and_column(tmp_path: Path) -> None:
         (lambda s: s["devices"][1].update(flops_per_gpu="fast"), r"^devices\[1\]\.flops_per_gpu: must be a positive"),
         (lambda s: s["devices"][1].update(flops_per_gpu=True), r"^devices\[1\]\.flops_per_gpu: .*got True"),
         (lambda s: s["devices"][0].update(num_gpus=2.5), r"^devices\[0\]\.num_gpus: must be a positive integer"),
+        (lambda s: s["devices"][1].update(memory_bandwidth_Bps=0),
+         r"^devices\[1\]\.memory_bandwidth_Bps: must be a positive number, got 0 \(bytes/s one GPU reads and writes"),
         (lambda s: s["devices"][0].update(name=3), r"^devices\[0\]\.name: must be a string"),
         (lambda s: s["devices"][0].update(flop=1), r"^devices\[0\]\.flop: unknown field; did you mean 'flops_per_gpu'\?"),
         (lambda s: s.update(nmae="x"), r"^nmae: unknown field; did you mean 'name'\?"),

@@ -1,11 +1,13 @@
-"""Tests of engine.cost's gradient bucket: Full parameters' gradients are all-reduced once, after backward."""
+"""Tests of engine.cost's gradient bucket (Full parameters' gradients are all-reduced once, after
+backward) and of the memory-bound work per local parameter byte (optimizer update, bucket copies)."""
 from __future__ import annotations
 
 import pytest
 
 from conftest import ce_graph, cluster_dict
 from engine.cluster import Cluster
-from engine.cost import CostModel, evaluate
+from engine.balance import balance
+from engine.cost import BUCKET_TRAFFIC, UPDATE_TRAFFIC, CostModel, evaluate
 from engine.planner import data_parallel_space
 from engine.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
@@ -57,3 +59,49 @@ def test_search_prices_the_bucket_exactly_as_replay_does(cluster):
         for space in (None, data_parallel_space(graph)):
             res = synthesize(graph, cm, space=space)
             assert res.cost == pytest.approx(evaluate(res.program, cm).total_s, rel=1e-9)
+
+
+# --- memory-bound work per parameter byte ---------------------------------------------------------
+
+MEM_BW = 1e10
+
+
+@pytest.fixture(scope="module")
+def cluster_bw() -> Cluster:
+    """`cluster` with every device's memory bandwidth given, so updates and bucket copies are priced."""
+    d = cluster_dict([1e12, 1e12, 5e11], latency_s=1e-3, bandwidth_Bps=1e9)
+    for dev in d["devices"]:
+        dev["memory_bandwidth_Bps"] = MEM_BW
+    return Cluster.from_dict(d)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_full_parameter_pays_its_update_and_bucket_copies_on_every_device(cluster, cluster_bw, optimizer):
+    graph = ce_graph()
+    ratios = [0.4, 0.4, 0.2]  # proportional: every device computes equally long, so the update adds to the stage max
+    program = synthesize(graph, CostModel(graph, cluster, ratios, optimizer), space=data_parallel_space(graph)).program
+    without = evaluate(program, CostModel(graph, cluster, ratios, optimizer)).total_s
+    with_bw = evaluate(program, CostModel(graph, cluster_bw, ratios, optimizer)).total_s
+    nbytes = _full_param_bytes(program, graph)
+    assert with_bw - without == pytest.approx(nbytes * (UPDATE_TRAFFIC[optimizer] + BUCKET_TRAFFIC) / MEM_BW, rel=1e-9)
+
+
+def test_a_sharded_parameter_pays_the_update_of_its_local_slice_only(cluster, cluster_bw):
+    graph = ce_graph()
+    ratios = [0.4, 0.4, 0.2]
+    sharded_only = SearchSpace(param_forms=lambda n, f: f != FULL)
+    program = synthesize(graph, CostModel(graph, cluster, ratios, "sgd"), space=sharded_only).program
+    without = evaluate(program, CostModel(graph, cluster, ratios, "sgd")).total_s
+    with_bw = evaluate(program, CostModel(graph, cluster_bw, ratios, "sgd")).total_s
+    nbytes = sum(n.nbytes for n in graph.parameters)
+    assert with_bw - without == pytest.approx(nbytes * max(ratios) * UPDATE_TRAFFIC["sgd"] / MEM_BW, rel=1e-9)
+
+
+def test_search_and_load_balancer_price_the_update_exactly_as_replay_does(cluster_bw):
+    graph = ce_graph()
+    cm = CostModel(graph, cluster_bw, [0.2, 0.3, 0.5], "adam")
+    res = synthesize(graph, cm, space=None)
+    assert res.cost == pytest.approx(evaluate(res.program, cm).total_s, rel=1e-9)
+    lp = balance(res.program, graph, cluster_bw, optimizer="adam")
+    at_lp = evaluate(res.program, CostModel(graph, cluster_bw, lp.ratios, "adam")).total_s
+    assert lp.objective_s == pytest.approx(at_lp, rel=1e-6)

@@ -140,11 +140,13 @@ def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(
     assert [d.name for d in cluster.devices] == ["rank-0", "rank-1"]
     assert [d.gpu_model for d in cluster.devices] == ["cpu", "cpu x0.5"]
     assert all(d.flops_per_gpu > 0 and d.memory_bytes_per_gpu > 0 for d in cluster.devices)
+    fast, slow = (d.memory_bandwidth_Bps for d in cluster.devices)
+    assert fast > 0 and slow > 0 and slow < fast  # the emulated slow rank's update is stretched too
     written = json.loads(spec.read_text())["network"]["collectives"]
     assert set(written) == set(COLLECTIVES)  # every fit measured, none nominal
     for name, fit in cluster.collectives.items():
         assert fit.latency_s >= 0 and fit.bandwidth_Bps > 0 and fit.time(4096) > 0, (name, fit)
-    assert "19/19" in stderr  # progress: 2 matmuls + 2 model batches + 5 collectives x 3 payloads
+    assert "20/20" in stderr  # progress: 2 matmuls + 2 model batches + the update + 5 collectives x 3 payloads
 
 
 def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
@@ -154,11 +156,14 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     table = pq.read_table(raw)
     assert tuple(table.column_names) == PARQUET_COLUMNS
     rows = table.to_pylist()
-    assert len(rows) == 2 * 3 * (2 + 2 + 5 * 3)  # ranks x repeats x (matmuls + model batches + collective payloads)
+    assert len(rows) == 2 * 3 * (2 + 2 + 1 + 5 * 3)  # ranks x repeats x (matmuls + model batches + update + payloads)
     assert {r["op"] for r in rows if r["kind"] == "collective"} == set(COLLECTIVES)
     assert {(r["op"], r["size"]) for r in rows if r["kind"] == "compute"} == {
         ("matmul", 64), ("matmul", 128), ("zoo:mlp", 16), ("zoo:mlp", 8)}
     assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute")
+    update = [r for r in rows if r["kind"] == "memory"]
+    assert {r["op"] for r in update} == {"update"} and len({r["size"] for r in update}) == 1
+    assert all(r["payload_bytes"] == 7 * r["size"] for r in update)  # bucket copies (4) + SGD (3) per parameter byte
     assert {r["speed"] for r in rows} == {1.0, 0.5} and all(r["seconds"] > 0 for r in rows)
     assert {r["calls"] for r in rows if r["op"] == "broadcast"} == {2}  # grouped all-gather: one broadcast per rank
     late = {}
