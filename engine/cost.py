@@ -15,8 +15,8 @@ Communication is `latency + payload / bandwidth` with the payload conventions of
 
 Memory-bound work per parameter byte (not in the paper; measured to matter on small models):
 after the backward pass every device updates its local slice of every parameter (the optimizer
-step, `UPDATE_TRAFFIC` bytes moved per parameter byte) and copies the Full parameters' gradients
-into and out of the bucket (`BUCKET_TRAFFIC`), at the device's `memory_bandwidth_Bps` (not priced
+step, `UPDATE_TRAFFIC` bytes moved per parameter byte) and copies the Full parameters' summed
+gradients back out of the bucket (`BUCKET_TRAFFIC`), at the device's `memory_bandwidth_Bps` (not priced
 when the cluster spec leaves it out). Like the sync inside a virtual device, this work is linear
 in the local parameter bytes and is counted in the backward stage that holds the parameter.
 
@@ -48,8 +48,10 @@ UPDATE_TRAFFIC = {"adam": 16.0, "sgd": 3.0, "none": 0.0}
 """Bytes read and written per parameter byte by one optimizer step, as PyTorch's multi-tensor
 implementations run it: SGD reads w and g and writes w; Adam's passes over g, m, v and w move
 about 16 (these are the runner's optimizers, `runner.train.make_optimizer`)."""
-BUCKET_TRAFFIC = 4.0
-"""Bytes moved per gradient byte of a Full parameter by the bucket: copied in (read + write), copied back out."""
+BUCKET_TRAFFIC = 2.0
+"""Bytes moved per gradient byte of a Full parameter to copy the summed bucket back (read + write);
+building the bucket is a copy into a fresh tensor, as every all-reduce of the runner makes, so it
+is in the all-reduce's fitted cost (`hap profile` times `runner.collectives.all_reduce_copy`)."""
 
 DUAL = {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
         "all_gather.grouped": "all_gather.grouped", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT}

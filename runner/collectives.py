@@ -132,14 +132,15 @@ class AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, tag: str) -> Tensor:
         ctx.tag = tag
-        return run_collective("all_reduce", tag, _all_reduce_copy, x)
+        return run_collective("all_reduce", tag, all_reduce_copy, x)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return run_collective("all_reduce", ctx.tag, _all_reduce_copy, g), None
+        return run_collective("all_reduce", ctx.tag, all_reduce_copy, g), None
 
 
-def _all_reduce_copy(x: Tensor) -> Tensor:
+def all_reduce_copy(x: Tensor) -> Tensor:
+    """The sum over ranks of `x` in a fresh tensor (the input is left alone: autograd may still need it)."""
     y = x.contiguous().clone()
     dist.all_reduce(y)
     return y
@@ -210,7 +211,7 @@ class Replicate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return run_collective("all_reduce", ctx.tag, _all_reduce_copy, g), None
+        return run_collective("all_reduce", ctx.tag, all_reduce_copy, g), None
 
 
 def local_slice(x: Tensor, dim: int, sizes: Sequence[int], rank: int) -> Tensor:

@@ -11,11 +11,12 @@ fit the latency and bandwidth in a linear model"):
   than a whole model, whose small element-wise operators are memory-bound). Emulated speeds
   (`--speeds`) use the runner's own emulation (`runner.timing.Pacer`), so a rank of speed 0.5
   measures half the rate; CPU thread settings are the runner's (`launch.apply_cpu_threads`).
-* **memory**: the memory-bound tail of a step on each rank — the gradient bucket's copies and one
-  SGD step over the model's parameters — as the bytes they move per second
+* **memory**: the memory-bound tail of a step on each rank — copying the summed gradient bucket
+  back and one SGD step over the model's parameters — as the bytes they move per second
   (`memory_bandwidth_Bps`, which prices the optimizer update in `engine.cost`);
 * **communication**: every collective the cost model prices, with the runner's implementations
-  and the payload conventions of `engine.cluster`: `all_reduce` (payload: the whole tensor),
+  and the payload conventions of `engine.cluster`: `all_reduce` (into a fresh tensor, as the
+  runner reduces activations and the gradient bucket; payload: the whole tensor),
   `all_gather` (the padded implementation; payload: one shard), `reduce_scatter` and
   `all_to_all` (payload: one shard), and `broadcast` timed as the grouped all-gather (one
   broadcast per rank; its time divided by the number of ranks, payload: one shard). Each
@@ -390,8 +391,9 @@ def update_tensors(cfg: ProfileConfig, device) -> list:
 
 
 def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:
-    """The memory-bound tail of a step, as the runner runs it: the gradient bucket's copies in and out
-    and one SGD step, over the parameters; the spec's `memory_bandwidth_Bps` is the bytes they move per second."""
+    """The memory-bound tail of a step, as the runner runs it: copying the summed gradient bucket back
+    into the gradients and one SGD step, over the parameters (building the bucket is timed with the
+    all-reduce); the spec's `memory_bandwidth_Bps` is the bytes they move per second."""
     import torch
 
     from engine.cost import BUCKET_TRAFFIC, UPDATE_TRAFFIC
@@ -403,16 +405,16 @@ def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sy
         t.grad = torch.ones_like(t)
     optimizer = make_optimizer(params, "sgd", lr=1e-6)
     grads = [t.grad for t in params]
+    pieces = torch.split(torch.cat([g.reshape(-1) for g in grads]), [g.numel() for g in grads])
 
     def fn() -> None:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        for g, piece in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        for g, piece in zip(grads, pieces):
             g.copy_(piece.view_as(g))
         optimizer.step()
 
     nbytes = sum(t.numel() * t.element_size() for t in params)
     times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
-    rec.add("memory", "update", "bucket+sgd", nbytes, times, payload_bytes=int(nbytes * (BUCKET_TRAFFIC + UPDATE_TRAFFIC["sgd"])))
+    rec.add("memory", "update", "unbucket+sgd", nbytes, times, payload_bytes=int(nbytes * (BUCKET_TRAFFIC + UPDATE_TRAFFIC["sgd"])))
     progress.step("optimizer update")
 
 
@@ -431,8 +433,8 @@ def collective_op(name: str, nbytes: int, m: int, device) -> tuple[Callable[[], 
 
     n = max(m, (nbytes // 4) // m * m)  # fp32 elements, a multiple of m
     x = torch.ones(n, device=device)
-    if name == "all_reduce":
-        return (lambda: dist.all_reduce(x)), 4 * n, 1
+    if name == "all_reduce":  # into a fresh copy, as activations (and the gradient bucket, built by torch.cat) are
+        return (lambda: C.all_reduce_copy(x)), 4 * n, 1
     if name == "all_gather":
         return (lambda: C.gather_padded(x, 0, [n] * m)), 4 * n, 1
     if name == "reduce_scatter":
@@ -550,7 +552,7 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
                        + (f", emulated speeds {cfg.speeds}" if cfg.speeds else "") + ".",
         "sources": [f"flops_per_gpu: forward+backward of {model} at batch and half batch (the best square matmul "
                     f"when the model is 'none'), median of {cfg.repeats} repeats after {cfg.warmup} warm-ups",
-                    f"memory_bandwidth_Bps: bytes moved by the gradient bucket's copies and one SGD step over the "
+                    f"memory_bandwidth_Bps: bytes moved by copying the gradient bucket back and one SGD step over the "
                     f"{'model' if cfg.model != 'none' else 'synthetic'} parameters, per second (median of {cfg.repeats} repeats)",
                     f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
                     "per payload the median over repeats of the time from the last rank's arrival",

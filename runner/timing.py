@@ -12,15 +12,18 @@ of one instruction runs between its probe and the next event). Phases: `fwd`, `b
 records (HAP §3.2: a stage is a collective plus the computation up to the next one).
 
 **Emulated speed.** A rank of speed factor f (0 < f <= 1) must take 1/f times as long for every
-computation. The pacer measures the computation the rank actually did since the last
-collective and, just before the next collective (and at the end of the step), sleeps
-(1/f - 1) x that time. No communication happens inside such a window, so this is the same as
-stretching every compute instruction, forward and backward, but costs one sleep per stage
-instead of one per instruction. Computation is measured as CPU time of the calling thread
+computation. The pacer measures the computation c the rank actually did since the last
+collective (a *window*) and, just before the next collective (and at the end of the step),
+sleeps until the window has lasted c / f. No communication happens inside a window, so this is
+the same as stretching every compute instruction, forward and backward, but costs one sleep per
+stage instead of one per instruction. Computation is measured as CPU time of the calling thread
 (`time.thread_time`): on a CPU box shared by several ranks the wall time of a computation
-includes waiting for a core, the CPU time does not, and sleeping leaves the cores to the other
-ranks. Hence the launcher pins one intra-op thread per rank on CPU. On CUDA the pacer
-synchronises the device at each boundary and uses wall time.
+includes waiting for a core, the CPU time does not. Padding the window to c / f (rather than
+adding (1/f - 1) c) lets that waiting count toward the slow-down instead of adding to it, so
+the emulation stays exact while no more than 1/f ranks share a core (4 ranks of speed <= 0.5 on
+2 cores); sleeping leaves the cores to the other ranks. Hence the launcher pins one intra-op
+thread per rank on CPU. On CUDA the pacer synchronises the device at each boundary and uses wall
+time (c is then the window's wall time, and the pad (1/f - 1) c).
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ class Pacer:
         self.phase, self.segments = "fwd", []
         self.totals = {"compute": 0.0, "comm": 0.0, "emulated": 0.0}
         self._t0 = self._open = time.perf_counter()
-        self._work0 = self.work_clock()
+        self._start_window()
         self._owner = OTHER
         self.last: dict[str, Any] = {}
         """The summary of the last finished step (`end_step`)."""
@@ -70,7 +73,7 @@ class Pacer:
         self.phase, self.segments, self._owner = "fwd", [], OTHER
         self.totals = dict.fromkeys(self.totals, 0.0)
         self._t0 = self._open = time.perf_counter()
-        self._work0 = self.work_clock()
+        self._start_window()
 
     def set_phase(self, phase: str) -> None:
         self._close("compute", self._owner)
@@ -95,7 +98,8 @@ class Pacer:
             yield
         finally:
             self._close("comm", f"{name}({tag})" if tag else name)
-            self._owner, self._work0 = OTHER, self.work_clock()
+            self._owner = OTHER
+            self._start_window()
 
     def instruction_done(self, label: str) -> None:
         """Forward: the time since the last event was this instruction's."""
@@ -113,16 +117,19 @@ class Pacer:
             self.sync()
 
     def _pay(self) -> None:
-        """Sleep (1/f - 1) x the computation since the last collective ended."""
+        """Sleep until the window since the last collective has lasted 1/f x its computation."""
         if self.stretch <= 0:
             return
         self._sync()
         self._close("compute", self._owner)
-        extra = self.stretch * (self.work_clock() - self._work0)
+        extra = (self.work_clock() - self._work0) / self.speed - (time.perf_counter() - self._wall0)
         if extra > 0:
             time.sleep(extra)
         self._close("emulated", "")
-        self._work0 = self.work_clock()
+        self._start_window()
+
+    def _start_window(self) -> None:
+        self._work0, self._wall0 = self.work_clock(), time.perf_counter()
 
     def _close(self, kind: str, name: str) -> None:
         if self.record or kind != "compute":

@@ -163,7 +163,7 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute")
     update = [r for r in rows if r["kind"] == "memory"]
     assert {r["op"] for r in update} == {"update"} and len({r["size"] for r in update}) == 1
-    assert all(r["payload_bytes"] == 7 * r["size"] for r in update)  # bucket copies (4) + SGD (3) per parameter byte
+    assert all(r["payload_bytes"] == 5 * r["size"] for r in update)  # bucket copied back (2) + SGD (3) per parameter byte
     assert {r["speed"] for r in rows} == {1.0, 0.5} and all(r["seconds"] > 0 for r in rows)
     assert {r["calls"] for r in rows if r["op"] == "broadcast"} == {2}  # grouped all-gather: one broadcast per rank
     late = {}

@@ -36,6 +36,19 @@ def test_pacer_stretches_computation_by_one_over_speed_before_each_collective():
     assert out["comm_s"] == pytest.approx(0.01, abs=0.01)
 
 
+def test_time_spent_waiting_for_a_core_counts_toward_the_emulated_slow_down():
+    """A window of 20 ms CPU time that also waited 20 ms (here: slept, as when ranks share a core) lasts
+    20 / 0.5 = 40 ms at speed 0.5, not 60: the pacer pads the window to c / f."""
+    pacer = Pacer(0.5)
+    pacer.begin_step()
+    start = time.perf_counter()
+    _spin(0.02)
+    time.sleep(0.02)  # off the CPU inside the window
+    out = pacer.end_step()
+    assert time.perf_counter() - start == pytest.approx(0.04, abs=0.008)
+    assert out["emulated_s"] < 0.008
+
+
 def test_full_speed_pacer_sleeps_never_and_records_nothing_by_default():
     pacer = Pacer(1.0)
     pacer.begin_step()
