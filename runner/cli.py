@@ -7,6 +7,8 @@ is one rank: it runs `runner.launch` in-process. Otherwise it starts
 
 on this machine, relays its output, and returns its exit status. When a rank crashes or is
 killed, torchrun stops the others and fails; this command then names the rank that failed first.
+SIGTERM or SIGHUP to this command (a scheduler cancelling the job) is relayed to torchrun, which
+stops every rank; the command then exits with 128 + the signal number.
 
 A launch bundle (folder or zip from `hap export`) is checked against its manifest before
 torchrun starts (a changed, extra or missing file is refused by name, exit status 2); a zip is
@@ -21,8 +23,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 from engine.errors import HapError
 from engine.plan import Plan
@@ -66,11 +69,31 @@ def describe_failure(returncode: int, stderr_text: str, command: str = "hap run"
     return f"{command}: rank {rank} {how}; torchrun stopped the other ranks (exit status {returncode})"
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals a scheduler or a closed terminal sends to stop a job; relayed to torchrun, which stops the ranks."""
+
+
+def forward_stop_signals(proc: subprocess.Popen, stopped: list[int]) -> dict[int, Any]:
+    """Relay SIGTERM/SIGHUP to torchrun (recording them in `stopped`) instead of dying and orphaning
+    the ranks; returns the previous handlers. Only the main thread may set handlers: elsewhere none."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def relay(signum: int, _frame: Any) -> None:
+        stopped.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    return {signum: signal.signal(signum, relay) for signum in STOP_SIGNALS}
+
+
 def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.launch", command: str = "hap run") -> int:
     """Start torchrun with `-m module argv`, relay its output, and explain a failure by naming the rank."""
     proc = subprocess.Popen(torchrun_command(world_size, argv, module), env=child_env(), stderr=subprocess.PIPE,
                             text=True, bufsize=1)
     tail: list[str] = []
+    stopped: list[int] = []
+    previous = forward_stop_signals(proc, stopped)
     try:
         for line in proc.stderr:  # type: ignore[union-attr]
             sys.stderr.write(line)
@@ -80,6 +103,14 @@ def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.lau
         proc.send_signal(signal.SIGINT)
         proc.wait()
         raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if stopped:
+        name = signal.Signals(stopped[0]).name
+        print(f"{command}: stopped by {name}; torchrun stopped every rank (exit status {returncode})",
+              file=sys.stderr, flush=True)
+        return 128 + stopped[0]
     if returncode != 0:
         print(describe_failure(returncode, "".join(tail), command), file=sys.stderr, flush=True)
     return returncode

@@ -53,6 +53,47 @@ def test_hap_run_names_the_rank_that_crashed_or_was_killed_and_exits_nonzero_wit
     assert message in r.stderr, r.stderr[-3000:]
 
 
+def processes_mentioning(text: str) -> list[int]:
+    """PIDs of live processes whose command line contains `text` (Linux /proc)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                out.append(int(entry.name))
+        except OSError:
+            continue
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs Linux /proc to find the ranks")
+def test_sigterm_to_hap_run_stops_torchrun_and_every_rank(plan4, tmp_path):
+    """A scheduler cancelling the job (SIGTERM) must not leave torchrun and its ranks running."""
+    metrics = tmp_path / "sigterm.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", FAULT_ENV)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", str(plan4), "--steps", "100000",
+                             "--metrics", str(metrics)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not (metrics.exists() and metrics.read_text().strip()) and proc.poll() is None:
+            assert time.monotonic() < deadline, "no step was recorded within 90 s"
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert processes_mentioning(str(metrics)), "the ranks should be running"
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + 15, err[-3000:]
+    assert "hap run: stopped by SIGTERM; torchrun stopped every rank" in err
+    deadline = time.monotonic() + 10
+    while processes_mentioning(str(metrics)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not processes_mentioning(str(metrics)), "torchrun or a rank outlived hap run"
+
+
 def test_hap_run_under_a_launch_of_another_world_size_refuses_the_plan(plan4):
     r = hap("run", str(plan4), "--steps", "1", env={"RANK": "0", "WORLD_SIZE": "3", "LOCAL_RANK": "0"}, timeout=60)
     assert r.returncode == 2
