@@ -3,10 +3,11 @@
 For each local cluster — 2 gloo ranks with emulated speeds 1.0/0.5, and 4 ranks with
 0.5/0.5/0.25/0.25 (`--speeds`, runner.timing) — and each model family (zoo:gpt, zoo:mlp):
 
-1. `hap profile` measures the cluster (FLOP/s on the family's own operators at the profiler's
+1. `hap profile` measures the cluster (matmul FLOP/s, the family's own operators at the profiler's
    small config, collective fits on the gloo group), `--profiles` times in a row; the spec the
    plans use combines them from their Parquet files the way the launches are combined below:
-   per rank the best FLOP/s, per collective and payload the fastest of the profiles' medians,
+   per rank the best matmul FLOP/s and the activation bandwidth refitted on the fastest model
+   step (the roofline split of `engine.cost`), per collective and payload the fastest of the profiles' medians,
    refitted with `engine.cluster.fit_collective` (load only ever adds time, so the best of a few
    samples is the closest to the machine without other jobs, on both sides of the comparison);
 2. every variant of the family (sizes x layer counts) is planned on that spec twice: the HAP
@@ -90,17 +91,29 @@ def profile(cluster: str, family: str, out: Path, count: int) -> Path:
 
 
 def combine_profiles(specs: list[Path]) -> dict:
-    """One spec from several profiles: per device the best FLOP/s, per collective the fastest median per payload, refitted."""
+    """One spec from several profiles: per device the best FLOP/s (and the activation bandwidth refitted
+    on the fastest model step), per collective the fastest median per payload, refitted."""
     import pyarrow.parquet as pq
 
     from engine.cluster import fit_collective
-    from runner.profile import COLLECTIVES, collective_points
+    from runner.profile import (COLLECTIVES, collective_points, device_flops, model_step, rank_rates,
+                                roofline_fit)
 
     docs = [json.loads(s.read_text()) for s in specs]
     out = json.loads(json.dumps(docs[0]))
-    for j, dev in enumerate(out["devices"]):
-        dev["flops_per_gpu"] = max(d["devices"][j]["flops_per_gpu"] for d in docs)
     tables = [pq.read_table(s.with_suffix(".parquet")).to_pylist() for s in specs]
+    best = [max(d["devices"][j]["flops_per_gpu"] for d in docs) for j in range(len(out["devices"]))]
+    fits = [None] * len(best)
+    if all("activation_bandwidth_Bps" in d for doc in docs for d in doc["devices"]):
+        # the roofline split: the best matmul rate, the bandwidth refitted on the fastest model step
+        steps = [min((model_step(rows, j) for rows in tables), key=lambda s: s[0]) for j in range(len(best))]
+        fits = [roofline_fit(f, s) for f, s in zip(best, steps)]
+    for j, dev in enumerate(out["devices"]):
+        if all(fits):
+            dev["flops_per_gpu"], dev["activation_bandwidth_Bps"] = fits[j]
+        else:  # one rate per device: the best of the profiles' model rates
+            dev.pop("activation_bandwidth_Bps", None)
+            dev["flops_per_gpu"] = max(device_flops(rank_rates(rows, j)) for rows in tables)
     for name in COLLECTIVES:
         points = [collective_points(rows, name) for rows in tables]
         sizes = points[0][0]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pulp
 
 from .cluster import Cluster
-from .cost import CostModel, Stage, device_classes, replay
+from .cost import CostModel, Stage, class_work, device_classes, replay
 from .errors import InfeasibleError
 from .graph import Graph
 from .program import Instruction
@@ -113,13 +113,11 @@ def _comm(prob: pulp.LpProblem, i: int, st: Stage, M: list[pulp.LpVariable]):
 def _stage_epigraphs(prob: pulp.LpProblem, stages: list[Stage], classes, B) -> list[pulp.LpVariable]:
     t = []
     for i, st in enumerate(stages):
-        s, r, ss, rs = st.work
         if not any(st.work):
             continue
         ti = prob.add_variable(f"t_{i}", lowBound=0)
         for k, (c, b) in enumerate(zip(classes, B[st.segment])):
-            work = (s * b + r) / c.flops + ss * b * c.sharded_param_s_per_byte + rs * c.full_param_s_per_byte
-            prob += ti >= work, f"stage_{i}_class_{k}"
+            prob += ti >= class_work(st.work, c, b), f"stage_{i}_class_{k}"
         t.append(ti)
     return t
 

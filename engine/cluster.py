@@ -59,7 +59,8 @@ DEFAULT_INTRA_BANDWIDTH_BPS = 1e11
 
 _TOP_KEYS = ("schema_version", "name", "description", "sources", "devices", "network")
 _DEVICE_KEYS = ("name", "gpu_model", "machine", "group", "num_gpus", "flops_per_gpu",
-                "memory_bytes_per_gpu", "memory_bandwidth_Bps", "intra_bandwidth_Bps", "count")
+                "memory_bytes_per_gpu", "memory_bandwidth_Bps", "activation_bandwidth_Bps", "intra_bandwidth_Bps",
+                "count")
 _NETWORK_KEYS = ("latency_s", "bandwidth_Bps", "collectives")
 _FIT_KEYS = ("latency_s", "bandwidth_Bps")
 
@@ -72,6 +73,7 @@ _HINTS: dict[str, str] = {
     "flops_per_gpu": "the sustained FLOP/s of one GPU, e.g. 1.5e13",
     "memory_bytes_per_gpu": "bytes of memory of one GPU, e.g. 17179869184 for 16 GiB",
     "memory_bandwidth_Bps": "bytes/s one GPU reads and writes its own memory, e.g. 1.555e12 for an A100-40GB",
+    "activation_bandwidth_Bps": "bytes/s of the memory-bound operators on one GPU, e.g. 1.2e12 (as hap profile measures)",
     "intra_bandwidth_Bps": "bytes/s between the GPUs inside the virtual device, e.g. 1.5e11",
     "count": "how many identical devices this entry expands to, e.g. 8",
     "latency_s": "seconds of latency, e.g. 2e-05",
@@ -106,6 +108,11 @@ class Device:
     memory_bandwidth_Bps: float | None = None
     """Bytes/s one GPU moves to and from its memory; prices the memory-bound optimizer update and
     gradient-bucket copies (`engine.cost`). None: those are not priced."""
+    activation_bandwidth_Bps: float | None = None
+    """Bytes/s at which one GPU runs the memory-bound operators (element-wise, norms, softmax, losses,
+    copies). When set, `engine.cost` prices those by the bytes they read and write, and
+    `flops_per_gpu` prices only the matmul-class operators (a roofline split); None: every operator
+    is priced by its flops at `flops_per_gpu`. Set it on every device or on none."""
     intra_bandwidth_Bps: float = DEFAULT_INTRA_BANDWIDTH_BPS
     """Bytes/s between the GPUs inside this virtual device; used only when num_gpus > 1."""
 
@@ -121,6 +128,8 @@ class Device:
             "group": self.group, "num_gpus": self.num_gpus, "flops_per_gpu": self.flops_per_gpu,
             "memory_bytes_per_gpu": self.memory_bytes_per_gpu,
             **({"memory_bandwidth_Bps": self.memory_bandwidth_Bps} if self.memory_bandwidth_Bps is not None else {}),
+            **({"activation_bandwidth_Bps": self.activation_bandwidth_Bps}
+               if self.activation_bandwidth_Bps is not None else {}),
             "intra_bandwidth_Bps": self.intra_bandwidth_Bps,
         }
 
@@ -484,6 +493,7 @@ def _parse_devices(value: Any) -> tuple[Device, ...]:
             seen[dev.name] = i
             devices.append(dev)
     _check_machine_groups(devices)
+    _check_activation_bandwidth(devices)
     return tuple(devices)
 
 
@@ -506,6 +516,9 @@ def _parse_device_entry(entry: Any, path: str) -> list[Device]:
         memory_bandwidth_Bps=(None if entry.get("memory_bandwidth_Bps") is None else
                               _positive(entry["memory_bandwidth_Bps"], field_path("memory_bandwidth_Bps"),
                                         "memory_bandwidth_Bps")),
+        activation_bandwidth_Bps=(None if entry.get("activation_bandwidth_Bps") is None else
+                                  _positive(entry["activation_bandwidth_Bps"], field_path("activation_bandwidth_Bps"),
+                                            "activation_bandwidth_Bps")),
         intra_bandwidth_Bps=_positive(entry.get("intra_bandwidth_Bps", DEFAULT_INTRA_BANDWIDTH_BPS),
                                       field_path("intra_bandwidth_Bps"), "intra_bandwidth_Bps"),
     )
@@ -513,6 +526,15 @@ def _parse_device_entry(entry: Any, path: str) -> list[Device]:
         return [base]
     count = _positive_int(entry["count"], field_path("count"), "count")
     return [replace(base, name=f"{name}-{k}") for k in range(count)]
+
+
+def _check_activation_bandwidth(devices: list[Device]) -> None:
+    """The roofline split applies to the whole cluster: activation_bandwidth_Bps on every device or none."""
+    given = [d.activation_bandwidth_Bps is not None for d in devices]
+    if any(given) and not all(given):
+        i = given.index(False)
+        raise ClusterError(f"devices[{i}].activation_bandwidth_Bps: missing on device {devices[i].name!r} but set on "
+                           f"{devices[given.index(True)].name!r}; set it on every device or remove it everywhere")
 
 
 def _check_machine_groups(devices: list[Device]) -> None:

@@ -20,6 +20,14 @@ gradients back out of the bucket (`BUCKET_TRAFFIC`), at the device's `memory_ban
 when the cluster spec leaves it out). Like the sync inside a virtual device, this work is linear
 in the local parameter bytes and is counted in the backward stage that holds the parameter.
 
+Roofline split (not in the paper; optional): when every device gives `activation_bandwidth_Bps`,
+only the matmul-class operators (`FLOPS_BOUND_OPS`) are priced by flops at `flops_per_gpu`; every
+other operator (element-wise ops, norms, softmax, losses, copies) by the bytes it reads and
+writes (`BACKWARD_TRAFFIC` times as many in the backward pass) at that bandwidth. One FLOP/s
+figure over-prices wide models when it was measured on a narrow one (the memory-bound share of
+a step shrinks as the matmuls grow); `hap profile` fits both figures. Bytes, like flops, scale
+with B_j when the operator runs sharded, so the model stays linear.
+
 Memory per GPU (not in the paper, users need it): parameter, gradient and optimizer state of the
 local slice of every parameter, plus the activations kept for the backward pass (split over the
 k GPUs of a virtual device).
@@ -48,6 +56,9 @@ UPDATE_TRAFFIC = {"adam": 16.0, "sgd": 3.0, "none": 0.0}
 """Bytes read and written per parameter byte by one optimizer step, as PyTorch's multi-tensor
 implementations run it: SGD reads w and g and writes w; Adam's passes over g, m, v and w move
 about 16 (these are the runner's optimizers, `runner.train.make_optimizer`)."""
+BACKWARD_TRAFFIC = 2.0
+"""Backward bytes of a memory-bound operator per forward byte: it reads the output's gradient and
+what it saved, and writes its inputs' gradients (about twice the forward's reads and writes)."""
 BUCKET_TRAFFIC = 2.0
 """Bytes moved per gradient byte of a Full parameter to copy the summed bucket back (read + write);
 building the bucket is a copy into a fresh tensor, as every all-reduce of the runner makes, so it
@@ -57,9 +68,21 @@ DUAL = {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_
         "all_gather.grouped": "all_gather.grouped", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT}
 """The collective that runs in the backward pass for each forward collective (its dual)."""
 
-Acc = tuple[float, float, float, float]
-"""Linear work of a stage: (sharded flops, replicated flops, sharded parameter bytes, Full parameter bytes)."""
-ZERO: Acc = (0.0, 0.0, 0.0, 0.0)
+Acc = tuple[float, float, float, float, float, float]
+"""Linear work of a stage: (sharded flops, replicated flops, sharded parameter bytes, Full parameter bytes,
+sharded activation bytes, replicated activation bytes)."""
+ZERO: Acc = (0.0,) * 6
+Mem = tuple[float, float, float, float]
+"""Memory terms: (sharded state, replicated state, sharded activations, replicated activations) bytes."""
+MEM_ZERO: Mem = (0.0,) * 4
+
+FLOPS_BOUND_OPS = frozenset({"linear", "matmul", "einsum", "conv", "sdpa", "opaque"})
+"""Operators priced by their flops at flops_per_gpu even under the roofline split (matmul-class;
+`opaque` ops, whose bytes are unknown, keep their flops estimate)."""
+ZERO_COPY_OPS = frozenset({"view", "permute", "expand", "narrow", "select", "identity"})
+"""Operators that return a view: no bytes moved, no activation kept."""
+GATHER_OPS = frozenset({"embedding", "gather"})
+"""Operators that read only the rows they return from their table (not the whole table)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +98,8 @@ class DeviceClass:
     virtual device (0 for one GPU) and the optimizer update."""
     full_param_s_per_byte: float
     """Seconds per byte of a Full parameter: the same, plus the copies into and out of the gradient bucket."""
+    activation_s_per_byte: float
+    """Seconds per byte moved by a memory-bound operator (0 without the roofline split)."""
     ratios: tuple[float, ...]
     """The ratio of each of its devices in every segment (empty when grouping by hardware only)."""
 
@@ -84,15 +109,17 @@ def device_classes(cluster: Cluster, ratios: list[list[float]] | None, optimizer
     groups: dict[tuple, list[int]] = {}
     for j, d in enumerate(cluster.devices):
         mine = () if ratios is None else tuple(round(row[j], 12) for row in ratios)
-        key = (d.flops, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps, d.memory_bandwidth_Bps, mine)
+        key = (d.flops, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps, d.memory_bandwidth_Bps,
+               d.activation_bandwidth_Bps, mine)
         groups.setdefault(key, []).append(j)
     out = []
-    for (flops, mem, k, intra, mem_bw, _), members in groups.items():
+    for (flops, mem, k, intra, mem_bw, act_bw, _), members in groups.items():
         sync = 2.0 * (k - 1) / k / intra if k > 1 else 0.0  # ring all-reduce inside the box
         update = UPDATE_TRAFFIC[optimizer] / mem_bw if mem_bw else 0.0
         bucket = BUCKET_TRAFFIC / mem_bw if mem_bw and cluster.num_devices > 1 else 0.0
         mine = () if ratios is None else tuple(row[members[0]] for row in ratios)
-        out.append(DeviceClass(tuple(members), flops, float(mem), k, sync + update, sync + update + bucket, mine))
+        act = 1.0 / (k * act_bw) if act_bw else 0.0  # the k GPUs of a virtual device split its activations
+        out.append(DeviceClass(tuple(members), flops, float(mem), k, sync + update, sync + update + bucket, act, mine))
     return tuple(out)
 
 
@@ -151,7 +178,14 @@ class CostModel:
         self.max_ratios = [max(r) for r in self.ratios]
         self.state_factor = STATE_BYTES_PER_PARAM_BYTE[optimizer]
         self.requires_grad = _requires_grad(graph)
-        self.bwd_flops = [_backward_flops(graph, n.id, self.requires_grad) for n in graph.nodes]
+        self.roofline = all(d.activation_bandwidth_Bps for d in cluster.devices)
+        self.traffic = [_traffic(graph, n.id) if self.roofline and _memory_bound(n) else 0.0 for n in graph.nodes]
+        """Forward bytes moved by each memory-bound operator (all zero without the roofline split)."""
+        self.fwd_flops = [0.0 if self.traffic[n.id] else n.flops for n in graph.nodes]
+        """Forward flops priced at flops_per_gpu: every operator's, or only the flops-bound ones' under the split."""
+        self.bwd_flops = [0.0 if self.traffic[n.id] else _backward_flops(graph, n.id, self.requires_grad)
+                          for n in graph.nodes]
+        self.bwd_traffic = [BACKWARD_TRAFFIC * b if self.requires_grad[i] else 0.0 for i, b in enumerate(self.traffic)]
         self.total_flops = sum(c.flops * len(c.devices) for c in self.classes)
         intra = [d.intra_bandwidth_Bps for d in cluster.devices if d.num_gpus > 1]
         self.hierarchy_s_per_byte = 2.0 / min(intra) if intra else 0.0  # gather to / broadcast from GPU 0 (§6)
@@ -194,9 +228,7 @@ class CostModel:
 
     # --- computation -----------------------------------------------------------------------
     def class_times(self, acc: Acc, segment: int = 0) -> list[float]:
-        s, r, ss, rs = acc
-        return [(s * c.ratios[segment] + r) / c.flops + ss * c.ratios[segment] * c.sharded_param_s_per_byte
-                + rs * c.full_param_s_per_byte for c in self.classes]
+        return [class_work(acc, c, c.ratios[segment]) for c in self.classes]
 
     def stage_time(self, acc: Acc, segment: int = 0) -> float:
         return max(self.class_times(acc, segment))
@@ -209,12 +241,12 @@ class CostModel:
         return out
 
     # --- memory ----------------------------------------------------------------------------
-    def memory_by_class(self, mem: Acc, segment: int = 0) -> tuple[float, ...]:
+    def memory_by_class(self, mem: Mem, segment: int = 0) -> tuple[float, ...]:
         """Per-GPU bytes from (sharded state, replicated state, sharded activations, replicated activations)."""
         s, r, sa, ra = mem
         return tuple(s * c.ratios[segment] + r + (sa * c.ratios[segment] + ra) / c.num_gpus for c in self.classes)
 
-    def class_memory(self, mems: list[Acc]) -> tuple[float, ...]:
+    def class_memory(self, mems: list[Mem]) -> tuple[float, ...]:
         """Per-GPU bytes of every class, summed over the segments' memory terms."""
         out = (0.0,) * len(self.classes)
         for k, mem in enumerate(mems):
@@ -225,25 +257,49 @@ class CostModel:
         return all(b <= c.memory_bytes for b, c in zip(class_bytes, self.classes))
 
     # --- per-instruction deltas used by the search and by replay ---------------------------
-    def compute_delta(self, node: int, sharded: bool) -> tuple[Acc, Acc, Acc]:
+    def compute_delta(self, node: int, sharded: bool) -> tuple[Acc, Acc, Mem]:
         """(forward work, backward work, memory) added by computing `node`."""
         n = self.graph[node]
-        f, b = n.flops, self.bwd_flops[node]
+        f, b = self.fwd_flops[node], self.bwd_flops[node]
+        tf, tb = self.traffic[node], self.bwd_traffic[node]
         act = float(self.nbytes[node]) if self.requires_grad[node] and n.op not in ("view", "permute", "identity") else 0.0
         if sharded:
-            return (f, 0.0, 0.0, 0.0), (b, 0.0, 0.0, 0.0), (0.0, 0.0, act, 0.0)
-        return (0.0, f, 0.0, 0.0), (0.0, b, 0.0, 0.0), (0.0, 0.0, 0.0, act)
+            return (f, 0.0, 0.0, 0.0, tf, 0.0), (b, 0.0, 0.0, 0.0, tb, 0.0), (0.0, 0.0, act, 0.0)
+        return (0.0, f, 0.0, 0.0, 0.0, tf), (0.0, b, 0.0, 0.0, 0.0, tb), (0.0, 0.0, 0.0, act)
 
-    def load_delta(self, node: int, form: int) -> tuple[Acc, Acc]:
+    def load_delta(self, node: int, form: int) -> tuple[Acc, Mem]:
         """(backward per-parameter-byte work, memory) of loading a leaf in `form`."""
         n = self.graph[node]
         if n.op != "parameter":
-            return ZERO, ZERO
+            return ZERO, MEM_ZERO
         nbytes = float(n.nbytes)
         state = nbytes * self.state_factor
         if form == FULL:
-            return (0.0, 0.0, 0.0, nbytes), (0.0, state, 0.0, 0.0)
-        return (0.0, 0.0, nbytes, 0.0), (state, 0.0, 0.0, 0.0)
+            return (0.0, 0.0, 0.0, nbytes, 0.0, 0.0), (0.0, state, 0.0, 0.0)
+        return (0.0, 0.0, nbytes, 0.0, 0.0, 0.0), (state, 0.0, 0.0, 0.0)
+
+
+def class_work(acc: Acc, c: DeviceClass, ratio) -> float:
+    """Seconds of a stage's linear work on one device of class `c` holding `ratio` of the sharded work
+    (`ratio` may be an LP variable: the expression stays linear in it)."""
+    s, r, ss, rs, ts, tr = acc
+    return ((s * ratio + r) / c.flops + ss * ratio * c.sharded_param_s_per_byte + rs * c.full_param_s_per_byte
+            + (ts * ratio + tr) * c.activation_s_per_byte)
+
+
+def _memory_bound(n) -> bool:
+    """Priced by the bytes it moves under the roofline split: neither matmul-class nor a view."""
+    return not n.is_leaf and n.op not in FLOPS_BOUND_OPS and n.op not in ZERO_COPY_OPS
+
+
+def _traffic(graph: Graph, node: int) -> float:
+    """Bytes a memory-bound operator reads and writes in the forward pass: its output and each
+    distinct input (of a table lookup, only the rows it returns)."""
+    n = graph[node]
+    read = 0.0
+    for i in dict.fromkeys(n.inputs):
+        read += min(graph[i].nbytes, n.nbytes) if n.op in GATHER_OPS and graph[i].op == "parameter" else graph[i].nbytes
+    return float(n.nbytes) + read
 
 
 def add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
@@ -269,7 +325,7 @@ def is_sharded(ins: Instruction) -> bool:
     return ins.post >= 0 or any(f >= 0 for _, f in ins.pre)
 
 
-def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage], list[Acc]]:
+def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage], list[Mem]]:
     """Split a program into forward and backward stages with linear work terms, and sum its memory
     terms per segment.
 
@@ -280,7 +336,7 @@ def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage]
     sources = source_segments(program, cm.segmentation)
     stages: list[Stage] = []
     fwd, bwd = ZERO, ZERO
-    mems = [ZERO] * cm.segmentation.count
+    mems = [MEM_ZERO] * cm.segmentation.count
     none = ("", -1, 0.0, 0.0, (0,))
     fwd_open = bwd_open = none
     bucket_bytes, cur = 0.0, segs[0] if segs else 0

@@ -35,7 +35,7 @@ from itertools import product
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .cost import DUAL, ZERO, Acc, CostModel, add
+from .cost import DUAL, MEM_ZERO, ZERO, Acc, CostModel, add
 from .errors import InfeasibleError
 from .graph import Graph
 from .program import COMM, COMPUTE, LOAD, Instruction
@@ -194,7 +194,7 @@ class _Search:
         self.rem_b = [0.0] * (n + 1)
         for k in range(n - 1, -1, -1):
             nid = self.prep.order[k]
-            self.rem_f[k] = self.rem_f[k + 1] + graph[nid].flops
+            self.rem_f[k] = self.rem_f[k + 1] + cm.fwd_flops[nid]
             self.rem_b[k] = self.rem_b[k + 1] + cm.bwd_flops[nid]
         self.sum_flops = cm.total_flops
         self.weights = [c.flops * len(c.devices) for c in cm.classes]
@@ -564,7 +564,7 @@ def _leaf_filter(space: SearchSpace, op: str) -> Callable[[int, int], bool]:
 
 def _worst_memory(graph: Graph, cm: CostModel) -> tuple[float, ...]:
     """Per-class bytes of the most memory-hungry program (everything Full): if even it fits, memory never binds."""
-    mem = ZERO
+    mem = MEM_ZERO
     for n in graph.nodes:
         if n.op == "parameter":
             mem = add(mem, cm.load_delta(n.id, FULL)[1])

@@ -4,11 +4,13 @@ Measures the cluster this job runs on and writes a cluster spec the planner read
 (HAP §3.2: "run each collective operation on the cluster with tensors of different sizes and
 fit the latency and bandwidth in a linear model"):
 
-* **compute**: each rank's achieved FLOP/s on the model's own operators — one forward plus
-  backward of a zoo model at its batch and at half of it, flops counted exactly as the cost
-  model counts them (`engine.cost.CostModel`), which is the rate the spec records — and on
-  square matmuls at several sizes (recorded for reference: on CPU a matmul runs about 3x faster
-  than a whole model, whose small element-wise operators are memory-bound). Emulated speeds
+* **compute**: each rank's achieved FLOP/s on square matmuls at several sizes, and one forward
+  plus backward of a zoo model at its batch and at half of it, its work counted exactly as the
+  cost model counts it (`engine.cost.CostModel`). The spec records the roofline split the cost
+  model prices: `flops_per_gpu`, the best matmul rate, for the matmul-class operators, and
+  `activation_bandwidth_Bps`, the memory-bound operators' bytes (element-wise ops, norms,
+  losses) over the rest of the model's step time. A model whose matmuls alone take its whole
+  step (or `--model none`) gets one rate instead (the model's, or the best matmul). Emulated speeds
   (`--speeds`) use the runner's own emulation (`runner.timing.Pacer`), so a rank of speed 0.5
   measures half the rate; CPU thread settings are the runner's (`launch.apply_cpu_threads`).
 * **memory**: the memory-bound tail of a step on each rank — copying the summed gradient bucket
@@ -74,8 +76,8 @@ which are by then blocked inside the collective, as ranks are in training; its t
 used. It so includes waking the waiting ranks, which on a loaded CPU host costs milliseconds."""
 MIN_FLOPS_PER_SAMPLE = 1e8
 """A matmul sample repeats the product until it does at least this much work (~1 ms on a CPU core)."""
-PARQUET_COLUMNS = ("kind", "op", "impl", "rank", "speed", "size", "payload_bytes", "calls", "flops", "repeat",
-                   "arrival_delay_s", "seconds", "backend", "world_size")
+PARQUET_COLUMNS = ("kind", "op", "impl", "rank", "speed", "size", "payload_bytes", "calls", "flops", "flops_bound",
+                   "traffic_bytes", "repeat", "arrival_delay_s", "seconds", "backend", "world_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -475,30 +477,35 @@ def collective_points(rows: list[dict[str, Any]], name: str) -> tuple[list[float
 
 
 def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
-    """Put the cost model's forward + backward flops of each profiled batch into the model rows."""
+    """Put the cost model's forward + backward work of each profiled batch into the model rows: all
+    flops, the matmul-class flops and the memory-bound operators' bytes (`engine.cost`'s roofline split)."""
     spec = model_config(cfg)
     if spec is None:
         return
     name, knobs = spec
-    flops = {}
+    work: dict[int, tuple[float, float, float]] = {}
     for r in rows:
         if r["kind"] == "compute" and r["op"] == f"zoo:{name}":
-            if r["size"] not in flops:
-                flops[r["size"]] = step_flops(name, {**knobs, **({"batch": r["size"]} if r["size"] else {})})
-            r["flops"] = flops[r["size"]]
+            if r["size"] not in work:
+                work[r["size"]] = step_work(name, {**knobs, **({"batch": r["size"]} if r["size"] else {})})
+            r["flops"], r["flops_bound"], r["traffic_bytes"] = work[r["size"]]
 
 
-def step_flops(name: str, knobs: dict[str, Any]) -> float:
-    """Forward plus backward flops of one step of a zoo model, as engine.cost counts them."""
+def step_work(name: str, knobs: dict[str, Any]) -> tuple[float, float, float]:
+    """(all flops, matmul-class flops, memory-bound bytes) of one forward + backward step of a zoo
+    model, as engine.cost counts them with and without the roofline split."""
     import engine
     from engine.cost import CostModel
 
     graph = engine.load_model(f"zoo:{name}", **knobs)
-    one = engine.load_cluster({"schema_version": 1, "name": "one", "devices": [
-        {"name": "d", "gpu_model": "d", "machine": "m", "flops_per_gpu": 1.0, "memory_bytes_per_gpu": 1}],
-        "network": {"latency_s": 0.0, "bandwidth_Bps": {}}})
-    cm = CostModel(graph, one, [1.0], "sgd")
-    return sum(n.flops for n in graph.nodes) + sum(cm.bwd_flops)
+    device = {"name": "d", "gpu_model": "d", "machine": "m", "flops_per_gpu": 1.0, "memory_bytes_per_gpu": 1}
+    net = {"latency_s": 0.0, "bandwidth_Bps": {}}
+    plain = CostModel(graph, engine.load_cluster({"schema_version": 1, "name": "one", "devices": [device],
+                                                  "network": net}), [1.0], "sgd")
+    split = CostModel(graph, engine.load_cluster({"schema_version": 1, "name": "one", "network": net,
+                                                  "devices": [{**device, "activation_bandwidth_Bps": 1.0}]}), [1.0], "sgd")
+    return (sum(plain.fwd_flops) + sum(plain.bwd_flops), sum(split.fwd_flops) + sum(split.bwd_flops),
+            sum(split.traffic) + sum(split.bwd_traffic))
 
 
 def rank_rates(rows: list[dict[str, Any]], rank: int) -> dict[str, float]:
@@ -525,9 +532,49 @@ def _rate(rows: list[dict[str, Any]]) -> float:
 
 
 def device_flops(rates: dict[str, float]) -> float:
-    """The rate the spec records: the model's own operators, else the best matmul."""
+    """The single rate of a spec without the roofline split: the model's own operators, else the best matmul."""
     model = [v for k, v in rates.items() if not k.startswith("matmul")]
     return model[0] if model else max(rates.values())
+
+
+def model_step(rows: list[dict[str, Any]], rank: int) -> tuple[float, float, float, float] | None:
+    """(seconds, all flops, matmul-class flops, memory-bound bytes) of the profiled model on one rank,
+    summed over its batches (per batch the median time); None without a model."""
+    mine = [r for r in rows if r["kind"] == "compute" and r["op"].startswith("zoo:") and r["rank"] == rank]
+    if not mine or any(r.get("traffic_bytes") is None for r in mine):
+        return None
+    out = [0.0, 0.0, 0.0, 0.0]
+    for size in {r["size"] for r in mine}:
+        same = [r for r in mine if r["size"] == size]
+        out[0] += statistics.median(r["seconds"] for r in same)
+        out[1] += same[0]["flops"]
+        out[2] += same[0]["flops_bound"]
+        out[3] += same[0]["traffic_bytes"]
+    return out[0], out[1], out[2], out[3]
+
+
+def roofline_fit(matmul_flops_per_s: float, step: tuple[float, float, float, float]) -> tuple[float, float] | None:
+    """(flops_per_gpu, activation_bandwidth_Bps) that reproduce the model's step time: the matmul-class
+    flops at the best matmul rate, the rest of the time spent moving the memory-bound operators'
+    bytes. None when the matmuls alone take the whole step (no time is left to fit a bandwidth)."""
+    seconds, _, flops_bound, traffic = step
+    rest = seconds - flops_bound / matmul_flops_per_s
+    if traffic <= 0 or rest <= 0:
+        return None
+    return matmul_flops_per_s, traffic / rest
+
+
+def device_compute(rows: list[dict[str, Any]], ranks: Sequence[int]) -> list[dict[str, float]]:
+    """Per rank the spec's compute fields: the roofline split (flops_per_gpu at the best matmul
+    rate, activation_bandwidth_Bps fitted on the model) when every rank allows it, else one rate."""
+    rates = [rank_rates(rows, j) for j in ranks]
+    fits = []
+    for j, r in zip(ranks, rates):
+        matmuls, step = [v for k, v in r.items() if k.startswith("matmul")], model_step(rows, j)
+        fits.append(roofline_fit(max(matmuls), step) if matmuls and step else None)
+    if fits and all(fits):
+        return [{"flops_per_gpu": f, "activation_bandwidth_Bps": b} for f, b in fits]  # type: ignore[misc]
+    return [{"flops_per_gpu": device_flops(r)} for r in rates]
 
 
 def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dict[str, Any]]) -> dict[str, Any]:
@@ -536,10 +583,9 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
 
     fits = {name: fit_collective(*collective_points(rows, name)) for name in COLLECTIVES}
     devices = []
-    for info in infos:
-        rates = rank_rates(rows, info["rank"])
+    for info, compute in zip(infos, device_compute(rows, [info["rank"] for info in infos])):
         devices.append({"name": f"rank-{info['rank']}", "gpu_model": info["gpu_model"], "machine": info["host"],
-                        "flops_per_gpu": device_flops(rates), "memory_bytes_per_gpu": info["memory_bytes"],
+                        **compute, "memory_bytes_per_gpu": info["memory_bytes"],
                         "memory_bandwidth_Bps": memory_bandwidth(rows, info["rank"])})
     layout = tuple(Device(name=d["name"], gpu_model="", machine=d["machine"], flops_per_gpu=1.0,
                           memory_bytes_per_gpu=1) for d in devices)
@@ -550,8 +596,10 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
         "schema_version": 1, "name": cfg.name,
         "description": f"Measured by hap profile on {len(infos)} ranks ({infos[0]['backend']}) at {when}"
                        + (f", emulated speeds {cfg.speeds}" if cfg.speeds else "") + ".",
-        "sources": [f"flops_per_gpu: forward+backward of {model} at batch and half batch (the best square matmul "
-                    f"when the model is 'none'), median of {cfg.repeats} repeats after {cfg.warmup} warm-ups",
+        "sources": [f"flops_per_gpu: the best square matmul; activation_bandwidth_Bps: the bytes of the memory-bound "
+                    f"operators of {model} (forward+backward at batch and half batch) over the rest of its step time "
+                    f"(without them, one rate: the model's, or the best matmul when the model is 'none'); median of "
+                    f"{cfg.repeats} repeats after {cfg.warmup} warm-ups",
                     f"memory_bandwidth_Bps: bytes moved by copying the gradient bucket back and one SGD step over the "
                     f"{'model' if cfg.model != 'none' else 'synthetic'} parameters, per second (median of {cfg.repeats} repeats)",
                     f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
@@ -570,19 +618,22 @@ def write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
 
     schema = pa.schema([("kind", pa.string()), ("op", pa.string()), ("impl", pa.string()), ("rank", pa.int32()),
                         ("speed", pa.float64()), ("size", pa.int64()), ("payload_bytes", pa.int64()),
-                        ("calls", pa.int32()), ("flops", pa.float64()), ("repeat", pa.int32()),
+                        ("calls", pa.int32()), ("flops", pa.float64()), ("flops_bound", pa.float64()),
+                        ("traffic_bytes", pa.float64()), ("repeat", pa.int32()),
                         ("arrival_delay_s", pa.float64()), ("seconds", pa.float64()), ("backend", pa.string()),
                         ("world_size", pa.int32())])
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
 
 
 def summary(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'device':<10} {'machine':<16} {'model':<16} {'GFLOP/s (spec)':>14} {'matmul best':>12} {'memory':>10} "
-             f"{'update GB/s':>12}"]
+    lines = [f"{'device':<10} {'machine':<16} {'model':<16} {'GFLOP/s (spec)':>14} {'model GFLOP/s':>13} "
+             f"{'activation GB/s':>15} {'memory':>10} {'update GB/s':>12}"]
     for j, d in enumerate(spec["devices"]):
-        best = max((v for k, v in rank_rates(rows, j).items() if k.startswith("matmul")), default=float("nan"))
+        rate = next((v for k, v in rank_rates(rows, j).items() if not k.startswith("matmul")), float("nan"))
+        act = d.get("activation_bandwidth_Bps", float("nan"))
         lines.append(f"{d['name']:<10} {d['machine'][:16]:<16} {d['gpu_model'][:16]:<16} {d['flops_per_gpu'] / 1e9:14.2f} "
-                     f"{best / 1e9:12.2f} {d['memory_bytes_per_gpu'] / 2**30:7.1f} GiB {d['memory_bandwidth_Bps'] / 1e9:12.2f}")
+                     f"{rate / 1e9:13.2f} {act / 1e9:15.2f} {d['memory_bytes_per_gpu'] / 2**30:7.1f} GiB "
+                     f"{d['memory_bandwidth_Bps'] / 1e9:12.2f}")
     lines += ["", f"{'collective':<16} {'latency':>10} {'bandwidth':>12}"]
     for k, f in spec["network"]["collectives"].items():
         lines.append(f"{k:<16} {f['latency_s'] * 1e6:7.1f} us {f['bandwidth_Bps'] / 1e9:8.3f} GB/s")

@@ -63,14 +63,28 @@ def grid_neighbours(ratios: list[float], steps: int) -> list[tuple[float, ...]]:
 @pytest.mark.parametrize("model", ["mlp1", "small_gpt"])
 def test_lp_objective_equals_a_fine_grid_search(request, model, flops, steps):
     graph = request.getfixturevalue(model)
-    cluster = engine.load_cluster(cluster_dict(flops))
+    lp_matches_grid(graph, engine.load_cluster(cluster_dict(flops)), len(flops), steps)
+
+
+@pytest.mark.parametrize("model", ["mlp1", "small_gpt"])
+def test_lp_objective_equals_a_fine_grid_search_under_the_roofline_split(request, model):
+    """Memory-bound operators priced by bytes at each device's activation bandwidth (uneven ratios
+    of flops and bandwidth, so the two terms pull the ratios apart)."""
+    d = cluster_dict([2e10, 1e10])
+    for dev, bw in zip(d["devices"], [2e9, 2e9]):
+        dev["activation_bandwidth_Bps"] = bw
+    lp_matches_grid(request.getfixturevalue(model), engine.load_cluster(d), 2, 200)
+
+
+def lp_matches_grid(graph, cluster, n: int, steps: int) -> None:
+    """The LP's objective is the replayed cost at its ratios and no worse than a grid of 1/steps."""
     program = optimal_program(graph, cluster, beam_width=16)
     result = balance(program, graph, cluster)
     assert isinstance(result, BalanceResult)
     lp = cost_at(program, graph, cluster, result.ratios)
     assert lp == pytest.approx(result.objective_s, rel=1e-6)
 
-    grid = {r: cost_at(program, graph, cluster, r) for r in simplex_grid(len(flops), steps)}
+    grid = {r: cost_at(program, graph, cluster, r) for r in simplex_grid(n, steps)}
     grid_min = min(grid.values())
     # the LP optimises over all ratios, the grid over some of them: it can only be better
     assert result.objective_s <= grid_min * (1 + 1e-6)

@@ -17,6 +17,7 @@ from engine.cluster import (
     load_cluster,
     nominal_collectives,
 )
+from conftest import cluster_dict
 from engine.errors import ClusterError
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_clusters"
@@ -301,3 +302,18 @@ def test_file_errors_are_cluster_errors_and_value_errors(tmp_path: Path) -> None
     path.write_text(json.dumps(_spec(devices=[])))
     with pytest.raises(ValueError, match="devices: empty"):
         load_cluster(path)
+
+
+def test_activation_bandwidth_must_be_on_every_device_or_none():
+    d = cluster_dict([1e12, 1e12])
+    d["devices"][0]["activation_bandwidth_Bps"] = 1e12
+    with pytest.raises(ClusterError, match=r"devices\[1\]\.activation_bandwidth_Bps: missing on device 'dev-1'") as e:
+        Cluster.from_dict(d)
+    assert "\n" not in str(e.value)
+    d["devices"][1]["activation_bandwidth_Bps"] = -1
+    with pytest.raises(ClusterError, match=r"devices\[1\]\.activation_bandwidth_Bps"):
+        Cluster.from_dict(d)
+    d["devices"][1]["activation_bandwidth_Bps"] = 5e11
+    c = Cluster.from_dict(d)
+    assert [x.activation_bandwidth_Bps for x in c.devices] == [1e12, 5e11]
+    assert Cluster.from_dict(c.to_dict()) == c

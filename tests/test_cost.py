@@ -7,7 +7,7 @@ import pytest
 from conftest import ce_graph, cluster_dict
 from engine.cluster import Cluster
 from engine.balance import balance
-from engine.cost import BUCKET_TRAFFIC, UPDATE_TRAFFIC, CostModel, evaluate
+from engine.cost import BACKWARD_TRAFFIC, BUCKET_TRAFFIC, UPDATE_TRAFFIC, CostModel, evaluate
 from engine.planner import data_parallel_space
 from engine.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
@@ -105,3 +105,50 @@ def test_search_and_load_balancer_price_the_update_exactly_as_replay_does(cluste
     lp = balance(res.program, graph, cluster_bw, optimizer="adam")
     at_lp = evaluate(res.program, CostModel(graph, cluster_bw, lp.ratios, "adam")).total_s
     assert lp.objective_s == pytest.approx(at_lp, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- the roofline split
+
+ACT_BW = 2e10
+
+
+def one_device(activation_bandwidth_Bps: float | None) -> Cluster:
+    d = cluster_dict([1e12])
+    if activation_bandwidth_Bps:
+        d["devices"][0]["activation_bandwidth_Bps"] = activation_bandwidth_Bps
+    return Cluster.from_dict(d)
+
+
+def test_the_roofline_split_prices_matmuls_by_flops_and_the_rest_by_the_bytes_they_move():
+    """hand_ce on one device, by hand: three linears (flops), two relus and a cross-entropy (bytes)."""
+    B, I, H, O = 64, 256, 512, 16
+    graph = ce_graph(B, I, H, O)
+    cm = CostModel(graph, one_device(ACT_BW), [1.0], "sgd")
+    program = synthesize(graph, cm).program
+    # forward + backward flops: x needs no gradient, so the first linear's backward is its weight's only
+    flops = 2 * B * I * H * 2 + 2 * B * H * H * 3 + 2 * B * H * O * 3
+    relu = 4 * B * H * 2  # read the input, write the output (fp32)
+    loss = 4 + 4 * B * O + 8 * B  # the scalar, the logits, the int64 labels
+    moved = (1 + BACKWARD_TRAFFIC) * (2 * relu + loss)
+    assert evaluate(program, cm).total_s == pytest.approx(flops / 1e12 + moved / ACT_BW, rel=1e-12)
+
+
+def test_without_activation_bandwidth_every_operator_is_priced_by_its_flops():
+    graph = ce_graph()
+    cm = CostModel(graph, one_device(None), [1.0], "sgd")
+    assert not cm.roofline and not any(cm.traffic)
+    program = synthesize(graph, cm).program
+    flops = sum(n.flops for n in graph.nodes) + sum(cm.bwd_flops)
+    assert evaluate(program, cm).total_s == pytest.approx(flops / 1e12, rel=1e-12)
+
+
+def test_the_roofline_split_scales_the_memory_bound_work_with_the_ratio_of_a_batch_sharded_program():
+    graph = ce_graph()
+    d = cluster_dict([1e12, 1e12])
+    for dev in d["devices"]:
+        dev["activation_bandwidth_Bps"] = ACT_BW
+    cluster = Cluster.from_dict(d)
+    program = synthesize(graph, CostModel(graph, cluster, [0.5, 0.5], "sgd"), space=data_parallel_space(graph)).program
+    at = {r: evaluate(program, CostModel(graph, cluster, [r, 1 - r], "sgd")) for r in (0.5, 0.75)}
+    comp = {r: sum(max(c) for c in b.stage_comp_s) for r, b in at.items()}
+    assert comp[0.75] == pytest.approx(comp[0.5] * 1.5, rel=1e-9)  # all of it, bytes included, follows the batch

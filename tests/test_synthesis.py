@@ -181,6 +181,21 @@ def test_exact_astar_equals_brute_force_on_three_uneven_devices(graphs, graph_na
     assert result.cost == pytest.approx(best, rel=1e-9)
 
 
+@pytest.mark.parametrize("graph_name", ["tiny_mlp", "hand_ce", "hand_residual"])
+def test_exact_astar_equals_brute_force_under_the_roofline_split(graphs, graph_name):
+    """Memory-bound operators priced by their bytes (activation_bandwidth_Bps): the search stays exact."""
+    graph = graphs[graph_name]
+    d = cluster_dict([2e12, 1e12, 5e11], latency_s=1e-4, bandwidth_Bps=1e9)
+    for dev, bw in zip(d["devices"], [2e11, 1e11, 2e10]):
+        dev["activation_bandwidth_Bps"] = bw
+    cm = CostModel(graph, engine.load_cluster(d), [0.5, 0.3, 0.2])
+    assert cm.roofline and any(cm.traffic)
+    best, _ = brute_force(graph, cm)
+    result = synthesize(graph, cm)
+    assert result.optimal is True
+    assert result.cost == pytest.approx(best, rel=1e-9)
+
+
 @pytest.mark.parametrize("graph_name,ratios", [("hand_ce", (0.25, 0.25, 0.25, 0.25)), ("hand_residual", (0.4, 0.3, 0.2, 0.1)),
                                                ("tiny_mlp", (0.7, 0.1, 0.1, 0.1))])
 def test_exact_astar_equals_brute_force_minimum_among_programs_that_fit_memory(graphs, graph_name, ratios):

@@ -13,8 +13,8 @@ import pytest
 import engine
 from conftest import ROOT
 from engine.cluster import FREE_BANDWIDTH_BPS, fit_collective
-from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, ProfileConfig, _byte_size, collective_points, device_flops,
-                            parse_args, rank_rates)
+from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, ProfileConfig, _byte_size, collective_points, device_compute,
+                            device_flops, parse_args, rank_rates, roofline_fit)
 
 def hap(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m engine.cli ARGS` outside any launch (no RANK/WORLD_SIZE), this checkout importable."""
@@ -108,6 +108,34 @@ def test_rank_rates_sum_flops_over_the_median_times_and_the_spec_takes_the_model
     assert device_flops({"matmul 64": 1e11, "matmul 128": 2e11}) == 2e11
 
 
+def _model_rows(rank, times, flops_bound, traffic):
+    """Model rows at batch 16 and 8 (the 8 rows do half the work) with the cost model's split."""
+    rows = []
+    for size, share in ((16, 1.0), (8, 0.5)):
+        rows += [{**_row("compute", "zoo:gpt", rank, size, i, t * share, flops=(flops_bound + 1e6) * share),
+                  "flops_bound": flops_bound * share, "traffic_bytes": traffic * share} for i, t in enumerate(times)]
+    return rows
+
+
+def test_roofline_fit_gives_the_matmul_rate_and_the_bandwidth_that_fills_the_rest_of_the_step():
+    # 1.5 s for 4 GFLOP of matmuls at 4 GFLOP/s (1 s) and 1 GB of memory-bound bytes: 2 GB/s
+    assert roofline_fit(4e9, (1.5, 5e9, 4e9, 1e9)) == (4e9, pytest.approx(2e9))
+    assert roofline_fit(2e9, (1.5, 5e9, 4e9, 1e9)) is None  # the matmuls alone would take 2 s
+    assert roofline_fit(4e9, (1.5, 5e9, 4e9, 0.0)) is None  # nothing memory-bound to fit
+
+
+def test_device_compute_splits_every_rank_or_falls_back_to_one_rate_for_all():
+    matmul = [_row("compute", "matmul", j, 64, 0, 1e-3, flops=4e6) for j in (0, 1)]  # 4 GFLOP/s on both
+    split = matmul + _model_rows(0, [1.0, 1.0, 9.0], 2e9, 1e9) + _model_rows(1, [2.0, 2.0, 2.0], 2e9, 1e9)
+    # rank 0: 1.5 s for both batches, 0.75 s of matmuls -> 1.5 GB / 0.75 s; rank 1: 3 s -> 1.5 GB / 2.25 s
+    assert device_compute(split, [0, 1]) == [{"flops_per_gpu": 4e9, "activation_bandwidth_Bps": pytest.approx(2e9)},
+                                             {"flops_per_gpu": 4e9, "activation_bandwidth_Bps": pytest.approx(1.5e9 / 2.25)}]
+    slow_matmul = [_row("compute", "matmul", 1, 64, 0, 1.0, flops=4e6)]  # rank 1's matmuls could not fit its step
+    mixed = matmul[:1] + slow_matmul + _model_rows(0, [1.0], 2e9, 1e9) + _model_rows(1, [2.0], 2e9, 1e9)
+    assert device_compute(mixed, [0, 1]) == [{"flops_per_gpu": pytest.approx(3.0015e9 / 1.5)},
+                                             {"flops_per_gpu": pytest.approx(3.0015e9 / 3.0)}]
+
+
 def test_options_parse_units_and_reject_bad_values():
     cfg = parse_args(["--out", "c.json", "--sizes", "64K,4096,1M", "--matmul", "64,128", "--repeats", "3"])
     assert cfg.sizes == (4096, 65536, 2**20) and cfg.matmul == (64, 128) and cfg.repeats == 3
@@ -140,6 +168,8 @@ def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(
     assert [d.name for d in cluster.devices] == ["rank-0", "rank-1"]
     assert [d.gpu_model for d in cluster.devices] == ["cpu", "cpu x0.5"]
     assert all(d.flops_per_gpu > 0 and d.memory_bytes_per_gpu > 0 for d in cluster.devices)
+    acts = [d.activation_bandwidth_Bps for d in cluster.devices]
+    assert acts == [None, None] or all(a > 0 for a in acts), acts  # the roofline split on every rank or none
     fast, slow = (d.memory_bandwidth_Bps for d in cluster.devices)
     assert fast > 0 and slow > 0 and slow < fast  # the emulated slow rank's update is stretched too
     written = json.loads(spec.read_text())["network"]["collectives"]
