@@ -80,7 +80,8 @@ FLOPS_BOUND_OPS = frozenset({"linear", "matmul", "einsum", "conv", "sdpa", "opaq
 """Operators priced by their flops at flops_per_gpu even under the roofline split (matmul-class;
 `opaque` ops, whose bytes are unknown, keep their flops estimate)."""
 ZERO_COPY_OPS = frozenset({"view", "permute", "expand", "narrow", "select", "identity"})
-"""Operators that return a view: no bytes moved, no activation kept."""
+"""Operators that return a view: no bytes moved under the roofline split. (The memory estimate
+still counts the outputs of narrow, select and expand as activations, as it always has.)"""
 GATHER_OPS = frozenset({"embedding", "gather"})
 """Operators that read only the rows they return from their table (not the whole table)."""
 
