@@ -96,24 +96,20 @@ def combine_profiles(specs: list[Path]) -> dict:
     import pyarrow.parquet as pq
 
     from engine.cluster import fit_collective
-    from runner.profile import (COLLECTIVES, collective_points, device_flops, model_step, rank_rates,
-                                roofline_fit)
+    from runner.profile import (COLLECTIVES, collective_points, compute_fields, device_flops, model_step,
+                                rank_rates)
 
     docs = [json.loads(s.read_text()) for s in specs]
     out = json.loads(json.dumps(docs[0]))
     tables = [pq.read_table(s.with_suffix(".parquet")).to_pylist() for s in specs]
-    best = [max(d["devices"][j]["flops_per_gpu"] for d in docs) for j in range(len(out["devices"]))]
-    fits = [None] * len(best)
-    if all("activation_bandwidth_Bps" in d for doc in docs for d in doc["devices"]):
-        # the roofline split: the best matmul rate, the bandwidth refitted on the fastest model step
-        steps = [min((model_step(rows, j) for rows in tables), key=lambda s: s[0]) for j in range(len(best))]
-        fits = [roofline_fit(f, s) for f, s in zip(best, steps)]
-    for j, dev in enumerate(out["devices"]):
-        if all(fits):
-            dev["flops_per_gpu"], dev["activation_bandwidth_Bps"] = fits[j]
-        else:  # one rate per device: the best of the profiles' model rates
-            dev.pop("activation_bandwidth_Bps", None)
-            dev["flops_per_gpu"] = max(device_flops(rank_rates(rows, j)) for rows in tables)
+    ranks = range(len(out["devices"]))
+    split = all("activation_bandwidth_Bps" in d for doc in docs for d in doc["devices"])
+    best = [max(d["devices"][j]["flops_per_gpu"] for d in docs) if split else None for j in ranks]
+    steps = [min((model_step(rows, j) for rows in tables), key=lambda s: s[0]) if split else None for j in ranks]
+    one_rate = [max(device_flops(rank_rates(rows, j)) for rows in tables) for j in ranks]
+    for dev, fields in zip(out["devices"], compute_fields(best, steps, one_rate)):
+        dev.pop("activation_bandwidth_Bps", None)
+        dev.update(fields)
     for name in COLLECTIVES:
         points = [collective_points(rows, name) for rows in tables]
         sizes = points[0][0]

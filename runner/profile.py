@@ -565,16 +565,21 @@ def roofline_fit(matmul_flops_per_s: float, step: tuple[float, float, float, flo
 
 
 def device_compute(rows: list[dict[str, Any]], ranks: Sequence[int]) -> list[dict[str, float]]:
-    """Per rank the spec's compute fields: the roofline split (flops_per_gpu at the best matmul
-    rate, activation_bandwidth_Bps fitted on the model) when every rank allows it, else one rate."""
+    """Per rank the spec's compute fields from one profile's rows (see `compute_fields`)."""
     rates = [rank_rates(rows, j) for j in ranks]
-    fits = []
-    for j, r in zip(ranks, rates):
-        matmuls, step = [v for k, v in r.items() if k.startswith("matmul")], model_step(rows, j)
-        fits.append(roofline_fit(max(matmuls), step) if matmuls and step else None)
+    best = [max((v for k, v in r.items() if k.startswith("matmul")), default=None) for r in rates]
+    return compute_fields(best, [model_step(rows, j) for j in ranks], [device_flops(r) for r in rates])
+
+
+def compute_fields(best_matmul: Sequence[float | None], steps: Sequence[tuple[float, float, float, float] | None],
+                   one_rate: Sequence[float]) -> list[dict[str, float]]:
+    """Per rank the spec's compute fields: the roofline split (flops_per_gpu at the best matmul
+    rate, activation_bandwidth_Bps fitted on the model step) when every rank allows it, else
+    `one_rate` (a cluster takes the split on every device or none)."""
+    fits = [roofline_fit(f, s) if f and s else None for f, s in zip(best_matmul, steps)]
     if fits and all(fits):
         return [{"flops_per_gpu": f, "activation_bandwidth_Bps": b} for f, b in fits]  # type: ignore[misc]
-    return [{"flops_per_gpu": device_flops(r)} for r in rates]
+    return [{"flops_per_gpu": r} for r in one_rate]
 
 
 def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dict[str, Any]]) -> dict[str, Any]:

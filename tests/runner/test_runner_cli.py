@@ -25,10 +25,15 @@ def plan4(tmp_path_factory) -> Path:
     return path
 
 
-def hap(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def hap_env() -> dict[str, str]:
+    """This environment without a launcher's variables or a planted fault, with the repository importable."""
     base = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", FAULT_ENV)}
     base["PYTHONPATH"] = os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], env={**base, **(env or {})}, cwd=ROOT,
+    return base
+
+
+def hap(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], env={**hap_env(), **(env or {})}, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -69,10 +74,8 @@ def processes_mentioning(text: str) -> list[int]:
 def test_sigterm_to_hap_run_stops_torchrun_and_every_rank(plan4, tmp_path):
     """A scheduler cancelling the job (SIGTERM) must not leave torchrun and its ranks running."""
     metrics = tmp_path / "sigterm.jsonl"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", FAULT_ENV)}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", str(plan4), "--steps", "100000",
-                             "--metrics", str(metrics)], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                             "--metrics", str(metrics)], env=hap_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 90
