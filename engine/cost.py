@@ -65,8 +65,10 @@ building the bucket is a copy into a fresh tensor, as every all-reduce of the ru
 is in the all-reduce's fitted cost (`hap profile` times `runner.collectives.all_reduce_copy`)."""
 
 DUAL = {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
-        "all_gather.grouped": "all_gather.grouped", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT}
-"""The collective that runs in the backward pass for each forward collective (its dual)."""
+        "all_gather.grouped": "reduce_scatter", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT}
+"""The collective that runs in the backward pass for each forward collective (its dual), as the runner
+runs it: both all-gathers reduce-scatter their gradient (`runner.collectives.AllGather`). A grouped
+all-gather's backward is not priced as m reduces: on gloo those are no faster than one reduce-scatter."""
 
 Acc = tuple[float, float, float, float, float, float]
 """Linear work of a stage: (sharded flops, replicated flops, sharded parameter bytes, Full parameter bytes,

@@ -251,8 +251,8 @@ def test_backward_duals(shape: tuple[int, ...], ratios: list[float], seed: int) 
 
 
 def test_dual_table_names() -> None:
-    """The cost model's duals follow the table; the grouped all-gather's dual (m reduces) is costed like
-    the grouped broadcast it mirrors (same traffic), so it maps to itself."""
+    """The cost model's duals follow the table and price what the runner runs: both all-gather
+    implementations reduce-scatter their gradient in backward (runner.collectives.AllGather)."""
     assert DUAL == {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
-                    "all_gather.grouped": "all_gather.grouped", "all_to_all": "all_to_all", "slice": "slice",
+                    "all_gather.grouped": "reduce_scatter", "all_to_all": "all_to_all", "slice": "slice",
                     RESPLIT: RESPLIT}
