@@ -86,6 +86,23 @@ def shard_sizes(program: tuple[Instruction, ...], graph: Graph, ratios: list[lis
     return out
 
 
+def realized_ratios(graph: Graph, sizes: dict[ShardKey, list[int]], ratios: list[list[float]]) -> list[list[float]]:
+    """Each device's share of the work as the integer sizes split it, per segment: its size over the
+    dim's size, averaged over the segment's sharded tensors weighted by their bytes (whole units
+    round the LP's ratios, e.g. 16 samples at 0.654/0.346 become 10/6). A segment with no sharded
+    tensor keeps its ratios."""
+    out = []
+    for k, row in enumerate(ratios):
+        shares, weight = [0.0] * len(row), 0.0
+        for (t, d, seg), split in sizes.items():
+            if seg == k:
+                w = float(graph[t].nbytes)
+                shares = [a + w * s / graph[t].shape[d] for a, s in zip(shares, split)]
+                weight += w
+        out.append([a / weight for a in shares] if weight > 0 else list(row))
+    return out
+
+
 def shard_key(graph: Graph, seg: Segmentation, tensor: int, dim: int, segment: int) -> str:
     """The plan JSON key of a sharded dim: `name:dim` in the tensor's own segment, `name:dim@k` after a resplit into k."""
     base = f"{graph[tensor].name}:{dim}"

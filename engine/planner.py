@@ -24,7 +24,7 @@ from .cluster import Cluster, load_cluster
 from .cost import CostModel, evaluate as evaluate_program
 from .errors import InfeasibleError, PlanError
 from .graph import Graph
-from .plan import Plan, shard_key, shard_sizes, stage_records
+from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
 from .segments import Segmentation, segment_graph, with_resplits
 from .program import Instruction
 from .synthesis import SearchProgress, SearchSpace, synthesize
@@ -115,6 +115,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
         best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
     if best is None:
         raise InfeasibleError(_oom_message(graph, cluster, optimizer))
+    best = min([best, *seeds], key=lambda c: _realized(graph, cluster, c, optimizer)[2].total_s)  # whole units may reorder them
     stats["elapsed_s"] = time.perf_counter() - start
     stats["segments"] = best.segmentation.count
     return _make_plan("hap", graph, cluster, best, optimizer, history, stats)
@@ -211,15 +212,23 @@ def plan_of(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ra
     return _make_plan(strategy, graph, cluster, cand, optimizer, [], {})
 
 
+def _realized(graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str):
+    """(integer shard sizes, realized ratios, cost-model breakdown at them) of a candidate: what the
+    runner will execute, so the plan predicts the time of its whole units, not of the LP's fractions."""
+    seg = cand.segmentation
+    sizes = shard_sizes(cand.program, graph, cand.ratios, seg)
+    ratios = realized_ratios(graph, sizes, cand.ratios)
+    return sizes, ratios, evaluate_program(cand.program, CostModel(graph, cluster, ratios, optimizer, seg))
+
+
 def _make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str,
                history: list[dict[str, Any]], stats: dict[str, Any]) -> Plan:
     seg = cand.segmentation
-    cm = CostModel(graph, cluster, cand.ratios, optimizer, seg)
-    b = evaluate_program(cand.program, cm)
-    sizes = {shard_key(graph, seg, t, d, k): s for (t, d, k), s in shard_sizes(cand.program, graph, cand.ratios, seg).items()}
+    int_sizes, ratios, b = _realized(graph, cluster, cand, optimizer)
+    sizes = {shard_key(graph, seg, t, d, k): s for (t, d, k), s in int_sizes.items()}
     return Plan(strategy=strategy, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
                 device_names=[d.name for d in cluster.devices], program=cand.program,
-                ratios={str(k): list(r) for k, r in enumerate(cand.ratios)}, shard_sizes=sizes, predicted_time_s=b.total_s,
+                ratios={str(k): list(r) for k, r in enumerate(ratios)}, shard_sizes=sizes, predicted_time_s=b.total_s,
                 stages=stage_records(b, graph), memory_bytes=b.memory_bytes, history=history,
                 search={**stats, "optimizer": optimizer}, segment_of=list(seg.of_node) if seg.count > 1 else [])
 

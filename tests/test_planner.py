@@ -152,6 +152,27 @@ def test_plan_shard_sizes_sum_to_the_size_of_their_dim(small_plan):
         assert sum(sizes) == nodes[name].shape[int(dim)], key
 
 
+def test_the_plan_prices_its_whole_units_not_the_lp_fractions():
+    """16 samples at ratios 0.654/0.346 run as 10 and 6: the plan's ratios, predicted time and
+    memory are those of the integer sizes the runner executes."""
+    from engine.planner import plan_of
+
+    graph = engine.load_model("zoo:mlp", layers=1, in_features=64, hidden=128, classes=4, batch=16)
+    devices = [{"name": f"d{j}", "gpu_model": "g", "machine": f"m{j}", "flops_per_gpu": f, "memory_bytes_per_gpu": GIB}
+               for j, f in enumerate((2e9, 1e9))]
+    cluster = engine.load_cluster({"schema_version": 1, "name": "two", "devices": devices,
+                                   "network": {"latency_s": 1e-5, "bandwidth_Bps": {"inter_machine": 1e10}}})
+    program = engine.evaluate(graph, cluster, "dp-even", optimizer="sgd").program
+    p = plan_of(program, graph, cluster, [0.654, 0.346], optimizer="sgd")
+    assert set(map(tuple, p.shard_sizes.values())) == {(10, 6)}
+    assert p.ratios["0"] == pytest.approx([10 / 16, 6 / 16])
+    at_sizes = evaluate(program, CostModel(graph, cluster, [10 / 16, 6 / 16], "sgd"))
+    at_fractions = evaluate(program, CostModel(graph, cluster, [0.654, 0.346], "sgd"))
+    assert p.predicted_time_s == pytest.approx(at_sizes.total_s, rel=1e-12)
+    assert p.memory_bytes == pytest.approx(at_sizes.memory_bytes, rel=1e-12)
+    assert p.predicted_time_s > at_fractions.total_s * 1.01  # device 1 has 6/16 of the batch, not 0.346
+
+
 def test_plan_memory_and_time_agree_with_the_cost_model(small_plan, load_sample):
     cluster = load_sample("a100x2_p100x2")
     assert len(small_plan.memory_bytes) == cluster.num_devices

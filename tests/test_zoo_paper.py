@@ -64,7 +64,10 @@ def test_bert_moe_gives_the_faster_devices_more_experts_when_experts_dominate() 
 
 
 def test_bert_moe_time_grows_smoothly_with_the_number_of_experts() -> None:
-    """Tokens proportional to experts (as in §7.6): no step at 8 = 2 x the device count."""
+    """Tokens proportional to experts (as in §7.6): every expert costs time (no padding to a multiple
+    of the 4 devices, which would make 5..8 cost the same) and the 9th costs far less than the four
+    before it (padding 9 to 12 would cost like 4 more). The plan prices whole experts, so the steps
+    differ with which device takes the extra one."""
     knobs = dict(layers=2, hidden=256, heads=4, ffn=1024, vocab=8000, seq_len=64, predictions=8)
     times = {}
     for e in range(4, 10):
@@ -74,5 +77,4 @@ def test_bert_moe_time_grows_smoothly_with_the_number_of_experts() -> None:
         times[e] = plan.predicted_time_s
     steps = [times[e + 1] - times[e] for e in range(4, 9)]
     assert all(s > 0 for s in steps), times
-    mean = sum(steps) / len(steps)
-    assert max(abs(s - mean) for s in steps) < 0.5 * mean, f"uneven steps {steps}"
+    assert times[9] - times[8] < 0.6 * (times[8] - times[4]), times
