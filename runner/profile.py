@@ -5,8 +5,9 @@ Measures the cluster this job runs on and writes a cluster spec the planner read
 fit the latency and bandwidth in a linear model"):
 
 * **compute**: each rank's achieved FLOP/s on square matmuls at several sizes, and one forward
-  plus backward of a zoo model at its batch and at half of it, its work counted exactly as the
-  cost model counts it (`engine.cost.CostModel`). The spec records the roofline split the cost
+  plus backward of a zoo model at its batch and at half of it, run as `hap run` runs it (the
+  rank program of the model's one-device plan, `runner.program`), its work counted exactly as
+  the cost model counts it (`engine.cost.CostModel`). The spec records the roofline split the cost
   model prices: `flops_per_gpu`, the best matmul rate, for the matmul-class operators, and
   `activation_bandwidth_Bps`, the memory-bound operators' bytes (element-wise ops, norms,
   losses) over the rest of the model's step time. A model whose matmuls alone take its whole
@@ -347,32 +348,43 @@ def model_batches(knobs: dict[str, Any]) -> list[int | None]:
 
 
 def measure_model(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:
-    """Forward + backward of the zoo model at each batch; flops are filled in by rank 0 (capture)."""
-    import torch
-
-    from engine import zoo
+    """Forward + backward of the zoo model at each batch, as the runner runs it: the rank program
+    (`runner.program`) of the model's one-device plan, so the generated program's own overhead is
+    in the measurement. Flops are filled in by rank 0 (`fill_model_flops`)."""
+    from .train import make_batch, program_args, setup_rank
 
     spec = model_config(cfg)
     if spec is None:
         return
     name, knobs = spec
-    entry = zoo.entry(name)
     for batch in model_batches(knobs):
-        config = zoo.make_config(name, **{**knobs, **({"batch": batch} if batch else {})})
-        torch.manual_seed(0)
-        module = entry.build(config).to(device)
-        inputs = entry.example_inputs(config, "cpu", seed=0)
-        inputs = tuple(t.to(device) for t in inputs)
-        params = list(module.parameters())
+        plan = one_device_plan(name, {**knobs, **({"batch": batch} if batch else {})})
+        st = setup_rank(plan, 0, seed=0, device=device)
+        inputs = make_batch(plan, 0, 0, device)
 
         def fn() -> None:
-            module(*inputs).backward()
-            for p in params:
+            st.program.module(*program_args(plan, st, 0, inputs)).backward()
+            for p in st.params:
                 p.grad = None
 
         times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
         rec.add("compute", f"zoo:{name}", "forward+backward", batch or 0, times)
         progress.step(f"zoo:{name} batch {batch}")
+
+
+def one_device_cluster(activation_bandwidth: bool = False) -> dict[str, Any]:
+    """A cluster spec of one unit-rate device: the cost model's work counts come out in flops and bytes."""
+    device = {"name": "d", "gpu_model": "d", "machine": "m", "flops_per_gpu": 1.0, "memory_bytes_per_gpu": 2**60}
+    if activation_bandwidth:
+        device["activation_bandwidth_Bps"] = 1.0
+    return {"schema_version": 1, "name": "one", "devices": [device], "network": {"latency_s": 0.0, "bandwidth_Bps": {}}}
+
+
+def one_device_plan(name: str, knobs: dict[str, Any]):
+    """The data-parallel plan of a zoo model on one device: its rank program is the whole model."""
+    import engine
+
+    return engine.evaluate(engine.load_model(f"zoo:{name}", **knobs), one_device_cluster(), "dp-even", optimizer="sgd")
 
 
 UPDATE_BYTES_WITHOUT_MODEL = 16 * 2**20
@@ -498,12 +510,8 @@ def step_work(name: str, knobs: dict[str, Any]) -> tuple[float, float, float]:
     from engine.cost import CostModel
 
     graph = engine.load_model(f"zoo:{name}", **knobs)
-    device = {"name": "d", "gpu_model": "d", "machine": "m", "flops_per_gpu": 1.0, "memory_bytes_per_gpu": 1}
-    net = {"latency_s": 0.0, "bandwidth_Bps": {}}
-    plain = CostModel(graph, engine.load_cluster({"schema_version": 1, "name": "one", "devices": [device],
-                                                  "network": net}), [1.0], "sgd")
-    split = CostModel(graph, engine.load_cluster({"schema_version": 1, "name": "one", "network": net,
-                                                  "devices": [{**device, "activation_bandwidth_Bps": 1.0}]}), [1.0], "sgd")
+    plain = CostModel(graph, engine.load_cluster(one_device_cluster()), [1.0], "sgd")
+    split = CostModel(graph, engine.load_cluster(one_device_cluster(activation_bandwidth=True)), [1.0], "sgd")
     return (sum(plain.fwd_flops) + sum(plain.bwd_flops), sum(split.fwd_flops) + sum(split.bwd_flops),
             sum(split.traffic) + sum(split.bwd_traffic))
 

@@ -107,9 +107,7 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
     start = time.perf_counter()
     pacer = pacer or Pacer()
     pacer.begin_step()
-    params = iter(st.params)
-    args = [next(params) if st.program.is_param[node] else st.buffers[node] if node in st.buffers
-            else shard(plan, node, form, rank, batch[plan.graph[node].attrs["index"]]) for node, form in st.program.leaves]
+    args = program_args(plan, st, rank, batch)
     st.optimizer.zero_grad(set_to_none=True)
     loss = st.program.module(*args)
     pacer.set_phase("bwd")
@@ -123,6 +121,13 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
     st.losses.append(float(value))
     st.step_times.append(time.perf_counter() - start)
     return st.losses[-1]
+
+
+def program_args(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    """The rank program's arguments in call order: local parameters, buffers and this rank's input slices."""
+    params = iter(st.params)
+    return [next(params) if st.program.is_param[node] else st.buffers[node] if node in st.buffers
+            else shard(plan, node, form, rank, batch[plan.graph[node].attrs["index"]]) for node, form in st.program.leaves]
 
 
 def sync_gradients(st: RankState, loss_addend: torch.Tensor | None) -> None:

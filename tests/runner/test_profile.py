@@ -14,7 +14,7 @@ import engine
 from conftest import ROOT
 from engine.cluster import FREE_BANDWIDTH_BPS, fit_collective
 from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, ProfileConfig, _byte_size, collective_points, device_compute,
-                            device_flops, parse_args, rank_rates, roofline_fit)
+                            device_flops, one_device_plan, parse_args, rank_rates, roofline_fit)
 
 def hap(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m engine.cli ARGS` outside any launch (no RANK/WORLD_SIZE), this checkout importable."""
@@ -134,6 +134,29 @@ def test_device_compute_splits_every_rank_or_falls_back_to_one_rate_for_all():
     mixed = matmul[:1] + slow_matmul + _model_rows(0, [1.0], 2e9, 1e9) + _model_rows(1, [2.0], 2e9, 1e9)
     assert device_compute(mixed, [0, 1]) == [{"flops_per_gpu": pytest.approx(3.0015e9 / 1.5)},
                                              {"flops_per_gpu": pytest.approx(3.0015e9 / 3.0)}]
+
+
+def test_the_profiled_model_step_is_the_runner_program_of_a_one_device_plan():
+    """hap profile times the model as `hap run` executes it: the rank program of its one-device plan
+    (no collective), which computes the model's own loss and gradients."""
+    import torch
+
+    from engine.program import COMM
+    from runner.train import build_module, make_batch, program_args, setup_rank
+
+    plan = one_device_plan("mlp", dict(layers=1, in_features=32, hidden=64, classes=4, batch=8))
+    assert plan.world_size == 1 and not [i for i in plan.program if i.kind == COMM and i.rule != "slice"]
+    st = setup_rank(plan, 0, seed=0)
+    batch = make_batch(plan, 0, 0)
+    loss = st.program.module(*program_args(plan, st, 0, batch))
+    loss.backward()
+    module = build_module(plan, seed=0)
+    want = module(*batch)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    grads = [p.grad for _, p in module.named_parameters()]
+    assert len(grads) == len(st.params) and all(g is not None for g in grads)
+    assert sorted(g.norm().item() for g in grads) == pytest.approx(sorted(p.grad.norm().item() for p in st.params))
 
 
 def test_options_parse_units_and_reject_bad_values():
