@@ -12,7 +12,7 @@ For each local cluster — 2 gloo ranks with emulated speeds 1.0/0.5, and 4 rank
    samples is the closest to the machine without other jobs, on both sides of the comparison);
 2. every variant of the family (sizes x layer counts) is planned on that spec twice: the HAP
    plan (`engine.plan`) and the `dp-even` baseline (`engine.evaluate`), SGD as the runner uses;
-3. each plan runs with `hap run --speeds ... --timing --metrics` for `--steps` steps. Iteration
+3. each plan runs with `hap run --speeds ... --metrics` (plus `--timing` with `--timing`) for `--steps` steps. Iteration
    time = per step the slowest rank's `step_time_s`, median over the steps after `--warmup`;
    each plan is launched `--repeat` times, interleaved with the other plans of its cluster,
    and the fastest launch is kept (load from other processes only ever adds time).
@@ -135,8 +135,11 @@ def make_plans(family: str, knobs: dict, spec: Path, out: Path, tag: str) -> dic
     return paths
 
 
-def run_plan(plan: Path, speeds: tuple[float, ...], steps: int, metrics: Path) -> list[dict]:
-    hap("run", str(plan), "--steps", str(steps), "--speeds", speeds_arg(speeds), "--timing", "--metrics", str(metrics))
+def run_plan(plan: Path, speeds: tuple[float, ...], steps: int, metrics: Path, timing: bool) -> list[dict]:
+    """One launch; `timing` adds the per-instruction probes and timelines (`hap run --timing`), which cost
+    a little time per operator, so the measured figures are taken without them by default."""
+    hap("run", str(plan), "--steps", str(steps), "--speeds", speeds_arg(speeds), *(["--timing"] if timing else []),
+        "--metrics", str(metrics))
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
@@ -269,7 +272,7 @@ def run(args: argparse.Namespace) -> list[dict]:
             for case in cases:
                 metrics = out / f"metrics_{case['plan'].stem}_{launch}.jsonl"
                 load = os.getloadavg()[0]
-                case["launches"].append(measured(run_plan(case["plan"], speeds, args.steps, metrics), args.warmup))
+                case["launches"].append(measured(run_plan(case["plan"], speeds, args.steps, metrics, args.timing), args.warmup))
                 case["launches"][-1]["load_before"] = load
                 print(f"[{time.strftime('%H:%M:%S')}] {cluster} {case['model']} {case['strategy']} launch {launch}: "
                       f"{case['launches'][-1]['iteration_s'] * 1e3:.1f} ms (predicted "
@@ -298,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=4, help="steps discarded at the start of each launch (default 4)")
     p.add_argument("--repeat", type=int, default=2, help="launches per plan, the fastest kept (default 2)")
     p.add_argument("--profiles", type=int, default=2, help="hap profile runs per cluster and family, the best kept (default 2)")
+    p.add_argument("--timing", action="store_true",
+                   help="launch with hap run --timing: per-instruction timelines in the metrics (slightly slower steps)")
     p.add_argument("--quick", action="store_true", help="10 steps, one launch per plan, one profile")
     p.add_argument("--families", default="gpt,mlp", help="model families (default gpt,mlp)")
     p.add_argument("--clusters", default="", help="only these rank counts, e.g. 2 or 2,4 (default all)")
