@@ -19,6 +19,8 @@ Every term is linear in B (see `engine.cost`), so this is an LP. PuLP models it;
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 
 import pulp
@@ -55,8 +57,33 @@ class BalanceResult:
 def _solver(time_limit_s: float) -> tuple[pulp.LpSolver, str]:
     highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s)
     if highs.available():
+        _absorb_highs_banner()
         return highs, "HiGHS"
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s), "CBC"
+
+
+_banner_absorbed = False
+
+
+def _absorb_highs_banner() -> None:
+    """highspy prints its banner on the process's stdout when its first solver object is created,
+    whatever the options (`msg=False` included); create that first one with stdout on /dev/null so
+    `hap plan` prints only its report."""
+    global _banner_absorbed
+    if _banner_absorbed:
+        return
+    _banner_absorbed = True
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *, optimizer: str = "adam",

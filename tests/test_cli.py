@@ -225,6 +225,7 @@ def test_console_entry_point_plans_and_reports_errors_without_traceback(tmp_path
     assert ok.returncode == 0, ok.stderr
     assert "Traceback" not in ok.stderr
     assert "dp-proportional" in ok.stdout
+    assert "HiGHS" not in ok.stdout  # highspy writes its banner to fd 1 (not sys.stdout); the report keeps it out
     Plan.from_json(str(tmp_path / "plan.json"))
 
     bad = _run("plan", "--model", "zoo:nope", "--cluster", "sample_clusters/cpu_2.json")

@@ -57,8 +57,8 @@ def test_vgg19_bn_channel_parallel_convolutions_train_like_one_device(tmp_path) 
 
 @pytest.mark.parametrize("world", [4])
 def test_vit_engine_plan_trains_like_one_device(world: int, tmp_path) -> None:
-    plan = engine.plan(vision_graph("vit"), cluster(world), optimizer="sgd")
-    assert len(set(plan.ratios["0"])) == world
+    plan = engine.plan(vision_graph("vit", (("batch", 10),)), cluster(world), optimizer="sgd")
+    assert len(set(plan.ratios["0"])) == world  # 10 samples: whole units leave every rank its own share
     check_equivalence(plan, tmp_path, "sgd", steps=STEPS)
 
 
