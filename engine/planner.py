@@ -58,6 +58,13 @@ def data_parallel_space(graph: Graph) -> SearchSpace:
                        collectives=frozenset())
 
 
+def replicated_space() -> SearchSpace:
+    """Every leaf Full and nothing communicated: each device runs the whole single-device model
+    (on one device, that model as it is, for any batch size, 1 included)."""
+    return SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f == FULL,
+                       collectives=frozenset())
+
+
 def _coerce(model: Any, cluster: Any) -> tuple[Graph, Cluster]:
     from .capture import load_model
 

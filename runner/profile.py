@@ -381,10 +381,16 @@ def one_device_cluster(activation_bandwidth: bool = False) -> dict[str, Any]:
 
 
 def one_device_plan(name: str, knobs: dict[str, Any]):
-    """The data-parallel plan of a zoo model on one device: its rank program is the whole model."""
+    """The plan of a zoo model on one device with every tensor Full: its rank program is the whole
+    model at any batch (a split batch dim would need 2 samples, and half of a batch of 2 is 1)."""
     import engine
+    from engine.cost import CostModel
+    from engine.planner import plan_of, replicated_space
+    from engine.synthesis import synthesize
 
-    return engine.evaluate(engine.load_model(f"zoo:{name}", **knobs), one_device_cluster(), "dp-even", optimizer="sgd")
+    graph, cluster = engine.load_model(f"zoo:{name}", **knobs), engine.load_cluster(one_device_cluster())
+    program = synthesize(graph, CostModel(graph, cluster, [1.0], "sgd"), space=replicated_space()).program
+    return plan_of(program, graph, cluster, [1.0], optimizer="sgd")
 
 
 UPDATE_BYTES_WITHOUT_MODEL = 16 * 2**20
