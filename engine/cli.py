@@ -92,9 +92,13 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
              f"{len(plan.graph)} nodes; cluster {cluster.name}: {cluster.num_devices} devices", ""]
     rows = [["strategy", "predicted iteration", "speed-up of hap"]]
     rows.append(["hap", f"{plan.predicted_time_s * 1e3:.2f} ms", ""])
+    from .planner import unsplittable_input
+
+    batch_of_one = unsplittable_input(plan.graph)
     for name, t in baselines.items():
         if t is None:
-            rows.append([name, "does not fit in memory", ""])
+            why = f"no program: input '{batch_of_one.name}' has batch < 2" if batch_of_one else "does not fit in memory"
+            rows.append([name, why, ""])
         else:
             rows.append([name, f"{t * 1e3:.2f} ms", f"{t / plan.predicted_time_s:.2f}x"])
     lines += [_table(rows), ""]
@@ -123,7 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(result.to_json())
         return 0
-    # the planner already evaluated both baselines (they seed its search); None = out of memory
+    # the planner already evaluated both baselines (they seed its search); None = no data-parallel program fits
     baselines = {name: result.search["baselines_s"][name] for name in ("dp-even", "dp-proportional")}
     print(_report(result, baselines, cluster))
     if args.out:

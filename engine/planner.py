@@ -23,7 +23,7 @@ from .balance import balance, gib
 from .cluster import Cluster, load_cluster
 from .cost import CostModel, evaluate as evaluate_program
 from .errors import InfeasibleError, PlanError
-from .graph import Graph
+from .graph import Graph, Node
 from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
 from .segments import Segmentation, segment_graph, with_resplits
 from .program import Instruction
@@ -58,6 +58,11 @@ def data_parallel_space(graph: Graph) -> SearchSpace:
                        collectives=frozenset())
 
 
+def unsplittable_input(graph: Graph) -> Node | None:
+    """The first input whose dim 0 cannot be split (size below 2, or a scalar): data parallelism has no program then."""
+    return next((n for n in graph.placeholders if not n.shape or n.shape[0] < 2), None)
+
+
 def replicated_space() -> SearchSpace:
     """Every leaf Full and nothing communicated: each device runs the whole single-device model
     (on one device, that model as it is, for any batch size, 1 included)."""
@@ -76,6 +81,11 @@ def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam"
     graph, cluster = _coerce(model, cluster)
     if strategy not in BASELINES:
         raise PlanError(f"unknown strategy '{strategy}' (choose one of: {', '.join(BASELINES)})")
+    unsplittable = unsplittable_input(graph)
+    if unsplittable is not None:
+        raise InfeasibleError(f"{strategy} splits every input on dim 0, but input '{unsplittable.name}' has shape "
+                              f"{tuple(unsplittable.shape)}: data parallelism needs a batch of at least 2 "
+                              "(engine.plan may still shard other dims)")
     ratios = even_ratios(cluster) if strategy == "dp-even" else proportional_ratios(cluster)
     cm = CostModel(graph, cluster, ratios, optimizer)
     try:

@@ -210,6 +210,14 @@ def test_report_marks_a_baseline_that_does_not_fit_in_memory(capsys, tmp_path):
     assert re.search(r"^hap\s+[\d.]+ ms", out, re.M), out
 
 
+def test_report_says_why_a_batch_of_one_has_no_data_parallel_baseline(capsys):
+    rc = main(["plan", "--model", "zoo:mlp", "--set", "layers=1", "--set", "batch=1", "--cluster", sample_path("cpu_2")])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert re.search(r"^dp-even\s+no program: input 'x' has batch < 2", out, re.M), out
+    assert re.search(r"^hap\s+[\d.]+ ms", out, re.M), out
+
+
 # ----------------------------------------------------------------------------- the real process
 
 

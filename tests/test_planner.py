@@ -285,6 +285,15 @@ def test_unknown_baseline_strategy_is_a_plan_error(tiny_mlp):
         engine.evaluate(tiny_mlp, sample_path("cpu_2"), "dp-magic")
 
 
+def test_data_parallel_baseline_of_a_batch_of_one_names_the_input_and_hap_still_plans():
+    graph = engine.load_model("zoo:mlp", layers=1, in_features=16, hidden=32, classes=4, batch=1)
+    with pytest.raises(InfeasibleError, match=r"dp-even splits every input on dim 0, but input 'x' has shape \(1, 16\): "
+                                        "data parallelism needs a batch of at least 2") as info:
+        engine.evaluate(graph, sample_path("cpu_2"), "dp-even")
+    one_line(info.value)
+    assert engine.plan(graph, sample_path("cpu_2")).predicted_time_s > 0
+
+
 @pytest.mark.parametrize("text", ["garbage", "{garbage", "", "   ", '{"kind": "hap.graph"}', '{"kind": "hap.plan"}',
                                   '{"kind": "hap.plan", "schema_version": 1}', "[1, 2]", "null"])
 def test_plan_from_garbage_is_a_one_line_plan_error(text):
