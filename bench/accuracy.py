@@ -23,7 +23,7 @@ correlation, the mean absolute percentage error (MAPE) and the Spearman rank cor
 all variants, and per cluster. Targets (issue 6): r >= 0.97 (HAP reports 0.970), MAPE <= 20%.
 Run from the repository root:
 
-    PYTHONPATH=. python bench/accuracy.py            # about 10 minutes on 2 busy cores
+    PYTHONPATH=. python bench/accuracy.py            # about 11 minutes on 2 cores
     PYTHONPATH=. python bench/accuracy.py --quick    # one launch per plan, fewer steps
 
 It writes everything (profiles, plans, metrics, figures) under `bench/results/accuracy/` and the
