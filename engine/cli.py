@@ -88,12 +88,12 @@ def _device_runs(plan, cluster) -> list[tuple[str, str, list[str]]]:
 
 
 def _report(plan, baselines: dict[str, float | None], cluster) -> str:
+    from .planner import unsplittable_input
+
     lines = [f"model {plan.graph.name}: {plan.graph.num_parameters / 1e6:.1f}M parameters, "
              f"{len(plan.graph)} nodes; cluster {cluster.name}: {cluster.num_devices} devices", ""]
     rows = [["strategy", "predicted iteration", "speed-up of hap"]]
     rows.append(["hap", f"{plan.predicted_time_s * 1e3:.2f} ms", ""])
-    from .planner import unsplittable_input
-
     batch_of_one = unsplittable_input(plan.graph)
     for name, t in baselines.items():
         if t is None:
