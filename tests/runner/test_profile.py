@@ -136,8 +136,8 @@ def test_device_compute_splits_every_rank_or_falls_back_to_one_rate_for_all():
                                              {"flops_per_gpu": pytest.approx(3.0015e9 / 3.0)}]
 
 
-@pytest.mark.parametrize("batch", [8, 1])
-def test_the_profiled_model_step_is_the_runner_program_of_a_one_device_plan(batch: int):
+@pytest.mark.parametrize("samples", [8, 1])
+def test_the_profiled_model_step_is_the_runner_program_of_a_one_device_plan(samples: int):
     """hap profile times the model as `hap run` executes it: the rank program of its one-device plan
     (no collective), which computes the model's own loss and gradients, at any batch (1 is the half
     of `--set batch=2`)."""
@@ -146,7 +146,7 @@ def test_the_profiled_model_step_is_the_runner_program_of_a_one_device_plan(batc
     from engine.program import COMM
     from runner.train import build_module, make_batch, program_args, setup_rank
 
-    plan = one_device_plan("mlp", dict(layers=1, in_features=32, hidden=64, classes=4, batch=batch))
+    plan = one_device_plan("mlp", dict(layers=1, in_features=32, hidden=64, classes=4, batch=samples))
     assert plan.world_size == 1 and not [i for i in plan.program if i.kind == COMM and i.rule != "slice"]
     st = setup_rank(plan, 0, seed=0)
     batch = make_batch(plan, 0, 0)
