@@ -155,12 +155,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .bundle import export_bundle
+    from .bundle import export_bundle, plan_warnings
     from .plan import Plan
 
-    plan = Plan.from_json(args.plan)
+    plan = Plan.from_json(args.plan)  # validated: an inconsistent plan is refused here
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
                         rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=shlex.split(args.run_args or ""))
+    for warning in plan_warnings(plan, args.cluster):
+        print(f"warning: {warning}", file=sys.stderr)
     manifest = json.loads((out / "manifest.json").read_text())
     print(f"bundle {out}: {plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
           f"{len(manifest['files'])} files" + (f"; zip {out.with_name(out.name + '.zip')}" if args.zip else ""))

@@ -19,6 +19,9 @@ SCHEMA_VERSION = 1
 LEAF_OPS = ("placeholder", "parameter", "buffer")
 """Leaves: model inputs, trainable parameters, and buffers (state that is not trained, e.g. position ids)."""
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
+KNOWN_DTYPES = frozenset(_ITEMSIZE) | {"int16", "uint16", "uint32", "uint64", "complex64", "complex128",
+                                       "float8_e4m3fn", "float8_e5m2"}
+"""Element types a graph may hold (torch dtype names without the `torch.` prefix)."""
 
 
 @dataclass(frozen=True)
@@ -153,14 +156,17 @@ class Graph:
             raise ModelError("graph JSON: missing \"kind\": \"hap.graph\" (save a graph with Graph.save or `hap capture`)")
         if d.get("schema_version") != SCHEMA_VERSION:
             raise ModelError(f"graph JSON: schema_version {d.get('schema_version')!r} is not supported (expected {SCHEMA_VERSION})")
+        return Graph.from_checked_dict(d, "graph JSON: ")
+
+    @staticmethod
+    def from_checked_dict(d: dict[str, Any], where: str) -> "Graph":
+        """The graph of dict `d` after `check_graph_dict` (errors prefixed by `where`, e.g. `plan: graph.`)."""
+        check_graph_dict(d, where)
         try:
             nodes = tuple(Node.from_dict(x) for x in d["nodes"])
-            graph = Graph(nodes=nodes, loss=int(d["loss"]), name=str(d.get("name", "model")), origin=dict(d.get("origin", {})))
-        except (KeyError, TypeError, ValueError, AssertionError) as e:
-            raise ModelError(f"graph JSON: malformed node list ({type(e).__name__}: {e})") from None
-        if not 0 <= graph.loss < len(nodes) or nodes[graph.loss].shape != ():
-            raise ModelError(f"graph JSON: loss {graph.loss} is not a scalar node of the graph")
-        return graph
+            return Graph(nodes=nodes, loss=d["loss"], name=str(d.get("name", "model")), origin=dict(d.get("origin", {})))
+        except (KeyError, TypeError, ValueError, AssertionError) as e:  # check_graph_dict should have said why
+            raise ModelError(f"{where}malformed node list ({type(e).__name__}: {e})") from None
 
     @staticmethod
     def load(path: str | Path) -> "Graph":
@@ -174,6 +180,66 @@ class Graph:
         except json.JSONDecodeError as e:
             raise ModelError(f"graph file '{p}' is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
         return Graph.from_dict(d)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_graph_dict(d: dict[str, Any], where: str = "graph JSON: ") -> None:
+    """Refuse a malformed graph dict with a ModelError naming the first bad field by its JSON path
+    (`nodes[3].inputs[0]`): node ids in order, references to earlier nodes only (topological),
+    non-negative integer shapes, known dtypes, finite non-negative flops, unique names, and a
+    scalar loss node. `load_model` on a graph JSON and every plan (its embedded graph) run it."""
+    nodes = d.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise ModelError(f"{where}nodes must be a non-empty list of nodes (save a graph with Graph.save or `hap capture`)")
+    names: dict[str, int] = {}
+    for i, x in enumerate(nodes):
+        _check_node_dict(x, i, f"{where}nodes[{i}]", names)
+    loss = d.get("loss")
+    if not _is_int(loss) or not 0 <= loss < len(nodes):
+        raise ModelError(f"{where}loss = {loss!r} is not a node id (0..{len(nodes) - 1}); it must name the scalar loss node")
+    if nodes[loss]["shape"] != []:
+        raise ModelError(f"{where}loss = {loss} names node '{nodes[loss]['name']}' of shape {nodes[loss]['shape']}, "
+                         "not a scalar; the loss must be a scalar node")
+    for key, kind in (("name", str), ("origin", dict)):
+        if key in d and not isinstance(d[key], kind):
+            raise ModelError(f"{where}{key} must be a {kind.__name__}, got {type(d[key]).__name__}")
+
+
+def _check_node_dict(x: Any, i: int, path: str, names: dict[str, int]) -> None:
+    """One node of `check_graph_dict`; `names` collects the names seen so far."""
+    if not isinstance(x, dict):
+        raise ModelError(f"{path} must be a node object, got {type(x).__name__}")
+    for key in ("id", "name", "op", "inputs", "shape"):
+        if key not in x:
+            raise ModelError(f"{path}.{key} is missing (every node has id, name, op, inputs and shape)")
+    if not _is_int(x["id"]) or x["id"] != i:
+        raise ModelError(f"{path}.id = {x['id']!r} but node ids must be 0..n-1 in list order (expected {i})")
+    for key in ("name", "op", "source"):
+        if key in x and (not isinstance(x[key], str) or (key != "source" and not x[key])):
+            raise ModelError(f"{path}.{key} must be a non-empty string, got {x[key]!r}")
+    if x["name"] in names:
+        raise ModelError(f"{path}.name '{x['name']}' is also the name of node {names[x['name']]}; node names must be unique")
+    names[x["name"]] = i
+    if not isinstance(x["inputs"], list):
+        raise ModelError(f"{path}.inputs must be a list of node ids, got {type(x['inputs']).__name__}")
+    for k, j in enumerate(x["inputs"]):
+        if not _is_int(j) or not 0 <= j < i:
+            raise ModelError(f"{path}.inputs[{k}] = {j!r} is not an earlier node (ids 0..{i - 1}): "
+                             "nodes are in topological order and refer to earlier nodes only")
+    if not isinstance(x["shape"], list) or not all(_is_int(s) and s >= 0 for s in x["shape"]):
+        raise ModelError(f"{path}.shape = {x['shape']!r} must be a list of non-negative integers")
+    if x.get("dtype", "float32") not in KNOWN_DTYPES:
+        raise ModelError(f"{path}.dtype = {x.get('dtype')!r} is not a known dtype ({', '.join(sorted(KNOWN_DTYPES))})")
+    flops = x.get("flops", 0.0)
+    if not isinstance(flops, (int, float)) or isinstance(flops, bool) or not math.isfinite(flops) or flops < 0:
+        raise ModelError(f"{path}.flops = {flops!r} must be a finite non-negative number")
+    if not _is_int(x.get("segment", 0)) or x.get("segment", 0) < 0:
+        raise ModelError(f"{path}.segment = {x.get('segment')!r} must be a non-negative integer")
+    if not isinstance(x.get("attrs", {}), dict):
+        raise ModelError(f"{path}.attrs must be an object, got {type(x['attrs']).__name__}")
 
 
 def itemsize(dtype: str) -> int:
