@@ -47,6 +47,15 @@ def shard_units(program: tuple[Instruction, ...], graph: Graph, seg: Segmentatio
     linked class shares `units = gcd(sizes)`; a dim of size s then moves in steps of s / units.
     A collective links nothing: its result is a new layout (a resplit's in the next segment).
     """
+    units: dict[ShardKey, int] = {}
+    for members in shard_classes(program, graph, seg):
+        g = math.gcd(*[graph[t].shape[d] for t, d, _ in members])
+        units.update({m: g for m in members})
+    return units
+
+
+def shard_classes(program: tuple[Instruction, ...], graph: Graph, seg: Segmentation | None = None) -> list[list[ShardKey]]:
+    """The sharded (tensor, dim, segment)s of the program grouped into classes of linked dims (see `shard_units`)."""
     seg = seg or Segmentation.single(graph)
     parent: dict[ShardKey, ShardKey] = {}
 
@@ -69,11 +78,7 @@ def shard_units(program: tuple[Instruction, ...], graph: Graph, seg: Segmentatio
     classes: dict[ShardKey, list[ShardKey]] = {}
     for d in list(parent):
         classes.setdefault(find(d), []).append(d)
-    units: dict[ShardKey, int] = {}
-    for members in classes.values():
-        g = math.gcd(*[graph[t].shape[d] for t, d, _ in members])
-        units.update({m: g for m in members})
-    return units
+    return list(classes.values())
 
 
 def shard_sizes(program: tuple[Instruction, ...], graph: Graph, ratios: list[list[float]],

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from .errors import HapError, PlanError
@@ -380,17 +381,22 @@ def _check_complete(plan: "Plan") -> None:
     unloaded = [n for n in graph.parameters if n.id not in done and any(n.id in m.inputs for m in graph.nodes)]
     if unloaded:
         raise _fail("program", f"parameter {unloaded[0].name} is never loaded, so it would not be trained")
-    forms = {ins.post for ins in program if ins.node == graph.loss}
-    if not forms & set(LOSS_FORMS):
-        raise _fail("program", f"the loss {graph[graph.loss].name} ends as {', '.join(form_str(f) for f in sorted(forms))}, "
-                    "but the runner needs it Partial or Full (add an all_gather, or all_reduce)")
+    # the loss is a scalar (check_graph_dict): every triple of the theory leaves it Partial or Full
+    assert {ins.post for ins in program if ins.node == graph.loss} <= set(LOSS_FORMS), "a scalar loss sharded"
 
 
 # ----------------------------------------------------------------------------- 4. shard sizes
 
 
 def check_shard_sizes(plan: "Plan") -> None:
-    """Check 4: one entry per sharded (tensor, dim, segment), non-negative, summing to the dim, as the ratios round."""
+    """Check 4: one entry per sharded (tensor, dim, segment), non-negative, summing to the dim, split
+    as the ratios say.
+
+    The planner rounds the LP's ratios to whole units (`shard_sizes`) and then stores the ratios
+    those units realise (`realized_ratios`, what the runner executes), which may round to other
+    sizes. So a segment's sizes are consistent with its ratios when they are the rounding of the
+    ratios, or when the ratios are the shares the sizes give and linked dims split alike.
+    """
     from .plan import shard_key, shard_sizes
 
     graph, seg = plan.graph, plan.segmentation
@@ -399,6 +405,7 @@ def check_shard_sizes(plan: "Plan") -> None:
     for key in plan.shard_sizes:
         if key not in keys:
             raise _fail(f"shard_sizes[{json.dumps(key)}]", "is not a dim the program shards; remove it")
+    got: dict[tuple[int, int, int], list[int]] = {}
     for key, (t, d, k) in keys.items():
         path = f"shard_sizes[{json.dumps(key)}]"
         if key not in plan.shard_sizes:
@@ -410,8 +417,46 @@ def check_shard_sizes(plan: "Plan") -> None:
             raise _fail(path, f"{sizes} has a negative size")
         if sum(sizes) != dim:
             raise _fail(path, f"{sizes} sums to {sum(sizes)} but dim {d} of {graph[t].name} has size {dim}")
-        if sizes != expected[(t, d, k)]:
-            raise _fail(path, f"{sizes} are not the sizes ratios[\"{k}\"] round to, {expected[(t, d, k)]}")
+        got[(t, d, k)] = sizes
+    for k in range(seg.count):
+        _check_segment_split(plan, k, got, expected, keys)
+
+
+def _check_segment_split(plan: "Plan", k: int, got: dict, expected: dict, keys: dict) -> None:
+    """Segment k's sizes are the rounding of its ratios, or its ratios are the shares of its sizes (linked alike)."""
+    from .plan import realized_ratios, shard_classes
+
+    mine = {key: tkd for key, tkd in keys.items() if tkd[2] == k}
+    if all(got[tkd] == expected[tkd] for tkd in mine.values()):
+        return
+    graph, row = plan.graph, plan.ratio_rows[k]
+    for members in shard_classes(plan.program, graph, plan.segmentation):
+        if members[0][2] != k:
+            continue
+        common = Counter(_units(graph, m, got[m]) for m in members).most_common(1)[0][0]
+        a = next(m for m in members if _units(graph, m, got[m]) == common)  # blame the odd one out
+        b = next((m for m in members if _units(graph, m, got[m]) != _units(graph, a, got[a])), None)
+        if b is not None:
+            raise _fail(f"shard_sizes[{json.dumps(_key(plan, b))}]",
+                        f"{got[b]} does not split like {_key(plan, a)}'s {got[a]}: an instruction links the two dims, "
+                        "so they split into the same pieces")
+    shares = realized_ratios(graph, got, [list(r) for r in plan.ratio_rows])[k]
+    if any(abs(a - b) > RATIO_TOLERANCE for a, b in zip(shares, row)):
+        key, tkd = next((key, tkd) for key, tkd in mine.items() if got[tkd] != expected[tkd])
+        raise _fail(f"shard_sizes[{json.dumps(key)}]", f"{got[tkd]} are not the sizes ratios[\"{k}\"] round to, "
+                    f"{expected[tkd]} (nor are the ratios the shares these sizes give, {[round(x, 6) for x in shares]})")
+
+
+def _units(graph: Graph, m: tuple[int, int, int], sizes: list[int]) -> tuple[float, ...]:
+    """A dim's split as fractions of the dim (linked dims split alike have equal fractions)."""
+    dim = graph[m[0]].shape[m[1]]
+    return tuple(round(s / dim, 12) for s in sizes)
+
+
+def _key(plan: "Plan", m: tuple[int, int, int]) -> str:
+    from .plan import shard_key
+
+    return shard_key(plan.graph, plan.segmentation, *m)
 
 
 # ----------------------------------------------------------------------------- 5. against a cluster

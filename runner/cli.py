@@ -121,9 +121,17 @@ TRACEBACK_START = "Traceback (most recent call last)"
 
 
 def failure_report(returncode: int, errors: str, output: str, command: str = "hap run") -> list[str]:
-    """First the one line naming the first failed rank and its exception, then where the tracebacks are."""
+    """First the one line naming the first failed rank and its exception, then where the tracebacks are.
+
+    The first failure is the earliest record, unless the rank torchrun saw fail first left none: it
+    died without an exception (a signal, an exit), and the others' records are only its echo
+    (connection closed by peer), so torchrun's rank and exit code are the news."""
     found = read_failures(errors)
-    head = found[0].headline(command) if found else describe_failure(returncode, output, command)
+    root = failed_rank(output)
+    if found and (root is None or any(r.rank == root[0] for r in found)):
+        head = found[0].headline(command)
+    else:
+        head = describe_failure(returncode, output, command)
     log = write_log(errors, found, output)
     return [head, f"{command}: every rank's traceback and torchrun's output are in {log}"]
 
