@@ -289,6 +289,41 @@ def test_a_collective_needs_its_precondition(good):
         Plan.from_dict(d)
 
 
+# ----------------------------------------------------------------------------- sizes against realised ratios
+
+
+@pytest.fixture(scope="module")
+def two_classes() -> tuple[Plan, Cluster]:
+    """Batch-sharded x (2 rows) then an all-to-all to a row-parallel linear (10 features): two classes
+    of linked dims in one segment. At LP ratios 0.6/0.4 they split [1, 1] and [6, 4]; the plan stores
+    the ratios these sizes realise (0.524/0.476, x's bytes dominate), which round to [5, 5]."""
+    from engine.program import COMM as C, COMPUTE as P, LOAD as L, Instruction as Ins
+    from engine.theory.core import FULL, PARTIAL
+
+    graph = build_graph([("x", "placeholder", (), (2, 8192)), ("w1", "parameter", (), (10, 8192)),
+                         ("h", "linear", (0, 1), (2, 10), 1.0), ("w2", "parameter", (), (512, 10)),
+                         ("o", "linear", (2, 3), (2, 512), 1.0), ("loss", "sum", (4,), (), 1.0, {"dims": [0, 1], "keepdim": False})])
+    program = (Ins(L, 0, "placeholder", (), 0), Ins(L, 1, "parameter", (), FULL), Ins(P, 2, "batch", ((0, 0), (1, FULL)), 0),
+               Ins(C, 2, "all_to_all", ((2, 0),), 1), Ins(L, 3, "parameter", (), 1),
+               Ins(P, 4, "row", ((2, 1), (3, 1)), PARTIAL), Ins(P, 5, "partial", ((4, PARTIAL),), PARTIAL))
+    cluster = Cluster.from_dict(cluster_dict([2e12, 1e12]))
+    return plan_of(program, graph, cluster, [0.6, 0.4]), cluster
+
+
+def test_sizes_whose_realised_ratios_round_otherwise_are_valid(two_classes):
+    plan, cluster = two_classes
+    assert plan.shard_sizes["h:1"] == [6, 4] and plan.ratios["0"][0] == pytest.approx(0.5239, abs=1e-4)
+    assert validate_plan(plan.to_dict(), cluster) == []
+
+
+def test_ratios_that_neither_round_to_the_sizes_nor_are_their_shares_are_refused(two_classes):
+    d = two_classes[0].to_dict()
+    d["ratios"]["0"] = [d["ratios"]["0"][0] + 0.01, d["ratios"]["0"][1] - 0.01]
+    with pytest.raises(PlanError, match=r'shard_sizes\["h:1"\]: \[6, 4\] are not the sizes ratios\["0"\] round to, \[5, 5\] '
+                                        r'\(nor are the ratios the shares these sizes give, \[0.523858, 0.476142\]\)'):
+        Plan.from_dict(d)
+
+
 # ----------------------------------------------------------------------------- segments
 
 
