@@ -192,8 +192,10 @@ def check_graph_dict(d: dict[str, Any], where: str = "graph JSON: ") -> None:
     non-negative integer shapes, known dtypes, finite non-negative flops, unique names, and a
     scalar loss node. `load_model` on a graph JSON and every plan (its embedded graph) run it."""
     nodes = d.get("nodes")
-    if not isinstance(nodes, list) or not nodes:
-        raise ModelError(f"{where}nodes must be a non-empty list of nodes (save a graph with Graph.save or `hap capture`)")
+    if not isinstance(nodes, list):
+        raise ModelError(f"{where}nodes must be a list of nodes, got {type(nodes).__name__} (save a graph with Graph.save or `hap capture`)")
+    if not nodes:
+        raise ModelError(f"{where}nodes is empty: a graph holds at least its loss node")
     names: dict[str, int] = {}
     for i, x in enumerate(nodes):
         _check_node_dict(x, i, f"{where}nodes[{i}]", names)
