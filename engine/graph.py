@@ -233,7 +233,7 @@ def _check_node_dict(x: Any, i: int, path: str, names: dict[str, int]) -> None:
                              "nodes are in topological order and refer to earlier nodes only")
     if not isinstance(x["shape"], list) or not all(_is_int(s) and s >= 0 for s in x["shape"]):
         raise ModelError(f"{path}.shape = {x['shape']!r} must be a list of non-negative integers")
-    if x.get("dtype", "float32") not in KNOWN_DTYPES:
+    if not isinstance(x.get("dtype", "float32"), str) or x.get("dtype", "float32") not in KNOWN_DTYPES:
         raise ModelError(f"{path}.dtype = {x.get('dtype')!r} is not a known dtype ({', '.join(sorted(KNOWN_DTYPES))})")
     flops = x.get("flops", 0.0)
     if not isinstance(flops, (int, float)) or isinstance(flops, bool) or not math.isfinite(flops) or flops < 0:

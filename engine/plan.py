@@ -209,7 +209,7 @@ class Plan:
 
         check_plan_dict(d)
         plan = Plan._build(d)
-        check_plan(plan)
+        check_plan(plan, d["model"]["fingerprint"])
         return plan
 
     @staticmethod

@@ -32,7 +32,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from .errors import HapError, PlanError
-from .graph import Graph
+from .graph import SCHEMA_VERSION as GRAPH_SCHEMA_VERSION, Graph
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .segments import RESPLIT, instruction_segments, source_segments
 from .theory import COLLECTIVES, collectives_from, form_str, leaf_forms, op_rules
@@ -63,8 +63,12 @@ def validate_plan(plan: "Plan | dict[str, Any]", cluster: "Cluster | None" = Non
     return [] if cluster is None else check_against_cluster(plan, cluster)
 
 
-def check_plan(plan: "Plan") -> None:
-    """Checks 2-4 on a constructed plan (the schema, 1, is `check_plan_dict` on its JSON)."""
+def check_plan(plan: "Plan", model_fingerprint: str | None = None) -> None:
+    """Checks 2-4 on a constructed plan (the schema, 1, is `check_plan_dict` on its JSON, which
+    gives the `model_fingerprint` the plan recorded: an edited graph no longer has it)."""
+    if model_fingerprint is not None and model_fingerprint != plan.model_fingerprint:
+        raise _fail("graph", f"the graph was edited: its fingerprint {plan.model_fingerprint[:12]}... is not the "
+                    f"model.fingerprint {model_fingerprint[:12]}... the plan was made for")
     check_structure(plan)
     check_ratios(plan)
     check_program(plan)
@@ -137,6 +141,13 @@ def check_plan_dict(d: dict[str, Any]) -> None:
         _check_instruction_dict(ins, f"program[{i}]")
     if d["graph"].get("kind") != "hap.graph":
         raise _fail("graph.kind", f"{_shown(d['graph'].get('kind'))} is not \"hap.graph\"")
+    if d["graph"].get("schema_version") != GRAPH_SCHEMA_VERSION:
+        raise _fail("graph.schema_version", f"{_shown(d['graph'].get('schema_version'))} is not supported "
+                    f"(expected {GRAPH_SCHEMA_VERSION})")
+    model = _typed(d, "model", dict)
+    _typed(model, "fingerprint", str, "model.")
+    if model.get("origin", {}) != d["graph"].get("origin", {}):
+        raise _fail("model.origin", "differs from graph.origin (the runner rebuilds the model from it)")
     # the graph itself is checked as it is built (engine.graph.check_graph_dict, paths `graph.nodes[i]...`)
 
 
@@ -246,18 +257,36 @@ def _names(plan: "Plan") -> str:
 # ----------------------------------------------------------------------------- 3. program against the theory
 
 
+Triples = dict[tuple[tuple[Form, ...], Form], str]
+_TRIPLES: dict[tuple, Triples] = {}
+"""Triples by node signature, shared by every validation: the layers of a model repeat the same nodes."""
+_TRIPLES_MAX = 100_000
+
+
 class _Theory:
-    """The triples of a graph's nodes, computed once per node when the replay first meets it."""
+    """The triples of a graph's nodes, from the rule registry, cached by node signature."""
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        self._rules: dict[int, dict[tuple[tuple[Form, ...], Form], str]] = {}
 
-    def rules(self, node: int) -> dict[tuple[tuple[Form, ...], Form], str]:
-        """(input forms, output form) -> rule name of every triple the theory gives `node`."""
-        found = self._rules.get(node)
+    def rules(self, node: int) -> Triples:
+        """(input forms, output form) -> rule name of every triple the theory gives `node`.
+
+        A rule generator sees the node's op, attrs and shape and its operands' shapes (engine/theory),
+        so nodes equal in those have the same triples."""
+        n = self.graph[node]
+        key = (n.op, json.dumps(n.attrs, sort_keys=True, default=str), n.shape, tuple(self.graph[i].shape for i in n.inputs))
+        found = _TRIPLES.get(key)
         if found is None:
-            found = self._rules[node] = {(r.inputs, r.output): r.name for r in op_rules(self.graph[node], self.graph)}
+            if len(_TRIPLES) >= _TRIPLES_MAX:
+                _TRIPLES.clear()
+            try:
+                found = {(r.inputs, r.output): r.name for r in op_rules(n, self.graph)}
+            except (IndexError, KeyError, TypeError, ValueError, AssertionError, ZeroDivisionError) as e:
+                raise _fail(f"graph.nodes[{node}]", f"the theory cannot derive rules for {n.op} node {n.name}: its "
+                            f"shape {list(n.shape)} or attrs do not fit its operands ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:80] if str(e) else ''})") from None
+            _TRIPLES[key] = found
         return found
 
 

@@ -145,6 +145,19 @@ def load_of_computed(d):
     d["program"][i] = {"kind": "load", "node": d["program"][i]["node"], "rule": "relu", "pre": [], "post": "S(0)"}
 
 
+def edited_graph(d):
+    next(n for n in d["graph"]["nodes"] if n["op"] == "cross_entropy")["attrs"]["count"] = 6
+
+
+def origin_differs(d):
+    d["model"]["origin"] = {**d["model"]["origin"], "config": {**d["model"]["origin"]["config"], "batch": 6}}
+
+
+def inconsistent_shape(d):
+    next(n for n in d["graph"]["nodes"] if n["name"] == "relu")["shape"] = [12, 16, 3]
+    d["model"]["fingerprint"] = Graph.from_dict(d["graph"]).fingerprint()  # edited on purpose, fingerprint too
+
+
 BROKEN: list[tuple[Callable, str]] = [
     (sizes_off, r'shard_sizes\["x:0"\]: \[4, 4, 2, 1\] sums to 11 but dim 0 of x has size 12'),
     (sizes_not_rounded, r'shard_sizes\["x:0"\]: \[5, 3, 2, 2\] are not the sizes ratios\["0"\] round to, \[4, 4, 2, 2\] '
@@ -173,6 +186,9 @@ BROKEN: list[tuple[Callable, str]] = [
     (bad_loss, r"graph.loss = 3 names node .* not a scalar"),
     (bad_collective, r"all_gather.padded does not take linear_mm from S\(0\) to P"),
     (load_of_computed, r"loads 'relu', a relu node: only leaves"),
+    (edited_graph, r"graph: the graph was edited: its fingerprint .* is not the model.fingerprint"),
+    (origin_differs, r"model.origin: differs from graph.origin"),
+    (inconsistent_shape, r"graph.nodes\[\d+\]: the theory cannot derive rules for relu node relu: its shape \[12, 16, 3\]"),
 ]
 CASES = [pytest.param(mutate, message, id=mutate.__name__) for mutate, message in BROKEN]
 
