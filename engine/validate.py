@@ -305,25 +305,30 @@ class _Replay:
         self.holds: dict[tuple[int, Form], int] = {}
         """(tensor, form) -> segment of its layout, for every property established so far."""
         self.loaded: dict[int, int] = {}
-        self.computed: set[int] = set()
+        """Leaf -> the instruction that loaded it."""
 
     def run(self) -> None:
-        n = len(self.graph)
+        """Check every instruction's references, then replay the instructions in order."""
         for i, ins in enumerate(self.plan.program):
-            if not 0 <= ins.node < n:
-                raise _fail(f"program[{i}].node", f"{ins.node} is not a node of the graph (0..{n - 1})")
-            for k, (t, f) in enumerate(ins.pre):
-                if not 0 <= t < n:
-                    raise _fail(f"program[{i}].pre[{k}]", f"tensor {t} is not a node of the graph (0..{n - 1})")
-                if f >= self.graph[t].rank:
-                    raise _fail(f"program[{i}].pre[{k}]", f"{self.graph[t].name} has {self.graph[t].rank} dims: no S({f})")
-            if ins.post >= self.graph[ins.node].rank:
-                raise _fail(f"program[{i}].post", f"{self.graph[ins.node].name} has {self.graph[ins.node].rank} dims: no S({ins.post})")
+            self.check_references(i, ins)
         seg = self.plan.segmentation
         program = self.plan.program
         for i, (ins, own, src) in enumerate(zip(program, instruction_segments(program, seg), source_segments(program, seg))):
             {LOAD: self.load, COMPUTE: self.compute, COMM: self.comm}[ins.kind](i, ins, own, src)
             self.holds[(ins.node, ins.post)] = own
+
+    def check_references(self, i: int, ins: Instruction) -> None:
+        """Nodes in range and Shard dims within their tensor's rank (what the segment helpers index)."""
+        n = len(self.graph)
+        if not 0 <= ins.node < n:
+            raise _fail(f"program[{i}].node", f"{ins.node} is not a node of the graph (0..{n - 1})")
+        for k, (t, f) in enumerate(ins.pre):
+            if not 0 <= t < n:
+                raise _fail(f"program[{i}].pre[{k}]", f"tensor {t} is not a node of the graph (0..{n - 1})")
+            if f >= self.graph[t].rank:
+                raise _fail(f"program[{i}].pre[{k}]", f"{self.graph[t].name} has {self.graph[t].rank} dims: no S({f})")
+        if ins.post >= self.graph[ins.node].rank:
+            raise _fail(f"program[{i}].post", f"{self.graph[ins.node].name} has {self.graph[ins.node].rank} dims: no S({ins.post})")
 
     def where(self, i: int, ins: Instruction) -> str:
         return f"program[{i}] ({ins.render(self.graph)})"
@@ -358,7 +363,6 @@ class _Replay:
         if name != ins.rule:
             raise _fail(self.where(i, ins), self._no_triple(node, forms, ins, rules))
         self._require(i, ins, own)
-        self.computed.add(ins.node)
 
     def _no_triple(self, node, forms: tuple[Form, ...], ins: Instruction, rules: dict) -> str:
         pre = ", ".join(form_str(f) for f in forms)
@@ -399,7 +403,7 @@ class _Replay:
 
 
 def _check_complete(plan: "Plan") -> None:
-    """Every node is computed, every parameter loaded, and the loss held in a form the runner accepts."""
+    """Every node is computed (hence every used parameter loaded), the loss in a form the runner accepts."""
     graph, program = plan.graph, plan.program
     done = {ins.node for ins in program if ins.kind in (LOAD, COMPUTE)}
     missing = [n for n in graph.nodes if not n.is_leaf and n.id not in done]
@@ -407,9 +411,8 @@ def _check_complete(plan: "Plan") -> None:
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise _fail("program", f"{cut}node {missing[0].name} ({missing[0].op}) is never computed{more}")
-    unloaded = [n for n in graph.parameters if n.id not in done and any(n.id in m.inputs for m in graph.nodes)]
-    if unloaded:
-        raise _fail("program", f"parameter {unloaded[0].name} is never loaded, so it would not be trained")
+    # every compute's operands are its node's inputs, available when it runs: so every parameter
+    # some node uses has been loaded (once: `_Replay.load`), and the optimizer sees all of them
     # the loss is a scalar (check_graph_dict): every triple of the theory leaves it Partial or Full
     assert {ins.post for ins in program if ins.node == graph.loss} <= set(LOSS_FORMS), "a scalar loss sharded"
 

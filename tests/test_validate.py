@@ -158,6 +158,14 @@ def inconsistent_shape(d):
     d["model"]["fingerprint"] = Graph.from_dict(d["graph"]).fingerprint()  # edited on purpose, fingerprint too
 
 
+def node_out_of_range(d):
+    d["program"][index_of(d, "relu")]["node"] = 999
+
+
+def shard_dim_out_of_range(d):
+    d["program"][index_of(d, "relu")]["pre"][0][1] = "S(5)"
+
+
 BROKEN: list[tuple[Callable, str]] = [
     (sizes_off, r'shard_sizes\["x:0"\]: \[4, 4, 2, 1\] sums to 11 but dim 0 of x has size 12'),
     (sizes_not_rounded, r'shard_sizes\["x:0"\]: \[5, 3, 2, 2\] are not the sizes ratios\["0"\] round to, \[4, 4, 2, 2\] '
@@ -186,6 +194,8 @@ BROKEN: list[tuple[Callable, str]] = [
     (bad_loss, r"graph.loss = 3 names node .* not a scalar"),
     (bad_collective, r"all_gather.padded does not take linear_mm from S\(0\) to P"),
     (load_of_computed, r"loads 'relu', a relu node: only leaves"),
+    (node_out_of_range, r"program\[\d+\].node: 999 is not a node of the graph \(0..\d+\)"),
+    (shard_dim_out_of_range, r"program\[\d+\].pre\[0\]: linear has 2 dims: no S\(5\)"),
     (edited_graph, r"graph: the graph was edited: its fingerprint .* is not the model.fingerprint"),
     (origin_differs, r"model.origin: differs from graph.origin"),
     (inconsistent_shape, r"graph.nodes\[\d+\]: the theory cannot derive rules for relu node relu: its shape \[12, 16, 3\]"),
