@@ -470,3 +470,22 @@ def test_every_plan_the_planner_writes_passes_the_validator(zoo_graphs, model, c
     plans = [engine.plan(graph, cluster, segments=segments, time_budget_s=10), engine.evaluate(graph, cluster, "dp-even")]
     for plan in plans:
         assert validate_plan(json.loads(plan.to_json()), cluster) == []
+
+
+def test_hap_export_and_hap_run_print_the_repricing_warning_in_one_line(good, tmp_path, capsys, monkeypatch):
+    import runner.cli
+
+    slower = sample_dict("cpu_4_uneven")
+    slower["network"]["latency_s"] *= 10
+    spec = tmp_path / "cluster.json"
+    spec.write_text(json.dumps(slower))
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(good))
+    assert hap_main(["export", str(plan), "--out", str(tmp_path / "b"), "--cluster", str(spec)]) == 0
+    warned = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: ")]
+    assert len(warned) == 1 and "re-profiled" in warned[0]
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(runner.cli, "run_torchrun", lambda *a, **k: 0)
+    assert hap_main(["run", str(tmp_path / "b"), "--steps", "1"]) == 0
+    assert [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: ")] == warned
