@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bundle_command", required=True)
     bc = bsub.add_parser("check", help="validate a bundle without running it", epilog=BUNDLE_EXIT_CODES,
                          description="Check a bundle folder or zip: manifest, sha256 of every file, no extra or "
-                                     "missing file, plan and cluster parse, world size of the launch scripts.")
+                                     "missing file, plan and cluster parse, the plan validated against the theory and "
+                                     "re-priced on the cluster (engine.validate), world size of the launch scripts.")
     bc.add_argument("bundle", help="bundle folder or zip from `hap export`")
     bc.set_defaults(func=cmd_bundle_check)
     u = sub.add_parser("ui", help="serve the Streamlit workbench (binds 127.0.0.1 by default)")
