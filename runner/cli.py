@@ -153,6 +153,7 @@ def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.lau
         proc.send_signal(signal.SIGINT)
         proc.wait()
         relay.release()
+        shutil.rmtree(errors, ignore_errors=True)
         raise
     finally:
         for signum, handler in previous.items():
