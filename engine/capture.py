@@ -542,11 +542,23 @@ def _h_embedding(c: _Ctx) -> int:
     return c.emit("embedding", [w.id, ids.id], attrs, flops=_numel(c.shape))
 
 
+def _repeat_heads(c: _Ctx, kv: Node, heads: int) -> Node:
+    """Grouped-query attention: kv heads (.., Hkv, S, D) repeated to `heads` as torch's enable_gqa
+    does (query head h reads kv head h // (heads / Hkv)): view, expand, view, as `repeat_kv` is."""
+    if kv.shape[-3] == heads:
+        return kv
+    lead, hkv, rest = kv.shape[:-3], kv.shape[-3], kv.shape[-2:]
+    one, many, out = lead + (hkv, 1) + rest, lead + (hkv, heads // hkv) + rest, lead + (heads,) + rest
+    v1 = c.emit("view", [kv.id], {"shape": list(one)}, name=f"{c.fx.name}_{kv.name}_groups", shape=one, dtype=kv.dtype)
+    e = c.emit("expand", [v1], {"shape": list(many)}, name=f"{c.fx.name}_{kv.name}_expand", shape=many, dtype=kv.dtype)
+    return c.b.nodes[c.emit("view", [e], {"shape": list(out)}, name=f"{c.fx.name}_{kv.name}_heads", shape=out, dtype=kv.dtype)]
+
+
 def _h_sdpa(c: _Ctx) -> int:
     q, k, v = (c.node(a) for a in c.fx.args[:3])
     mask = _arg(c.fx, 3, "attn_mask")
     if c.fx.kwargs.get("enable_gqa", _arg(c.fx, 7, "enable_gqa", False)):
-        raise _Unsupported("scaled_dot_product_attention with enable_gqa")
+        k, v = _repeat_heads(c, k, q.shape[-3]), _repeat_heads(c, v, q.shape[-3])
     if float(_arg(c.fx, 4, "dropout_p", 0.0)) != 0.0:
         raise _Unsupported("scaled_dot_product_attention with dropout_p > 0")
     scale = c.fx.kwargs.get("scale", _arg(c.fx, 6, "scale"))
