@@ -23,7 +23,8 @@ from .graph import Graph, Node
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
           "exp": "exp", "neg": "neg", "dropout": "dropout", "clone": "identity", "contiguous": "identity",
           "alias": "identity", "_to_copy": "identity", "to": "identity", "rsqrt": "rsqrt", "sqrt": "sqrt",
-          "lift_fresh_copy": "identity", "detach": "identity", "type_as": "identity", "cos": "cos", "sin": "sin"}
+          "lift_fresh_copy": "identity", "detach": "identity", "type_as": "identity", "cos": "cos", "sin": "sin",
+          "logical_not": "logical_not", "bitwise_not": "logical_not"}
 _BINARY = {"add", "sub", "mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow"}
 _BINARY_ALIASES = {"__and__": "logical_and", "bitwise_and": "logical_and", "__or__": "logical_or", "bitwise_or": "logical_or"}
 """Bitwise and/or of booleans are the logical ones (other dtypes are refused)."""
@@ -472,6 +473,8 @@ def _h_rsub(c: _Ctx) -> int:
 
 def _h_unary(c: _Ctx) -> int:
     op = _UNARY[c.fx.target._opname]
+    if c.fx.target._opname == "bitwise_not" and c.dtype != "bool":
+        raise _Unsupported(f"aten.bitwise_not of {c.dtype} tensors")
     attrs: dict[str, Any] = {}
     if op == "gelu":
         attrs["approximate"] = c.fx.kwargs.get("approximate", _arg(c.fx, 1, "approximate", "none"))
@@ -923,7 +926,25 @@ def _h_diff(c: _Ctx) -> int:
     return cur
 
 
+def _h_where(c: _Ctx) -> int:
+    """`where(cond, x, y)` and `masked_fill(x, mask, value)` (= where(mask, value, x)); a Python
+    number in place of x or y is kept in attrs, the tensor operands are inputs [cond, x?, y?]."""
+    if c.fx.target._opname == "where":
+        if len(c.fx.args) < 3:
+            raise _Unsupported("aten.where with one operand (its result has a data-dependent shape)")
+        cond, x, y = c.fx.args[:3]
+    else:
+        y, cond, x = c.fx.args[:3]
+    if isinstance(x, torch.fx.Node) and x.meta["val"].dim() == 0 and x.op == "call_function" and x.name in c.b.ids \
+            and c.b.nodes[c.b.ids[x.name]].op == "full":  # a lifted scalar_tensor: keep it a number
+        x = c.b.nodes[c.b.ids[x.name]].attrs["value"]
+    attrs = {"x": None if isinstance(x, torch.fx.Node) else _scalar(x), "y": None if isinstance(y, torch.fx.Node) else _scalar(y)}
+    inputs = [c.tid(cond)] + [c.tid(t) for t in (x, y) if isinstance(t, torch.fx.Node)]
+    return c.emit("where", inputs, attrs, _numel(c.shape))
+
+
 _HANDLERS.update({
+    "where": _h_where, "masked_fill": _h_where,
     "diff": _h_diff,
     **{op: _h_full for op in _FILLS}, "pad": _h_pad, "constant_pad_nd": _h_pad, "index": _h_index,
     "repeat_interleave": _h_repeat_interleave,

@@ -95,7 +95,7 @@ def test_decoder_captures_without_the_fallback(decoder) -> None:
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_decoder_plans_without_the_fallback(decoder, cluster: str) -> None:
     name, g = decoder
-    plan = engine.plan(g, engine.load_cluster(sample_path(cluster)), optimizer="sgd")
+    plan = engine.plan(g, engine.load_cluster(sample_path(cluster)), optimizer="sgd", max_iterations=2)
     computes = [i for i in plan.program if i.kind == "compute"]
     assert plan.predicted_time_s > 0 and sum(i.rule != "replicate" for i in computes) > len(computes) // 3
 

@@ -91,6 +91,8 @@ def check_rule(node: Node, graph: Graph, r: OpRule, ratios: Sequence[float], see
         full_in = [t.abs() + 0.1 for t in full_in]
     if node.op == "cross_entropy" and len(full_in) == 3:  # a count of kept targets is at least 1
         full_in[2] = full_in[2] + 1
+    if node.op == "where":  # the condition is boolean
+        full_in[0] = full_in[0] > 0
     ref = run_node(node, graph, full_in, node.shape)
     local_in = [_local(t, f, sizes.get((k, f)), m, gen) for k, (t, f) in enumerate(zip(full_in, r.inputs))]
     outs = []
