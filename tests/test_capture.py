@@ -395,7 +395,7 @@ def test_unknown_zoo_name_hints() -> None:
     assert "'gtp'" in str(e.value) and "did you mean 'gpt'" in str(e.value)
     with pytest.raises(ModelError) as e:
         engine.load_model("zoo:resnet")
-    assert "available: bert, bert_moe, gpt, hf_bert, hf_gpt2, mlp" in str(e.value)
+    assert "available: bert, bert_moe, gpt, hf_bert, hf_gpt2, hf_llama, mlp" in str(e.value)
 
 
 def test_unknown_knob_hints() -> None:
