@@ -3,8 +3,25 @@
 We trace with `torch.export` (non-strict) so fake tensors stand in for the data: on the `meta`
 device no weight is ever allocated, so a 10B-parameter model captures on a laptop. The ATen
 training IR is then mapped onto a small set of canonical operators that the theory has rules for
-(`_CANONICAL` below); `linear` with a bias is split into `linear` + `add` so that row-parallel
+(`_HANDLERS` below); `linear` with a bias is split into `linear` + `add` so that row-parallel
 linear (which yields `Partial`) stays expressible.
+
+What real models bring, and what capture does with it:
+
+- In-place operators (`x += y`, `masked_fill_`): the program is functionalized first
+  (`functionalize`: `run_decompositions` with an empty table), only when it mutates a tensor.
+- Dead code: only the nodes the loss depends on are lowered (`_live_nodes`); a KV cache built in
+  forward, or logits nobody returns, are never refused.
+- Tensor constants made in forward (lifted by torch.export, e.g. `torch.tensor(4096)` or an empty
+  KV cache): a `constant` node with no operand whose value is stored in the graph JSON as a nested
+  list (`attrs["value"]`, at most `CONSTANT_LIMIT` bytes; empty ones need no data, so meta ones
+  are fine). Every rank rebuilds it from the plan alone, Full (`ops.run_node`); a larger or a
+  meta constant with data is refused (register it as a buffer). Buffers computed at init (rotary
+  `inv_freq`) stay `buffer` leaves, which the runner takes from the rebuilt module.
+- Mask and position arithmetic (`arange`, `new_ones`, `index`, `diff`, `pad`, `where`, ...) and
+  grouped-query attention (`enable_gqa`, `repeat_interleave`) become canonical nodes with rules.
+- Mean cross-entropy divides by the number of targets that are not `ignore_index`, a node of its
+  own, so that the loss stays exact when its targets are sharded (see `_h_cross_entropy`).
 """
 from __future__ import annotations
 
@@ -893,8 +910,13 @@ def _h_repeat_interleave(c: _Ctx) -> int:
     view (.., n*k, ..): each row repeated k times in place (MoE token replication per top-k slot)."""
     x = c.node(c.fx.args[0])
     k, dim = _arg(c.fx, 1, "repeats"), _arg(c.fx, 2, "dim")
-    if not isinstance(k, int) or dim is None:
-        raise _Unsupported("aten.repeat_interleave with a tensor of repeats or no dim")
+    if not isinstance(k, int):
+        raise _Unsupported("aten.repeat_interleave with a tensor of repeats")
+    if dim is None:  # repeats the flattened tensor
+        if x.rank != 1:
+            x = c.b.nodes[c.emit("view", [x.id], {"shape": [x.numel]}, name=c.fx.name + "_flat", shape=(x.numel,),
+                                 dtype=x.dtype)]
+        dim = 0
     dim = _norm_dim(dim, x.rank)
     one = x.shape[:dim + 1] + (1,) + x.shape[dim + 1:]
     many = x.shape[:dim + 1] + (k,) + x.shape[dim + 1:]
@@ -943,7 +965,25 @@ def _h_where(c: _Ctx) -> int:
     return c.emit("where", inputs, attrs, _numel(c.shape))
 
 
+def _h_index_add(c: _Ctx) -> int:
+    """`index_add(x, dim, index, source)` and `scatter_add(x, dim, index, src)` (MoE combine: expert
+    outputs summed back into their tokens); alpha must be 1."""
+    op = c.fx.target._opname
+    if op == "index_add" and _arg(c.fx, 4, "alpha", 1) != 1:
+        raise _Unsupported("aten.index_add with alpha != 1")
+    x, idx, src = c.node(c.fx.args[0]), c.node(c.fx.args[2]), c.node(c.fx.args[3])
+    return c.emit(op, [x.id, idx.id, src.id], {"dim": _norm_dim(c.fx.args[1], x.rank)}, src.numel)
+
+
+def _h_histc(c: _Ctx) -> int:
+    """`histc(x, bins, min, max)`: expert loads of a router (counts per bin)."""
+    x = c.node(c.fx.args[0])
+    attrs = {"bins": int(_arg(c.fx, 1, "bins", 100)), "min": float(_arg(c.fx, 2, "min", 0)), "max": float(_arg(c.fx, 3, "max", 0))}
+    return c.emit("histc", [x.id], attrs, x.numel)
+
+
 _HANDLERS.update({
+    "index_add": _h_index_add, "scatter_add": _h_index_add, "histc": _h_histc,
     "where": _h_where, "masked_fill": _h_where,
     "diff": _h_diff,
     **{op: _h_full for op in _FILLS}, "pad": _h_pad, "constant_pad_nd": _h_pad, "index": _h_index,

@@ -231,6 +231,9 @@ _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "arange": _arange,
     "constant": lambda n, x: torch.tensor(n.attrs["value"], dtype=getattr(torch, n.dtype)).reshape(n.shape),
     "full": _full, "pad": _pad, "index": _index, "where": _where,
+    "index_add": lambda n, x: torch.index_add(x[0], n.attrs["dim"], x[1], x[2]),
+    "scatter_add": lambda n, x: torch.scatter_add(x[0], n.attrs["dim"], x[1], x[2]),
+    "histc": lambda n, x: torch.histc(x[0], n.attrs["bins"], n.attrs["min"], n.attrs["max"]),
 }
 
 

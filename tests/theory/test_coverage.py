@@ -109,7 +109,8 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "view", "identity", "permute", "linear", "matmul", "softmax", "log_softmax", "sum", "mean", "layer_norm",
         "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand",
         "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm", "einsum", "topk_values", "topk_indices",
-        "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "where"}
+        "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "where",
+        "index_add", "scatter_add", "histc"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -160,10 +161,13 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "pad": ([(3, 4)], {"pad": [0, 1], "value": -100}),
     "index": ([((5, 4), "float64"), ((3, 1), "int64"), ((1, 2), "int64")], {"slots": [True, True]}),
     "where": ([((3, 4), "int64"), (3, 4)], {"x": -1e9, "y": None}),
+    "index_add": ([(3, 4), ((2,), "int64"), (2, 4)], {"dim": 0}),
+    "scatter_add": ([(3, 4), ((3, 2), "int64"), (3, 2)], {"dim": 1}),
+    "histc": ([(3, 4)], {"bins": 5, "min": 0.0, "max": 2.0}),
     "opaque": ([(3, 4)], {"target": "aten::flip.default", "args": [{"tensor": 0}, [0]], "kwargs": {}, "output_index": None}),
 }
 VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5), "topk_values": (3, 2), "topk_indices": (3, 2), "arange": (5,),
-               "constant": (2, 2), "full": (2, 3)}
+               "constant": (2, 2), "full": (2, 3), "histc": (5,)}
 
 
 @pytest.mark.parametrize("op", registered_ops())
