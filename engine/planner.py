@@ -53,9 +53,11 @@ def even_ratios(cluster: Cluster) -> list[float]:
 
 
 def data_parallel_space(graph: Graph) -> SearchSpace:
-    """Parameters Full (gradients all-reduced), inputs split on dim 0, nothing else communicated."""
+    """Parameters Full (gradients all-reduced), inputs split on dim 0; the only activation collective
+    is all-reduce: with parameters Full and inputs split by samples, a value becomes Partial only as
+    a sum over the batch, e.g. the mean loss's count of targets that are not ignored (a scalar)."""
     return SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f == 0,
-                       collectives=frozenset())
+                       collectives=frozenset({"all_reduce"}))
 
 
 def unsplittable_input(graph: Graph) -> Node | None:
