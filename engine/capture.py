@@ -800,8 +800,8 @@ _RANDOM_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_
 not be single-device training); only dropout has exact, site-keyed masks."""
 
 
-
 def _h_random_refused(c: _Ctx) -> int:
+    """Dropout variants with no site-keyed mask: refused with what to use instead."""
     raise _Unsupported(f"aten.{c.fx.target._opname} (a random operator without exact per-shard masks: "
                        "use nn.Dropout / F.dropout, whose masks every device derives exactly)")
 
