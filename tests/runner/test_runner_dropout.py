@@ -8,8 +8,14 @@ feed-forward) on 3 uneven ranks, and Hugging Face BERT, whose attention calls
 """
 from __future__ import annotations
 
+import pytest
+import torch
+
 import engine
+from engine.dropout import RngKey, SiteKeyedDropout
 from engine.plan import Plan
+from runner.profile import one_device_plan
+from runner.train import build_module, make_batch, program_args, setup_rank
 from runner_plans import MODELS, RATIOS, cluster
 from test_runner_equivalence import check_equivalence
 
@@ -32,7 +38,26 @@ def test_bert_with_dropout_trains_like_one_device(tmp_path):
     check_equivalence(plan, tmp_path, "sgd", steps=STEPS)
 
 
+def test_the_rank_program_takes_the_step_key_and_draws_the_reference_masks():
+    """In-process, one device: the rank program's first argument is the step's key, and its loss is
+    the loss of the eager model under SiteKeyedDropout for that step (another step, other masks)."""
+    plan = one_device_plan("bert", {**MODELS["bert"], "dropout": 0.3})
+    st = setup_rank(plan, 0, seed=3)
+    assert st.program.uses_rng and "rng" in st.program.module.code
+    batch, module = make_batch(plan, 0, 3), build_module(plan, 3)
+    losses = []
+    for step in (0, 1):
+        loss = st.program.module(*program_args(plan, st, 0, batch, step))
+        with SiteKeyedDropout(RngKey(3, step)) as mode:
+            want = module(*batch)
+        assert mode.sites == 1 + 2 * MODELS["bert"]["layers"]
+        torch.testing.assert_close(loss, want)
+        losses.append(float(loss))
+    assert abs(losses[0] - losses[1]) > 1e-4, "each step draws its own masks"
+
+
 def test_hf_bert_with_attention_dropout_trains_like_one_device(tmp_path):
+    pytest.importorskip("transformers")
     plan = dropout_plan("hf_bert", 2)
     assert len(set(plan.ratios["0"])) == 2 and RATIOS[2][0] != RATIOS[2][1]
     assert len(sites(plan, "sdpa")) == MODELS["hf_bert"]["layers"], "attention dropout is kept in the sdpa node"
