@@ -143,6 +143,17 @@ _RANDOM_FUNCS = (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.featu
                  torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)
 
 
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a dropout variant draws random numbers (training mode and p > 0)."""
+    try:
+        a = inspect.signature(func).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # a builtin: (input, p, train)
+        a = _TORCH_DROPOUT_SIG.bind(*args, **kwargs)
+    a.apply_defaults()
+    values = a.arguments
+    return bool(values.get("training", values.get("train", True))) and float(values.get("p", 0.5)) > 0.0
+
+
 class SiteKeyedDropout(TorchFunctionMode):
     """Runs a module's dropout calls with the site-keyed masks of step `key.step` (site = call order).
 
@@ -167,7 +178,7 @@ class SiteKeyedDropout(TorchFunctionMode):
             return self._dropout(func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
-        if func in _RANDOM_FUNCS:
+        if func in _RANDOM_FUNCS and _draws(func, args, kwargs):
             raise NotImplementedError(f"{getattr(func, '__name__', func)} has no site-keyed mask (use nn.Dropout)")
         return func(*args, **kwargs)
 

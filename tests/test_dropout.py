@@ -218,3 +218,13 @@ def test_attention_dropout_keeps_its_probabilities_in_the_memory_estimate():
         mems.append(CostModel(g, cluster, [0.5, 0.5], "sgd").compute_delta(3, True)[2][2])
     probs = 4 * 2 * 8 * 8
     assert mems[1] - mems[0] == probs * (8 + 1), "float64 probabilities and a boolean mask per attention weight"
+
+
+def test_the_reference_mode_refuses_dropout_variants_that_would_draw_without_a_site_mask():
+    x = torch.randn(2, 3, 4)
+    with SiteKeyedDropout(KEY) as mode:
+        assert torch.equal(F.dropout1d(x, 0.5, training=False), x) and torch.equal(F.alpha_dropout(x, 0.5), x)
+        with pytest.raises(NotImplementedError, match="dropout1d has no site-keyed mask"):
+            F.dropout1d(x, 0.5)
+        assert torch.equal(F.dropout(x, 0.5, training=False), x) and torch.equal(F.dropout(x, 0.0), x)
+    assert mode.sites == 0, "eval-mode and p = 0 dropout are no sites"
