@@ -41,6 +41,9 @@ from torch.overrides import TorchFunctionMode
 
 Tensor = torch.Tensor
 _M32 = 0xFFFFFFFF
+MASK_OPS_PER_ELEMENT = 24
+"""Integer operations per mask element (flat index, two mixing rounds of 9 operations, the
+conversion and the comparison): what capture adds to a dropout site's flops."""
 
 
 @dataclass(frozen=True)

@@ -228,3 +228,15 @@ def test_the_reference_mode_refuses_dropout_variants_that_would_draw_without_a_s
             F.dropout1d(x, 0.5)
         assert torch.equal(F.dropout(x, 0.5, training=False), x) and torch.equal(F.dropout(x, 0.0), x)
     assert mode.sites == 0, "eval-mode and p = 0 dropout are no sites"
+
+
+def test_a_dropout_site_counts_the_hashing_of_its_mask_in_its_flops():
+    from engine.dropout import MASK_OPS_PER_ELEMENT
+
+    graph, _ = dropouts_graph(decompose=False)
+    site = next(n for n in graph.nodes if n.op == "dropout" and "rng_site" in n.attrs)
+    off = next(n for n in graph.nodes if n.op == "dropout" and "rng_site" not in n.attrs)
+    assert site.flops == site.numel * (1 + MASK_OPS_PER_ELEMENT) and off.flops == off.numel
+    sdpa = next(n for n in graph.nodes if n.op == "sdpa")
+    weights = 4 * 2 * 3 * 3  # (B, nh, T, T)
+    assert sdpa.flops == 4 * 2 * (4.0 * 3 * 3 * 4 + 5.0 * 3 * 3) + weights * (1 + MASK_OPS_PER_ELEMENT)
