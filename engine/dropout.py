@@ -22,7 +22,8 @@ a few int64 element-wise operations over the *local* region only: about 8 bytes 
 of temporaries, freed after the mask is built; the boolean mask (1 byte per local element) is
 what autograd keeps for backward, as torch's own dropout does. Attention dropout makes the
 attention probabilities explicit (B, heads, Tq, Tk) (the math form of attention, as torch's own
-`sdpa` does on CPU with dropout), which the cost model counts as kept activations.
+`sdpa` does on CPU with dropout), which the cost model counts as kept activations; the hashing
+is counted in a site's flops (`MASK_OPS_PER_ELEMENT`).
 
 `Partial` inputs: with one mask shared by all devices, dropout would distribute over addends,
 but no rule offers it (engine/theory/pointwise.py): a device would draw the whole mask.
