@@ -128,7 +128,8 @@ def attention_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
         scores = scores.masked_fill(~causal, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1)
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)  # a query that may attend to no key
+    probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)  # 0, not NaN, as torch's sdpa
     return dropout(probs, p, key, site, weights_shape, starts) @ v
 
 

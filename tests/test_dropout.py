@@ -240,3 +240,18 @@ def test_a_dropout_site_counts_the_hashing_of_its_mask_in_its_flops():
     sdpa = next(n for n in graph.nodes if n.op == "sdpa")
     weights = 4 * 2 * 3 * 3  # (B, nh, T, T)
     assert sdpa.flops == 4 * 2 * (4.0 * 3 * 3 * 4 + 5.0 * 3 * 3) + weights * (1 + MASK_OPS_PER_ELEMENT)
+
+
+def test_attention_dropout_gives_a_query_with_no_visible_key_zeros_as_torch_does():
+    from engine.dropout import attention_dropout
+
+    q = torch.randn(2, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    visible = torch.ones(4, 4, dtype=torch.bool)
+    visible[1] = False  # query 1 sees no key (a padded position)
+    want = F.scaled_dot_product_attention(q, q, q, attn_mask=visible)
+    same = attention_dropout(q, q, q, visible, False, None, 0.0, KEY, 0, (2, 2, 4, 4), (0, 0, 0, 0))
+    assert float((same - want).abs().max()) < 1e-12
+    dropped = attention_dropout(q, q, q, visible, False, None, 0.5, KEY, 0, (2, 2, 4, 4), (0, 0, 0, 0))
+    assert torch.equal(dropped[:, :, 1], torch.zeros(2, 2, 8, dtype=torch.float64))
+    dropped.sum().backward()
+    assert bool(torch.isfinite(q.grad).all()), "no NaN reaches the gradients"
