@@ -108,7 +108,7 @@ def dropout(x: Tensor, p: float, key: RngKey, site: int, global_shape: Sequence[
     if p >= 1.0:
         return x * 0.0
     keep = keep_mask(p, key, site, global_shape, starts, x.shape, x.device)
-    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+    return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)  # backward keeps the boolean mask only
 
 
 def attention_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None,

@@ -217,7 +217,7 @@ def test_attention_dropout_keeps_its_probabilities_in_the_memory_estimate():
         g = Graph(nodes=tuple(leaf_params) + (node,), loss=3)
         mems.append(CostModel(g, cluster, [0.5, 0.5], "sgd").compute_delta(3, True)[2][2])
     probs = 4 * 2 * 8 * 8
-    assert mems[1] - mems[0] == probs * (8 + 1), "float64 probabilities and a boolean mask per attention weight"
+    assert mems[1] - mems[0] == probs * (2 * 8 + 1), "float64 probabilities before and after dropout, a boolean mask"
 
 
 def test_the_reference_mode_refuses_dropout_variants_that_would_draw_without_a_site_mask():
