@@ -301,7 +301,7 @@ def _attention_probs_bytes(graph: Graph, node: int) -> float:
     if n.op != "sdpa" or "rng_site" not in n.attrs:
         return 0.0
     q, k = graph[n.inputs[0]], graph[n.inputs[1]]
-    numel = math.prod(attention_weights_shape(q.shape, k.shape))
+    numel = math.prod(attention_weights_shape(q.shape, k.shape, n.attrs.get("enable_gqa", False)))
     return float(numel * (2 * (n.nbytes // max(n.numel, 1)) + 1))
 
 

@@ -133,9 +133,13 @@ def attention_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
     return dropout(probs, p, key, site, weights_shape, starts) @ v
 
 
-def attention_weights_shape(q_shape: Sequence[int], k_shape: Sequence[int]) -> tuple[int, ...]:
-    """Global shape (..., Tq, Tk) of the attention probabilities of `sdpa(q, k, v)`."""
-    lead = torch.broadcast_shapes(tuple(q_shape[:-2]), tuple(k_shape[:-2]))
+def attention_weights_shape(q_shape: Sequence[int], k_shape: Sequence[int], enable_gqa: bool = False) -> tuple[int, ...]:
+    """Global shape (..., Tq, Tk) of the attention probabilities of `sdpa(q, k, v)` (with grouped
+    query attention, the key heads are repeated up to the query heads first)."""
+    k_lead = tuple(k_shape[:-2])
+    if enable_gqa and len(k_lead) and len(q_shape) > 2:
+        k_lead = k_lead[:-1] + (q_shape[-3],)
+    lead = torch.broadcast_shapes(tuple(q_shape[:-2]), k_lead)
     return tuple(lead) + (q_shape[-2], k_shape[-2])
 
 
@@ -202,6 +206,6 @@ class SiteKeyedDropout(TorchFunctionMode):
         if p == 0.0:
             return func(*args, **kwargs)
         q, k, v = a["query"], a["key"], a["value"]
-        shape = attention_weights_shape(q.shape, k.shape)
+        shape = attention_weights_shape(q.shape, k.shape, bool(a.get("enable_gqa", False)))
         return attention_dropout(q, k, v, a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale"), p,
                                  self.key, self._next_site(), shape, [0] * len(shape), bool(a.get("enable_gqa", False)))

@@ -255,3 +255,17 @@ def test_attention_dropout_gives_a_query_with_no_visible_key_zeros_as_torch_does
     assert torch.equal(dropped[:, :, 1], torch.zeros(2, 2, 8, dtype=torch.float64))
     dropped.sum().backward()
     assert bool(torch.isfinite(q.grad).all()), "no NaN reaches the gradients"
+
+
+@pytest.mark.parametrize("ratios", WORLDS, ids=["2-devices", "3-devices"])
+def test_grouped_query_attention_dropout_draws_the_single_device_mask(ratios):
+    """With `enable_gqa` the probabilities have the query heads (key heads repeated): full and batch-split runs."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(s, dtype=torch.float64, generator=gen) for s in [(5, 4, 6, 8), (5, 2, 7, 8), (5, 2, 7, 8)])
+    node, graph = one_node("sdpa", [q.shape, k.shape, v.shape], tuple(q.shape),
+                           {"is_causal": False, "scale": None, "dropout_p": 0.3, "rng_site": 0, "enable_gqa": True})
+    with SiteKeyedDropout(KEY):
+        single = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True)
+    for forms in [(FULL, FULL, FULL), (0, 0, 0)]:
+        out = run_sharded(node, graph, [q, k, v], forms, forms[0], ratios)
+        assert float((out - single).abs().max()) < 1e-12, forms
