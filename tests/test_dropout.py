@@ -269,3 +269,25 @@ def test_grouped_query_attention_dropout_draws_the_single_device_mask(ratios):
     for forms in [(FULL, FULL, FULL), (0, 0, 0)]:
         out = run_sharded(node, graph, [q, k, v], forms, forms[0], ratios)
         assert float((out - single).abs().max()) < 1e-12, forms
+
+
+@pytest.mark.parametrize("name, dropout", [("GPT2LMHeadModel", {}), ("LlamaForCausalLM", {"attention_dropout": 0.2})])
+def test_a_transformers_decoder_with_dropout_on_computes_its_loss_with_the_same_masks(name, dropout):
+    """GPT-2 at its default dropout (embeddings, residuals, attention inside sdpa with its padding
+    mask), Llama with attention dropout and GQA: the captured graph, node by node, gives the model's
+    own loss when the eager forward draws the site-keyed masks of the same step."""
+    pytest.importorskip("transformers")
+    from test_capture_decoders import batch, build
+    from test_ecosystem import interpret as interpret_full
+
+    torch.manual_seed(0)
+    model, inputs = build(name, "cpu", **dropout), batch("cpu")
+    g = engine.load_model(model, inputs)
+    assert any(n.op == "sdpa" and "rng_site" in n.attrs for n in g.nodes)
+    by_index = {n.attrs["index"]: inputs[n.attrs["name"]] for n in g.placeholders}
+    got = interpret_full(g, model, tuple(by_index.get(i) for i in range(max(by_index) + 1)))  # run_node's key: RngKey(0, 0)
+    with SiteKeyedDropout(RngKey(0, 0)):
+        want = model(**inputs).loss
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    without = model.eval()(**inputs).loss  # eval mode: no dropout
+    assert abs(float(want) - float(without)) > 1e-4, "the masks change the loss"
