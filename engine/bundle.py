@@ -152,8 +152,8 @@ def model_source(plan: Plan, model_file: str | Path | None = None) -> tuple[dict
     elif "hf" in origin:
         src.update(hf=origin["hf"], config=origin.get("config", {}), inputs=origin.get("inputs", {}))
     elif not files:
-        raise BundleError(f"plan's model '{plan.graph.name}' has no file, zoo or hf origin ({origin}); pass --model-file "
-                          "with the Python file that defines it")
+        raise BundleError(f"plan's model '{plan.graph.name}' is not a zoo model and names no model file or hf class "
+                          f"(origin {origin}); pass --model-file with the Python file that defines it")
     else:
         src["origin"] = origin
     return src, files
