@@ -45,6 +45,8 @@ class Keys:
 
     GRAPH = "model.graph"
     MODEL_SOURCE = "model.source"
+    MODEL_FILE = "model.file"
+    """(name, bytes) of the trusted Python upload the current model came from (a bundle ships it)."""
     CLUSTER = "cluster.cluster"
     CLUSTER_SOURCE = "cluster.source"
     PLAN = "search.plan"
@@ -243,16 +245,28 @@ def cluster_json(cluster: Cluster) -> str:
     return json.dumps(cluster.to_dict(), indent=1)
 
 
+def model_file_of(plan: Plan) -> tuple[str, bytes] | None:
+    """The uploaded model file the plan was made from (its sha256 is the plan's), to ship in its bundle."""
+    found = st.session_state.get(Keys.MODEL_FILE)
+    if found and engine_source.sha256_of(found[1]) == plan.graph.origin.get("sha256"):
+        return found
+    return None
+
+
 @st.cache_data(show_spinner="Building the launch bundle ...", max_entries=4)
-def bundle_zip(plan_json: str, cluster_text: str) -> tuple[bytes | None, str]:
-    """A launch bundle made by `hap export PLAN --out DIR --zip` (when the engine has it): (zip bytes
-    or None, the command's one-line message)."""
+def bundle_zip(plan_json: str, cluster_text: str, model_file: tuple[str, bytes] | None = None) -> tuple[bytes | None, str]:
+    """A launch bundle made by `hap export PLAN --out DIR --zip [--model-file F]`: (zip bytes or None,
+    the command's one-line message). `model_file` is (name, bytes) of an uploaded model file."""
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (d / "plan.json").write_text(plan_json)
         (d / "cluster.json").write_text(cluster_text)
         cmd = [sys.executable, "-m", "engine.cli", "export", str(d / "plan.json"), "--cluster", str(d / "cluster.json"),
                "--out", str(d / "bundle"), "--zip"]
+        if model_file is not None:
+            (d / "model").mkdir()
+            (d / "model" / Path(model_file[0]).name).write_bytes(model_file[1])
+            cmd += ["--model-file", str(d / "model" / Path(model_file[0]).name)]
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         zips = sorted(d.rglob("*.zip"))
         if res.returncode != 0 or not zips:
@@ -279,11 +293,13 @@ def init_state() -> None:
             ss[Keys.PLAN] = run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], DEFAULT_BUDGET_S)
 
 
-def set_model(graph: Graph, source: str) -> None:
-    """Make `graph` the current model; rerun when it changed so the sidebar (drawn first) follows."""
+def set_model(graph: Graph, source: str, model_file: tuple[str, bytes] | None = None) -> None:
+    """Make `graph` the current model (with the uploaded file it came from, if any); rerun when it
+    changed so the sidebar (drawn first) follows."""
     changed = st.session_state.get(Keys.GRAPH) != graph
     st.session_state[Keys.GRAPH] = graph
     st.session_state[Keys.MODEL_SOURCE] = source
+    st.session_state[Keys.MODEL_FILE] = model_file
     if changed:
         st.rerun()
 

@@ -68,7 +68,8 @@ else:
         st.info(f"{upload.name} is uploaded but NOT executed: tick the box to run it.")
     if upload is not None and trusted:
         try:
-            services.set_model(services.model_from_python(upload.getvalue(), upload.name), f"python {upload.name}")
+            services.set_model(services.model_from_python(upload.getvalue(), upload.name), f"python {upload.name}",
+                               (upload.name, upload.getvalue()))
             st.success(f"Captured {upload.name}")
         except HapError as e:
             services.show_error(e)

@@ -92,6 +92,7 @@ def test_python_file_is_not_executed_unless_trusted(app, tmp_path, tiny_graph):
     assert marker.read_text() == "executed"
     graph = at.session_state[Keys.GRAPH]
     assert graph.num_parameters == 8 * 4 + 4 and at.session_state[Keys.MODEL_SOURCE] == "python tiny_model.py"
+    assert at.session_state[Keys.MODEL_FILE] == ("tiny_model.py", source)  # the Export page ships it in the bundle
     # trust belongs to that file: a different upload is not run until its own box is ticked
     other = tmp_path / "other.txt"
     at.file_uploader(key="model.py").set_value(("other.py", MODEL_FILE.format(marker=str(other)).encode(), "text/x-python"))
