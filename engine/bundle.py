@@ -382,8 +382,8 @@ def check_files(files: dict[str, bytes], label: str) -> BundleReport:
         report.problems.append(f"plan.json: {e}")
         return report
     report.world_size = plan.world_size
-    report.problems += _size_problems(files, manifest, plan)
     report.problems += bundled_model_file(files, plan)[1]
+    report.problems += _size_problems(files, manifest, plan)
     return report
 
 
