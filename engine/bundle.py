@@ -471,8 +471,6 @@ class OpenedBundle:
     plan_path: Path
     cluster: Cluster
     nodes: tuple[LaunchNode, ...]
-    model_file: Path | None = None
-    """The bundle's copy of the plan's model file (plans of model files), checked against the plan's sha256."""
 
 
 def open_bundle(folder: str | Path) -> OpenedBundle:
@@ -484,8 +482,16 @@ def open_bundle(folder: str | Path) -> OpenedBundle:
     manifest = json.loads((f / MANIFEST).read_text())
     nodes = tuple(LaunchNode(int(n["node_rank"]), str(n["machine"]), tuple(int(r) for r in n["ranks"]))
                   for n in manifest["nodes"])
-    rel, _ = bundled_model_file(read_folder(f), Plan.from_json(f / "plan.json"))
-    return OpenedBundle(f, f / "plan.json", load_cluster(f / "cluster.json"), nodes, f / rel if rel else None)
+    return OpenedBundle(f, f / "plan.json", load_cluster(f / "cluster.json"), nodes)
+
+
+def model_file_of(opened: OpenedBundle) -> Path | None:
+    """The bundle's copy of its plan's model file (None for zoo and hf: plans); BundleError unless its
+    sha256 is the plan's, so nothing imports another file."""
+    rel, problems = bundled_model_file(read_folder(opened.folder), Plan.from_json(opened.plan_path))
+    if problems:
+        raise BundleError(f"bundle {opened.folder} is invalid: " + "; ".join(problems))
+    return opened.folder / rel if rel else None
 
 
 def plan_rank(nodes: Sequence[LaunchNode], node_rank: int, local_rank: int, local_world_size: int) -> int:

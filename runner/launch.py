@@ -47,10 +47,11 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from engine import bundle, source
+from engine import bundle
 from engine.cluster import Cluster
 from engine.errors import HapError
 from engine.plan import Plan
+from engine import source
 
 from . import checkpoint
 from .timing import Pacer, parse_speeds
@@ -249,7 +250,7 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
     plan_path, opened, scratch = open_source(cfg.plan)
     try:
         env = bundle_rank(env or DistEnv(0, world_size, 0, world_size), opened)
-        plan = load_plan(plan_path, world_size, opened.model_file if opened else None)
+        plan = load_plan(plan_path, world_size, bundle.model_file_of(opened) if opened else None)
         if cfg.speeds:
             parse_speeds(cfg.speeds, world_size)
         for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):

@@ -14,7 +14,7 @@ import torch
 import engine
 from conftest import ROOT
 from engine import source
-from engine.bundle import check_bundle, export_bundle, open_bundle
+from engine.bundle import check_bundle, export_bundle, model_file_of, open_bundle
 from engine.errors import ModelError
 from test_cli import assert_one_line_error
 
@@ -197,7 +197,7 @@ def test_export_carries_the_plans_model_file_and_check_ties_it_to_the_plan(tmp_p
     out = export_bundle(plan, None, tmp_path / "b")
     assert (out / "model" / "net.py").read_bytes() == path.read_bytes()
     assert json.loads((out / "model.json").read_text())["file"] == "model/net.py"
-    assert check_bundle(out).ok and open_bundle(out).model_file == out / "model" / "net.py"
+    assert check_bundle(out).ok and model_file_of(open_bundle(out)) == out / "model" / "net.py"
     # a bundle whose model file (and manifest entry) were swapped is not the plan's model
     (out / "model" / "net.py").write_text(path.read_text() + "\n# swapped\n")
     manifest = json.loads((out / "manifest.json").read_text())
