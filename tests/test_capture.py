@@ -56,7 +56,9 @@ def test_gpt_histogram() -> None:
     assert hist["placeholder"] == 2
     loss = g[g.loss]
     assert loss.op == "cross_entropy" and loss.shape == () and g.loss == len(g) - 1
-    assert loss.attrs["count"] == GPT_SMALL["batch"] * GPT_SMALL["seq_len"]
+    count = g[loss.inputs[2]]  # the number of targets that are not ignore_index: the mean's divisor
+    assert count.op == "sum" and count.shape == () and g[count.inputs[0]].op == "ne"
+    assert g[count.inputs[0]].attrs["scalar"] == -100 and g[count.inputs[0]].inputs == (loss.inputs[1],)
     assert [p.dtype for p in g.placeholders] == ["int64", "int64"]
     assert [p.shape for p in g.placeholders] == [(4, 8), (4, 8)]
     assert g.origin == {"zoo": "gpt", "config": {**dataclass_defaults("gpt"), **GPT_SMALL}}
@@ -222,7 +224,7 @@ def _check_two_layer(g: Graph) -> None:
     assert {p.name for p in g.placeholders} == {"x", "y"}
     hist = g.op_histogram()
     assert hist["linear"] == 2 and hist["add"] == 1 and hist["tanh"] == 1 and hist["cross_entropy"] == 1
-    assert g[g.loss].op == "cross_entropy" and g[g.loss].attrs["count"] == 5
+    assert g[g.loss].op == "cross_entropy" and g[g.loss].attrs["ignore_index"] == -100 and len(g[g.loss].inputs) == 3
     assert g.name == "TwoLayer" and g.origin == {"module": "TwoLayer"}
     assert engine.theory.missing_rules(g) == []
 
@@ -291,6 +293,43 @@ def test_unsupported_op_names_op_node_and_location() -> None:
     assert "scan" in msg  # the module path
     assert "test_capture.py" in msg and "line" in msg  # the source location
     assert "\n" not in msg
+
+
+class InPlaceResidual(nn.Module):
+    """In-place residual adds and scaling next to a batch norm (whose running statistics update in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        out = self.bn(h)
+        out += h  # aten.add_
+        out.mul_(0.5)
+        return torch.relu(out).mean()
+
+
+def test_in_place_operators_are_functionalized() -> None:
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    module, x = InPlaceResidual(), torch.randn(5, 6)
+    g = engine.load_model(module, (x,))
+    ops = [n.op for n in g.nodes if not n.is_leaf]
+    assert ops == ["linear", "add", "batch_norm", "add", "mul", "relu", "mean"], ops
+    assert g[g.loss].op == "mean", "the loss, not the batch norm's step counter (also a scalar output)"
+    assert torch.allclose(interpret(g, module, (x,)), module(x), rtol=1e-6, atol=1e-7)
+
+
+def test_programs_without_in_place_operators_keep_the_training_ir() -> None:
+    """Functionalization re-traces the program (dropout would become native_dropout): only when needed."""
+    module = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    ep = engine.capture.export_program(module, (torch.randn(3, 4),), {})
+    assert engine.capture.functionalize(ep) is ep
+    mutating = engine.capture.export_program(InPlaceResidual(), (torch.randn(3, 6),), {})
+    assert engine.capture.functionalize(mutating) is not mutating
 
 
 class NotScalar(nn.Module):
