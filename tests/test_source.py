@@ -208,3 +208,24 @@ def test_export_carries_the_plans_model_file_and_check_ties_it_to_the_plan(tmp_p
     path.write_text("# changed\n")
     with pytest.raises(Exception, match="changed since the plan was made"):
         export_bundle(plan, None, tmp_path / "c")
+
+
+@pytest.mark.parametrize("spec, knobs", [
+    (str(CUMPROD), {"fallback": "replicate"}),
+    ("hf:LlamaForCausalLM", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "vocab_size": 64, "batch": 3, "seq_len": 8}),
+])
+def test_the_graph_run_on_the_runners_batch_gives_the_rebuilt_modules_loss(spec, knobs):
+    """Capture (meta) and the runner's rebuild agree: placeholders index the flat batch, parameters match by name."""
+    if spec.startswith("hf:"):
+        pytest.importorskip("transformers")
+    from test_ecosystem import interpret
+
+    graph = engine.load_model(spec, **knobs)
+    module = source.build_module(graph.origin, 0)
+    batch = source.make_batch(graph.origin, 0, 1)
+    for p in graph.placeholders:
+        x = batch[p.attrs["index"]]
+        assert tuple(x.shape) == p.shape and str(x.dtype).removeprefix("torch.") == p.dtype
+    with torch.no_grad():
+        assert torch.allclose(interpret(graph, module, batch), module(*batch), rtol=1e-5)
