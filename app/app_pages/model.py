@@ -36,8 +36,13 @@ if source == "Zoo model":
             services.show_error(e)
 elif source == "Hugging Face model":
     cls = st.selectbox("Class (built from its config: no weights are downloaded)", services.HF_CLASSES, key="model.hf.class")
+    try:
+        starting = services.hf_small_config(cls)
+    except HapError as e:  # e.g. transformers is not installed
+        services.show_error(e)
+        st.stop()
     config = st.text_area("Config: keys of the transformers config as JSON (every other key keeps its default)",
-                          value=services.hf_small_config(cls), height=180, key=f"model.hf.config.{cls}")
+                          value=starting, height=180, key=f"model.hf.config.{cls}")
     cols = st.columns(2)
     batch = cols[0].number_input("batch", value=8, min_value=1, step=1, key="model.hf.batch")
     seq_len = None if services.hf_is_vision(cls) else \
