@@ -99,8 +99,9 @@ class HFLlama(nn.Module):
         config = t.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
                                num_attention_heads=cfg.heads, intermediate_size=cfg.ffn,
                                num_key_value_heads=cfg.heads // 2 if cfg.heads % 2 == 0 else cfg.heads,
-                               max_position_embeddings=cfg.seq_len, use_cache=False, bos_token_id=0, eos_token_id=0)
-        self.model = t.LlamaForCausalLM(config)
+                               max_position_embeddings=cfg.seq_len, attention_dropout=cfg.dropout, use_cache=False,
+                               bos_token_id=0, eos_token_id=0)
+        self.model = t.LlamaForCausalLM(config)  # Llama's only dropout is its attention dropout
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids, labels=labels).loss
