@@ -351,7 +351,7 @@ def measure_model(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, syn
     """Forward + backward of the zoo model at each batch, as the runner runs it: the rank program
     (`runner.program`) of the model's one-device plan, so the generated program's own overhead is
     in the measurement. Flops are filled in by rank 0 (`fill_model_flops`)."""
-    from .train import make_batch, program_args, setup_rank
+    from .train import factory_device, make_batch, program_args, setup_rank
 
     spec = model_config(cfg)
     if spec is None:
@@ -363,7 +363,9 @@ def measure_model(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, syn
         inputs = make_batch(plan, 0, 0, device)
 
         def fn() -> None:
-            st.program.module(*program_args(plan, st, 0, inputs)).backward()
+            with factory_device(st.device):
+                loss = st.program.module(*program_args(plan, st, 0, inputs))
+            loss.backward()
             for p in st.params:
                 p.grad = None
 

@@ -42,3 +42,17 @@ def test_a_parameter_at_rounding_noise_is_compared_absolutely():
     real = compare([1.0], {"key.bias": torch.tensor([3.9e-14, 5e-10]), "w": torch.ones(2)}, [1.0], ref)
     assert not real.ok() and real.param_name == "key.bias"  # 5e-10 > TOLERANCE * NEAR_ZERO
     assert rel_diff(torch.tensor([4e-6]), torch.tensor([2e-6]), NEAR_ZERO) == pytest.approx(1.0)  # above the floor: relative
+
+
+def test_factory_device_is_the_ranks_gpu_and_nothing_on_the_cpu():
+    """Tensors a rank program makes itself (masks, `full`, constants) land on the rank's device under
+    NCCL; on the CPU no device mode is installed (it would cost every operator)."""
+    import contextlib
+
+    import torch
+
+    from runner.train import factory_device
+
+    assert isinstance(factory_device(torch.device("cpu")), contextlib.nullcontext)
+    with factory_device(torch.device("meta")):
+        assert torch.zeros(2).device.type == "meta"
