@@ -10,13 +10,23 @@ Public surface (scripts rely on these names):
 
 The engine never imports Streamlit and never starts a process group.
 """
-from .capture import load_model
 from .cluster import Cluster, load_cluster
 from .errors import ClusterError, HapError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
 from .graph import Graph, Node
 from .plan import Plan
 from .planner import evaluate, plan
 from .synthesis import SearchProgress
+
+
+def __getattr__(name: str):
+    """`engine.load_model` is imported on first use: it needs torch, which takes seconds to import, and
+    checking a cluster file or a command line must not wait for it."""
+    if name == "load_model":
+        from .capture import load_model
+
+        return load_model
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
 
 __all__ = ["load_model", "load_cluster", "plan", "evaluate", "Plan", "Graph", "Node", "Cluster", "SearchProgress",
            "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError", "UnsupportedOpError"]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import limits
 from .errors import ModelError
 
 SCHEMA_VERSION = 1
@@ -69,11 +70,8 @@ class Node:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Node":
-        return Node(id=int(d["id"]), name=str(d["name"]), op=str(d["op"]),
-                    inputs=tuple(int(i) for i in d["inputs"]), shape=tuple(int(s) for s in d["shape"]),
-                    dtype=str(d.get("dtype", "float32")), attrs=dict(d.get("attrs", {})),
-                    flops=float(d.get("flops", 0.0)), segment=int(d.get("segment", 0)),
-                    source=str(d.get("source", "")))
+        """A node from its JSON object, every field type- and bounds-checked (see `_NodeReader`)."""
+        return _NodeReader(d, "node").node()
 
 
 @dataclass(frozen=True)
@@ -149,18 +147,24 @@ class Graph:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Graph":
+        """A graph from its JSON object; raises ModelError naming the first bad node and field."""
         if not isinstance(d, dict) or d.get("kind") != "hap.graph":
             raise ModelError("graph JSON: missing \"kind\": \"hap.graph\" (save a graph with Graph.save or `hap capture`)")
-        if d.get("schema_version") != SCHEMA_VERSION:
+        if d.get("schema_version") != SCHEMA_VERSION or isinstance(d.get("schema_version"), bool):
             raise ModelError(f"graph JSON: schema_version {d.get('schema_version')!r} is not supported (expected {SCHEMA_VERSION})")
-        try:
-            nodes = tuple(Node.from_dict(x) for x in d["nodes"])
-            graph = Graph(nodes=nodes, loss=int(d["loss"]), name=str(d.get("name", "model")), origin=dict(d.get("origin", {})))
-        except (KeyError, TypeError, ValueError, AssertionError) as e:
-            raise ModelError(f"graph JSON: malformed node list ({type(e).__name__}: {e})") from None
-        if not 0 <= graph.loss < len(nodes) or nodes[graph.loss].shape != ():
-            raise ModelError(f"graph JSON: loss {graph.loss} is not a scalar node of the graph")
-        return graph
+        raw = d.get("nodes")
+        if not isinstance(raw, list) or not raw:
+            raise ModelError(f"graph JSON: \"nodes\" must be a non-empty list of node objects, got {_kind(raw)}")
+        if len(raw) > limits.MAX_NODES:
+            raise ModelError(f"graph JSON: {len(raw)} nodes, more than the limit of {limits.MAX_NODES}")
+        nodes = tuple(_NodeReader(x, f"node {i}", i, len(raw)).node() for i, x in enumerate(raw))
+        loss = d.get("loss")
+        if not _is_int(loss) or not 0 <= loss < len(nodes) or nodes[loss].shape != ():
+            raise ModelError(f"graph JSON: loss {loss!r} is not the id of a scalar node of the graph (0..{len(nodes) - 1})")
+        name, origin = d.get("name", "model"), d.get("origin", {})
+        if not isinstance(name, str) or not isinstance(origin, dict):
+            raise ModelError("graph JSON: \"name\" must be a string and \"origin\" an object")
+        return Graph(nodes=nodes, loss=loss, name=name, origin=origin)
 
     @staticmethod
     def load(path: str | Path) -> "Graph":
@@ -174,6 +178,113 @@ class Graph:
         except json.JSONDecodeError as e:
             raise ModelError(f"graph file '{p}' is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
         return Graph.from_dict(d)
+
+
+def _is_int(value: Any) -> bool:
+    """True for an int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: Any) -> str:
+    """JSON-ish name of a value's type, for messages."""
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
+
+
+class _NodeReader:
+    """Reads one node object of a graph JSON, naming the node and the field in every error."""
+
+    def __init__(self, d: Any, where: str, position: int | None = None, count: int | None = None) -> None:
+        if not isinstance(d, dict):
+            raise ModelError(f"graph JSON: {where}: must be an object, got {_kind(d)}")
+        self.d, self.where, self.position, self.count = d, where, position, count
+        name = d.get("name")
+        if isinstance(name, str) and name:
+            self.where = f"{where} ({name!r})"
+
+    def fail(self, field: str, why: str) -> ModelError:
+        """The error for a bad field of this node."""
+        return ModelError(f"graph JSON: {self.where}: \"{field}\" {why}")
+
+    def text(self, field: str, default: str | None = None, allow_empty: bool = True) -> str:
+        """A string field."""
+        value = self.d.get(field, default)
+        if value is None:
+            raise self.fail(field, "is missing")
+        if not isinstance(value, str) or (not allow_empty and not value):
+            raise self.fail(field, f"must be a{'' if allow_empty else ' non-empty'} string, got {_kind(value)}")
+        return value
+
+    def integer(self, field: str, low: int, high: int, default: int | None = None) -> int:
+        """An integer field in [low, high]."""
+        value = self.d.get(field, default)
+        if value is None:
+            raise self.fail(field, "is missing")
+        if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+            value = int(value)
+        if not _is_int(value) or not low <= value <= high:
+            raise self.fail(field, f"must be an integer in {low}..{high}, got {value!r}")
+        return value
+
+    def int_list(self, field: str, low: int, high: int, max_len: int) -> tuple[int, ...]:
+        """A list of integers, each in [low, high]."""
+        value = self.d.get(field)
+        if not isinstance(value, list):
+            raise self.fail(field, f"must be a list of integers, got {_kind(value) if field in self.d else 'nothing'}")
+        if len(value) > max_len:
+            raise self.fail(field, f"has {len(value)} entries, more than {max_len}")
+        for k, x in enumerate(value):
+            if not _is_int(x) or not low <= x <= high:
+                raise self.fail(field, f"[{k}] must be an integer in {low}..{high}, got {x!r}")
+        return tuple(value)
+
+    def flops(self) -> float:
+        """Forward flops: a finite number in [0, MAX_NODE_FLOPS]."""
+        value = self.d.get("flops", 0.0)
+        if not limits.in_range(value, 0, limits.MAX_NODE_FLOPS):
+            raise self.fail("flops", f"must be a number in [0, {limits.MAX_NODE_FLOPS:g}], got {value!r}")
+        return float(value)
+
+    def attrs(self) -> dict[str, Any]:
+        """Non-tensor arguments: an object of JSON values, numbers bounded, nesting shallow."""
+        value = self.d.get("attrs", {})
+        if not isinstance(value, dict):
+            raise self.fail("attrs", f"must be an object, got {_kind(value)}")
+        self._check_attr(value, "attrs", 0)
+        return value
+
+    def _check_attr(self, value: Any, path: str, depth: int) -> None:
+        if depth > limits.MAX_ATTR_DEPTH:
+            raise self.fail(path, f"nests deeper than {limits.MAX_ATTR_DEPTH} levels")
+        if isinstance(value, dict):
+            for k, v in value.items():
+                self._check_attr(v, f"{path}.{k}", depth + 1)
+        elif isinstance(value, list):
+            for k, v in enumerate(value):
+                self._check_attr(v, f"{path}[{k}]", depth + 1)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            if math.isfinite(value) and abs(value) > limits.MAX_ATTR_NUMBER:
+                raise self.fail(path, f"{value!r} is beyond +-2**53")
+
+    def shape(self) -> tuple[int, ...]:
+        """Output shape: at most MAX_RANK non-negative dims whose product is at most MAX_NUMEL."""
+        shape = self.int_list("shape", 0, limits.MAX_NUMEL, limits.MAX_RANK)
+        if math.prod(shape) > limits.MAX_NUMEL:
+            raise self.fail("shape", f"{list(shape)} has {math.prod(shape):.3g} elements, more than 2**48")
+        return shape
+
+    def node(self) -> Node:
+        """The checked node; ids are positions, inputs name earlier nodes."""
+        position = self.position
+        top = limits.MAX_NODES if position is None else position
+        node_id = self.integer("id", 0, top)
+        if position is not None and node_id != position:
+            raise self.fail("id", f"is {node_id} but the node is at position {position}; ids must be 0..n-1 in order")
+        segments = limits.MAX_NODES if self.count is None else self.count - 1
+        return Node(id=node_id, name=self.text("name", allow_empty=False), op=self.text("op", allow_empty=False),
+                    inputs=self.int_list("inputs", 0, node_id - 1, 4096), shape=self.shape(),
+                    dtype=self.text("dtype", "float32", allow_empty=False), attrs=self.attrs(), flops=self.flops(),
+                    segment=self.integer("segment", 0, segments, 0), source=self.text("source", ""))
 
 
 def itemsize(dtype: str) -> int:
