@@ -296,6 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except HapError as e:
         print(f"hap: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a path the user gave cannot be read or written (a folder, no permission, no space)
+        where = f"{e.filename}: " if e.filename is not None else ""
+        print(f"hap: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("hap: interrupted", file=sys.stderr)
         return 130
