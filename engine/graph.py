@@ -234,6 +234,8 @@ class _NodeReader:
         if len(value) > max_len:
             raise self.fail(field, f"has {len(value)} entries, more than {max_len}")
         for k, x in enumerate(value):
+            if high < low:
+                raise self.fail(field, f"must be empty here, got {value!r}: a node uses only earlier nodes")
             if not _is_int(x) or not low <= x <= high:
                 raise self.fail(field, f"[{k}] must be an integer in {low}..{high}, got {x!r}")
         return tuple(value)

@@ -165,6 +165,8 @@ class _Loop:
         seen: set = set()
         rebalanced = False
         for _ in range(self.max_iterations):
+            if best is not None and self.deadline is not None and time.perf_counter() > self.deadline:
+                break  # the budget is spent: no new Q<->B iteration, keep the best found
             it = len(self.history) // 2
             left = _left(self.deadline)
             cm = CostModel(graph, cluster, ratios, optimizer, seg)

@@ -57,11 +57,19 @@ def _children(node: Any) -> list[Any]:
     return []
 
 
-def pick_path(doc: Any, choose: Chooser) -> tuple:
-    """A random path into `doc`: a walk from the root that stops at each container with probability 1/3,
-    so top-level fields are hit as often as the leaves of a long node list."""
+def pick_path(doc: Any, choose: Chooser, focus: tuple[tuple, ...] = ()) -> tuple:
+    """A random path into `doc`: a walk that stops at each container with probability 1/3, so top-level
+    fields are hit as often as the leaves of a long node list. With `focus` (paths of containers that
+    hold what matters, e.g. ("nodes",)), most walks start inside one of them instead of at the root."""
     path: tuple = ()
-    node = doc
+    if focus and choose(4):
+        start = focus[choose(len(focus))]
+        try:
+            _get(doc, start)
+            path = start
+        except (KeyError, IndexError, TypeError):
+            path = ()
+    node = _get(doc, path)
     while True:
         keys = _children(node)
         if not keys or (path and choose(3) == 0):
@@ -130,12 +138,12 @@ def apply_json_mutation(doc: Any, path: tuple, kind: str, choose: Chooser) -> tu
     return _set(doc, path, new), f"{where}: {kind} -> {new!r}"
 
 
-def mutate_json(doc: Any, choose: Chooser, *, max_mutations: int = 2) -> tuple[Any, str]:
-    """A deep copy of `doc` with 1..max_mutations random mutations, and their description."""
+def mutate_json(doc: Any, choose: Chooser, *, max_mutations: int = 2, focus: tuple[tuple, ...] = ()) -> tuple[Any, str]:
+    """A deep copy of `doc` with 1..max_mutations random mutations (mostly inside `focus`), and their description."""
     out = copy.deepcopy(doc)
     said = []
     for _ in range(1 + (choose(max_mutations) if max_mutations > 1 else 0)):
-        path = pick_path(out, choose)
+        path = pick_path(out, choose, focus)
         out, text = apply_json_mutation(out, path, JSON_MUTATIONS[choose(len(JSON_MUTATIONS))], choose)
         said.append(text)
     return out, "; ".join(said)
@@ -153,7 +161,7 @@ def mutate_args(args: list[str], choose: Chooser) -> tuple[list[str], str]:
     """A copy of a command line with one random mutation (an option's value or a knob made weird, an
     argument deleted, duplicated or swapped for an unknown one, the list truncated), and its description."""
     out = list(args)
-    kind = ("value", "value", "knob", "delete", "duplicate", "truncate", "unknown")[choose(7)]
+    kind = ("value", "value", "value", "knob", "knob", "delete", "duplicate", "truncate", "unknown")[choose(9)]
     weird = WEIRD_ARGS[choose(len(WEIRD_ARGS))]
     knobs = [i for i, a in enumerate(out) if "=" in a and not a.startswith("-")]
     values = [i for i, a in enumerate(out) if i > 0 and not a.startswith("-") and i not in knobs]
@@ -278,7 +286,7 @@ def cluster_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]
 
     names = sorted(fx.clusters)
     name = names[choose(len(names))]
-    doc, said = mutate_json(fx.clusters[name], choose)
+    doc, said = mutate_json(fx.clusters[name], choose, focus=(("devices",), ("network",)))
     text = dumps(doc)
 
     def run() -> None:
@@ -293,7 +301,7 @@ def graph_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     import engine
     from engine.graph import Graph
 
-    doc, said = mutate_json(fx.graph_json, choose)
+    doc, said = mutate_json(fx.graph_json, choose, focus=(("nodes",),))
     text = dumps(doc)
     cluster = engine.load_cluster(fx.clusters["cpu_4_uneven"])
 
@@ -304,11 +312,15 @@ def graph_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     return run, said
 
 
+PLAN_FOCUS = (("program",), ("ratios",), ("shard_sizes",), ("cluster",), ("graph", "nodes"), ("stages",))
+"""Where a plan's meaning lives: most plan mutations land there."""
+
+
 def plan_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     """A mutated plan JSON, parsed and listed."""
     from engine.plan import Plan
 
-    doc, said = mutate_json(fx.plan_json, choose)
+    doc, said = mutate_json(fx.plan_json, choose, focus=PLAN_FOCUS)
     text = dumps(doc)
 
     def run() -> None:
@@ -329,7 +341,8 @@ def bundle_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     names = sorted(files)
     name = names[choose(len(names))]
     if name in BUNDLE_JSON and choose(4):
-        doc, said = mutate_json(json.loads(files[name]), choose)
+        doc, said = mutate_json(json.loads(files[name]), choose,
+                                focus=PLAN_FOCUS if name == "plan.json" else (("nodes",), ("devices",)))
         files[name] = dumps(doc).encode()
     else:
         how = choose(4)

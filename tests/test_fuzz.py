@@ -33,8 +33,9 @@ def _chooser(data: st.DataObject):
 
 
 @pytest.mark.parametrize("kind", [
-    pytest.param(k, marks=pytest.mark.xfail(not _VALIDATOR and k == "plan", strict=False,
-                                            reason="plan JSON is checked by engine.validate (issue 17 item 1)"))
+    pytest.param(k, marks=pytest.mark.xfail(not _VALIDATOR and k in ("plan", "bundle"), strict=False,
+                                            reason="plan JSON (also inside bundles) is checked by engine.validate "
+                                                   "(issue 17 item 1), on its own branch until merged"))
     for k in KINDS])
 def test_mutated_input_is_refused_with_one_typed_line_or_accepted(fx, kind: str) -> None:
     @settings(max_examples=EXAMPLES[kind], deadline=None, derandomize=True, database=None,

@@ -129,7 +129,7 @@ def graph_json() -> dict:
 
 @pytest.mark.parametrize("mutate,message", [
     (lambda d: d["nodes"][2].__setitem__("inputs", [0, 9]), r"node 2 \('h'\): \"inputs\" \[1\] must be an integer in 0\.\.1, got 9"),
-    (lambda d: d["nodes"][0].__setitem__("inputs", [0]), r"node 0 \('x'\): \"inputs\" \[0\] must be an integer"),
+    (lambda d: d["nodes"][0].__setitem__("inputs", [0]), r"node 0 \('x'\): \"inputs\" must be empty here, got \[0\]"),
     (lambda d: d["nodes"][2].__setitem__("flops", math.inf), r"node 2 \('h'\): \"flops\" must be a number in \[0, 1e\+24\], got inf"),
     (lambda d: d["nodes"][2].__setitem__("flops", 1e308), r"\"flops\" must be a number in \[0, 1e\+24\]"),
     (lambda d: d["nodes"][1].__setitem__("shape", [2**30, 2**30]), r"node 1 \('w1'\): \"shape\" \[1073741824, 1073741824\] has .* more than 2\*\*48"),
