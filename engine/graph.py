@@ -154,7 +154,8 @@ class Graph:
             raise ModelError(f"graph JSON: schema_version {d.get('schema_version')!r} is not supported (expected {SCHEMA_VERSION})")
         raw = d.get("nodes")
         if not isinstance(raw, list) or not raw:
-            raise ModelError(f"graph JSON: \"nodes\" must be a non-empty list of node objects, got {_kind(raw)}")
+            got = "an empty list" if raw == [] else _kind(raw)
+            raise ModelError(f"graph JSON: \"nodes\" must be a non-empty list of node objects, got {got}")
         if len(raw) > limits.MAX_NODES:
             raise ModelError(f"graph JSON: {len(raw)} nodes, more than the limit of {limits.MAX_NODES}")
         nodes = tuple(_NodeReader(x, f"node {i}", i, len(raw)).node() for i, x in enumerate(raw))

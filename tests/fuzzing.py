@@ -42,7 +42,17 @@ WEIRD_NUMBERS: tuple[Any, ...] = (0, -1, -1e-300, float("nan"), float("inf"), fl
 WEIRD_ARGS: tuple[str, ...] = ("0", "-1", "nan", "inf", "-inf", "1e308", "1000000000000", "abc", "", "1.5", "0x10",
                                "999999999999999999999999999")
 JSON_MUTATIONS = ("delete", "wrong_type", "zero", "negative", "nan", "inf", "huge", "big_int", "string_number",
-                  "duplicate_list", "truncate_list", "replace_nested")
+                  "duplicate_list", "truncate_list", "replace_nested", "edge", "small_int", "other_name")
+SMALL_INTS = (0, 1, 2, 3, 5, 7, 64)
+"""Type-correct numbers that change a shape, an index or a dim (e.g. an input swapped for another node)."""
+SEMANTIC_MUTATIONS = ("small_int", "other_name", "edge", "duplicate_list", "truncate_list", "delete")
+"""Mutations that keep JSON types (a shape, an index, an operator changed): they pass the type checks
+and reach the theory, the cost model and the LP."""
+OTHER_NAMES = ("linear", "relu", "view", "add", "mul", "embedding", "softmax", "layer_norm", "cross_entropy",
+               "placeholder", "parameter", "sum", "transpose", "conv2d", "float16", "int64", "cpu-0", "m0", "")
+"""Type-correct strings: other operators, dtypes, device or machine names."""
+EDGE_NUMBERS: tuple[Any, ...] = (1, 2, 3600, 4096, 1e18, 1e24, 1e30, 2**48, 2**53, 2**62)
+"""Numbers at or near the bounds of `engine.limits`: valid inputs whose costs must stay finite."""
 
 
 # ----------------------------------------------------------------------------- JSON mutations
@@ -58,21 +68,22 @@ def _children(node: Any) -> list[Any]:
 
 
 def pick_path(doc: Any, choose: Chooser, focus: tuple[tuple, ...] = ()) -> tuple:
-    """A random path into `doc`: a walk that stops at each container with probability 1/3, so top-level
-    fields are hit as often as the leaves of a long node list. With `focus` (paths of containers that
-    hold what matters, e.g. ("nodes",)), most walks start inside one of them instead of at the root."""
+    """A random path into `doc`: a walk that stops at each container with probability 1/4, so top-level
+    fields are hit about as often as the leaves of a long node list. With `focus` (paths of containers
+    that hold what matters, e.g. ("nodes",)), three walks in four start inside one of them."""
     path: tuple = ()
     if focus and choose(4):
         start = focus[choose(len(focus))]
         try:
-            _get(doc, start)
-            path = start
+            if _children(_get(doc, start)):
+                path = start
         except (KeyError, IndexError, TypeError):
-            path = ()
+            pass
+    floor = len(path) + 1  # a walk from a focus goes at least one level into it
     node = _get(doc, path)
     while True:
         keys = _children(node)
-        if not keys or (path and choose(3) == 0):
+        if not keys or (len(path) >= floor and choose(4) == 0):
             return path
         key = keys[choose(len(keys))]
         path, node = path + (key,), node[key]
@@ -130,6 +141,10 @@ def apply_json_mutation(doc: Any, path: tuple, kind: str, choose: Chooser) -> tu
         new = [{}, [], "x", 0, None][choose(5)]
         return _set(doc, path, new), f"{where}: replaced by {new!r}"
     number = _as_number(value)
+    if kind in ("edge", "small_int", "other_name"):
+        pool = {"edge": EDGE_NUMBERS, "small_int": SMALL_INTS, "other_name": OTHER_NAMES}[kind]
+        new = pool[choose(len(pool))]
+        return _set(doc, path, new), f"{where}: {kind} -> {new!r}"
     new = {"zero": 0, "negative": -abs(number) - 1, "nan": float("nan"), "inf": float("inf"), "huge": 1e308,
            "big_int": 10**12, "string_number": str(value if isinstance(value, (int, float)) else 12)}.get(kind)
     if new is None:  # the mutation does not fit this value: change its type instead
@@ -138,13 +153,16 @@ def apply_json_mutation(doc: Any, path: tuple, kind: str, choose: Chooser) -> tu
     return _set(doc, path, new), f"{where}: {kind} -> {new!r}"
 
 
-def mutate_json(doc: Any, choose: Chooser, *, max_mutations: int = 2, focus: tuple[tuple, ...] = ()) -> tuple[Any, str]:
-    """A deep copy of `doc` with 1..max_mutations random mutations (mostly inside `focus`), and their description."""
+def mutate_json(doc: Any, choose: Chooser, *, max_mutations: int = 2, focus: tuple[tuple, ...] = (),
+                semantic_share: bool = False) -> tuple[Any, str]:
+    """A deep copy of `doc` with 1..max_mutations random mutations (mostly inside `focus`), and their
+    description; with `semantic_share`, half the cases use only SEMANTIC_MUTATIONS."""
     out = copy.deepcopy(doc)
     said = []
+    kinds = SEMANTIC_MUTATIONS if semantic_share and choose(2) else JSON_MUTATIONS
     for _ in range(1 + (choose(max_mutations) if max_mutations > 1 else 0)):
         path = pick_path(out, choose, focus)
-        out, text = apply_json_mutation(out, path, JSON_MUTATIONS[choose(len(JSON_MUTATIONS))], choose)
+        out, text = apply_json_mutation(out, path, kinds[choose(len(kinds))], choose)
         said.append(text)
     return out, "; ".join(said)
 
@@ -246,6 +264,15 @@ def classify(fn: Callable[[], Any], timeout_s: float) -> Outcome:
 
 SMALL_MLP = {"layers": 2, "in_features": 32, "hidden": 64, "classes": 4, "batch": 8}
 """A zoo:mlp small enough that planning it takes tens of milliseconds."""
+GRAPH_MODELS: dict[str, dict[str, Any]] = {
+    "mlp": SMALL_MLP,
+    "gpt": {"layers": 1, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "batch": 4},
+    "vit": {"layers": 1, "hidden": 32, "heads": 2, "mlp": 64, "image_size": 16, "patch": 8, "batch": 4},
+    "bert_moe": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "predictions": 2,
+                 "batch": 4, "experts": 2},
+    "vgg19": {"batch": 4, "image_size": 32, "width": 0.125, "hidden": 32, "pool_size": 1, "classes": 4, "batch_norm": True},
+}
+"""Tiny zoo models whose graph JSON is mutated: together they hold every operator family's attrs."""
 PLAN_BUDGET_S = 0.3
 """Time budget of every plan call in a case (the guard allows far more)."""
 
@@ -256,7 +283,7 @@ class Fixtures:
 
     clusters: dict[str, dict[str, Any]]
     graph: Any
-    graph_json: dict[str, Any]
+    graph_jsons: dict[str, dict[str, Any]]
     plan_json: dict[str, Any]
     bundle_files: dict[str, bytes]
     workdir: Path
@@ -272,11 +299,13 @@ def make_fixtures(workdir: str | Path) -> Fixtures:
     work = Path(workdir)
     clusters = {p.stem: json.loads(p.read_text()) for p in sorted(SAMPLES.glob("*.json"))}
     graph = engine.load_model("zoo:mlp", **SMALL_MLP)
+    graph_jsons = {name: json.loads(engine.load_model(f"zoo:{name}", **knobs).to_json())
+                   for name, knobs in GRAPH_MODELS.items()}
     plan = engine.plan(graph, SAMPLES / "cpu_4_uneven.json", time_budget_s=5)
     plan_path = work / "plan.json"
     plan.save(plan_path)
     bundle_dir = export_bundle(plan, SAMPLES / "cpu_4_uneven.json", work / "bundle")
-    return Fixtures(clusters, graph, json.loads(graph.to_json()), json.loads(plan.to_json()), read_folder(bundle_dir),
+    return Fixtures(clusters, graph, graph_jsons, json.loads(plan.to_json()), read_folder(bundle_dir),
                     work, plan_path, Path(bundle_dir))
 
 
@@ -286,7 +315,7 @@ def cluster_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]
 
     names = sorted(fx.clusters)
     name = names[choose(len(names))]
-    doc, said = mutate_json(fx.clusters[name], choose, focus=(("devices",), ("network",)))
+    doc, said = mutate_json(fx.clusters[name], choose, focus=(("devices",), ("network",)), semantic_share=True)
     text = dumps(doc)
 
     def run() -> None:
@@ -297,11 +326,13 @@ def cluster_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]
 
 
 def graph_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
-    """A mutated graph JSON of the small MLP, loaded and planned on cpu_4_uneven."""
+    """A mutated graph JSON of a tiny zoo model, loaded and planned on cpu_4_uneven."""
     import engine
     from engine.graph import Graph
 
-    doc, said = mutate_json(fx.graph_json, choose, focus=(("nodes",),))
+    names = sorted(fx.graph_jsons)
+    name = names[choose(len(names))]
+    doc, said = mutate_json(fx.graph_jsons[name], choose, focus=(("nodes",),), semantic_share=True)
     text = dumps(doc)
     cluster = engine.load_cluster(fx.clusters["cpu_4_uneven"])
 
@@ -309,7 +340,7 @@ def graph_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
         graph = Graph.from_dict(json.loads(text))
         engine.plan(graph, cluster, time_budget_s=PLAN_BUDGET_S)
 
-    return run, said
+    return run, f"{name}: {said}"
 
 
 PLAN_FOCUS = (("program",), ("ratios",), ("shard_sizes",), ("cluster",), ("graph", "nodes"), ("stages",))
@@ -320,7 +351,7 @@ def plan_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     """A mutated plan JSON, parsed and listed."""
     from engine.plan import Plan
 
-    doc, said = mutate_json(fx.plan_json, choose, focus=PLAN_FOCUS)
+    doc, said = mutate_json(fx.plan_json, choose, focus=PLAN_FOCUS, semantic_share=True)
     text = dumps(doc)
 
     def run() -> None:
@@ -386,6 +417,9 @@ def cli_commands(fx: Fixtures) -> list[tuple[str, list[str]]]:
         ("hap", ["plan", "--model", "zoo:mlp", *knobs, "--cluster", cluster, "--time-budget", str(PLAN_BUDGET_S),
                  "--segments", "1", "--json"]),
         ("hap", ["capture", "--model", "zoo:mlp", "--set", "layers=1", "--set", "hidden=16", "--out", "graph.json"]),
+        ("hap", ["capture", "--model", "zoo:vit", "--set", "layers=1", "--set", "hidden=32", "--set", "heads=2",
+                 "--set", "mlp=64", "--set", "image_size=32", "--set", "patch=8", "--set", "batch=4",
+                 "--set", "dropout=0.0", "--out", "vit.json"]),
         ("hap", ["export", str(fx.plan_path), "--out", "bundle-out", "--cluster", cluster]),
         ("hap", ["bundle", "check", str(fx.bundle_dir)]),
         ("run", [str(fx.plan_path), "--steps", "2", "--seed", "0", "--lr", "0.01"]),

@@ -58,7 +58,8 @@ def test_the_unmutated_inputs_are_accepted(fx) -> None:
 
     for doc in fx.clusters.values():
         engine.load_cluster(doc)
-    Graph.from_dict(fx.graph_json)
+    for doc in fx.graph_jsons.values():
+        Graph.from_dict(doc)
     engine.Plan.from_json(json.dumps(fx.plan_json))
     assert check_files(fx.bundle_files, "bundle").ok
     for program, args in cli_commands(fx):

@@ -99,8 +99,9 @@ def op_rules(node: Node, graph: Graph) -> list[OpRule]:
                 seen[key] = r
     except HapError:
         raise
-    except (IndexError, KeyError, TypeError, ValueError, ZeroDivisionError, OverflowError) as e:
-        raise _misfit(node, graph, e) from None
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError,
+            AssertionError) as e:
+        raise _misfit(node, graph, e) from None  # a rule's shape invariant broken by the graph, not by the rule
     return list(seen.values())
 
 
