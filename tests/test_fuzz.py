@@ -18,7 +18,7 @@ from fuzzing import CASES, KINDS, Outcome, classify, make_fixtures, mutate_args,
 
 CASE_TIMEOUT_S = 30.0
 """A case past this is a hang (plans run with a 0.3 s budget; a slow shared CI core is allowed for)."""
-EXAMPLES = {"cluster": 40, "graph": 40, "plan": 40, "bundle": 40, "cli": 25}
+EXAMPLES = {"cluster": 60, "graph": 60, "plan": 60, "bundle": 60, "cli": 40}
 
 _VALIDATOR = importlib.util.find_spec("engine.validate") is not None
 
