@@ -79,6 +79,7 @@ def _coerce(model: Any, cluster: Any) -> tuple[Graph, Cluster]:
 
 def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam") -> Plan:
     """A baseline plan (`dp-even` or `dp-proportional`) under the same cost model as HAP."""
+    _check_arguments(None, optimizer)
     graph, cluster = _coerce(model, cluster)
     if strategy not in BASELINES:
         raise PlanError(f"unknown strategy '{strategy}' (choose one of: {', '.join(BASELINES)})")
@@ -116,9 +117,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     `segments` > 1 then iterates again with that many runs of layers, each with its own ratios
     (§5.2), starting from the one-segment plan; the faster of the two is returned. `progress` is
     called every `report_every` expansions of each search (the UI's live frontier)."""
-    problem = limits.time_budget_problem(time_budget_s, "time_budget_s")
-    if problem:
-        raise PlanError(problem)
+    _check_arguments(time_budget_s, optimizer)
     graph, cluster = _coerce(model, cluster)
     seg = segment_graph(graph, segments)
     start = time.perf_counter()
@@ -207,6 +206,17 @@ class _Loop:
                            time_limit_s=_left(self.deadline) or 30.0).by_segment
         except InfeasibleError:
             return None
+
+
+def _check_arguments(time_budget_s: Any, optimizer: Any) -> None:
+    """Refuse an unusable time budget or an unknown optimizer by name, before any work."""
+    from .cost import STATE_BYTES_PER_PARAM_BYTE
+
+    problem = limits.time_budget_problem(time_budget_s, "time_budget_s")
+    if problem:
+        raise PlanError(problem)
+    if optimizer not in STATE_BYTES_PER_PARAM_BYTE:
+        raise PlanError(f"optimizer {optimizer!r} is not known (choose one of: {', '.join(STATE_BYTES_PER_PARAM_BYTE)})")
 
 
 def _left(deadline: float | None) -> float | None:

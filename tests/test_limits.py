@@ -186,6 +186,20 @@ def test_plan_refuses_an_unusable_time_budget(budget) -> None:
         engine.plan(mse_graph(), cluster_dict([1e12, 1e12]), time_budget_s=budget)
 
 
+def test_plan_and_evaluate_refuse_an_unknown_optimizer_by_name() -> None:
+    with pytest.raises(PlanError, match="optimizer 'lamb' is not known"):
+        engine.plan(mse_graph(), cluster_dict([1e12, 1e12]), optimizer="lamb")
+    with pytest.raises(PlanError, match="optimizer 'lamb' is not known"):
+        engine.evaluate(mse_graph(), cluster_dict([1e12, 1e12]), "dp-even", optimizer="lamb")
+
+
+@pytest.mark.parametrize("segments", [10**12, 0, 2.0, True])
+def test_plan_refuses_a_segment_count_out_of_range(segments) -> None:
+    """10**12 segments once meant a loop of 10**12 steps before any search."""
+    with pytest.raises(PlanError, match="segments must be a positive integer up to 1024"):
+        engine.plan(mse_graph(), cluster_dict([1e12, 1e12]), segments=segments)
+
+
 def test_the_load_balancer_refuses_non_finite_coefficients_with_a_typed_error() -> None:
     """A graph built in Python skips the JSON bounds; the LP must still not see inf (PuLP's PulpError)."""
     from dataclasses import replace
