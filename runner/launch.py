@@ -106,8 +106,10 @@ class RunConfig:
     """Bundles: a rank on another GPU type than its plan device is reported (`warn`), fatal (`error`) or not checked (`off`)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.steps <= limits.MAX_STEPS:
-            raise ValueError(f"--steps must be in 1..{limits.MAX_STEPS}, got {self.steps}")
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.steps > limits.MAX_STEPS:
+            raise ValueError(f"--steps must be at most {limits.MAX_STEPS}, got {self.steps}")
         if not -2**63 <= self.seed < 2**64:  # the range torch.manual_seed accepts
             raise ValueError(f"--seed must be in -2**63..2**64-1, got {self.seed}")
         if self.optimizer not in ("sgd", "adam"):
