@@ -237,6 +237,8 @@ def export_bundle(plan: Plan | str | Path, cluster: Cluster | str | Path | None,
     files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, rdzv_endpoint=rdzv_endpoint, image=image,
                          run_args=run_args)
     out = Path(out_dir)
+    if not out.name:  # '', '.' or '/': the bundle (and its zip) needs a folder name of its own
+        raise BundleError(f"--out {str(out_dir)!r} names no new folder: give one, e.g. --out bundle")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BundleError(f"--out {out} exists and is not an empty folder: choose a new folder")
     for name, data in files.items():

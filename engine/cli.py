@@ -157,9 +157,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .bundle import export_bundle
     from .plan import Plan
 
+    try:
+        run_args = shlex.split(args.run_args or "")
+    except ValueError as e:  # e.g. an unclosed quotation mark
+        raise _UsageError(f"--run-args {args.run_args!r}: {e}; quote it as one shell string") from None
     plan = Plan.from_json(args.plan)
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
-                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=shlex.split(args.run_args or ""))
+                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args)
     manifest = json.loads((out / "manifest.json").read_text())
     print(f"bundle {out}: {plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
           f"{len(manifest['files'])} files" + (f"; zip {out.with_name(out.name + '.zip')}" if args.zip else ""))

@@ -23,6 +23,7 @@ import copy
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import tempfile
@@ -40,7 +41,7 @@ Chooser = Callable[[int], int]
 
 WEIRD_NUMBERS: tuple[Any, ...] = (0, -1, -1e-300, float("nan"), float("inf"), float("-inf"), 1e308, 10**12, 2**64, 1e-300)
 WEIRD_ARGS: tuple[str, ...] = ("0", "-1", "nan", "inf", "-inf", "1e308", "1000000000000", "abc", "", "1.5", "0x10",
-                               "999999999999999999999999999")
+                               "999999999999999999999999999", "'unclosed", "a:b:c", "../..", "-")
 JSON_MUTATIONS = ("delete", "wrong_type", "zero", "negative", "nan", "inf", "huge", "big_int", "string_number",
                   "duplicate_list", "truncate_list", "replace_nested", "edge", "small_int", "other_name")
 SMALL_INTS = (0, 1, 2, 3, 5, 7, 64)
@@ -182,7 +183,7 @@ def mutate_args(args: list[str], choose: Chooser) -> tuple[list[str], str]:
     kind = ("value", "value", "value", "knob", "knob", "delete", "duplicate", "truncate", "unknown")[choose(9)]
     weird = WEIRD_ARGS[choose(len(WEIRD_ARGS))]
     knobs = [i for i, a in enumerate(out) if "=" in a and not a.startswith("-")]
-    values = [i for i, a in enumerate(out) if i > 0 and not a.startswith("-") and i not in knobs]
+    values = [i for i, a in enumerate(out) if i > 0 and not re.fullmatch(r"--?[A-Za-z][\w-]*", a) and i not in knobs]
     if kind == "knob" and knobs:
         i = knobs[choose(len(knobs))]
         out[i] = f"{out[i].split('=', 1)[0]}={weird}"
@@ -420,7 +421,8 @@ def cli_commands(fx: Fixtures) -> list[tuple[str, list[str]]]:
         ("hap", ["capture", "--model", "zoo:vit", "--set", "layers=1", "--set", "hidden=32", "--set", "heads=2",
                  "--set", "mlp=64", "--set", "image_size=32", "--set", "patch=8", "--set", "batch=4",
                  "--set", "dropout=0.0", "--out", "vit.json"]),
-        ("hap", ["export", str(fx.plan_path), "--out", "bundle-out", "--cluster", cluster]),
+        ("hap", ["export", str(fx.plan_path), "--out", "bundle-out", "--cluster", cluster, "--run-args", "--steps 10",
+                 "--rdzv-endpoint", "localhost:29500", "--zip"]),
         ("hap", ["bundle", "check", str(fx.bundle_dir)]),
         ("run", [str(fx.plan_path), "--steps", "2", "--seed", "0", "--lr", "0.01"]),
         ("run", [str(fx.bundle_dir), "--steps", "3", "--verify"]),

@@ -76,6 +76,16 @@ def test_hap_capture_to_a_folder_is_one_line_not_a_traceback(tmp_path, capsys) -
     assert rc == 2 and err.startswith("hap: error: ") and len(err.splitlines()) == 1
 
 
+def test_hap_export_refuses_unbalanced_run_args_and_a_nameless_out_in_one_line(tmp_path, capsys) -> None:
+    graph = engine.load_model("zoo:mlp", layers=1, in_features=8, hidden=16, classes=4, batch=8)
+    engine.plan(graph, CPU4, time_budget_s=5).save(tmp_path / "plan.json")
+    base = ["export", str(tmp_path / "plan.json"), "--cluster", str(CPU4)]
+    rc, err = _hap([*base, "--out", str(tmp_path / "b"), "--run-args", "'unclosed"], capsys)
+    assert rc == 2 and "--run-args \"'unclosed\": No closing quotation" in err and len(err.splitlines()) == 1
+    rc, err = _hap([*base, "--out", ""], capsys)
+    assert rc == 2 and "--out '' names no new folder" in err and len(err.splitlines()) == 1
+
+
 # ----------------------------------------------------------------------------- cluster
 
 
