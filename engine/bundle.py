@@ -33,11 +33,13 @@ import platform
 import re
 import stat
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
+from . import limits
 from .cluster import Cluster, load_cluster
 from .errors import HapError, PlanError
 from .launch_files import (DEFAULT_IMAGE, DEFAULT_RDZV_PORT, LaunchNode, LaunchSettings, job_name, launch_node_script,
@@ -310,13 +312,20 @@ def read_zip(path: str | Path) -> dict[str, bytes]:
     try:
         with zipfile.ZipFile(path) as z:
             infos = [i for i in z.infolist() if not i.is_dir()]
+            declared = sum(i.file_size for i in infos)
+            if len(infos) > limits.MAX_BUNDLE_FILES or declared > limits.MAX_BUNDLE_BYTES:
+                raise BundleError(f"{path}: {len(infos)} files of {declared} bytes unpacked, more than a bundle holds "
+                                  f"({limits.MAX_BUNDLE_FILES} files, {limits.MAX_BUNDLE_BYTES} bytes); refusing the zip")
             for info in infos:
                 why = unsafe_member(info)
                 if why:
                     raise BundleError(f"{path}: {why}; refusing the whole zip")
             data = {i.filename: z.read(i) for i in infos}
-    except (zipfile.BadZipFile, OSError) as e:
-        raise BundleError(f"{path}: not a readable zip: {e}") from None
+    except BundleError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError, ValueError) as e:
+        # a damaged or foreign zip: a bad header, corrupt deflate data, an unsupported method or version
+        raise BundleError(f"{path}: not a readable zip: {type(e).__name__}: {' '.join(str(e).split())}") from None
     tops = {n.split("/", 1)[0] for n in data}
     if len(tops) == 1 and all("/" in n for n in data):
         data = {n.split("/", 1)[1]: b for n, b in data.items()}

@@ -53,6 +53,12 @@ KNOB_INT_LIMITS: dict[str, int] = {"layers": 1024, "heads": 4096, "experts": 409
 MAX_KNOB_FLOAT = 2.0**20
 """Magnitude of a float zoo knob (dropout, width, capacity_factor)."""
 
+MAX_BUNDLE_FILES = 10_000
+"""Files in a launch bundle zip (an export writes about ten)."""
+MAX_BUNDLE_BYTES = 2**32
+"""Unpacked bytes of a launch bundle zip, checked from its directory before anything is inflated (a zip bomb
+declares terabytes); the plan JSON of a 10B-parameter model is megabytes."""
+
 MAX_TIME_BUDGET_S = 86400.0
 """A search time budget of more than a day is a typo."""
 MAX_SEGMENTS = 1024

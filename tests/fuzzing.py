@@ -366,9 +366,12 @@ BUNDLE_JSON = ("manifest.json", "plan.json", "cluster.json")
 
 def bundle_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     """A bundle with one file mutated (a JSON file mutated as JSON, else cut, emptied or deleted, or a
-    file added), half the time with the manifest re-signed so the checks past the sha256s are reached."""
+    file added), half the time with the manifest re-signed so the checks past the sha256s are reached;
+    one case in five is the bundle's zip with bytes flipped or cut instead."""
     from engine.bundle import MANIFEST, check_files, open_bundle, sha256
 
+    if choose(5) == 0:
+        return zip_case(fx, choose)
     files = dict(fx.bundle_files)
     names = sorted(files)
     name = names[choose(len(names))]
@@ -408,6 +411,33 @@ def bundle_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
         return Outcome("accepted")
 
     return run, f"{name}: {said}{' (manifest re-signed)' if resign else ''}"
+
+
+def zip_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
+    """The bundle's zip with a few bytes overwritten or the end cut off, checked as `hap bundle check` does."""
+    from engine.bundle import check_bundle, zip_bytes
+
+    data = bytearray(zip_bytes(fx.bundle_files, "bundle"))
+    if choose(3) == 0:
+        cut = choose(len(data))
+        data, said = data[:cut], f"zip cut to {cut} bytes"
+    else:
+        spots = [choose(len(data)) for _ in range(1 + choose(8))]
+        for k in spots:
+            data[k] = choose(256)
+        said = f"zip bytes at {spots} overwritten"
+
+    def run() -> Outcome:
+        with tempfile.TemporaryDirectory(dir=fx.workdir) as folder:
+            path = Path(folder) / "bundle.zip"
+            path.write_bytes(bytes(data))
+            report = check_bundle(path)
+        bad = [p for p in report.problems if not one_line(p)]
+        if bad:
+            return Outcome("raw", f"bundle problem of several lines: {bad[0][:300]!r}")
+        return Outcome("accepted") if report.ok else Outcome("error", report.problems[0])
+
+    return run, said
 
 
 def cli_commands(fx: Fixtures) -> list[tuple[str, list[str]]]:

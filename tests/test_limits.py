@@ -86,6 +86,27 @@ def test_hap_export_refuses_unbalanced_run_args_and_a_nameless_out_in_one_line(t
     assert rc == 2 and "--out '' names no new folder" in err and len(err.splitlines()) == 1
 
 
+def test_a_bundle_zip_is_refused_by_its_declared_size_before_inflating(tmp_path, monkeypatch) -> None:
+    from engine import bundle
+
+    path = tmp_path / "b.zip"
+    path.write_bytes(bundle.zip_bytes({"manifest.json": b"{}" * 600, "plan.json": b"x"}, "b"))
+    assert bundle.read_zip(path)["plan.json"] == b"x"
+    monkeypatch.setattr(limits, "MAX_BUNDLE_BYTES", 1000)
+    with pytest.raises(bundle.BundleError, match=r"2 files of 1201 bytes unpacked, more than a bundle holds"):
+        bundle.read_zip(path)
+
+
+def test_a_damaged_bundle_zip_is_one_bundle_error(tmp_path) -> None:
+    from engine import bundle
+
+    data = bytearray(bundle.zip_bytes({"manifest.json": b"{" * 5000, "plan.json": b"p" * 5000}, "b"))
+    data[60:90] = b"\x00" * 30  # inside the first member's deflate stream
+    (tmp_path / "b.zip").write_bytes(bytes(data))
+    report = bundle.check_bundle(tmp_path / "b.zip")
+    assert not report.ok and "not a readable zip" in report.problems[0] and "\n" not in report.problems[0]
+
+
 # ----------------------------------------------------------------------------- cluster
 
 
