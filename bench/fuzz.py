@@ -1,12 +1,14 @@
 """Fuzz every input kind with seeded random mutations and print the outcome table of issue 17.
 
-Each case takes one of the project's own valid inputs (a sample cluster, the graph JSON of a small
-`zoo:mlp`, its plan on `cpu_4_uneven`, that plan's launch bundle, a `hap` or `hap run` command line),
-mutates it once or twice (a field deleted, a wrong type, 0, negative, NaN, infinity, 1e308, 10**12,
-a string for a number, a list duplicated or truncated, a nested object replaced) and feeds it to
-the API the CLI wraps (cluster: `load_cluster` + `plan`; graph: `Graph.from_dict` + `plan`; plan:
-`Plan.from_json` + `listing`; bundle: `check_files` and, when valid, `open_bundle`; CLI:
-`engine.cli.main` / `runner.cli.main` with torchrun stubbed out, so no process is ever started).
+Each case takes one of the project's own valid inputs (a sample cluster, the graph JSON of a tiny
+zoo model, a plan of `zoo:mlp` on `cpu_4_uneven`, that plan's launch bundle or its zip, a `hap`,
+`hap run` or `hap profile` command line), mutates it once or twice (a field deleted, a wrong type,
+0, negative, NaN, infinity, 1e308, 10**12, a string for a number, a list duplicated or truncated, a
+nested object replaced, a number at a bound, a shape, index or name changed) and feeds it to the
+API the CLI wraps (cluster: `load_cluster` + `plan`; graph: `Graph.from_dict` + `plan`; plan:
+`Plan.from_json` + `listing`; bundle: `check_files` and, when valid, `open_bundle`, or
+`check_bundle` of the zip; CLI: `engine.cli.main` and `runner.cli.main` with torchrun stubbed out,
+`runner.profile.parse_args`). No process is ever started.
 Every case runs under a SIGALRM time limit; plans get a 0.3 s search budget. The mutations and the
 outcome rules are `tests/fuzzing.py`, shared with `tests/test_fuzz.py`.
 
@@ -40,7 +42,7 @@ from tests import fuzzing  # noqa: E402  (the shared mutation code; needs the re
 
 LABELS = {"cluster": "cluster spec → `load_cluster` + `plan`", "graph": "graph JSON → `Graph.from_dict` + `plan`",
           "plan": "plan JSON → `Plan.from_json` + `listing`", "bundle": "bundle → `check_files` + `open_bundle`",
-          "cli": "CLI arguments → `hap` / `hap run` (no torchrun)"}
+          "cli": "CLI arguments → `hap` / `hap run` / `hap profile` (no process started)"}
 
 
 @dataclass

@@ -456,11 +456,14 @@ def cli_commands(fx: Fixtures) -> list[tuple[str, list[str]]]:
         ("hap", ["bundle", "check", str(fx.bundle_dir)]),
         ("run", [str(fx.plan_path), "--steps", "2", "--seed", "0", "--lr", "0.01"]),
         ("run", [str(fx.bundle_dir), "--steps", "3", "--verify"]),
+        ("profile", ["--out", "c.json", "--nproc", "2", "--sizes", "4K,64K,1M", "--matmul", "256,512",
+                     "--repeats", "3", "--warmup", "1", "--timeout", "60", "--speeds", "1,0.5"]),
     ]
 
 
 def cli_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
-    """A mutated command line of `hap` (engine.cli.main) or `hap run` (runner.cli.main, torchrun stubbed)."""
+    """A mutated command line of `hap` (engine.cli.main), `hap run` (runner.cli.main, torchrun stubbed)
+    or `hap profile` (its argument parsing only: profiling starts ranks)."""
     commands = cli_commands(fx)
     program, base = commands[choose(len(commands))]
     args, said = mutate_args(base, choose)
@@ -471,10 +474,14 @@ def run_cli(program: str, args: list[str], workdir: Path) -> Outcome:
     """Run a command line in a fresh folder under `workdir`, with no process started; classify its exit."""
     import engine.cli
     import runner.cli
+    import runner.profile
 
     err = io.StringIO()
     with tempfile.TemporaryDirectory(dir=workdir) as cwd, _no_processes(), _cwd(cwd), \
             contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        if program == "profile":
+            runner.profile.parse_args(args)
+            return Outcome("accepted")
         rc = engine.cli.main(args) if program == "hap" else runner.cli.main(args)
     lines = [line for line in err.getvalue().splitlines() if line.strip()]
     if rc == 0:

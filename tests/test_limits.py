@@ -270,3 +270,19 @@ def test_runner_options_are_bounded(args: list[str], message: str, capsys) -> No
     with pytest.raises(SystemExit) as exc:
         parse_args(["plan.json", *args])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sizes", "4K,inf"], "--sizes: payloads must be 64 bytes to 16G, got 'INF'"),
+    (["--sizes", "4K,1e30"], "--sizes: payloads must be 64 bytes to 16G"),
+    (["--nproc", "1000000"], "--nproc must be at most 1024"),
+    (["--matmul", "1000000000"], "--matmul sizes must be at most 65536"),
+    (["--repeats", "1000000000000"], "--repeats and --warmup must be at most 10000"),
+    (["--timeout", "inf"], "--timeout must be a positive number of seconds up to a week"),
+])
+def test_profiler_options_are_bounded(args: list[str], message: str, capsys) -> None:
+    from runner.profile import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--out", "c.json", *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
