@@ -6,7 +6,8 @@ Public surface (scripts rely on these names):
     engine.load_cluster(path_or_dict)
     engine.plan(model, cluster, time_budget_s=None, progress=None) -> Plan
     engine.evaluate(model, cluster, "dp-even" | "dp-proportional") -> Plan
-    engine.Plan.from_json(text_or_path)
+    engine.Plan.from_json(text_or_path)                       (validated: PlanError naming the first problem)
+    engine.validate_plan(plan_or_dict, cluster=None) -> warnings
 
 The engine never imports Streamlit and never starts a process group.
 """
@@ -16,6 +17,7 @@ from .graph import Graph, Node
 from .plan import Plan
 from .planner import evaluate, plan
 from .synthesis import SearchProgress
+from .validate import validate_plan
 
 
 def __getattr__(name: str):
@@ -28,5 +30,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["load_model", "load_cluster", "plan", "evaluate", "Plan", "Graph", "Node", "Cluster", "SearchProgress",
-           "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError", "UnsupportedOpError"]
+__all__ = ["load_model", "load_cluster", "plan", "evaluate", "validate_plan", "Plan", "Graph", "Node", "Cluster",
+           "SearchProgress", "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError", "UnsupportedOpError"]

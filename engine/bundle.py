@@ -45,6 +45,7 @@ from .errors import HapError, PlanError
 from .launch_files import (DEFAULT_IMAGE, DEFAULT_RDZV_PORT, LaunchNode, LaunchSettings, job_name, launch_node_script,
                            pytorchjob_yaml, rank_table, readme_text, slurm_script, trainjob_yaml)
 from .plan import Plan
+from .validate import validate_plan
 
 BUNDLE_SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -224,6 +225,17 @@ def find_cluster(plan: Plan, cluster: str | Path | Cluster | None) -> Cluster:
                       "pass --cluster with its spec JSON")
 
 
+def validated(plan: Plan) -> Plan:
+    """`plan` after the validator's checks (a Plan made in code has not been through Plan.from_json)."""
+    validate_plan(plan)
+    return plan
+
+
+def plan_warnings(plan: Plan, cluster: Cluster | str | Path | None) -> list[str]:
+    """The validator's warnings for `plan` on the cluster a bundle ships (the plan's predicted time re-priced)."""
+    return validate_plan(plan, find_cluster(plan, cluster))
+
+
 def export_bundle(plan: Plan | str | Path, cluster: Cluster | str | Path | None, out_dir: str | Path, *,
                   zip: bool = False, model_source: str | Path | None = None,
                   nodes: Sequence[LaunchNode] | None = None, rdzv_endpoint: str | None = None,
@@ -234,7 +246,7 @@ def export_bundle(plan: Plan | str | Path, cluster: Cluster | str | Path | None,
     `nodes` overrides the grouping of devices into nodes (default: by the cluster's machines);
     `run_args` are runner options for the Kubernetes files (the scripts take them on their command line).
     """
-    plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
+    plan = validated(plan) if isinstance(plan, Plan) else Plan.from_json(plan)
     cl = find_cluster(plan, cluster)
     files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, rdzv_endpoint=rdzv_endpoint, image=image,
                          run_args=run_args)
@@ -277,15 +289,18 @@ class BundleReport:
     problems: list[str] = field(default_factory=list)
     world_size: int | None = None
     files: int = 0
+    warnings: list[str] = field(default_factory=list)
+    """Not fatal: e.g. the plan's predicted time re-priced differently on cluster.json (engine.validate)."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def render(self) -> str:
+        warned = [f"warning: {w}" for w in self.warnings]
         if self.ok:
-            return f"bundle {self.path}: OK ({self.files} files checked, world size {self.world_size})"
-        return "\n".join([f"bundle {self.path}: INVALID"] + [f"  {p}" for p in self.problems])
+            return "\n".join(warned + [f"bundle {self.path}: OK ({self.files} files checked, world size {self.world_size})"])
+        return "\n".join(warned + [f"bundle {self.path}: INVALID"] + [f"  {p}" for p in self.problems])
 
 
 def is_bundle(path: str | Path) -> bool:
@@ -371,6 +386,11 @@ def check_files(files: dict[str, bytes], label: str) -> BundleReport:
         return report
     report.world_size = plan.world_size
     report.problems += _size_problems(files, manifest, plan)
+    if not report.problems:
+        try:  # the plan against the bundle's cluster: devices, and the predicted time re-priced
+            report.warnings += validate_plan(plan, load_cluster(json.loads(files["cluster.json"])))
+        except PlanError as e:
+            report.problems.append(f"plan.json: {e}")
     return report
 
 

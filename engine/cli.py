@@ -154,16 +154,18 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .bundle import export_bundle
+    from .bundle import export_bundle, plan_warnings
     from .plan import Plan
 
     try:
         run_args = shlex.split(args.run_args or "")
     except ValueError as e:  # e.g. an unclosed quotation mark
         raise _UsageError(f"--run-args {args.run_args!r}: {e}; quote it as one shell string") from None
-    plan = Plan.from_json(args.plan)
+    plan = Plan.from_json(args.plan)  # validated: an inconsistent plan is refused here
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
                         rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args)
+    for warning in plan_warnings(plan, args.cluster):
+        print(f"warning: {warning}", file=sys.stderr)
     manifest = json.loads((out / "manifest.json").read_text())
     print(f"bundle {out}: {plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
           f"{len(manifest['files'])} files" + (f"; zip {out.with_name(out.name + '.zip')}" if args.zip else ""))
@@ -275,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = b.add_subparsers(dest="bundle_command", required=True)
     bc = bsub.add_parser("check", help="validate a bundle without running it", epilog=BUNDLE_EXIT_CODES,
                          description="Check a bundle folder or zip: manifest, sha256 of every file, no extra or "
-                                     "missing file, plan and cluster parse, world size of the launch scripts.")
+                                     "missing file, plan and cluster parse, the plan validated against the theory and "
+                                     "re-priced on the cluster (engine.validate), world size of the launch scripts.")
     bc.add_argument("bundle", help="bundle folder or zip from `hap export`")
     bc.set_defaults(func=cmd_bundle_check)
     u = sub.add_parser("ui", help="serve the Streamlit workbench (binds 127.0.0.1 by default)")

@@ -20,6 +20,9 @@ SCHEMA_VERSION = 1
 LEAF_OPS = ("placeholder", "parameter", "buffer")
 """Leaves: model inputs, trainable parameters, and buffers (state that is not trained, e.g. position ids)."""
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "int64": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
+KNOWN_DTYPES = frozenset(_ITEMSIZE) | {"int16", "uint16", "uint32", "uint64", "complex64", "complex128",
+                                       "float8_e4m3fn", "float8_e5m2"}
+"""Element types a graph may hold (torch dtype names without the `torch.` prefix)."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,11 @@ class Node:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Node":
-        """A node from its JSON object, every field type- and bounds-checked (see `_NodeReader`)."""
-        return _NodeReader(d, "node").node()
+        return Node(id=int(d["id"]), name=str(d["name"]), op=str(d["op"]),
+                    inputs=tuple(int(i) for i in d["inputs"]), shape=tuple(int(s) for s in d["shape"]),
+                    dtype=str(d.get("dtype", "float32")), attrs=dict(d.get("attrs", {})),
+                    flops=float(d.get("flops", 0.0)), segment=int(d.get("segment", 0)),
+                    source=str(d.get("source", "")))
 
 
 @dataclass(frozen=True)
@@ -147,25 +153,21 @@ class Graph:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Graph":
-        """A graph from its JSON object; raises ModelError naming the first bad node and field."""
         if not isinstance(d, dict) or d.get("kind") != "hap.graph":
             raise ModelError("graph JSON: missing \"kind\": \"hap.graph\" (save a graph with Graph.save or `hap capture`)")
-        if d.get("schema_version") != SCHEMA_VERSION or isinstance(d.get("schema_version"), bool):
+        if d.get("schema_version") != SCHEMA_VERSION:
             raise ModelError(f"graph JSON: schema_version {d.get('schema_version')!r} is not supported (expected {SCHEMA_VERSION})")
-        raw = d.get("nodes")
-        if not isinstance(raw, list) or not raw:
-            got = "an empty list" if raw == [] else _kind(raw)
-            raise ModelError(f"graph JSON: \"nodes\" must be a non-empty list of node objects, got {got}")
-        if len(raw) > limits.MAX_NODES:
-            raise ModelError(f"graph JSON: {len(raw)} nodes, more than the limit of {limits.MAX_NODES}")
-        nodes = tuple(_NodeReader(x, f"node {i}", i, len(raw)).node() for i, x in enumerate(raw))
-        loss = d.get("loss")
-        if not _is_int(loss) or not 0 <= loss < len(nodes) or nodes[loss].shape != ():
-            raise ModelError(f"graph JSON: loss {loss!r} is not the id of a scalar node of the graph (0..{len(nodes) - 1})")
-        name, origin = d.get("name", "model"), d.get("origin", {})
-        if not isinstance(name, str) or not isinstance(origin, dict):
-            raise ModelError("graph JSON: \"name\" must be a string and \"origin\" an object")
-        return Graph(nodes=nodes, loss=loss, name=name, origin=origin)
+        return Graph.from_checked_dict(d, "graph JSON: ")
+
+    @staticmethod
+    def from_checked_dict(d: dict[str, Any], where: str) -> "Graph":
+        """The graph of dict `d` after `check_graph_dict` (errors prefixed by `where`, e.g. `plan: graph.`)."""
+        check_graph_dict(d, where)
+        try:
+            nodes = tuple(Node.from_dict(x) for x in d["nodes"])
+            return Graph(nodes=nodes, loss=d["loss"], name=str(d.get("name", "model")), origin=dict(d.get("origin", {})))
+        except (KeyError, TypeError, ValueError, AssertionError) as e:  # check_graph_dict should have said why
+            raise ModelError(f"{where}malformed node list ({type(e).__name__}: {e})") from None
 
     @staticmethod
     def load(path: str | Path) -> "Graph":
@@ -181,113 +183,98 @@ class Graph:
         return Graph.from_dict(d)
 
 
-def _is_int(value: Any) -> bool:
-    """True for an int that is not a bool."""
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _kind(value: Any) -> str:
-    """JSON-ish name of a value's type, for messages."""
-    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
+def check_graph_dict(d: dict[str, Any], where: str = "graph JSON: ") -> None:
+    """Refuse a malformed graph dict with a ModelError naming the first bad field by its JSON path
+    (`nodes[3].inputs[0]`): node ids in order, references to earlier nodes only (topological),
+    non-negative integer shapes, known dtypes, finite non-negative flops, unique names, and a
+    scalar loss node. `load_model` on a graph JSON and every plan (its embedded graph) run it."""
+    nodes = d.get("nodes")
+    if not isinstance(nodes, list):
+        raise ModelError(f"{where}nodes must be a list of nodes, got {type(nodes).__name__} (save a graph with Graph.save or `hap capture`)")
+    if not nodes:
+        raise ModelError(f"{where}nodes is empty: a graph holds at least its loss node")
+    if len(nodes) > limits.MAX_NODES:
+        raise ModelError(f"{where}nodes has {len(nodes)} nodes, more than the limit of {limits.MAX_NODES}")
+    names: dict[str, int] = {}
+    for i, x in enumerate(nodes):
+        _check_node_dict(x, i, f"{where}nodes[{i}]", names)
+        _check_node_bounds(x, f"{where}nodes[{i}]", len(nodes))
+    loss = d.get("loss")
+    if not _is_int(loss) or not 0 <= loss < len(nodes):
+        raise ModelError(f"{where}loss = {loss!r} is not a node id (0..{len(nodes) - 1}); it must name the scalar loss node")
+    if nodes[loss]["shape"] != []:
+        raise ModelError(f"{where}loss = {loss} names node '{nodes[loss]['name']}' of shape {nodes[loss]['shape']}, "
+                         "not a scalar; the loss must be a scalar node")
+    for key, kind in (("name", str), ("origin", dict)):
+        if key in d and not isinstance(d[key], kind):
+            raise ModelError(f"{where}{key} must be a {kind.__name__}, got {type(d[key]).__name__}")
 
 
-class _NodeReader:
-    """Reads one node object of a graph JSON, naming the node and the field in every error."""
+def _check_node_dict(x: Any, i: int, path: str, names: dict[str, int]) -> None:
+    """One node of `check_graph_dict`; `names` collects the names seen so far."""
+    if not isinstance(x, dict):
+        raise ModelError(f"{path} must be a node object, got {type(x).__name__}")
+    for key in ("id", "name", "op", "inputs", "shape"):
+        if key not in x:
+            raise ModelError(f"{path}.{key} is missing (every node has id, name, op, inputs and shape)")
+    if not _is_int(x["id"]) or x["id"] != i:
+        raise ModelError(f"{path}.id = {x['id']!r} but node ids must be 0..n-1 in list order (expected {i})")
+    for key in ("name", "op", "source"):
+        if key in x and (not isinstance(x[key], str) or (key != "source" and not x[key])):
+            raise ModelError(f"{path}.{key} must be a non-empty string, got {x[key]!r}")
+    if x["name"] in names:
+        raise ModelError(f"{path}.name '{x['name']}' is also the name of node {names[x['name']]}; node names must be unique")
+    names[x["name"]] = i
+    if not isinstance(x["inputs"], list):
+        raise ModelError(f"{path}.inputs must be a list of node ids, got {type(x['inputs']).__name__}")
+    for k, j in enumerate(x["inputs"]):
+        if not _is_int(j) or not 0 <= j < i:
+            raise ModelError(f"{path}.inputs[{k}] = {j!r} is not an earlier node (ids 0..{i - 1}): "
+                             "nodes are in topological order and refer to earlier nodes only")
+    if not isinstance(x["shape"], list) or not all(_is_int(s) and s >= 0 for s in x["shape"]):
+        raise ModelError(f"{path}.shape = {x['shape']!r} must be a list of non-negative integers")
+    if not isinstance(x.get("dtype", "float32"), str) or x.get("dtype", "float32") not in KNOWN_DTYPES:
+        raise ModelError(f"{path}.dtype = {x.get('dtype')!r} is not a known dtype ({', '.join(sorted(KNOWN_DTYPES))})")
+    flops = x.get("flops", 0.0)
+    if not isinstance(flops, (int, float)) or isinstance(flops, bool) or not math.isfinite(flops) or flops < 0:
+        raise ModelError(f"{path}.flops = {flops!r} must be a finite non-negative number")
+    if not _is_int(x.get("segment", 0)) or x.get("segment", 0) < 0:
+        raise ModelError(f"{path}.segment = {x.get('segment')!r} must be a non-negative integer")
+    if not isinstance(x.get("attrs", {}), dict):
+        raise ModelError(f"{path}.attrs must be an object, got {type(x['attrs']).__name__}")
 
-    def __init__(self, d: Any, where: str, position: int | None = None, count: int | None = None) -> None:
-        if not isinstance(d, dict):
-            raise ModelError(f"graph JSON: {where}: must be an object, got {_kind(d)}")
-        self.d, self.where, self.position, self.count = d, where, position, count
-        name = d.get("name")
-        if isinstance(name, str) and name:
-            self.where = f"{where} ({name!r})"
 
-    def fail(self, field: str, why: str) -> ModelError:
-        """The error for a bad field of this node."""
-        return ModelError(f"graph JSON: {self.where}: \"{field}\" {why}")
+def _check_node_bounds(x: dict[str, Any], path: str, count: int) -> None:
+    """The sane ranges of `engine.limits` on one (type-checked) node: rank, elements, flops, segment and
+    the numbers in attrs, so that every cost the engine derives from the node stays a finite float."""
+    shape = x["shape"]
+    if len(shape) > limits.MAX_RANK or math.prod(shape) > limits.MAX_NUMEL:
+        raise ModelError(f"{path}.shape = {shape!r} has {len(shape)} dims and {math.prod(shape):.3g} elements; "
+                         f"the limits are {limits.MAX_RANK} dims and 2**48 elements")
+    if x.get("flops", 0.0) > limits.MAX_NODE_FLOPS:
+        raise ModelError(f"{path}.flops = {x['flops']!r} is above the limit {limits.MAX_NODE_FLOPS:g}")
+    if x.get("segment", 0) >= count:
+        raise ModelError(f"{path}.segment = {x['segment']!r} but a graph of {count} nodes has segments 0..{count - 1}")
+    _check_attr_bounds(x.get("attrs", {}), f"{path}.attrs", 0)
 
-    def text(self, field: str, default: str | None = None, allow_empty: bool = True) -> str:
-        """A string field."""
-        value = self.d.get(field, default)
-        if value is None:
-            raise self.fail(field, "is missing")
-        if not isinstance(value, str) or (not allow_empty and not value):
-            raise self.fail(field, f"must be a{'' if allow_empty else ' non-empty'} string, got {_kind(value)}")
-        return value
 
-    def integer(self, field: str, low: int, high: int, default: int | None = None) -> int:
-        """An integer field in [low, high]."""
-        value = self.d.get(field, default)
-        if value is None:
-            raise self.fail(field, "is missing")
-        if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
-            value = int(value)
-        if not _is_int(value) or not low <= value <= high:
-            raise self.fail(field, f"must be an integer in {low}..{high}, got {value!r}")
-        return value
-
-    def int_list(self, field: str, low: int, high: int, max_len: int) -> tuple[int, ...]:
-        """A list of integers, each in [low, high]."""
-        value = self.d.get(field)
-        if not isinstance(value, list):
-            raise self.fail(field, f"must be a list of integers, got {_kind(value) if field in self.d else 'nothing'}")
-        if len(value) > max_len:
-            raise self.fail(field, f"has {len(value)} entries, more than {max_len}")
-        for k, x in enumerate(value):
-            if high < low:
-                raise self.fail(field, f"must be empty here, got {value!r}: a node uses only earlier nodes")
-            if not _is_int(x) or not low <= x <= high:
-                raise self.fail(field, f"[{k}] must be an integer in {low}..{high}, got {x!r}")
-        return tuple(value)
-
-    def flops(self) -> float:
-        """Forward flops: a finite number in [0, MAX_NODE_FLOPS]."""
-        value = self.d.get("flops", 0.0)
-        if not limits.in_range(value, 0, limits.MAX_NODE_FLOPS):
-            raise self.fail("flops", f"must be a number in [0, {limits.MAX_NODE_FLOPS:g}], got {value!r}")
-        return float(value)
-
-    def attrs(self) -> dict[str, Any]:
-        """Non-tensor arguments: an object of JSON values, numbers bounded, nesting shallow."""
-        value = self.d.get("attrs", {})
-        if not isinstance(value, dict):
-            raise self.fail("attrs", f"must be an object, got {_kind(value)}")
-        self._check_attr(value, "attrs", 0)
-        return value
-
-    def _check_attr(self, value: Any, path: str, depth: int) -> None:
-        if depth > limits.MAX_ATTR_DEPTH:
-            raise self.fail(path, f"nests deeper than {limits.MAX_ATTR_DEPTH} levels")
-        if isinstance(value, dict):
-            for k, v in value.items():
-                self._check_attr(v, f"{path}.{k}", depth + 1)
-        elif isinstance(value, list):
-            for k, v in enumerate(value):
-                self._check_attr(v, f"{path}[{k}]", depth + 1)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            if math.isfinite(value) and abs(value) > limits.MAX_ATTR_NUMBER:
-                raise self.fail(path, f"{value!r} is beyond +-2**53")
-
-    def shape(self) -> tuple[int, ...]:
-        """Output shape: at most MAX_RANK non-negative dims whose product is at most MAX_NUMEL."""
-        shape = self.int_list("shape", 0, limits.MAX_NUMEL, limits.MAX_RANK)
-        if math.prod(shape) > limits.MAX_NUMEL:
-            raise self.fail("shape", f"{list(shape)} has {math.prod(shape):.3g} elements, more than 2**48")
-        return shape
-
-    def node(self) -> Node:
-        """The checked node; ids are positions, inputs name earlier nodes."""
-        position = self.position
-        top = limits.MAX_NODES if position is None else position
-        node_id = self.integer("id", 0, top)
-        if position is not None and node_id != position:
-            raise self.fail("id", f"is {node_id} but the node is at position {position}; ids must be 0..n-1 in order")
-        segments = limits.MAX_NODES if self.count is None else self.count - 1
-        return Node(id=node_id, name=self.text("name", allow_empty=False), op=self.text("op", allow_empty=False),
-                    inputs=self.int_list("inputs", 0, node_id - 1, 4096), shape=self.shape(),
-                    dtype=self.text("dtype", "float32", allow_empty=False), attrs=self.attrs(), flops=self.flops(),
-                    segment=self.integer("segment", 0, segments, 0), source=self.text("source", ""))
+def _check_attr_bounds(value: Any, path: str, depth: int) -> None:
+    """Attrs nest at most MAX_ATTR_DEPTH levels and hold numbers of magnitude at most 2**53."""
+    if depth > limits.MAX_ATTR_DEPTH:
+        raise ModelError(f"{path} nests deeper than {limits.MAX_ATTR_DEPTH} levels")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_attr_bounds(v, f"{path}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for k, v in enumerate(value):
+            _check_attr_bounds(v, f"{path}[{k}]", depth + 1)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if math.isfinite(value) and abs(value) > limits.MAX_ATTR_NUMBER:
+            raise ModelError(f"{path} = {value!r} is beyond +-2**53")
 
 
 def itemsize(dtype: str) -> int:

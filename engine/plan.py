@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .cost import Breakdown
-from .errors import PlanError
+from .errors import ModelError, PlanError
 from .graph import Graph
 from .program import COMPUTE, Instruction
 from .segments import Segmentation, instruction_segments, source_segments
@@ -47,6 +47,15 @@ def shard_units(program: tuple[Instruction, ...], graph: Graph, seg: Segmentatio
     linked class shares `units = gcd(sizes)`; a dim of size s then moves in steps of s / units.
     A collective links nothing: its result is a new layout (a resplit's in the next segment).
     """
+    units: dict[ShardKey, int] = {}
+    for members in shard_classes(program, graph, seg):
+        g = math.gcd(*[graph[t].shape[d] for t, d, _ in members])
+        units.update({m: g for m in members})
+    return units
+
+
+def shard_classes(program: tuple[Instruction, ...], graph: Graph, seg: Segmentation | None = None) -> list[list[ShardKey]]:
+    """The sharded (tensor, dim, segment)s of the program grouped into classes of linked dims (see `shard_units`)."""
     seg = seg or Segmentation.single(graph)
     parent: dict[ShardKey, ShardKey] = {}
 
@@ -69,11 +78,7 @@ def shard_units(program: tuple[Instruction, ...], graph: Graph, seg: Segmentatio
     classes: dict[ShardKey, list[ShardKey]] = {}
     for d in list(parent):
         classes.setdefault(find(d), []).append(d)
-    units: dict[ShardKey, int] = {}
-    for members in classes.values():
-        g = math.gcd(*[graph[t].shape[d] for t, d, _ in members])
-        units.update({m: g for m in members})
-    return units
+    return list(classes.values())
 
 
 def shard_sizes(program: tuple[Instruction, ...], graph: Graph, ratios: list[list[float]],
@@ -195,19 +200,34 @@ class Plan:
 
     @staticmethod
     def from_dict(d: dict[str, Any]) -> "Plan":
+        """Parse and validate a plan dict (engine.validate, checks 1-4); PlanError naming the first problem."""
         if not isinstance(d, dict) or d.get("kind") != "hap.plan":
             raise PlanError("not a plan: missing \"kind\": \"hap.plan\" (make one with `hap plan`)")
         if d.get("schema_version") != PLAN_SCHEMA_VERSION:
             raise PlanError(f"plan schema_version {d.get('schema_version')!r} is not supported (expected {PLAN_SCHEMA_VERSION})")
+        from .validate import check_plan, check_plan_dict  # the validator reads plans: imported when used
+
+        check_plan_dict(d)
+        plan = Plan._build(d)
+        check_plan(plan, d["model"]["fingerprint"])
+        return plan
+
+    @staticmethod
+    def _build(d: dict[str, Any]) -> "Plan":
+        """The Plan of a dict that passed `check_plan_dict` (no consistency checks)."""
         try:
-            return Plan(strategy=d["strategy"], graph=Graph.from_dict(d["graph"]), cluster_name=d["cluster"]["name"],
+            graph = Graph.from_checked_dict(d["graph"], "plan: graph.")
+        except ModelError as e:
+            raise PlanError(f"{e}; regenerate the plan with `hap plan`") from None
+        try:
+            return Plan(strategy=d["strategy"], graph=graph, cluster_name=d["cluster"]["name"],
                         cluster_fingerprint=d["cluster"]["fingerprint"], device_names=list(d["cluster"]["devices"]),
                         program=tuple(Instruction.from_dict(x) for x in d["program"]), ratios=d["ratios"],
                         shard_sizes=d["shard_sizes"], predicted_time_s=float(d["predicted_time_s"]),
                         stages=[StageRecord(**s) for s in d["stages"]], memory_bytes=list(d["memory_bytes"]),
                         history=list(d.get("history", [])), search=dict(d.get("search", {})),
                         segment_of=[int(k) for k in d.get("segments", [])])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AssertionError) as e:
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
 
     @staticmethod

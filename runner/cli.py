@@ -6,7 +6,14 @@ is one rank: it runs `runner.launch` in-process. Otherwise it starts
     python -m torch.distributed.run --standalone --nproc-per-node=<plan world size> -m runner.launch ...
 
 on this machine, relays its output, and returns its exit status. When a rank crashes or is
-killed, torchrun stops the others and fails; this command then names the rank that failed first.
+killed, torchrun stops the others and fails; this command then prints first one line naming the
+rank that failed first with its exception (`hap run: rank 3 failed: ValueError: ...`, from the
+ranks' error records, runner.failure), and names the log file holding every rank's traceback.
+Tracebacks are not relayed as they come: from the first one on, the output goes to that log.
+
+The plan is validated (engine.validate) before torchrun starts: an inconsistent plan exits with
+status 2 and one line naming the problem; a bundle's plan is also re-priced on its cluster.json
+(`warning: ...` when the prediction moved).
 SIGTERM or SIGHUP to this command (a scheduler cancelling the job) is relayed to torchrun, which
 stops every rank; the command then exits with 128 + the signal number.
 
@@ -23,14 +30,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 from engine.errors import HapError
 from engine.plan import Plan
+from engine.validate import validate_plan
 
 from . import launch
+from .failure import ERRORS_ENV, read_failures, write_log
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -87,32 +97,77 @@ def forward_stop_signals(proc: subprocess.Popen, stopped: list[int]) -> dict[int
     return {signum: signal.signal(signum, relay) for signum in STOP_SIGNALS}
 
 
+class StderrRelay:
+    """Relays torchrun's stderr as it comes until a traceback starts; keeps every line for the log."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.held: list[str] = []
+
+    def feed(self, line: str) -> None:
+        self.lines.append(line)
+        if not self.held and not line.startswith(TRACEBACK_START):
+            sys.stderr.write(line)
+        else:
+            self.held.append(line)
+
+    def release(self) -> None:
+        """Write the held lines after all (the run did not fail: nothing to report them in)."""
+        sys.stderr.write("".join(self.held))
+        self.held = []
+
+
+TRACEBACK_START = "Traceback (most recent call last)"
+
+
+def failure_report(returncode: int, errors: str, output: str, command: str = "hap run") -> list[str]:
+    """First the one line naming the first failed rank and its exception, then where the tracebacks are.
+
+    The first failure is the earliest record, unless the rank torchrun saw fail first left none: it
+    died without an exception (a signal, an exit), and the others' records are only its echo
+    (connection closed by peer), so torchrun's rank and exit code are the news."""
+    found = read_failures(errors)
+    root = failed_rank(output)
+    if found and (root is None or any(r.rank == root[0] for r in found)):
+        head = found[0].headline(command)
+    else:
+        head = describe_failure(returncode, output, command)
+    log = write_log(errors, found, output)
+    return [head, f"{command}: every rank's traceback and torchrun's output are in {log}"]
+
+
 def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.launch", command: str = "hap run") -> int:
     """Start torchrun with `-m module argv`, relay its output, and explain a failure by naming the rank."""
-    proc = subprocess.Popen(torchrun_command(world_size, argv, module), env=child_env(), stderr=subprocess.PIPE,
+    errors = tempfile.mkdtemp(prefix=command.replace(" ", "-") + "-")
+    env = {**child_env(), ERRORS_ENV: errors}
+    proc = subprocess.Popen(torchrun_command(world_size, argv, module), env=env, stderr=subprocess.PIPE,
                             text=True, bufsize=1)
-    tail: list[str] = []
+    relay = StderrRelay()
     stopped: list[int] = []
     previous = forward_stop_signals(proc, stopped)
     try:
         for line in proc.stderr:  # type: ignore[union-attr]
-            sys.stderr.write(line)
-            tail = (tail + [line])[-200:]
+            relay.feed(line)
         returncode = proc.wait()
     except KeyboardInterrupt:
         proc.send_signal(signal.SIGINT)
         proc.wait()
+        relay.release()
+        shutil.rmtree(errors, ignore_errors=True)
         raise
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if returncode == 0 or stopped:
+        relay.release()
+        shutil.rmtree(errors, ignore_errors=True)
     if stopped:
         name = signal.Signals(stopped[0]).name
         print(f"{command}: stopped by {name}; torchrun stopped every rank (exit status {returncode})",
               file=sys.stderr, flush=True)
         return 128 + stopped[0]
     if returncode != 0:
-        print(describe_failure(returncode, "".join(tail), command), file=sys.stderr, flush=True)
+        print("\n".join(failure_report(returncode, errors, "".join(relay.lines), command)), file=sys.stderr, flush=True)
     return returncode
 
 
@@ -122,15 +177,19 @@ def main(argv: Sequence[str]) -> int:
         launch.exit_process(launch.main(argv))
     scratch = None
     try:
-        plan_path, _, scratch = launch.open_source(cfg.plan)
+        plan_path, opened, scratch = launch.open_source(cfg.plan)
         source = str(Path(plan_path).parent) if scratch else cfg.plan  # the ranks run the extracted folder
-        world_size = Plan.from_json(plan_path).world_size
+        plan = Plan.from_json(plan_path)  # validated (engine.validate): an inconsistent plan stops here
+        world_size = plan.world_size
+        warnings = validate_plan(plan, opened.cluster) if opened else []
         launch.check_inputs(dataclasses.replace(cfg, plan=source), world_size)
     except (HapError, ValueError, OSError) as e:
         print(f"hap run: error: {e}", file=sys.stderr)
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
         return 2
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
     sys.stdout.flush()
     try:
         return run_torchrun(world_size, with_source(argv, cfg.plan, source))

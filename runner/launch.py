@@ -25,9 +25,13 @@ parameter slices, restore a checkpoint (`--resume`), train (saving sharded check
 `--checkpoint-dir/--checkpoint-every`, see runner.checkpoint), write metrics, optionally verify
 against single-device training on rank 0.
 
+A rank that fails writes its exception (type, message, traceback) to the folder `hap run` gives it
+(runner.failure) before it leaves the process group, so `hap run` can name the first failure.
+
 Fault injection (for tests of failure handling): `HAP_RUNNER_FAULT=RANK:STEP` makes rank RANK
 exit with status 1 at the start of step STEP, without any cleanup, as a crashed process would;
-`HAP_RUNNER_FAULT=RANK:STEP:kill` makes it SIGKILL itself instead.
+`HAP_RUNNER_FAULT=RANK:STEP:kill` makes it SIGKILL itself instead, and `RANK:STEP:raise` raise
+a RuntimeError (an exception in the training code).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -52,6 +57,7 @@ from engine.errors import HapError
 from engine.plan import Plan
 
 from . import checkpoint
+from .failure import record_failure
 from .timing import Pacer, parse_speeds
 from .train import GRAD_SYNC, RankState, make_batch, setup_rank, train_step
 from .verify import verify
@@ -352,11 +358,14 @@ class MetricsFile:
 
 def maybe_inject_fault(rank: int, step: int) -> None:
     spec = os.environ.get(FAULT_ENV, "")
-    kill = spec.endswith(":kill")
-    if not spec or spec.removesuffix(":kill") != f"{rank}:{step}":
+    parts = spec.split(":")
+    if not spec or parts[:2] != [str(rank), str(step)]:
         return
-    print(f"rank {rank}: {FAULT_ENV}={spec}: {'SIGKILL' if kill else 'exit(1)'} at step {step}", file=sys.stderr, flush=True)
-    if kill:
+    how = parts[2] if len(parts) > 2 else "exit"
+    if how == "raise":
+        raise RuntimeError(f"{FAULT_ENV}={spec}: injected fault in rank {rank} at step {step}")
+    print(f"rank {rank}: {FAULT_ENV}={spec}: {'SIGKILL' if how == 'kill' else 'exit(1)'} at step {step}", file=sys.stderr, flush=True)
+    if how == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(1)
 
@@ -425,6 +434,7 @@ def run(cfg: RunConfig, env: DistEnv, init_method: str | None = None) -> int:
     try:
         inputs = check_inputs(cfg, env.world_size, env)
     except (HapError, ValueError, OSError) as e:
+        record_failure(env.rank, e)
         print(f"hap run: error: {e}", file=sys.stderr)
         return 2
     try:
@@ -442,6 +452,7 @@ def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str |
             return 2
         metrics = MetricsFile(cfg.metrics, env.rank, keep_before=inputs.start_step)
     except (HapError, ValueError, OSError) as e:
+        record_failure(env.rank, e)
         print(f"hap run: error: {e}", file=sys.stderr)
         return 2
     if device.type == "cpu":
@@ -455,8 +466,12 @@ def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str |
         st = train(plan, cfg, env, device, metrics, inputs.start_step)
         return verify(plan, cfg, st, env.rank, device)
     except checkpoint.CheckpointError as e:
+        record_failure(env.rank, e)
         print(f"hap run: error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
         return 2
+    except Exception as e:
+        record_failure(env.rank, e)  # before the process group goes: the other ranks fail after this one
+        raise
     finally:
         metrics.close()
         dist.destroy_process_group()
@@ -469,7 +484,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         print(f"hap run: error: {e}", file=sys.stderr)
         return 2
-    return run(cfg, env)
+    try:
+        return run(cfg, env)
+    except Exception as e:  # the rank's top-level handler: record it for `hap run`, print it, exit 1
+        record_failure(env.rank, e)
+        traceback.print_exc()
+        return 1
 
 
 def exit_process(status: int) -> None:
