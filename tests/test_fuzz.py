@@ -8,7 +8,6 @@ every run, and the bench explores.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
@@ -20,8 +19,6 @@ CASE_TIMEOUT_S = 30.0
 """A case past this is a hang (plans run with a 0.3 s budget; a slow shared CI core is allowed for)."""
 EXAMPLES = {"cluster": 60, "graph": 60, "plan": 60, "bundle": 60, "cli": 40}
 
-_VALIDATOR = importlib.util.find_spec("engine.validate") is not None
-
 
 @pytest.fixture(scope="module")
 def fx(tmp_path_factory):
@@ -32,11 +29,7 @@ def _chooser(data: st.DataObject):
     return lambda n: data.draw(st.integers(0, n - 1))
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param(k, marks=pytest.mark.xfail(not _VALIDATOR and k in ("plan", "bundle"), strict=False,
-                                            reason="plan JSON (also inside bundles) is checked by engine.validate "
-                                                   "(issue 17 item 1), on its own branch until merged"))
-    for k in KINDS])
+@pytest.mark.parametrize("kind", KINDS)
 def test_mutated_input_is_refused_with_one_typed_line_or_accepted(fx, kind: str) -> None:
     @settings(max_examples=EXAMPLES[kind], deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
