@@ -21,7 +21,10 @@ Run from the repository root:
     PYTHONPATH=. python bench/fuzz.py                         # 1000 cases of each kind (a few minutes)
     PYTHONPATH=. python bench/fuzz.py --cases 200 --kind cluster --kind graph
     PYTHONPATH=. python bench/fuzz.py --seed 7 --timeout 20   # other cases, a longer hang limit
-    PYTHONPATH=. python bench/fuzz.py --json bench/results/fuzz.json
+
+It prints the table and every distinct raw exception or hang with the mutations that produce it
+(replay case i of a kind with `random.Random(f"{seed}/{kind}/{i}")`), and writes the same to
+`bench/results/fuzz.json` (`--json FILE` to change).
 """
 from __future__ import annotations
 
@@ -36,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the engine, and the mutation code shared with tests/test_fuzz.py
 
-from tests import fuzzing  # noqa: E402  (the shared mutation code; needs the repository root on the path)
+import fuzzing  # noqa: E402  (tests/fuzzing.py, imported as pytest imports it)
 
 LABELS = {"cluster": "cluster spec → `load_cluster` + `plan`", "graph": "graph JSON → `Graph.from_dict` + `plan`",
           "plan": "plan JSON → `Plan.from_json` + `listing`", "bundle": "bundle → `check_files` + `open_bundle`",
@@ -96,7 +99,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--kind", action="append", choices=fuzzing.KINDS, help="input kind to fuzz (repeatable; default all)")
     p.add_argument("--seed", type=int, default=0, help="seed of the mutations (default 0)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds after which a case counts as a hang (default 10)")
-    p.add_argument("--json", metavar="FILE", help="also write the counts and the bugs found as JSON")
+    p.add_argument("--json", metavar="FILE", default=str(ROOT / "bench" / "results" / "fuzz.json"),
+                   help="where to write the counts and the bugs found as JSON (default bench/results/fuzz.json)")
     return p.parse_args(argv)
 
 
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(bug_list(reports))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is git-ignored
         Path(args.json).write_text(json.dumps({"seed": args.seed, "cases": args.cases, "kinds": {
             r.kind: {"counts": dict(r.counts), "seconds": r.seconds, "bugs": r.bugs} for r in reports}}, indent=1))
     return 0
