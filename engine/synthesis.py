@@ -357,8 +357,8 @@ class _Search:
             # takes milliseconds, so checking every 64th could overrun a short budget several times
             if self.budget is not None and time.perf_counter() - start > self.budget:
                 optimal = False
-                if self.best is not None:
-                    break
+                if self.best is not None or self.incumbent is not None:
+                    break  # out of time with a program in hand (the incumbent counts): return it
                 if not self.greedy:
                     self._go_greedy()
             if self.expanded % 64 == 0 and self.expanded % self.report_every == 0:
