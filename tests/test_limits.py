@@ -289,3 +289,18 @@ def test_profiler_options_are_bounded(args: list[str], message: str, capsys) -> 
     with pytest.raises(SystemExit) as exc:
         parse_args(["--out", "c.json", *args])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_search_out_of_time_returns_its_incumbent_after_one_expansion() -> None:
+    """The time budget is honoured however large the search: with a program in hand (the Q<->B loop's
+    previous Q, or a baseline) an expired search stops at once instead of diving for a new one."""
+    from engine.cost import CostModel
+    from engine.planner import data_parallel_space
+    from engine.synthesis import synthesize
+
+    graph = mse_graph()
+    cm = CostModel(graph, load_cluster(cluster_dict([1e12, 5e11])), [2 / 3, 1 / 3], "adam")
+    dp = synthesize(graph, cm, space=data_parallel_space(graph)).program
+    result = synthesize(graph, cm, time_budget_s=1e-9, incumbent=dp)
+    assert result.program == dp and not result.optimal and result.expanded == 1
+    assert synthesize(graph, cm, time_budget_s=1e-9).expanded > 1  # no incumbent: it dives to finish one
