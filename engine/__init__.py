@@ -21,5 +21,16 @@ from .planner import evaluate, plan
 from .synthesis import SearchProgress
 from .validate import validate_plan
 
+
+def __getattr__(name: str):
+    """`engine.load_model` is imported on first use: it needs torch, which takes seconds to import, and
+    checking a cluster file or a command line must not wait for it."""
+    if name == "load_model":
+        from .capture import load_model
+
+        return load_model
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
+
 __all__ = ["load_model", "load_cluster", "plan", "evaluate", "validate_plan", "Plan", "Graph", "Node", "Cluster",
            "SearchProgress", "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError", "UnsupportedOpError"]

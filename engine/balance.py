@@ -19,6 +19,7 @@ Every term is linear in B (see `engine.cost`), so this is an LP. PuLP models it;
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ import pulp
 
 from .cluster import Cluster
 from .cost import CostModel, Stage, class_work, device_classes, replay
-from .errors import InfeasibleError
+from .errors import InfeasibleError, PlanError
 from .graph import Graph
 from .program import Instruction
 from .segments import Segmentation
@@ -92,6 +93,7 @@ def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *,
     probe = CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices, optimizer, segmentation)
     stages, mems = replay(program, probe)
     classes = device_classes(cluster, None, optimizer)
+    _check_finite(stages, mems, classes)
     prob = pulp.LpProblem("hap_sharding_ratios", pulp.LpMinimize)
     B = [_ratio_vars(prob, classes, k) for k in range(len(mems))]
     M = [_max_ratio(prob, row, k) for k, row in enumerate(B)]
@@ -105,6 +107,21 @@ def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *,
     if pulp.LpStatus[prob.status] != "Optimal" or prob.sol_status not in (pulp.LpSolutionOptimal,):
         raise _memory_error(cluster, classes, mems)
     return BalanceResult([_device_ratios(cluster, classes, row) for row in B], float(pulp.value(prob.objective)), name)
+
+
+def _check_finite(stages: list[Stage], mems, classes) -> None:
+    """Refuse an LP with an infinite or NaN coefficient (PuLP would fail with an untyped PulpError),
+    naming where it comes from; the bounds of `engine.limits` on every input keep this from happening."""
+    rows = [(f"stage {i} ({st.direction} {st.comm or 'compute'})", (st.comm_const, st.comm_per_max_ratio, *st.work))
+            for i, st in enumerate(stages)]
+    rows += [(f"memory of segment {k}", tuple(m)) for k, m in enumerate(mems)]
+    rows += [(f"device class {c}", (cls.flops, cls.memory_bytes, cls.full_param_s_per_byte, cls.sharded_param_s_per_byte,
+                                    cls.activation_s_per_byte)) for c, cls in enumerate(classes)]
+    for where, numbers in rows:
+        bad = next((x for x in numbers if not math.isfinite(x)), None)
+        if bad is not None:
+            raise PlanError(f"load balancer: {where} has a non-finite coefficient ({bad}); a cluster rate or a "
+                            "node's flops or shape is out of range (see engine/limits.py)")
 
 
 def _device_ratios(cluster: Cluster, classes, row: list[pulp.LpVariable]) -> list[float]:

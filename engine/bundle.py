@@ -33,11 +33,13 @@ import platform
 import re
 import stat
 import zipfile
+import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Any, Sequence
 
+from . import limits
 from .cluster import Cluster, load_cluster
 from .errors import HapError, PlanError
 from .launch_files import (DEFAULT_IMAGE, DEFAULT_RDZV_PORT, LaunchNode, LaunchSettings, job_name, launch_node_script,
@@ -101,7 +103,7 @@ def check_runnable(plan: Plan, cluster: Cluster) -> None:
 
 
 def _short(names: Sequence[str]) -> str:
-    return "[" + ", ".join(names[:4]) + (", ..." if len(names) > 4 else "") + f"] ({len(names)})"
+    return "[" + ", ".join(map(str, names[:4])) + (", ..." if len(names) > 4 else "") + f"] ({len(names)})"
 
 
 def _family(name: str) -> list[str]:
@@ -272,6 +274,8 @@ def export_bundle(plan: Plan | str | Path, cluster: Cluster | str | Path | None,
     files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, rdzv_endpoint=rdzv_endpoint, image=image,
                          run_args=run_args)
     out = Path(out_dir)
+    if not out.name:  # '', '.' or '/': the bundle (and its zip) needs a folder name of its own
+        raise BundleError(f"--out {str(out_dir)!r} names no new folder: give one, e.g. --out bundle")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise BundleError(f"--out {out} exists and is not an empty folder: choose a new folder")
     for name, data in files.items():
@@ -346,13 +350,20 @@ def read_zip(path: str | Path) -> dict[str, bytes]:
     try:
         with zipfile.ZipFile(path) as z:
             infos = [i for i in z.infolist() if not i.is_dir()]
+            declared = sum(i.file_size for i in infos)
+            if len(infos) > limits.MAX_BUNDLE_FILES or declared > limits.MAX_BUNDLE_BYTES:
+                raise BundleError(f"{path}: {len(infos)} files of {declared} bytes unpacked, more than a bundle holds "
+                                  f"({limits.MAX_BUNDLE_FILES} files, {limits.MAX_BUNDLE_BYTES} bytes); refusing the zip")
             for info in infos:
                 why = unsafe_member(info)
                 if why:
                     raise BundleError(f"{path}: {why}; refusing the whole zip")
             data = {i.filename: z.read(i) for i in infos}
-    except (zipfile.BadZipFile, OSError) as e:
-        raise BundleError(f"{path}: not a readable zip: {e}") from None
+    except BundleError:
+        raise
+    except (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError, ValueError) as e:
+        # a damaged or foreign zip: a bad header, corrupt deflate data, an unsupported method or version
+        raise BundleError(f"{path}: not a readable zip: {type(e).__name__}: {' '.join(str(e).split())}") from None
     tops = {n.split("/", 1)[0] for n in data}
     if len(tops) == 1 and all("/" in n for n in data):
         data = {n.split("/", 1)[1]: b for n, b in data.items()}
@@ -412,7 +423,7 @@ def _file_problems(files: dict[str, bytes], listed: dict[str, Any]) -> list[str]
     for name in sorted(listed):
         if name not in files:
             problems.append(f"missing file: {name} (listed in {MANIFEST})")
-        elif sha256(files[name]) != listed[name].get("sha256"):
+        elif not isinstance(listed[name], dict) or sha256(files[name]) != listed[name].get("sha256"):
             problems.append(f"changed file: {name} (sha256 differs from {MANIFEST})")
     for name in sorted(set(files) - set(listed) - {MANIFEST}):
         problems.append(f"extra file: {name} (not in {MANIFEST})")
@@ -429,9 +440,11 @@ def _size_problems(files: dict[str, bytes], manifest: dict[str, Any], plan: Plan
     out = []
     if manifest.get("world_size") != w:
         out.append(f"{MANIFEST}: world_size {manifest.get('world_size')} but plan.json has {w} devices")
-    nodes = manifest.get("nodes", [])
-    if sum(int(n.get("nproc", 0)) for n in nodes) != w:
-        out.append(f"{MANIFEST}: nodes run {sum(int(n.get('nproc', 0)) for n in nodes)} ranks but plan.json has {w} devices")
+    try:
+        nodes = manifest_nodes(manifest, w)
+    except BundleError as e:
+        out.append(str(e))
+        nodes = ()
     try:
         cluster = load_cluster(json.loads(files.get("cluster.json", b"null")))
         if [d.name for d in cluster.devices] != plan.device_names:
@@ -451,6 +464,28 @@ def _size_problems(files: dict[str, bytes], manifest: dict[str, Any], plan: Plan
             if nnodes != {len(nodes)}:
                 out.append(f"{name}: --nnodes {sorted(nnodes)} but the manifest lists {len(nodes)} nodes")
     return out
+
+
+def manifest_nodes(manifest: dict[str, Any], world_size: int) -> tuple[LaunchNode, ...]:
+    """The manifest's launch nodes, checked: numbered 0.., each with a machine, its ranks and their count,
+    all ranks together 0..world_size-1 in order (torchrun's numbering); BundleError naming the first problem."""
+    nodes = manifest.get("nodes")
+    if not isinstance(nodes, list) or not nodes:
+        raise BundleError(f"{MANIFEST}: nodes must be a non-empty list of launch nodes")
+    out = []
+    for i, n in enumerate(nodes):
+        ok = (isinstance(n, dict) and n.get("node_rank") == i and type(n.get("node_rank")) is int
+              and isinstance(n.get("machine"), str) and isinstance(n.get("ranks"), list)
+              and all(type(r) is int for r in n["ranks"]) and n.get("nproc") == len(n["ranks"]))
+        if not ok:
+            raise BundleError(f"{MANIFEST}: nodes[{i}] must be {{node_rank: {i}, machine: NAME, ranks: [...], "
+                              f"nproc: len(ranks)}}, got {json.dumps(n)[:120]}")
+        out.append(LaunchNode(i, n["machine"], tuple(n["ranks"])))
+    ranks = [r for n in out for r in n.ranks]
+    if ranks != list(range(world_size)):
+        raise BundleError(f"{MANIFEST}: nodes run ranks {_short([str(r) for r in ranks])} but plan.json has "
+                          f"{world_size} devices (ranks 0..{world_size - 1} in order)")
+    return tuple(out)
 
 
 def check_bundle(path: str | Path) -> BundleReport:
@@ -500,8 +535,7 @@ def open_bundle(folder: str | Path) -> OpenedBundle:
         raise BundleError(f"bundle {folder} is invalid: " + "; ".join(report.problems))
     f = Path(folder)
     manifest = json.loads((f / MANIFEST).read_text())
-    nodes = tuple(LaunchNode(int(n["node_rank"]), str(n["machine"]), tuple(int(r) for r in n["ranks"]))
-                  for n in manifest["nodes"])
+    nodes = manifest_nodes(manifest, len(Plan.from_json(f / "plan.json").device_names))
     return OpenedBundle(f, f / "plan.json", load_cluster(f / "cluster.json"), nodes)
 
 

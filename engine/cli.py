@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from . import limits
 from .errors import HapError
 
 GIB = 2**30
@@ -36,18 +37,15 @@ class _UsageError(HapError):
     pass
 
 
-def _positive_int(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'")
-    return int(text)
-
-
 def _knobs(pairs: Sequence[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise _UsageError(f"--set expects KEY=VALUE, got '{pair}'")
+        problem = limits.knob_problem(key.strip(), value.strip())
+        if problem:  # checked here, before the model zoo (and torch) is imported
+            raise _UsageError(f"--set {problem}")
         out[key.strip()] = value.strip()
     return out
 
@@ -118,8 +116,9 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
 def cmd_plan(args: argparse.Namespace) -> int:
     from . import load_cluster, plan
 
-    graph = _load_graph(args)
+    _knobs(args.set or [])  # bad knobs and a bad cluster fail in milliseconds, before the model is built
     cluster = load_cluster(args.cluster)
+    graph = _load_graph(args)
     result = plan(graph, cluster, time_budget_s=args.time_budget, progress=_progress_printer(), optimizer=args.optimizer,
                   segments=args.segments)
     if sys.stderr.isatty():
@@ -160,9 +159,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .bundle import export_bundle, plan_warnings
     from .plan import Plan
 
+    try:
+        run_args = shlex.split(args.run_args or "")
+    except ValueError as e:  # e.g. an unclosed quotation mark
+        raise _UsageError(f"--run-args {args.run_args!r}: {e}; quote it as one shell string") from None
     plan = Plan.from_json(args.plan)  # validated: an inconsistent plan is refused here
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
-                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=shlex.split(args.run_args or ""))
+                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args)
     for warning in plan_warnings(plan, args.cluster):
         print(f"warning: {warning}", file=sys.stderr)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -249,9 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     p.add_argument("--cluster", required=True, help="cluster spec JSON (see sample_clusters/)")
     p.add_argument("--out", help="write the plan JSON here")
-    p.add_argument("--time-budget", type=float, default=None, metavar="S", help="stop searching after S seconds")
+    p.add_argument("--time-budget", type=limits.bounded_float(0, limits.MAX_TIME_BUDGET_S, "seconds", low_open=True),
+                   default=None, metavar="S", help="stop searching after S seconds")
     p.add_argument("--optimizer", choices=["adam", "sgd", "none"], default="adam", help="optimizer state counted in memory")
-    p.add_argument("--segments", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--segments", type=limits.bounded_int(1, limits.MAX_SEGMENTS, "a segment count"), default=1, metavar="N",
                    help="give N runs of layers their own sharding ratios (HAP §5.2; default 1)")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     p.add_argument("--fallback", choices=["replicate"], default=None,
@@ -311,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except HapError as e:
         print(f"hap: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a path the user gave cannot be read or written (a folder, no permission, no space)
+        where = f"{e.filename}: " if e.filename is not None else ""
+        print(f"hap: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("hap: interrupted", file=sys.stderr)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from engine import limits
 from engine.errors import ClusterError
 
 SCHEMA_VERSION = 1
@@ -63,6 +64,19 @@ _DEVICE_KEYS = ("name", "gpu_model", "machine", "group", "num_gpus", "flops_per_
                 "count")
 _NETWORK_KEYS = ("latency_s", "bandwidth_Bps", "collectives")
 _FIT_KEYS = ("latency_s", "bandwidth_Bps")
+
+_RANGES: dict[str, tuple[float, float]] = {
+    "num_gpus": (1, limits.MAX_GPUS_PER_DEVICE),
+    "count": (1, limits.MAX_DEVICES),
+    "flops_per_gpu": (limits.MIN_RATE, limits.MAX_FLOPS_PER_GPU),
+    "memory_bytes_per_gpu": (1, limits.MAX_MEMORY_BYTES),
+    "memory_bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
+    "activation_bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
+    "intra_bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
+    "bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
+    "latency_s": (0.0, limits.MAX_LATENCY_S),
+}
+"""Sane bounds of each numeric field (see `engine.limits`): checked before a device is expanded or a cost computed."""
 
 _HINTS: dict[str, str] = {
     "name": "a unique name, e.g. 'a100-0'",
@@ -325,9 +339,9 @@ def _bottleneck(devices: tuple[Device, ...], levels: Mapping[str, float]) -> flo
 
 
 def _check_scale(factor: Any, path: str) -> None:
-    """Raise unless factor is a finite positive number."""
-    if not _is_number(factor) or not factor > 0:
-        raise ClusterError(f"{path}: must be a positive number, got {factor!r}")
+    """Raise unless factor is a finite number in [1e-6, 1e6] (a what-if scale, not a typo)."""
+    if not _is_number(factor) or not 1e-6 <= factor <= 1e6:
+        raise ClusterError(f"{path}: must be a positive number in [1e-06, 1e+06], got {factor!r}")
 
 
 # ----------------------------------------------------------------------------- loading
@@ -425,24 +439,32 @@ def _text(value: Any, path: str, key: str, allow_empty: bool = False) -> str:
 
 
 def _positive(value: Any, path: str, key: str) -> float:
-    """Value as a float > 0."""
+    """Value as a float > 0, within the field's bounds."""
     if not _is_number(value) or not value > 0:
         raise ClusterError(f"{path}: must be a positive number, got {value!r}{_hint(key)}")
-    return float(value)
+    return float(_within(value, path, key))
 
 
 def _non_negative(value: Any, path: str, key: str) -> float:
-    """Value as a float >= 0."""
+    """Value as a float >= 0, within the field's bounds."""
     if not _is_number(value) or value < 0:
         raise ClusterError(f"{path}: must be a non-negative number, got {value!r}{_hint(key)}")
-    return float(value)
+    return float(_within(value, path, key))
 
 
 def _positive_int(value: Any, path: str, key: str) -> int:
-    """Value as an int >= 1 (an integral float such as 1.6e10 is accepted)."""
+    """Value as an int >= 1 (an integral float such as 1.6e10 is accepted), within the field's bounds."""
     if not _is_number(value) or value < 1 or value != int(value):
         raise ClusterError(f"{path}: must be a positive integer, got {value!r}{_hint(key)}")
-    return int(value)
+    return int(_within(value, path, key))
+
+
+def _within(value: float, path: str, key: str) -> float:
+    """Value unchanged when inside the sane range of its field (`_RANGES`), else an error showing the range."""
+    low, high = _RANGES.get(key, (-math.inf, math.inf))
+    if not low <= value <= high:
+        raise ClusterError(f"{path}: {value!r} is outside the sane range [{low:g}, {high:g}]{_hint(key)}")
+    return value
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -483,22 +505,27 @@ def _parse_devices(value: Any) -> tuple[Device, ...]:
         raise ClusterError(f"devices: must be a list of device objects, got {_type_name(value)}")
     if not value:
         raise ClusterError("devices: empty; list at least one device")
+    if len(value) > limits.MAX_DEVICES:
+        raise ClusterError(f"devices: {len(value)} entries, more than the limit of {limits.MAX_DEVICES} devices")
     devices: list[Device] = []
     seen: dict[str, int] = {}
     for i, entry in enumerate(value):
-        for dev in _parse_device_entry(entry, f"devices[{i}]"):
+        for dev in _parse_device_entry(entry, f"devices[{i}]", limits.MAX_DEVICES - len(devices)):
             if dev.name in seen:
                 raise ClusterError(f"devices[{i}].name: duplicate device name {dev.name!r} "
                                    f"(also used by devices[{seen[dev.name]}]); device names must be unique")
             seen[dev.name] = i
             devices.append(dev)
+    if len(devices) > limits.MAX_DEVICES:
+        raise ClusterError(f"devices: {len(devices)} devices, more than the limit of {limits.MAX_DEVICES}; "
+                           "use virtual devices (num_gpus) for large machines")
     _check_machine_groups(devices)
     _check_activation_bandwidth(devices)
     return tuple(devices)
 
 
-def _parse_device_entry(entry: Any, path: str) -> list[Device]:
-    """One device entry, expanded to `count` devices named <name>-0..N-1 when count is given."""
+def _parse_device_entry(entry: Any, path: str, room: int) -> list[Device]:
+    """One device entry, expanded to `count` devices named <name>-0..N-1 when count is given (at most `room`)."""
     entry = _object(entry, path)
     _check_keys(entry, _DEVICE_KEYS, f"{path}.")
     field_path: Callable[[str], str] = lambda k: f"{path}.{k}"  # noqa: E731
@@ -525,6 +552,9 @@ def _parse_device_entry(entry: Any, path: str) -> list[Device]:
     if "count" not in entry:
         return [base]
     count = _positive_int(entry["count"], field_path("count"), "count")
+    if count > room:
+        raise ClusterError(f"{field_path('count')}: {count} devices here bring the cluster above the limit of "
+                           f"{limits.MAX_DEVICES} devices; use virtual devices (num_gpus) for large machines")
     return [replace(base, name=f"{name}-{k}") for k in range(count)]
 
 

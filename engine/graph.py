@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import limits
 from .errors import ModelError
 
 SCHEMA_VERSION = 1
@@ -196,9 +197,12 @@ def check_graph_dict(d: dict[str, Any], where: str = "graph JSON: ") -> None:
         raise ModelError(f"{where}nodes must be a list of nodes, got {type(nodes).__name__} (save a graph with Graph.save or `hap capture`)")
     if not nodes:
         raise ModelError(f"{where}nodes is empty: a graph holds at least its loss node")
+    if len(nodes) > limits.MAX_NODES:
+        raise ModelError(f"{where}nodes has {len(nodes)} nodes, more than the limit of {limits.MAX_NODES}")
     names: dict[str, int] = {}
     for i, x in enumerate(nodes):
         _check_node_dict(x, i, f"{where}nodes[{i}]", names)
+        _check_node_bounds(x, f"{where}nodes[{i}]", len(nodes))
     loss = d.get("loss")
     if not _is_int(loss) or not 0 <= loss < len(nodes):
         raise ModelError(f"{where}loss = {loss!r} is not a node id (0..{len(nodes) - 1}); it must name the scalar loss node")
@@ -242,6 +246,35 @@ def _check_node_dict(x: Any, i: int, path: str, names: dict[str, int]) -> None:
         raise ModelError(f"{path}.segment = {x.get('segment')!r} must be a non-negative integer")
     if not isinstance(x.get("attrs", {}), dict):
         raise ModelError(f"{path}.attrs must be an object, got {type(x['attrs']).__name__}")
+
+
+def _check_node_bounds(x: dict[str, Any], path: str, count: int) -> None:
+    """The sane ranges of `engine.limits` on one (type-checked) node: rank, elements, flops, segment and
+    the numbers in attrs, so that every cost the engine derives from the node stays a finite float."""
+    shape = x["shape"]
+    if len(shape) > limits.MAX_RANK or math.prod(shape) > limits.MAX_NUMEL:
+        raise ModelError(f"{path}.shape = {shape!r} has {len(shape)} dims and {math.prod(shape):.3g} elements; "
+                         f"the limits are {limits.MAX_RANK} dims and 2**48 elements")
+    if x.get("flops", 0.0) > limits.MAX_NODE_FLOPS:
+        raise ModelError(f"{path}.flops = {x['flops']!r} is above the limit {limits.MAX_NODE_FLOPS:g}")
+    if x.get("segment", 0) >= count:
+        raise ModelError(f"{path}.segment = {x['segment']!r} but a graph of {count} nodes has segments 0..{count - 1}")
+    _check_attr_bounds(x.get("attrs", {}), f"{path}.attrs", 0)
+
+
+def _check_attr_bounds(value: Any, path: str, depth: int) -> None:
+    """Attrs nest at most MAX_ATTR_DEPTH levels and hold numbers of magnitude at most 2**53."""
+    if depth > limits.MAX_ATTR_DEPTH:
+        raise ModelError(f"{path} nests deeper than {limits.MAX_ATTR_DEPTH} levels")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_attr_bounds(v, f"{path}.{k}", depth + 1)
+    elif isinstance(value, list):
+        for k, v in enumerate(value):
+            _check_attr_bounds(v, f"{path}[{k}]", depth + 1)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        if math.isfinite(value) and abs(value) > limits.MAX_ATTR_NUMBER:
+            raise ModelError(f"{path} = {value!r} is beyond +-2**53")
 
 
 def itemsize(dtype: str) -> int:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 from .balance import balance, gib
 from .cluster import Cluster, load_cluster
 from .cost import CostModel, evaluate as evaluate_program
+from . import limits
 from .errors import InfeasibleError, PlanError
 from .graph import Graph, Node
 from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
@@ -80,6 +81,7 @@ def _coerce(model: Any, cluster: Any) -> tuple[Graph, Cluster]:
 
 def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam") -> Plan:
     """A baseline plan (`dp-even` or `dp-proportional`) under the same cost model as HAP."""
+    _check_arguments(None, optimizer)
     graph, cluster = _coerce(model, cluster)
     if strategy not in BASELINES:
         raise PlanError(f"unknown strategy '{strategy}' (choose one of: {', '.join(BASELINES)})")
@@ -98,10 +100,11 @@ def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam"
                       optimizer, [], {"expanded": res.expanded, "elapsed_s": res.elapsed_s})
 
 
-def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], optimizer: str) -> Candidate | None:
+def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], optimizer: str,
+                        deadline: float | None = None) -> Candidate | None:
     cm = CostModel(graph, cluster, ratios, optimizer)
     try:
-        res = synthesize(graph, cm, space=data_parallel_space(graph))
+        res = synthesize(graph, cm, space=data_parallel_space(graph), time_budget_s=_left(deadline))
     except InfeasibleError:
         return None
     return Candidate(res.program, [ratios], res.cost, Segmentation.single(graph))
@@ -116,13 +119,14 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     `segments` > 1 then iterates again with that many runs of layers, each with its own ratios
     (§5.2), starting from the one-segment plan; the faster of the two is returned. `progress` is
     called every `report_every` expansions of each search (the UI's live frontier)."""
+    _check_arguments(time_budget_s, optimizer)
     graph, cluster = _coerce(model, cluster)
     seg = segment_graph(graph, segments)
     start = time.perf_counter()
     deadline = None if time_budget_s is None else start + time_budget_s
     check_total_memory(graph, cluster, optimizer)
-    baselines = {"dp-proportional": _baseline_candidate(graph, cluster, proportional_ratios(cluster), optimizer),
-                 "dp-even": _baseline_candidate(graph, cluster, even_ratios(cluster), optimizer)}
+    baselines = {"dp-proportional": _baseline_candidate(graph, cluster, proportional_ratios(cluster), optimizer, deadline),
+                 "dp-even": _baseline_candidate(graph, cluster, even_ratios(cluster), optimizer, deadline)}
     seeds = [c for c in baselines.values() if c is not None]
     best = min(seeds, key=lambda c: c.cost, default=None)
     history: list[dict[str, Any]] = []
@@ -133,7 +137,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     if seg.count > 1 and best is not None:
         best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
     if best is None:
-        raise InfeasibleError(_oom_message(graph, cluster, optimizer))
+        raise InfeasibleError(_oom_message(graph, cluster, optimizer, deadline=deadline))
     best = min([best, *seeds], key=lambda c: _realized(graph, cluster, c, optimizer)[2].total_s)  # whole units may reorder them
     stats["elapsed_s"] = time.perf_counter() - start
     stats["segments"] = best.segmentation.count
@@ -162,8 +166,10 @@ class _Loop:
         seen: set = set()
         rebalanced = False
         for _ in range(self.max_iterations):
+            if best is not None and self.deadline is not None and time.perf_counter() > self.deadline:
+                break  # the budget is spent: no new Q<->B iteration, keep the best found
             it = len(self.history) // 2
-            left = None if self.deadline is None else max(0.05, self.deadline - time.perf_counter())
+            left = _left(self.deadline)
             cm = CostModel(graph, cluster, ratios, optimizer, seg)
             report = None if self.progress is None else (lambda p, it=it: self.progress(_tag(p, it)))
             try:
@@ -184,7 +190,8 @@ class _Loop:
                 break
             seen.add(key)
             try:
-                bal = balance(res.program, graph, cluster, optimizer=optimizer, segmentation=seg)
+                bal = balance(res.program, graph, cluster, optimizer=optimizer, segmentation=seg,
+                              time_limit_s=_left(self.deadline) or 30.0)
             except InfeasibleError:
                 break  # this program cannot fit under any ratios; keep the best found
             cost = evaluate_program(res.program, CostModel(graph, cluster, bal.by_segment, optimizer, seg)).total_s
@@ -197,9 +204,26 @@ class _Loop:
     def memory_feasible_ratios(self, program: tuple[Instruction, ...], seg: Segmentation) -> list[list[float]] | None:
         """The LP's ratios for `program` (e.g. a baseline), which respect every device's memory; None if none do."""
         try:
-            return balance(program, self.graph, self.cluster, optimizer=self.optimizer, segmentation=seg).by_segment
+            return balance(program, self.graph, self.cluster, optimizer=self.optimizer, segmentation=seg,
+                           time_limit_s=_left(self.deadline) or 30.0).by_segment
         except InfeasibleError:
             return None
+
+
+def _check_arguments(time_budget_s: Any, optimizer: Any) -> None:
+    """Refuse an unusable time budget or an unknown optimizer by name, before any work."""
+    from .cost import STATE_BYTES_PER_PARAM_BYTE
+
+    problem = limits.time_budget_problem(time_budget_s, "time_budget_s")
+    if problem:
+        raise PlanError(problem)
+    if optimizer not in STATE_BYTES_PER_PARAM_BYTE:
+        raise PlanError(f"optimizer {optimizer!r} is not known (choose one of: {', '.join(STATE_BYTES_PER_PARAM_BYTE)})")
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before the deadline (at least 0.05, so a late step still returns its best), or None."""
+    return None if deadline is None else max(0.05, deadline - time.perf_counter())
 
 
 def _tag(p: SearchProgress, iteration: int) -> SearchProgress:
@@ -265,13 +289,15 @@ def check_total_memory(graph: Graph, cluster: Cluster, optimizer: str) -> None:
 
 
 def _oom_message(graph: Graph, cluster: Cluster, optimizer: str, space: SearchSpace | None = None,
-                 what: str = "no program fits; the fastest", ratios: list[float] | None = None) -> str:
+                 what: str = "no program fits; the fastest", ratios: list[float] | None = None, *,
+                 deadline: float | None = None) -> str:
     """Nothing fits: plan as if memory were unlimited and name the device that overflows most."""
     ratios = ratios or proportional_ratios(cluster)
     cm = CostModel(graph, cluster, ratios, optimizer)
     unlimited = Cluster.from_dict({**cluster.to_dict(), "devices": [
-        {**d.to_dict(), "memory_bytes_per_gpu": 2**62} for d in cluster.devices]})
-    res = synthesize(graph, CostModel(graph, unlimited, ratios, optimizer), space=space, beam_width=DEFAULT_BEAM_WIDTH)
+        {**d.to_dict(), "memory_bytes_per_gpu": limits.MAX_MEMORY_BYTES} for d in cluster.devices]})
+    res = synthesize(graph, CostModel(graph, unlimited, ratios, optimizer), space=space, beam_width=DEFAULT_BEAM_WIDTH,
+                     time_budget_s=_left(deadline))
     mem = evaluate_program(res.program, cm).memory_bytes
     j = max(range(len(mem)), key=lambda i: mem[i] - cluster.devices[i].memory_bytes_per_gpu)
     cap = cluster.devices[j].memory_bytes_per_gpu

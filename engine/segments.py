@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import limits
 from .errors import PlanError
 from .graph import Graph
 from .program import COMM, COMPUTE, Instruction
@@ -34,8 +35,8 @@ class Segmentation:
 
 def segment_graph(graph: Graph, segments: int) -> Segmentation:
     """Cut the computed nodes into at most `segments` contiguous runs of whole layers with balanced flops."""
-    if segments < 1:
-        raise PlanError(f"segments must be a positive integer, got {segments}")
+    if not isinstance(segments, int) or isinstance(segments, bool) or not 1 <= segments <= limits.MAX_SEGMENTS:
+        raise PlanError(f"segments must be a positive integer up to {limits.MAX_SEGMENTS}, got {segments!r}")
     order = [n for n in graph.nodes if not n.is_leaf]
     cuts = _layer_cuts(graph, order)
     chosen = _balanced_cuts(order, cuts, segments)

@@ -353,16 +353,16 @@ class _Search:
             self.expanded += 1
             for child in self._children(s):
                 self._push(child)
-            if self.expanded % 64 == 0:
-                elapsed = time.perf_counter() - start
-                if self.budget is not None and elapsed > self.budget:
-                    optimal = False
-                    if self.best is not None:
-                        break
-                    if not self.greedy:
-                        self._go_greedy()
-                if self.expanded % self.report_every == 0:
-                    self._report(start)
+            # the clock is read after every expansion: one expansion over thousands of device classes
+            # takes milliseconds, so checking every 64th could overrun a short budget several times
+            if self.budget is not None and time.perf_counter() - start > self.budget:
+                optimal = False
+                if self.best is not None or self.incumbent is not None:
+                    break  # out of time with a program in hand (the incumbent counts): return it
+                if not self.greedy:
+                    self._go_greedy()
+            if self.expanded % 64 == 0 and self.expanded % self.report_every == 0:
+                self._report(start)
         self._report(start)
         if self.best is None and self.incumbent is not None:
             return SearchResult(self.incumbent, self.best_cost, optimal and self.beam_cut >= self.best_cost, self.expanded,

@@ -52,7 +52,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from engine import bundle
+from engine import bundle, limits
 from engine.cluster import Cluster
 from engine.errors import HapError
 from engine.plan import Plan
@@ -68,6 +68,12 @@ FAULT_ENV = "HAP_RUNNER_FAULT"
 NODE_ENV = "HAP_NODE_RANK"
 """Set by a bundle's launch files: the bundle node this torchrun runs (see engine.bundle.plan_rank)."""
 DEVICE_CHECK = ("warn", "error", "off")
+
+
+MAX_LR = 1e6
+"""A learning rate above this is a typo."""
+MAX_TIMEOUT_S = 7 * 86400.0
+"""Process-group timeout: a week (timedelta overflows on 1e308 seconds)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,16 +116,20 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.steps > limits.MAX_STEPS:
+            raise ValueError(f"--steps must be at most {limits.MAX_STEPS}, got {self.steps}")
+        if not -2**63 <= self.seed < 2**64:  # the range torch.manual_seed accepts
+            raise ValueError(f"--seed must be in -2**63..2**64-1, got {self.seed}")
         if self.optimizer not in ("sgd", "adam"):
             raise ValueError(f"--optimizer must be sgd or adam, got '{self.optimizer}'")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be positive, got {self.lr}")
+        if not limits.in_range(self.lr, 0, MAX_LR) or self.lr == 0:
+            raise ValueError(f"--lr must be a positive number up to {MAX_LR:g}, got {self.lr}")
         if self.grad_sync not in GRAD_SYNC:
             raise ValueError(f"--grad-sync must be {' or '.join(GRAD_SYNC)}, got '{self.grad_sync}'")
-        if not self.timeout_s > 0:
-            raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
-        if self.checkpoint_every < 0:
-            raise ValueError(f"--checkpoint-every must be 0 or more, got {self.checkpoint_every}")
+        if not limits.in_range(self.timeout_s, 0, MAX_TIMEOUT_S) or self.timeout_s == 0:
+            raise ValueError(f"--timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {self.timeout_s}")
+        if not 0 <= self.checkpoint_every <= limits.MAX_STEPS:
+            raise ValueError(f"--checkpoint-every must be in 0..{limits.MAX_STEPS}, got {self.checkpoint_every}")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
             what = "--resume" if self.resume else "--checkpoint-every"
             raise ValueError(f"{what} needs --checkpoint-dir DIR (where the checkpoints are)")

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from engine import limits
 from engine.errors import HapError
 
 PROFILE_KNOBS: dict[str, dict[str, Any]] = {
@@ -115,12 +116,31 @@ class ProfileConfig:
             raise ValueError(f"--repeats must be at least 1, got {self.repeats}")
         if self.warmup < 0:
             raise ValueError(f"--warmup must be >= 0, got {self.warmup}")
+        if max(self.repeats, self.warmup) > MAX_REPEATS:
+            raise ValueError(f"--repeats and --warmup must be at most {MAX_REPEATS}, got {self.repeats} and {self.warmup}")
+        if self.nproc is not None and self.nproc > MAX_NPROC:
+            raise ValueError(f"--nproc must be at most {MAX_NPROC} (ranks started on this machine), got {self.nproc}")
+        if any(n > MAX_MATMUL for n in self.matmul):
+            raise ValueError(f"--matmul sizes must be at most {MAX_MATMUL} (an N x N fp32 matrix of 16 GiB), "
+                             f"got {max(self.matmul)}")
+        if not limits.in_range(self.timeout_s, 0, 7 * 86400.0) or self.timeout_s == 0:
+            raise ValueError(f"--timeout must be a positive number of seconds up to a week, got {self.timeout_s}")
         if len(self.sizes) < 2:
             raise ValueError(f"--sizes needs at least 2 payloads to fit latency and bandwidth, got {len(self.sizes)}")
         if self.nproc is not None and self.nproc < 1:
             raise ValueError(f"--nproc must be at least 1, got {self.nproc}")
         if not self.matmul and self.model == "none":
             raise ValueError("--model none needs --matmul sizes to measure FLOP/s")
+
+
+MAX_REPEATS = 10_000
+"""Timed (or warm-up) repetitions of one measurement."""
+MAX_NPROC = 1024
+"""Ranks the profiler starts on one machine."""
+MAX_MATMUL = 65536
+"""Side of the largest square matmul timed for FLOP/s."""
+MAX_PAYLOAD_BYTES = 2**34
+"""Largest collective payload timed (16 GiB)."""
 
 
 def _byte_size(text: str) -> int:
@@ -131,8 +151,8 @@ def _byte_size(text: str) -> int:
         value = float(text[:-1] if scale > 1 else text) * scale
     except ValueError:
         raise ValueError(f"--sizes expects sizes such as 4096,64K,1M, got '{text}'") from None
-    if value < 64:
-        raise ValueError(f"--sizes: payloads must be at least 64 bytes, got '{text}'")
+    if not 64 <= value <= MAX_PAYLOAD_BYTES:  # also refuses nan and inf
+        raise ValueError(f"--sizes: payloads must be 64 bytes to 16G, got '{text}'")
     return int(value)
 
 

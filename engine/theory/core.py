@@ -13,9 +13,11 @@ precondition) and the form of its output (the postcondition). Family modules reg
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from ..errors import HapError, ModelError
 from ..graph import Graph, Node
 
 FULL = -1
@@ -90,11 +92,26 @@ def op_rules(node: Node, graph: Graph) -> list[OpRule]:
     if fn is None:
         return []
     seen: dict[tuple, OpRule] = {}
-    for r in fn(node, graph):
-        key = (r.inputs, r.output)
-        if key not in seen and _shards_are_real(r, node, graph):
-            seen[key] = r
+    try:
+        for r in fn(node, graph):
+            key = (r.inputs, r.output)
+            if key not in seen and _shards_are_real(r, node, graph):
+                seen[key] = r
+    except HapError:
+        raise
+    except (IndexError, KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError, OverflowError,
+            AssertionError) as e:
+        raise _misfit(node, graph, e) from None  # a rule's shape invariant broken by the graph, not by the rule
     return list(seen.values())
+
+
+def _misfit(node: Node, graph: Graph, e: Exception) -> ModelError:
+    """A node whose shape or attrs contradict its operator (only a hand-edited graph JSON has one)."""
+    inputs = ", ".join(str(list(graph[i].shape)) for i in node.inputs if 0 <= i < len(graph))
+    attrs = json.dumps(node.attrs, default=str)
+    return ModelError(f"node {node.id} ({node.name!r}, {node.op}): output shape {list(node.shape)} and attrs "
+                      f"{attrs[:120]} do not fit the operator with inputs of shapes [{inputs[:120]}] "
+                      f"({type(e).__name__}: {' '.join(str(e).split())[:80]}); recapture the model or fix the graph JSON")
 
 
 def _shards_are_real(r: OpRule, node: Node, graph: Graph) -> bool:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import torch
 
+from .. import limits
 from ..errors import ModelError
 from . import bert, bert_moe, gpt, hf, mlp, vgg19, vit
 
@@ -72,9 +73,15 @@ def make_config(name: str, **knobs: Any) -> Any:
             near = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean '{near[0]}'?" if near else ""
             raise ModelError(f"unknown knob '{key}' for zoo model '{name}' (knobs: {', '.join(fields)}){hint}")
+        problem = limits.knob_problem(key, value)  # before coercion: int('1e999') must never be attempted
+        if problem:
+            raise ModelError(problem)
         values[key] = _coerce(key, fields[key], value)
         if fields[key].type in ("int", int) and values[key] <= 0:
             raise ModelError(f"knob '{key}' must be a positive integer, got {values[key]}")
+        problem = limits.knob_problem(key, values[key])
+        if problem:
+            raise ModelError(problem)
     try:
         return cls(**values)
     except ValueError as e:

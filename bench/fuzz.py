@@ -1,0 +1,129 @@
+"""Fuzz every input kind with seeded random mutations and print the outcome table of issue 17.
+
+Each case takes one of the project's own valid inputs (a sample cluster, the graph JSON of a tiny
+zoo model, a plan of `zoo:mlp` on `cpu_4_uneven`, that plan's launch bundle or its zip, a `hap`,
+`hap run` or `hap profile` command line), mutates it once or twice (a field deleted, a wrong type,
+0, negative, NaN, infinity, 1e308, 10**12, a string for a number, a list duplicated or truncated, a
+nested object replaced, a number at a bound, a shape, index or name changed) and feeds it to the
+API the CLI wraps (cluster: `load_cluster` + `plan`; graph: `Graph.from_dict` + `plan`; plan:
+`Plan.from_json` + `listing`; bundle: `check_files` and, when valid, `open_bundle`, or
+`check_bundle` of the zip; CLI: `engine.cli.main` and `runner.cli.main` with torchrun stubbed out,
+`runner.profile.parse_args`). No process is ever started.
+Every case runs under a SIGALRM time limit; plans get a 0.3 s search budget. The mutations and the
+outcome rules are `tests/fuzzing.py`, shared with `tests/test_fuzz.py`.
+
+Outcomes: a clean one-line error (a typed HapError, or argparse's usage exit), accepted, a raw
+exception (any other exception, or a message of several lines: a traceback at the CLI), a hang.
+The same seed gives the same cases. It reports; it never asserts (exit status 0 either way).
+
+Run from the repository root:
+
+    PYTHONPATH=. python bench/fuzz.py                         # 1000 cases of each kind (a few minutes)
+    PYTHONPATH=. python bench/fuzz.py --cases 200 --kind cluster --kind graph
+    PYTHONPATH=. python bench/fuzz.py --seed 7 --timeout 20   # other cases, a longer hang limit
+
+It prints the table and every distinct raw exception or hang with the mutations that produce it
+(replay case i of a kind with `random.Random(f"{seed}/{kind}/{i}")`), and writes the same to
+`bench/results/fuzz.json` (`--json FILE` to change).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the engine, and the mutation code shared with tests/test_fuzz.py
+
+import fuzzing  # noqa: E402  (tests/fuzzing.py, imported as pytest imports it)
+
+LABELS = {"cluster": "cluster spec → `load_cluster` + `plan`", "graph": "graph JSON → `Graph.from_dict` + `plan`",
+          "plan": "plan JSON → `Plan.from_json` + `listing`", "bundle": "bundle → `check_files` + `open_bundle`",
+          "cli": "CLI arguments → `hap` / `hap run` / `hap profile` (no process started)"}
+
+
+@dataclass
+class KindReport:
+    """Outcome counts of one input kind and the distinct raw exceptions and hangs it found."""
+
+    kind: str
+    counts: Counter = field(default_factory=Counter)
+    bugs: dict[str, list[str]] = field(default_factory=dict)
+    """Raw exception or hang detail -> the mutations that produced it (first few)."""
+    seconds: float = 0.0
+
+
+def run_kind(fx: fuzzing.Fixtures, kind: str, cases: int, seed: int, timeout_s: float) -> KindReport:
+    """`cases` seeded cases of one kind; case i uses random.Random(f'{seed}/{kind}/{i}') so any case can be replayed."""
+    report = KindReport(kind)
+    start = time.perf_counter()
+    for i in range(cases):
+        rng = random.Random(f"{seed}/{kind}/{i}")
+        run, said = fuzzing.CASES[kind](fx, rng.randrange)
+        outcome = fuzzing.classify(run, timeout_s)
+        report.counts[outcome.kind] += 1
+        if outcome.kind in ("raw", "hang"):
+            report.bugs.setdefault(f"{outcome.kind}: {outcome.detail}", []).append(f"case {i}: {said}")
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def table(reports: list[KindReport]) -> str:
+    """The issue's markdown table."""
+    rows = ["| input | cases | clean one-line error | accepted | raw exception | hang |", "|---|---|---|---|---|---|"]
+    for r in reports:
+        c = r.counts
+        rows.append(f"| {LABELS[r.kind]} | {sum(c.values())} | {c['error']} | {c['accepted']} | {c['raw']} | {c['hang']} |")
+    return "\n".join(rows)
+
+
+def bug_list(reports: list[KindReport]) -> str:
+    """Every distinct raw exception and hang, with up to three mutations that produce it."""
+    lines = []
+    for r in reports:
+        for detail, cases in sorted(r.bugs.items(), key=lambda kv: -len(kv[1])):
+            lines.append(f"[{r.kind}] {detail}  ({len(cases)} cases)")
+            lines += [f"    {c[:240]}" for c in cases[:3]]
+    return "\n".join(lines) if lines else "no raw exception and no hang"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", type=int, default=1000, help="cases per input kind (default 1000)")
+    p.add_argument("--kind", action="append", choices=fuzzing.KINDS, help="input kind to fuzz (repeatable; default all)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the mutations (default 0)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds after which a case counts as a hang (default 10)")
+    p.add_argument("--json", metavar="FILE", default=str(ROOT / "bench" / "results" / "fuzz.json"),
+                   help="where to write the counts and the bugs found as JSON (default bench/results/fuzz.json)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    kinds = args.kind or list(fuzzing.KINDS)
+    with tempfile.TemporaryDirectory(prefix="hap-fuzz-") as work:
+        fx = fuzzing.make_fixtures(work)
+        reports = []
+        for kind in kinds:
+            reports.append(run_kind(fx, kind, args.cases, args.seed, args.timeout))
+            c = reports[-1].counts
+            print(f"{kind}: {sum(c.values())} cases in {reports[-1].seconds:.1f} s "
+                  f"({c['raw']} raw, {c['hang']} hang)", file=sys.stderr, flush=True)
+    print(table(reports))
+    print()
+    print(bug_list(reports))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is git-ignored
+        Path(args.json).write_text(json.dumps({"seed": args.seed, "cases": args.cases, "kinds": {
+            r.kind: {"counts": dict(r.counts), "seconds": r.seconds, "bugs": r.bugs} for r in reports}}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
