@@ -203,7 +203,7 @@ class Plan:
         """Parse and validate a plan dict (engine.validate, checks 1-4); PlanError naming the first problem."""
         if not isinstance(d, dict) or d.get("kind") != "hap.plan":
             raise PlanError("not a plan: missing \"kind\": \"hap.plan\" (make one with `hap plan`)")
-        if d.get("schema_version") != PLAN_SCHEMA_VERSION:
+        if d.get("schema_version") != PLAN_SCHEMA_VERSION or isinstance(d.get("schema_version"), bool):
             raise PlanError(f"plan schema_version {d.get('schema_version')!r} is not supported (expected {PLAN_SCHEMA_VERSION})")
         from .validate import check_plan, check_plan_dict  # the validator reads plans: imported when used
 

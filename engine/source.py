@@ -424,8 +424,8 @@ def spec_of(origin: dict[str, Any]) -> HFSpec:
 def check_rebuildable(origin: dict[str, Any]) -> None:
     """Refuse, before any process starts, a plan whose model the runner cannot rebuild exactly."""
     if "zoo" in origin:
-        return
-    if "file" in origin:
+        zoo_config(origin)
+    elif "file" in origin:
         checked_file(origin)
     elif "hf" in origin:
         hf_class(origin["hf"])
@@ -433,6 +433,17 @@ def check_rebuildable(origin: dict[str, Any]) -> None:
         what = f"a module object ({origin['module']})" if "module" in origin else "no recorded source"
         raise ModelError(f"the plan's model comes from {what}, which the runner cannot rebuild: plan a model file "
                          "(`hap plan --model FILE.py`), a Hugging Face class (`--model hf:Class`) or a zoo model")
+
+
+def zoo_config(origin: dict[str, Any]) -> Any:
+    """The config of a zoo origin, through the same knob checks and bounds as `hap plan --set`
+    (a hand-edited `layers: 1e12` is refused here, not by a crashed rank)."""
+    from . import zoo
+
+    config = origin.get("config", {})
+    if not isinstance(config, dict):
+        raise ModelError(f"model.origin.config must be an object of zoo knobs, got {type(config).__name__}")
+    return zoo.make_config(str(origin["zoo"]), **config)
 
 
 def build_module(origin: dict[str, Any], seed: int) -> torch.nn.Module:

@@ -35,7 +35,7 @@ def build_module(plan: Plan, seed: int) -> torch.nn.Module:
         return source.build_module(origin, seed)
     entry = zoo.entry(origin["zoo"])
     torch.manual_seed(seed)
-    return entry.build(entry.config_cls(**origin["config"]))
+    return entry.build(source.zoo_config(origin))
 
 
 def make_batch(plan: Plan, step: int, seed: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
@@ -44,7 +44,7 @@ def make_batch(plan: Plan, step: int, seed: int, device: torch.device | str = "c
     if "zoo" not in origin:
         return tuple(t.to(device) for t in source.make_batch(origin, seed, step))
     entry = zoo.entry(origin["zoo"])
-    batch = entry.example_inputs(entry.config_cls(**origin["config"]), "cpu", seed=seed * source.BATCH_SEED + step)
+    batch = entry.example_inputs(source.zoo_config(origin), "cpu", seed=seed * source.BATCH_SEED + step)
     return tuple(t.to(device) for t in batch)
 
 

@@ -489,3 +489,28 @@ def test_hap_export_and_hap_run_print_the_repricing_warning_in_one_line(good, tm
     monkeypatch.setattr(runner.cli, "run_torchrun", lambda *a, **k: 0)
     assert hap_main(["run", str(tmp_path / "b"), "--steps", "1"]) == 0
     assert [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("warning: ")] == warned
+
+
+def test_schema_version_true_is_not_version_1():
+    """JSON `true` equals 1 in Python; a plan must give the schema version as the number."""
+    import engine
+    from engine.errors import PlanError
+
+    plan = engine.plan(engine.load_model("zoo:mlp", layers=1, hidden=16, batch=8),
+                       engine.load_cluster("sample_clusters/cpu_2.json"), time_budget_s=5)
+    d = plan.to_dict()
+    d["schema_version"] = True
+    with pytest.raises(PlanError, match="schema_version"):
+        engine.Plan.from_dict(d)
+
+
+def test_zoo_knobs_of_a_plans_origin_are_bounded_before_a_rank_builds_the_model():
+    """A hand-edited origin (`layers: 1e12`) is refused with the same knob bounds as `hap plan --set`."""
+    from engine import source
+    from engine.errors import ModelError
+
+    source.check_rebuildable({"zoo": "mlp", "config": {"layers": 2, "hidden": 16}})
+    with pytest.raises(ModelError, match="layers"):
+        source.check_rebuildable({"zoo": "mlp", "config": {"layers": 10**12}})
+    with pytest.raises(ModelError, match="config"):
+        source.check_rebuildable({"zoo": "mlp", "config": [1, 2]})
