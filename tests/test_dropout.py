@@ -25,6 +25,7 @@ from engine.theory import FULL, PARTIAL, op_rules
 from engine.theory.check import split_sizes
 
 from conftest import cluster_dict
+from test_ecosystem import interpret
 
 KEY = RngKey(seed=7, step=3)
 WORLDS = [[0.6, 0.4], [0.5, 0.3, 0.2]]
@@ -153,19 +154,6 @@ def dropouts_inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 3, 8, generator=g), torch.randn(4, 3, 8, generator=g)
 
 
-def interpret(graph: Graph, module: nn.Module, inputs: tuple[torch.Tensor, ...], key: RngKey) -> torch.Tensor:
-    values: list[torch.Tensor] = []
-    state = dict(module.named_parameters())
-    for n in graph.nodes:
-        if n.op == "placeholder":
-            values.append(inputs[n.attrs["index"]])
-        elif n.is_leaf:
-            values.append(state[n.attrs["target"]])
-        else:
-            values.append(run_node(n, graph, [values[i] for i in n.inputs], n.shape, rng=key))
-    return values[graph.loss]
-
-
 def dropouts_graph(decompose: bool) -> tuple[Graph, nn.Module]:
     torch.manual_seed(0)
     module = Dropouts()
@@ -278,14 +266,13 @@ def test_a_transformers_decoder_with_dropout_on_computes_its_loss_with_the_same_
     own loss when the eager forward draws the site-keyed masks of the same step."""
     pytest.importorskip("transformers")
     from test_capture_decoders import batch, build
-    from test_ecosystem import interpret as interpret_full
 
     torch.manual_seed(0)
     model, inputs = build(name, "cpu", **dropout), batch("cpu")
     g = engine.load_model(model, inputs)
     assert any(n.op == "sdpa" and "rng_site" in n.attrs for n in g.nodes)
     by_index = {n.attrs["index"]: inputs[n.attrs["name"]] for n in g.placeholders}
-    got = interpret_full(g, model, tuple(by_index.get(i) for i in range(max(by_index) + 1)))  # run_node's key: RngKey(0, 0)
+    got = interpret(g, model, tuple(by_index.get(i) for i in range(max(by_index) + 1)))  # run_node's key: RngKey(0, 0)
     with SiteKeyedDropout(RngKey(0, 0)):
         want = model(**inputs).loss
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)

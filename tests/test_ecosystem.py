@@ -10,6 +10,7 @@ import torch.nn as nn
 
 import engine
 from engine.errors import ModelError, UnsupportedOpError
+from engine.dropout import RngKey
 from engine.graph import Graph
 from engine.ops import run_node
 from engine.theory import op_rules
@@ -44,8 +45,9 @@ def unruly_graph() -> Graph:
     return engine.load_model(Unruly(), unruly_inputs(), fallback="replicate")
 
 
-def interpret(graph: Graph, module: nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """Run a graph node by node on full tensors (parameters and buffers taken from `module`)."""
+def interpret(graph: Graph, module: nn.Module, inputs: tuple[torch.Tensor, ...], key: RngKey = RngKey(0, 0)) -> torch.Tensor:
+    """Run a graph node by node on full tensors (parameters and buffers taken from `module`; dropout
+    masks keyed by `key`)."""
     state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers(remove_duplicate=False))}
     values: list[torch.Tensor] = []
     for n in graph.nodes:
@@ -54,7 +56,7 @@ def interpret(graph: Graph, module: nn.Module, inputs: tuple[torch.Tensor, ...])
         elif n.is_leaf:
             values.append(state[n.attrs["target"]])
         else:
-            values.append(run_node(n, graph, [values[i] for i in n.inputs], n.shape))
+            values.append(run_node(n, graph, [values[i] for i in n.inputs], n.shape, rng=key))
     return values[graph.loss]
 
 
