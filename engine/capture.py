@@ -39,7 +39,8 @@ class _Builder:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self.ids: dict[str, int] = {}
-        self.multi: dict[str, list[int]] = {}
+        self.multi: dict[str, list[int | None]] = {}
+        """Multi-output nodes: the node id of each output (None for an output nothing models)."""
         self.buffers: dict[str, str] = {}
         """Buffers (fx name -> module path); they are `buffer` leaves, pruned when the loss does not use them."""
 
@@ -159,8 +160,35 @@ def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str 
     else:
         kwargs = _by_name(module, tuple(example_inputs))
         args = () if kwargs is not None else tuple(example_inputs)
-    ep = export_program(LossOf(module), args, kwargs or {})
+    ep = functionalize(export_program(LossOf(module), args, kwargs or {}))
     return _to_graph(ep, name=name, origin=origin or {}, fallback=fallback)
+
+
+def _mutates(fx: torch.fx.Node, buffers: set[str]) -> bool:
+    """Whether a node is an in-place ATen op other than an unused update of a buffer (batch norm's
+    `num_batches_tracked += 1`, which `_lower` skips: it is no part of the loss)."""
+    target = fx.target
+    if fx.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return False
+    return not (fx.args and getattr(fx.args[0], "name", None) in buffers and not fx.users)
+
+
+def functionalize(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Rewrite in-place operators (`add_`, `masked_fill_`, `copy_` ...) as functional ones.
+
+    `run_decompositions({})` (an empty table: no operator is decomposed) re-traces the program
+    through functionalization: `x.add_(y)` becomes `x2 = add(x, y)` with later uses reading `x2`,
+    and buffer writes become extra BUFFER_MUTATION outputs (batch norm then appears as
+    `_native_batch_norm_legit_functional`). It also turns `dropout` into `native_dropout`, so it
+    runs only for programs that really mutate a tensor; the others keep the training IR as is."""
+    buffers = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "BUFFER"}
+    if not any(_mutates(fx, buffers) for fx in ep.graph_module.graph.nodes):
+        return ep
+    try:
+        return ep.run_decompositions({})
+    except Exception as e:  # torch raises many exception types from re-tracing
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot functionalize the model's in-place operators: {first}") from e
 
 
 def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, Any], fallback: str | None = None) -> Graph:
@@ -195,7 +223,7 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
             pending_leaves.append((fx, nid))
             continue
         if fx.op == "output":
-            loss = _find_loss(fx, b)
+            loss = _find_loss(fx, b, _user_outputs(ep))
             continue
         layer, path = _layer_of(fx)
         if layer is not None:
@@ -224,8 +252,14 @@ class _Downstream(_Unsupported):
     """An operand was itself not captured: not reported (its root cause is)."""
 
 
-def _find_loss(fx_out: torch.fx.Node, b: _Builder) -> int | None:
-    flat = list(torch.utils._pytree.tree_leaves(fx_out.args[0]))
+def _user_outputs(ep: torch.export.ExportedProgram) -> set[str]:
+    """Names of the program's user outputs (not buffer updates that functionalization appends)."""
+    return {s.arg.name for s in ep.graph_signature.output_specs
+            if s.kind.name == "USER_OUTPUT" and hasattr(s.arg, "name")}
+
+
+def _find_loss(fx_out: torch.fx.Node, b: _Builder, user: set[str]) -> int | None:
+    flat = [a for a in torch.utils._pytree.tree_leaves(fx_out.args[0]) if getattr(a, "name", None) in user]
     for item in flat:
         if isinstance(item, torch.fx.Node) and item.name in b.ids:
             nid = b.ids[item.name]
@@ -269,6 +303,10 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
         parts = b.multi.get(getattr(fx.args[0], "name", ""))
         if parts is None:
             raise _Downstream(f"getitem of {fx.args[0]}")
+        if parts[fx.args[1]] is None:  # an output capture does not model (batch norm's new running stats)
+            if any(u.op != "output" for u in fx.users):
+                raise _Unsupported(f"output {fx.args[1]} of {fx.args[0].target}")
+            return
         b.ids[fx.name] = parts[fx.args[1]]
         return
     opname = fx.target._opname if hasattr(fx.target, "_opname") else str(fx.target)
@@ -655,6 +693,15 @@ def _h_batch_norm(c: _Ctx) -> int:
     return c.emit("batch_norm", inputs, attrs, 8 * _numel(c.shape))  # statistics, normalise, scale and shift
 
 
+def _m_batch_norm_functional(c: _Ctx) -> list[int | None]:
+    """`_native_batch_norm_legit_functional` (batch norm after functionalization): output 0 is the
+    normalised tensor, as `batch_norm`; the saved statistics and the new running statistics (outputs
+    1-4) only feed buffer updates, which are no part of the loss."""
+    val = c.fx.meta["val"][0]
+    c.shape, c.dtype = _shape(val), _dtype(val)
+    return [_h_batch_norm(c), None, None, None, None]
+
+
 _HANDLERS.update({
     "conv1d": _h_conv, "conv2d": _h_conv, "conv3d": _h_conv, "convolution": _h_conv,
     **{f"max_pool{k}d": _h_max_pool for k in (1, 2, 3)}, **{f"avg_pool{k}d": _h_avg_pool for k in (1, 2, 3)},
@@ -666,8 +713,9 @@ _HANDLERS.update({
     "cat": _h_cat, "concat": _h_cat, "slice": _h_slice, "narrow": _h_narrow, "select": _h_select,
     "expand": _h_expand, "broadcast_to": _h_expand,
 })
-_SPLITS: dict[str, Callable[[_Ctx], list[int]]] = {
+_SPLITS: dict[str, Callable[[_Ctx], list[int | None]]] = {
     "split": _m_split, "split_with_sizes": _m_split, "chunk": _m_split, "unbind": _m_unbind,
+    "_native_batch_norm_legit_functional": _m_batch_norm_functional,
 }
 """Multi-output operators: each output becomes its own node, picked by the `getitem` that follows."""
 

@@ -293,6 +293,43 @@ def test_unsupported_op_names_op_node_and_location() -> None:
     assert "\n" not in msg
 
 
+class InPlaceResidual(nn.Module):
+    """In-place residual adds and scaling next to a batch norm (whose running statistics update in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.bn = nn.BatchNorm1d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        out = self.bn(h)
+        out += h  # aten.add_
+        out.mul_(0.5)
+        return torch.relu(out).mean()
+
+
+def test_in_place_operators_are_functionalized() -> None:
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    module, x = InPlaceResidual(), torch.randn(5, 6)
+    g = engine.load_model(module, (x,))
+    ops = [n.op for n in g.nodes if not n.is_leaf]
+    assert ops == ["linear", "add", "batch_norm", "add", "mul", "relu", "mean"], ops
+    assert g[g.loss].op == "mean", "the loss, not the batch norm's step counter (also a scalar output)"
+    assert torch.allclose(interpret(g, module, (x,)), module(x), rtol=1e-6, atol=1e-7)
+
+
+def test_programs_without_in_place_operators_keep_the_training_ir() -> None:
+    """Functionalization re-traces the program (dropout would become native_dropout): only when needed."""
+    module = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    ep = engine.capture.export_program(module, (torch.randn(3, 4),), {})
+    assert engine.capture.functionalize(ep) is ep
+    mutating = engine.capture.export_program(InPlaceResidual(), (torch.randn(3, 6),), {})
+    assert engine.capture.functionalize(mutating) is not mutating
+
+
 class NotScalar(nn.Module):
     def __init__(self) -> None:
         super().__init__()
