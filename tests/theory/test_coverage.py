@@ -94,7 +94,7 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "view", "identity", "permute", "linear", "matmul", "softmax", "log_softmax", "sum", "mean", "layer_norm",
         "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand",
         "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm", "einsum", "topk_values", "topk_indices",
-        "one_hot", "cumsum", "gather", "arange", "opaque"}
+        "one_hot", "cumsum", "gather", "arange", "opaque", "roll", "pad"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -140,6 +140,8 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "gather": ([((3, 4), "float64"), ((3, 2), "int64")], {"dim": 1}),
     "arange": ([], {"start": 0, "end": 5, "step": 1}),
     "opaque": ([(3, 4)], {"target": "aten::flip.default", "args": [{"tensor": 0}, [0]], "kwargs": {}, "output_index": None}),
+    "roll": ([(3, 4)], {"shifts": [1], "dims": [1]}),
+    "pad": ([(3, 4)], {"pad": [0, 2], "value": 0.0}),
 }
 VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5), "topk_values": (3, 2), "topk_indices": (3, 2), "arange": (5,)}
 
