@@ -170,7 +170,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
         best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
     if best is None:
         raise InfeasibleError(_oom_message(graph, cluster, optimizer))
-    best = min([best, *seeds], key=lambda c: _realized(graph, cluster, c, optimizer)[2].total_s)  # whole units may reorder them
+    best = min([best, *seeds], key=lambda c: _realized_rank(graph, cluster, c, optimizer))  # whole units may reorder them
     stats["elapsed_s"] = time.perf_counter() - start
     stats["segments"] = best.segmentation.count
     return _make_plan("hap", graph, cluster, best, optimizer, history, stats)
@@ -274,6 +274,14 @@ def _realized(graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str):
     sizes = shard_sizes(cand.program, graph, cand.ratios, seg)
     ratios = realized_ratios(graph, sizes, cand.ratios)
     return sizes, ratios, evaluate_program(cand.program, CostModel(graph, cluster, ratios, optimizer, seg))
+
+
+def _realized_rank(graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str) -> tuple[bool, float]:
+    """(overflows a device at whole units, predicted time): rounding the LP's ratios to whole units
+    can push a device past its memory, so a candidate that still fits comes first."""
+    b = _realized(graph, cluster, cand, optimizer)[2]
+    over = any(m > d.memory_bytes_per_gpu for m, d in zip(b.memory_bytes, cluster.devices))
+    return over, b.total_s
 
 
 def _make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str,

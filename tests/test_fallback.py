@@ -83,7 +83,7 @@ def test_model_that_fits_data_parallel_only_under_memory_aware_ratios_still_plan
     roomy = engine.evaluate(g, engine.load_cluster(cluster_dict([1e10, 5e11])), "dp-even").memory_bytes[0]
     # the fast device would get most of the batch in proportion to its speed, half of it evenly, but has
     # the least memory: only ratios that respect memory (the LP's) fit
-    cluster = engine.load_cluster(cluster_dict([1e10, 5e11], [int(4 * roomy), int(0.75 * roomy)]))
+    cluster = engine.load_cluster(cluster_dict([1e10, 5e11], [int(4 * roomy), int(0.85 * roomy)]))
     for strategy in ("dp-even", "dp-proportional"):
         with pytest.raises(engine.InfeasibleError, match="out of memory: device 'dev-1'"):
             engine.evaluate(g, cluster, strategy)
