@@ -22,7 +22,7 @@ from .errors import ModelError, UnsupportedOpError
 from .graph import Graph, Node
 
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
-          "exp": "exp", "neg": "neg", "dropout": "dropout", "clone": "identity", "contiguous": "identity",
+          "exp": "exp", "neg": "neg", "clone": "identity", "contiguous": "identity",
           "alias": "identity", "_to_copy": "identity", "to": "identity", "rsqrt": "rsqrt", "sqrt": "sqrt"}
 _BINARY = {"add", "sub", "mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow"}
 _BINARY_ALIASES = {"__and__": "logical_and", "bitwise_and": "logical_and", "__or__": "logical_or", "bitwise_or": "logical_or"}
@@ -43,6 +43,8 @@ class _Builder:
         """Multi-output nodes: the node id of each output (None for an output nothing models)."""
         self.buffers: dict[str, str] = {}
         """Buffers (fx name -> module path); they are `buffer` leaves, pruned when the loss does not use them."""
+        self.rng_sites = 0
+        """Dropout sites numbered in lowering order (only for programs `number_dropout_sites` did not number)."""
 
     def add(self, name: str, op: str, inputs: list[int], shape: tuple[int, ...], dtype: str,
             attrs: dict[str, Any] | None = None, flops: float = 0.0, segment: int = 0, source: str = "") -> int:
@@ -83,11 +85,12 @@ def _norm_dim(d: int, rank: int) -> int:
 def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """torch.export in non-strict mode; a failure becomes a ModelError that says what to try."""
     try:
-        return torch.export.export(module, args, kwargs, strict=False)
+        ep = torch.export.export(module, args, kwargs, strict=False)
     except Exception as e:  # torch raises many exception types from tracing
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot capture the model with torch.export: {first} "
                          "(make forward() free of data-dependent Python control flow)") from e
+    return number_dropout_sites(ep)
 
 
 FALLBACKS = (None, "auto", "replicate", "strict")
@@ -432,9 +435,6 @@ def _h_unary(c: _Ctx) -> int:
     attrs: dict[str, Any] = {}
     if op == "gelu":
         attrs["approximate"] = c.fx.kwargs.get("approximate", _arg(c.fx, 1, "approximate", "none"))
-    if op == "dropout":
-        attrs["p"] = float(_arg(c.fx, 1, "p", 0.5))
-        attrs["train"] = bool(_arg(c.fx, 2, "train", True))
     if op == "identity" and (c.fx.target._opname == "_to_copy" or c.node(c.fx.args[0]).dtype != c.dtype):
         attrs["dtype"] = c.dtype
     return c.emit(op, [c.tid(c.fx.args[0])], attrs, _UNARY_FLOPS.get(op, 1) * _numel(c.shape))
@@ -504,10 +504,9 @@ def _h_sdpa(c: _Ctx) -> int:
     mask = _arg(c.fx, 3, "attn_mask")
     if c.fx.kwargs.get("enable_gqa", _arg(c.fx, 7, "enable_gqa", False)):
         raise _Unsupported("scaled_dot_product_attention with enable_gqa")
-    if float(_arg(c.fx, 4, "dropout_p", 0.0)) != 0.0:
-        raise _Unsupported("scaled_dot_product_attention with dropout_p > 0")
     scale = c.fx.kwargs.get("scale", _arg(c.fx, 6, "scale"))
     attrs = {"is_causal": bool(_arg(c.fx, 5, "is_causal", False)), "scale": None if scale is None else float(scale)}
+    attrs.update(_sdpa_dropout(c))
     batch = _numel(q.shape[:-2])
     tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     flops = batch * (4.0 * tq * tk * d + 5.0 * tq * tk)  # QK^T and AV matmuls plus the softmax
@@ -777,6 +776,101 @@ _HANDLERS.update({
 _SPLITS["topk"] = _m_topk
 
 
+# --- dropout (engine/dropout.py: exact, site-keyed masks) ---------------------------------------
+def _site_p(fx: torch.fx.Node) -> float:
+    """The drop probability of a dropout site (p > 0 in training mode), or 0.0 if `fx` is none."""
+    name = getattr(fx.target, "_opname", "") if fx.op == "call_function" else ""
+    if name in ("dropout", "native_dropout"):
+        train = _arg(fx, 2, "train", True)
+        return float(_arg(fx, 1, "p", 0.5)) if train is None or train else 0.0
+    if name == "scaled_dot_product_attention":
+        return float(_arg(fx, 4, "dropout_p", 0.0))
+    return 0.0
+
+
+def number_dropout_sites(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Number the dropout sites of a freshly exported program in forward order (`rng_site`).
+
+    The number counts every dropout call the single-device forward makes, as
+    `engine.dropout.SiteKeyedDropout` counts them in eager mode: it is assigned before anything is
+    pruned and kept in the nodes' `custom` metadata, which `run_decompositions` carries to the
+    nodes it makes (functionalization may drop a dead dropout; the others keep their number)."""
+    site = 0
+    for fx in ep.graph_module.graph.nodes:
+        if _site_p(fx) > 0.0:
+            fx.meta["custom"] = {**(fx.meta.get("custom") or {}), "rng_site": site}
+            site += 1
+    return ep
+
+
+def _rng_site(c: _Ctx) -> int:
+    """The site number `number_dropout_sites` gave this node (or the node it was decomposed from)."""
+    site = (c.fx.meta.get("custom") or {}).get("rng_site")
+    if site is None:  # a program that did not come from export_program: number in lowering order
+        c.b.rng_sites += 1
+        return c.b.rng_sites - 1
+    return int(site)
+
+
+def _dropout_attrs(c: _Ctx, p: float, train: bool) -> dict[str, Any]:
+    if not 0.0 <= p <= 1.0:
+        raise _Unsupported(f"dropout with p={p} (must be in [0, 1])")
+    attrs: dict[str, Any] = {"p": p, "train": train}
+    if train and p > 0.0:
+        attrs["rng_site"] = _rng_site(c)
+    return attrs
+
+
+def _h_dropout(c: _Ctx) -> int:
+    """`aten.dropout(x, p, train)` (what torch.export records for nn.Dropout and F.dropout)."""
+    attrs = _dropout_attrs(c, float(_arg(c.fx, 1, "p", 0.5)), bool(_arg(c.fx, 2, "train", True)))
+    return c.emit("dropout", [c.tid(c.fx.args[0])], attrs, _numel(c.shape))
+
+
+def _m_native_dropout(c: _Ctx) -> list[int]:
+    """`aten.native_dropout(x, p, train) -> (out, mask)`, as `run_decompositions` leaves dropout:
+    the output is a dropout node; the mask (a second output) is refused if forward uses it."""
+    if any(u.target is operator.getitem and u.args[1] != 0 for u in c.fx.users):
+        raise _Unsupported("aten.native_dropout whose mask is used in forward")
+    x = c.node(c.fx.args[0])
+    train = _arg(c.fx, 2, "train", True)
+    attrs = _dropout_attrs(c, float(_arg(c.fx, 1, "p", 0.5)), True if train is None else bool(train))
+    return [c.b.add(c.fx.name, "dropout", [x.id], x.shape, x.dtype, attrs, float(x.numel), c.seg, c.src)]
+
+
+def _sdpa_dropout(c: _Ctx) -> dict[str, Any]:
+    """Attention dropout of `scaled_dot_product_attention` as attributes of the one `sdpa` node.
+
+    Kept in the node rather than decomposed into matmul/softmax/dropout/matmul: the attention
+    rules (batch, heads, queries; never the contracted key positions; no query split when causal)
+    and the flop count stay as they are, and the probabilities' mask (..., Tq, Tk) is split along
+    the same dim as the output, so a device derives its block from the output's shard."""
+    p = float(_arg(c.fx, 4, "dropout_p", 0.0))
+    if p == 0.0:
+        return {}
+    if not 0.0 < p <= 1.0:
+        raise _Unsupported(f"scaled_dot_product_attention with dropout_p={p} (must be in [0, 1])")
+    return {"dropout_p": p, "rng_site": _rng_site(c)}
+
+
+_RANDOM_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+                         "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
+                         "randperm", "multinomial", "normal", "uniform"})
+"""Random operators: never kept opaque (each device would draw its own numbers, so the run would
+not be single-device training); only dropout has exact, site-keyed masks."""
+
+
+
+def _h_random_refused(c: _Ctx) -> int:
+    raise _Unsupported(f"aten.{c.fx.target._opname} (a random operator without exact per-shard masks: "
+                       "use nn.Dropout / F.dropout, whose masks every device derives exactly)")
+
+
+_HANDLERS.update({op: _h_random_refused for op in ("feature_dropout", "alpha_dropout", "feature_alpha_dropout")})
+_HANDLERS["dropout"] = _h_dropout
+_SPLITS["native_dropout"] = _m_native_dropout
+
+
 # --- the replicate fallback (engine/theory/opaque.py) ------------------------------------------
 def _encode(value: Any, operands: list[int], b: _Builder) -> Any:
     """A non-tensor argument as JSON (dtypes, devices, layouts by name); a tensor as its operand index."""
@@ -800,6 +894,8 @@ def _opaque(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> bool:
     """Keep an ATen op with no rule as opaque node(s), one per tensor output; False if impossible."""
     target = fx.target
     if fx.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target._opname.removesuffix("_") in _RANDOM_OPS:
         return False
     operands: list[int] = []
     try:

@@ -41,9 +41,11 @@ Everything here is linear in B_j (or in max_j B_j), which is what makes the load
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from .cluster import Cluster
+from .dropout import attention_weights_shape
 from .graph import Graph
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .segments import RESPLIT, Segmentation, instruction_segments, source_segments
@@ -265,7 +267,8 @@ class CostModel:
         n = self.graph[node]
         f, b = self.fwd_flops[node], self.bwd_flops[node]
         tf, tb = self.traffic[node], self.bwd_traffic[node]
-        act = float(self.nbytes[node]) if self.requires_grad[node] and n.op not in ("view", "permute", "identity") else 0.0
+        act = float(self.nbytes[node]) + _attention_probs_bytes(self.graph, node) \
+            if self.requires_grad[node] and n.op not in ("view", "permute", "identity") else 0.0
         if sharded:
             return (f, 0.0, 0.0, 0.0, tf, 0.0), (b, 0.0, 0.0, 0.0, tb, 0.0), (0.0, 0.0, act, 0.0)
         return (0.0, f, 0.0, 0.0, 0.0, tf), (0.0, b, 0.0, 0.0, 0.0, tb), (0.0, 0.0, 0.0, act)
@@ -288,6 +291,17 @@ def class_work(acc: Acc, c: DeviceClass, ratio) -> float:
     s, r, ss, rs, ts, tr = acc
     return ((s * ratio + r) / c.flops + ss * ratio * c.sharded_param_s_per_byte + rs * c.full_param_s_per_byte
             + (ts * ratio + tr) * c.activation_s_per_byte)
+
+
+def _attention_probs_bytes(graph: Graph, node: int) -> float:
+    """Attention with dropout also keeps its probabilities (..., Tq, Tk) and their boolean mask for
+    backward: it runs in math form (engine/dropout.py); without dropout, attention keeps none."""
+    n = graph[node]
+    if n.op != "sdpa" or "rng_site" not in n.attrs:
+        return 0.0
+    q, k = graph[n.inputs[0]], graph[n.inputs[1]]
+    numel = math.prod(attention_weights_shape(q.shape, k.shape))
+    return float(numel * (n.nbytes // max(n.numel, 1) + 1))
 
 
 def _memory_bound(n) -> bool:

@@ -12,6 +12,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from . import dropout
+from .dropout import RngKey
 from .graph import Graph, Node
 
 Tensor = torch.Tensor
@@ -27,12 +29,15 @@ _BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 
 
 def run_node(node: Node, graph: Graph, inputs: Sequence[Tensor], out_shape: Sequence[int],
-             offsets: Sequence[int] | None = None) -> Tensor:
+             offsets: Sequence[int] | None = None, rng: RngKey = RngKey(0, 0)) -> Tensor:
     """Run `node` on (possibly sharded) local inputs; `out_shape` is the local output shape (used by views).
 
-    `offsets[k]` is where input k's local slice starts along its sharded dim (0 when whole); only
-    the vocabulary-parallel embedding needs it (its rows are a range of the vocabulary)."""
+    `offsets[k]` is where input k's local slice starts along its sharded dim (0 when whole): the
+    vocabulary-parallel embedding needs it (its rows are a range of the vocabulary), and so does
+    dropout (its mask is a function of the global index, engine/dropout.py), keyed by `rng`."""
     op, a = node.op, node.attrs
+    if "rng_site" in a:
+        return _site_dropout(node, graph, inputs, offsets, rng)
     if op in _INDEX:
         return _INDEX[op](node, inputs)
     if op in _UNARY:
@@ -76,6 +81,26 @@ def run_node(node: Node, graph: Graph, inputs: Sequence[Tensor], out_shape: Sequ
     if op in _VISION:
         return unless_empty(lambda *xs: _VISION[op](a, xs), out_shape, *inputs)
     raise NotImplementedError(f"no executor for operator '{op}' (node {node.name})")
+
+
+def region_starts(global_shape: Sequence[int], local_shape: Sequence[int], offset: int) -> list[int]:
+    """Where a local operand starts in its global tensor: `offset` on the dim it is split along
+    (the one whose local size differs), 0 elsewhere (a dim split whole has offset 0)."""
+    return [offset if size != whole else 0 for size, whole in zip(local_shape, global_shape)]
+
+
+def _site_dropout(node: Node, graph: Graph, inputs: Sequence[Tensor], offsets: Sequence[int] | None,
+                  rng: RngKey) -> Tensor:
+    """Dropout or attention dropout with the site's exact mask on the local region of the operands."""
+    a, x = node.attrs, inputs[0]
+    starts = region_starts(graph[node.inputs[0]].shape, x.shape, (offsets or [0])[0])
+    if node.op == "dropout":
+        return dropout.dropout(x, a["p"], rng, a["rng_site"], graph[node.inputs[0]].shape, starts)
+    assert node.op == "sdpa", f"rng_site on operator '{node.op}'"
+    weights = dropout.attention_weights_shape(graph[node.inputs[0]].shape, graph[node.inputs[1]].shape)
+    mask = inputs[3] if len(inputs) > 3 else None
+    return dropout.attention_dropout(*inputs[:3], mask, a["is_causal"], a["scale"], a["dropout_p"], rng, a["rng_site"],
+                                     weights, starts[:-1] + [0], a.get("enable_gqa", False))
 
 
 def _narrow(x: Tensor, a: dict) -> Tensor:

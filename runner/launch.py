@@ -383,7 +383,7 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
     try:
         for step in range(start, cfg.steps):
             maybe_inject_fault(env.rank, step)
-            loss = train_step(plan, st, env.rank, make_batch(plan, step, cfg.seed, device), pacer)
+            loss = train_step(plan, st, env.rank, make_batch(plan, step, cfg.seed, device), pacer, step=step)
             record = {"step": step, "rank": env.rank, "loss": loss, "step_time_s": st.step_times[-1],
                       "speed": pacer.speed, **pacer.last}
             metrics.write(record)

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from engine import ops
+from engine import dropout, ops
 from engine.graph import Graph, Node
 from engine.ops import unless_empty
 from engine.plan import Plan
@@ -51,6 +51,8 @@ class RankProgram:
         return [(n, f) for n, f in self.leaves if not self.is_param[n]]
 
     is_param: dict[int, bool] = None  # type: ignore[assignment]
+    uses_rng: bool = False
+    """Whether the module's first argument is the step's `engine.dropout.RngKey` (the plan has dropout sites)."""
 
 
 def sizes_of(plan: Plan, tensor: int, dim: int, segment: int | None = None) -> list[int]:
@@ -82,6 +84,7 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False) -> RankPr
     graph = plan.graph
     segs = instruction_segments(plan.program, plan.segmentation)
     sources = source_segments(plan.program, plan.segmentation)
+    rng = g.placeholder("rng") if has_dropout_sites(graph) else None
     for ins, seg, src in zip(plan.program, segs, sources):
         if ins.kind == LOAD:
             env[(ins.node, ins.post)] = g.placeholder(_safe(graph[ins.node].name))
@@ -89,7 +92,7 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False) -> RankPr
         elif ins.kind == COMM:
             env[(ins.node, ins.post)] = _emit_comm(g, plan, ins, env, rank, seg, src)
         else:
-            out = _emit_compute(g, plan, ins, env, rank, seg)
+            out = _emit_compute(g, plan, ins, env, rank, seg, rng)
             if probes:
                 out = g.call_function(probe, (out, f"{graph[ins.node].name}:{ins.rule}"))
             env[(ins.node, ins.post)] = out
@@ -97,7 +100,7 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False) -> RankPr
     form = PARTIAL if (loss, PARTIAL) in env else FULL
     g.output(env[(loss, form)])
     gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Rank{rank}Program")
-    return RankProgram(gm, leaves, form, {n: graph[n].op == "parameter" for n, _ in leaves})
+    return RankProgram(gm, leaves, form, {n: graph[n].op == "parameter" for n, _ in leaves}, rng is not None)
 
 
 def _safe(name: str) -> str:
@@ -127,10 +130,13 @@ def _emit_comm(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, 
     raise ValueError(f"unknown collective '{ins.rule}' in plan")
 
 
-def _emit_compute(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, seg: int) -> fx.Node:
+def _emit_compute(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, seg: int,
+                  rng: fx.Node | None = None) -> fx.Node:
     node = plan.graph[ins.node]
     args = [env[p] for p in ins.pre]
     shape = local_shape(plan, ins.node, ins.post, rank, seg)
+    if "rng_site" in node.attrs:
+        return _site_dropout(g, plan, ins, args, rank, seg, rng)
     if node.op == "embedding":
         return _embedding(g, plan, ins, args, rank, seg)
     return _EMITTERS.get(node.op, _emit_generic)(g, node, plan.graph, args, shape)
@@ -141,6 +147,35 @@ def _embedding(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: int,
     node, (w, w_form) = plan.graph[ins.node], ins.pre[0]
     offset = sum(sizes_of(plan, w, 0, seg)[:rank]) if w_form == 0 else 0
     return g.call_function(ops.embedding, (args[0], args[1], offset, plan.graph[w].shape[0], node.attrs.get("padding_idx")))
+
+
+def has_dropout_sites(graph: Graph) -> bool:
+    """Whether the graph draws dropout masks (nodes with an `rng_site`, see engine/dropout.py)."""
+    return any("rng_site" in n.attrs for n in graph.nodes)
+
+
+def output_starts(plan: Plan, ins: Instruction, rank: int, seg: int) -> list[int]:
+    """Where this rank's block of a node's output starts in the global output (its offset on the
+    sharded dim, by the plan's integer sizes; all zeros for Full)."""
+    starts = [0] * plan.graph[ins.node].rank
+    if ins.post >= 0:
+        starts[ins.post] = sum(sizes_of(plan, ins.node, ins.post, seg)[:rank])
+    return starts
+
+
+def _site_dropout(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: int, seg: int,
+                  rng: fx.Node | None) -> fx.Node:
+    """Dropout (or attention dropout) with the exact mask of this rank's block: a function of the
+    global shape, the step's key (`rng`), the site and where the block starts (engine/dropout.py)."""
+    assert rng is not None and ins.post >= FULL, "dropout sites run Full or sharded, never Partial"
+    node, graph = plan.graph[ins.node], plan.graph
+    a, starts = node.attrs, output_starts(plan, ins, rank, seg)
+    if node.op == "dropout":
+        return g.call_function(dropout.dropout, (args[0], a["p"], rng, a["rng_site"], tuple(node.shape), starts))
+    weights = dropout.attention_weights_shape(graph[node.inputs[0]].shape, graph[node.inputs[1]].shape)
+    mask = args[3] if len(args) > 3 else None
+    return g.call_function(dropout.attention_dropout, (*args[:3], mask, a["is_causal"], a["scale"], a["dropout_p"], rng,
+                                                       a["rng_site"], weights, starts[:-1] + [0], a.get("enable_gqa", False)))
 
 
 def _emit_generic(g, node: Node, graph: Graph, args, shape) -> fx.Node:

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from engine import zoo
+from engine.dropout import RngKey, SiteKeyedDropout
 from engine.plan import Plan
 from engine.theory.core import FULL, PARTIAL
 
@@ -59,6 +60,8 @@ class RankState:
     """Local pieces of the model's buffers (untrained state such as position ids), by leaf node."""
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    seed: int = 0
+    """The run's seed: with the step number, it keys the dropout masks (engine/dropout.py)."""
 
 
 GRAD_SYNC = ("bucket", "per-param")
@@ -86,7 +89,8 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
     named_buffers = dict(module.named_buffers(remove_duplicate=False))
     buffers = {node: shard(plan, node, form, rank, named_buffers[plan.graph[node].attrs["target"]]).to(device)
                for node, form in program.leaves if plan.graph[node].op == "buffer"}
-    return RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync, buffers=buffers)
+    return RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync, buffers=buffers,
+                     seed=seed)
 
 
 def _grad_all_reduce_hook(name: str):
@@ -97,8 +101,8 @@ def _grad_all_reduce_hook(name: str):
 
 
 def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...],
-               pacer: Pacer | None = None) -> float:
-    """One synchronous step; returns the global loss.
+               pacer: Pacer | None = None, *, step: int = 0) -> float:
+    """One synchronous step (number `step`, which keys its dropout masks); returns the global loss.
 
     Forward, backward (each device backpropagates its addend of a Partial loss; a Full loss is
     scaled by 1/m), one all-reduce for the gradients of Full parameters (their local gradients
@@ -107,7 +111,7 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
     start = time.perf_counter()
     pacer = pacer or Pacer()
     pacer.begin_step()
-    args = program_args(plan, st, rank, batch)
+    args = program_args(plan, st, rank, batch, step)
     st.optimizer.zero_grad(set_to_none=True)
     loss = st.program.module(*args)
     pacer.set_phase("bwd")
@@ -123,10 +127,12 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
     return st.losses[-1]
 
 
-def program_args(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
-    """The rank program's arguments in call order: local parameters, buffers and this rank's input slices."""
+def program_args(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...], step: int = 0) -> list:
+    """The rank program's arguments in call order: the dropout key of `step` (when the plan has
+    dropout sites), then local parameters, buffers and this rank's input slices."""
     params = iter(st.params)
-    return [next(params) if st.program.is_param[node] else st.buffers[node] if node in st.buffers
+    rng = [RngKey(st.seed, step)] if st.program.uses_rng else []
+    return rng + [next(params) if st.program.is_param[node] else st.buffers[node] if node in st.buffers
             else shard(plan, node, form, rank, batch[plan.graph[node].attrs["index"]]) for node, form in st.program.leaves]
 
 
@@ -156,13 +162,15 @@ def gathered_params(plan: Plan, st: RankState) -> dict[str, torch.Tensor]:
 
 def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
                   device: torch.device | str = "cpu"):
-    """Single-device training of the same model on the same batches: losses and final parameters."""
+    """Single-device training of the same model on the same batches and dropout masks: losses and
+    final parameters."""
     module = build_module(plan, seed).to(device)
     opt = make_optimizer(list(module.parameters()), optimizer, lr)
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        loss = module(*make_batch(plan, step, seed, device))
+        with SiteKeyedDropout(RngKey(seed, step)):  # the masks the ranks draw for this step's sites
+            loss = module(*make_batch(plan, step, seed, device))
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))

@@ -6,6 +6,10 @@ Rows, with why they hold:
 - add/sub(P, P) -> P: the sum of addends' sums is the sum's addends.
 - mul(P, F) -> P, div(P, F) -> P: scaling by a replicated factor distributes over the addends.
 - comparisons, logical and/or, pow: elementwise but not linear, so only S(d) -> S(d) and all-Full.
+- dropout: S(d) -> S(d) and F -> F are exact because every device derives the mask of its block
+  from the global index (engine/dropout.py). No P -> P: with that shared mask it would even be
+  exact (the mask distributes over the addends), but a device would draw the whole mask and scale
+  the whole tensor to save no communication; with per-device random streams it would be wrong.
 """
 from __future__ import annotations
 

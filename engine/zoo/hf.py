@@ -3,7 +3,8 @@
 `transformers` is an optional extra (`pip install -e ".[hf]"`): it is imported only when one of
 these models is built. Each entry wraps a transformers model in a module whose forward takes the
 zoo's positional batch and returns the loss, so the runner can rebuild and train it like any zoo
-model. Dropout is off (the runner's equivalence needs identical random streams).
+model. Dropout is a knob (`dropout`: the hidden and the attention dropout), off by default; with it
+on, the runner draws the same masks as single-device training (engine/dropout.py).
 
 - `hf_bert`: `BertForMaskedLM`; the loss is the model's own `.loss` (labels = the tokens, every
   position predicted, so no label is the ignored -100).
@@ -52,10 +53,14 @@ class HFConfig:
     """Sequence length (also the model's maximum positions)."""
     batch: int = 64
     """Global batch size."""
+    dropout: float = 0.0
+    """Dropout probability of the hidden states and of the attention probabilities (0.1 in BERT and GPT-2)."""
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
             raise ValueError(f"hidden ({self.hidden}) must be a multiple of heads ({self.heads})")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout ({self.dropout}) must be in [0, 1)")
 
 
 class HFBert(nn.Module):
@@ -64,8 +69,8 @@ class HFBert(nn.Module):
         t = _transformers()
         config = t.BertConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
                               num_attention_heads=cfg.heads, intermediate_size=cfg.ffn,
-                              max_position_embeddings=cfg.seq_len, hidden_dropout_prob=0.0,
-                              attention_probs_dropout_prob=0.0)
+                              max_position_embeddings=cfg.seq_len, hidden_dropout_prob=cfg.dropout,
+                              attention_probs_dropout_prob=cfg.dropout)
         self.model = t.BertForMaskedLM(config)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -77,8 +82,8 @@ class HFGPT2(nn.Module):
         super().__init__()
         t = _transformers()
         config = t.GPT2Config(vocab_size=cfg.vocab, n_embd=cfg.hidden, n_layer=cfg.layers, n_head=cfg.heads,
-                              n_inner=cfg.ffn, n_positions=cfg.seq_len, resid_pdrop=0.0, embd_pdrop=0.0,
-                              attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0)
+                              n_inner=cfg.ffn, n_positions=cfg.seq_len, resid_pdrop=cfg.dropout, embd_pdrop=cfg.dropout,
+                              attn_pdrop=cfg.dropout, use_cache=False, bos_token_id=0, eos_token_id=0)
         self.model = t.GPT2LMHeadModel(config)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

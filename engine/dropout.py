@@ -1,0 +1,191 @@
+"""Exact dropout: every device draws, for its shard, the mask single-device training draws.
+
+A dropout *site* is one dropout call with p > 0 in training mode (an `nn.Dropout`, `F.dropout`, or
+the attention dropout of `scaled_dot_product_attention`); capture numbers the sites in forward
+order (`rng_site`, assigned before pruning) and the single-device reference counts its dropout
+calls the same way (`SiteKeyedDropout`). The mask of a site is a function of the *global*
+element index:
+
+    keep[i] = u(seed, step, site, i) >= p,    u = a counter-based hash of (key, i) in [0, 1)
+
+so a device computes exactly the elements of its own region (a box of the global tensor: whole
+for Full, a range of rows along d for Shard(d), uneven sizes included) and nothing else. This is
+the idea of DTensor's offset-based RNG (each shard advances a counter-based generator to its
+offset), done with a hash of the flat index instead of Philox offsets: integer operations give the
+same bits on every device type (a CPU reference, a mix of GPU models), where the Philox stream
+of `torch.rand` depends on the launch configuration of the device.
+
+Why not "generate the global mask with a seeded generator and slice it"? It is exact too, but
+every rank would draw the whole global mask at every site and step (for BERT-Base's attention
+dropout, 512 x 12 x 128 x 128 floats per layer) and on CPU. The hash costs, per device and site,
+a few int64 element-wise operations over the *local* region only: about 8 bytes per local element
+of temporaries, freed after the mask is built; the boolean mask (1 byte per local element) is
+what autograd keeps for backward, as torch's own dropout does. Attention dropout makes the
+attention probabilities explicit (B, heads, Tq, Tk) (the math form of attention, as torch's own
+`sdpa` does on CPU with dropout), which the cost model counts as kept activations.
+
+`Partial` inputs: with one mask shared by all devices, dropout would distribute over addends,
+but no rule offers it (engine/theory/pointwise.py): a device would draw the whole mask.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+Tensor = torch.Tensor
+_M32 = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class RngKey:
+    """What a training step's masks depend on besides the site: the run's seed and the step number."""
+
+    seed: int
+    step: int
+
+
+def site_words(key: RngKey, site: int) -> tuple[int, int]:
+    """Two 32-bit words derived from (seed, step, site): every site of every step gets its own stream."""
+    digest = hashlib.blake2b(f"hap-dropout:{key.seed}:{key.step}:{site}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
+
+
+def _mul32(x: Tensor, c: int) -> Tensor:
+    """(x * c) mod 2**32 for 32-bit words held in int64, without ever overflowing int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: Tensor) -> Tensor:
+    """A bijective 32-bit integer mixer (xor-shift-multiply rounds, Wellons' lowbias32 constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def flat_index(global_shape: Sequence[int], starts: Sequence[int], local_shape: Sequence[int],
+               device: torch.device | str = "cpu") -> Tensor:
+    """Row-major flat indices in the global tensor of the box `starts + [0, local_shape)` (int64)."""
+    strides = [math.prod(global_shape[d + 1:]) for d in range(len(global_shape))]
+    index = torch.zeros((), dtype=torch.int64, device=device)
+    for d, (start, size, stride) in enumerate(zip(starts, local_shape, strides)):
+        axis = torch.arange(start, start + size, dtype=torch.int64, device=device) * stride
+        index = index + axis.reshape([size if e == d else 1 for e in range(len(global_shape))])
+    return index.expand(tuple(local_shape)) if len(global_shape) else index
+
+
+def uniform(key: RngKey, site: int, global_shape: Sequence[int], starts: Sequence[int],
+            local_shape: Sequence[int], device: torch.device | str = "cpu") -> Tensor:
+    """u in [0, 1) (float32, 24 random bits) for the box of the global tensor; a pure function of the global index."""
+    w0, w1 = site_words(key, site)
+    index = flat_index(global_shape, starts, local_shape, device)
+    h = _mix32((index & _M32) ^ w0)
+    h = _mix32(h ^ (index >> 32) ^ w1)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def keep_mask(p: float, key: RngKey, site: int, global_shape: Sequence[int], starts: Sequence[int],
+              local_shape: Sequence[int], device: torch.device | str = "cpu") -> Tensor:
+    """The boolean keep-mask of a site on the box `starts + [0, local_shape)` of its global tensor."""
+    return uniform(key, site, global_shape, starts, local_shape, device) >= p
+
+
+def dropout(x: Tensor, p: float, key: RngKey, site: int, global_shape: Sequence[int], starts: Sequence[int]) -> Tensor:
+    """Dropout of a local region `x` (starting at `starts` of the global tensor) with the site's mask."""
+    if p >= 1.0:
+        return x * 0.0
+    keep = keep_mask(p, key, site, global_shape, starts, x.shape, x.device)
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
+def attention_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None,
+                      p: float, key: RngKey, site: int, weights_shape: Sequence[int], starts: Sequence[int],
+                      enable_gqa: bool = False) -> Tensor:
+    """softmax(q k^T * scale + mask) with the site's dropout, times v: attention in math form.
+
+    `weights_shape` is the global shape of the attention probabilities (..., Tq, Tk); `starts` is
+    where this device's (..., tq, Tk) block begins in it (queries, batch or heads may be split)."""
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+    if is_causal:
+        tq, tk = scores.shape[-2:]
+        causal = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1)
+    return dropout(probs, p, key, site, weights_shape, starts) @ v
+
+
+def attention_weights_shape(q_shape: Sequence[int], k_shape: Sequence[int]) -> tuple[int, ...]:
+    """Global shape (..., Tq, Tk) of the attention probabilities of `sdpa(q, k, v)`."""
+    lead = torch.broadcast_shapes(tuple(q_shape[:-2]), tuple(k_shape[:-2]))
+    return tuple(lead) + (q_shape[-2], k_shape[-2])
+
+
+# --- the single-device side: the same masks in eager PyTorch ------------------------------------
+_DROPOUT_SIG = inspect.signature(lambda input, p=0.5, training=True, inplace=False: None)
+_TORCH_DROPOUT_SIG = inspect.signature(lambda input, p, train: None)
+_SDPA_SIG = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                              enable_gqa=False: None)
+_RANDOM_FUNCS = (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+                 torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)
+
+
+class SiteKeyedDropout(TorchFunctionMode):
+    """Runs a module's dropout calls with the site-keyed masks of step `key.step` (site = call order).
+
+    Used by the single-device reference (runner.train.reference_run): `F.dropout` / `nn.Dropout`,
+    `torch.dropout` and `scaled_dot_product_attention` with `dropout_p > 0` draw exactly the masks
+    a distributed run draws for the same sites; other random dropout variants are refused (capture
+    refuses them too)."""
+
+    def __init__(self, key: RngKey) -> None:
+        super().__init__()
+        self.key = key
+        self.sites = 0
+        """Dropout sites met so far in this forward."""
+
+    def _next_site(self) -> int:
+        self.sites += 1
+        return self.sites - 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout or func is torch.dropout:
+            return self._dropout(func, args, kwargs)
+        if func is F.scaled_dot_product_attention:
+            return self._sdpa(func, args, kwargs)
+        if func in _RANDOM_FUNCS:
+            raise NotImplementedError(f"{getattr(func, '__name__', func)} has no site-keyed mask (use nn.Dropout)")
+        return func(*args, **kwargs)
+
+    def _dropout(self, func, args: tuple, kwargs: dict) -> Any:
+        sig = _DROPOUT_SIG if func is F.dropout else _TORCH_DROPOUT_SIG
+        a = sig.bind(*args, **kwargs).arguments
+        x, p, training = a["input"], float(a.get("p", 0.5)), bool(a.get("training", a.get("train", True)))
+        if not training or p == 0.0:
+            return func(*args, **kwargs)
+        out = dropout(x, p, self.key, self._next_site(), tuple(x.shape), [0] * x.dim())
+        return x.copy_(out) if a.get("inplace") else out
+
+    def _sdpa(self, func, args: tuple, kwargs: dict) -> Any:
+        a = {**_SDPA_SIG.bind(*args, **kwargs).arguments}
+        p = float(a.get("dropout_p", 0.0))
+        if p == 0.0:
+            return func(*args, **kwargs)
+        q, k, v = a["query"], a["key"], a["value"]
+        shape = attention_weights_shape(q.shape, k.shape)
+        return attention_dropout(q, k, v, a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale"), p,
+                                 self.key, self._next_site(), shape, [0] * len(shape), bool(a.get("enable_gqa", False)))

@@ -1,0 +1,220 @@
+"""Exact dropout (engine/dropout.py): a sharded dropout draws the mask of single-device dropout.
+
+In-process, no process group: m simulated devices each run their block of every rule that can
+shard a dropout input (Full, Shard on each dim, uneven sizes, 2 and 3 devices); the blocks put
+together must equal the eager single-device call under `SiteKeyedDropout`, bit for bit for
+dropout and to float64 rounding for attention dropout. Capture numbers the sites in forward
+order, pruned ones included, so an eager forward and the captured graph draw the same masks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import engine
+from engine.capture import LossOf, _to_graph, export_program
+from engine.cluster import Cluster
+from engine.cost import CostModel
+from engine.dropout import RngKey, SiteKeyedDropout, keep_mask, uniform
+from engine.errors import UnsupportedOpError
+from engine.graph import Graph, Node
+from engine.ops import run_node
+from engine.theory import FULL, PARTIAL, op_rules
+from engine.theory.check import split_sizes
+
+from conftest import cluster_dict
+
+KEY = RngKey(seed=7, step=3)
+WORLDS = [[0.6, 0.4], [0.5, 0.3, 0.2]]
+
+
+def one_node(op: str, operands: list[tuple[int, ...]], shape: tuple[int, ...], attrs: dict) -> tuple[Node, Graph]:
+    leaves = [Node(id=i, name=f"in{i}", op="placeholder", inputs=(), shape=s, dtype="float64")
+              for i, s in enumerate(operands)]
+    node = Node(id=len(leaves), name=op, op=op, inputs=tuple(range(len(leaves))), shape=shape, dtype="float64", attrs=attrs)
+    return node, Graph(nodes=tuple(leaves) + (node,), loss=node.id)
+
+
+def run_sharded(node: Node, graph: Graph, inputs: list[torch.Tensor], forms: tuple[int, ...], out_form: int,
+                ratios: list[float]) -> torch.Tensor:
+    """Every simulated device runs its block (uneven sizes from the plan's rounding); the blocks, put together."""
+    dims = {f for f in forms if f >= 0} | ({out_form} if out_form >= 0 else set())
+    assert len(dims) <= 1
+    if not dims:
+        outs = [run_node(node, graph, inputs, node.shape, rng=KEY) for _ in ratios]
+        assert all(torch.equal(o, outs[0]) for o in outs), "Full: every device holds the whole result"
+        return outs[0]
+    d = dims.pop()
+    sizes = split_sizes(node.shape[d], ratios)
+    assert len(set(sizes)) > 1, f"sizes {sizes} should be uneven"
+    outs, start = [], 0
+    for size in sizes:
+        local = [x.narrow(f, start, size) if f >= 0 else x for x, f in zip(inputs, forms)]
+        offsets = [start if f >= 0 else 0 for f in forms]
+        shape = list(node.shape)
+        shape[d] = size
+        outs.append(run_node(node, graph, local, shape, offsets, rng=KEY))
+        start += size
+    return torch.cat(outs, dim=out_form)
+
+
+@pytest.mark.parametrize("ratios", WORLDS, ids=["2-devices", "3-devices"])
+@pytest.mark.parametrize("shape", [(10, 7), (7, 5, 6)])
+def test_every_dropout_rule_draws_the_single_device_mask(shape, ratios):
+    node, graph = one_node("dropout", [shape], shape, {"p": 0.4, "train": True, "rng_site": 0})
+    x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with SiteKeyedDropout(KEY):
+        single = F.dropout(x, 0.4)  # the first dropout call of a forward: site 0
+    assert 0 < int((single == 0).sum()) < x.numel(), "the mask drops some elements and keeps others"
+    rules = op_rules(node, graph)
+    assert {r.inputs for r in rules} == {(FULL,)} | {(d,) for d in range(len(shape))}, "Full and Shard on each dim"
+    for r in rules:
+        assert torch.equal(run_sharded(node, graph, [x], r.inputs, r.output, ratios), single), str(r)
+
+
+def test_dropout_has_no_partial_rule():
+    node, graph = one_node("dropout", [(6, 4)], (6, 4), {"p": 0.1, "train": True, "rng_site": 0})
+    assert all(PARTIAL not in r.inputs and r.output != PARTIAL for r in op_rules(node, graph))
+
+
+SDPA_CASES = {
+    "bidirectional": ((7, 5, 6, 4), (7, 5, 9, 4), False, None),
+    "additive-mask": ((7, 5, 6, 4), (7, 5, 9, 4), False, (7, 1, 6, 9)),
+    "causal": ((7, 5, 6, 4), (7, 5, 6, 4), True, None),
+}
+
+
+@pytest.mark.parametrize("ratios", WORLDS, ids=["2-devices", "3-devices"])
+@pytest.mark.parametrize("case", sorted(SDPA_CASES))
+def test_every_attention_dropout_rule_draws_the_single_device_mask(case, ratios):
+    q_shape, kv_shape, causal, mask_shape = SDPA_CASES[case]
+    gen = torch.Generator().manual_seed(2)
+    operands = [q_shape, kv_shape, kv_shape] + ([mask_shape] if mask_shape else [])
+    inputs = [torch.randn(s, dtype=torch.float64, generator=gen) for s in operands]
+    attrs = {"is_causal": causal, "scale": None, "dropout_p": 0.3, "rng_site": 1}
+    node, graph = one_node("sdpa", operands, q_shape, attrs)
+    with SiteKeyedDropout(KEY):
+        F.dropout(torch.ones(3), 0.5)  # site 0
+        single = F.scaled_dot_product_attention(*inputs[:3], attn_mask=inputs[3] if mask_shape else None,
+                                                dropout_p=0.3, is_causal=causal)  # site 1
+    plain = F.scaled_dot_product_attention(*inputs[:3], attn_mask=inputs[3] if mask_shape else None, is_causal=causal)
+    assert float((single - plain).abs().max()) > 1e-3, "attention dropout changes the result"
+    rules = op_rules(node, graph)
+    names = {r.name for r in rules}
+    assert {"replicate", "batch", "heads"} <= names and ("queries" in names) == (not causal)
+    for r in rules:
+        out = run_sharded(node, graph, inputs, r.inputs, r.output, ratios)
+        assert float((out - single).abs().max()) < 1e-12, str(r)
+
+
+def test_masks_are_keyed_by_seed_step_and_site_and_keep_one_minus_p():
+    shape = (200, 300)
+    base = keep_mask(0.25, KEY, 0, shape, (0, 0), shape)
+    assert abs(float(base.float().mean()) - 0.75) < 0.01
+    u = uniform(KEY, 0, shape, (0, 0), shape)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert torch.equal(base, keep_mask(0.25, RngKey(7, 3), 0, shape, (0, 0), shape)), "a pure function of its key"
+    for other in (keep_mask(0.25, RngKey(8, 3), 0, shape, (0, 0), shape), keep_mask(0.25, RngKey(7, 4), 0, shape, (0, 0), shape),
+                  keep_mask(0.25, KEY, 1, shape, (0, 0), shape)):
+        agree = float((other == base).float().mean())
+        assert 0.55 < agree < 0.70, f"masks of other keys are independent (agree {agree:.3f}, expect ~0.625)"
+
+
+def test_a_block_of_the_mask_is_the_block_of_the_global_mask():
+    shape = (6, 5, 9)
+    whole = keep_mask(0.5, KEY, 2, shape, (0, 0, 0), shape)
+    assert torch.equal(keep_mask(0.5, KEY, 2, shape, (0, 1, 0), (6, 3, 9)), whole[:, 1:4])
+    assert torch.equal(keep_mask(0.5, KEY, 2, shape, (4, 0, 0), (2, 5, 9)), whole[4:])
+    assert keep_mask(0.5, KEY, 2, shape, (6, 0, 0), (0, 5, 9)).shape == (0, 5, 9), "a device may hold no row"
+
+
+class Dropouts(nn.Module):
+    """Three kinds of dropout site, one pruned (its result is unused) and one in eval mode (no site)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.2)
+        self.off = nn.Dropout(0.3).eval()
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        unused = F.dropout(x, 0.5)  # site 0: pruned, still counted
+        del unused
+        h = self.off(self.drop(self.fc(x)))  # site 1; eval-mode dropout is no site
+        q = h.view(4, 3, 2, 4).transpose(1, 2)  # (B, nh, T, hs)
+        a = F.scaled_dot_product_attention(q, q, q, dropout_p=0.25)  # site 2
+        return F.mse_loss(F.dropout(a, 0.1).transpose(1, 2).reshape(4, 3, 8), y)  # site 3
+
+
+def dropouts_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 3, 8, generator=g), torch.randn(4, 3, 8, generator=g)
+
+
+def interpret(graph: Graph, module: nn.Module, inputs: tuple[torch.Tensor, ...], key: RngKey) -> torch.Tensor:
+    values: list[torch.Tensor] = []
+    state = dict(module.named_parameters())
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            values.append(inputs[n.attrs["index"]])
+        elif n.is_leaf:
+            values.append(state[n.attrs["target"]])
+        else:
+            values.append(run_node(n, graph, [values[i] for i in n.inputs], n.shape, rng=key))
+    return values[graph.loss]
+
+
+def dropouts_graph(decompose: bool) -> tuple[Graph, nn.Module]:
+    torch.manual_seed(0)
+    module = Dropouts()
+    ep = export_program(LossOf(module), (), dict(zip("xy", dropouts_inputs())))
+    if decompose:  # dropout as native_dropout, as run_decompositions leaves it
+        ep = ep.run_decompositions({})
+    return _to_graph(ep, name="dropouts", origin={}), module
+
+
+@pytest.mark.parametrize("decompose", [False, True], ids=["aten.dropout", "aten.native_dropout"])
+def test_capture_numbers_sites_in_forward_order_as_the_eager_forward_meets_them(decompose):
+    graph, module = dropouts_graph(decompose)
+    sites = [(n.op, n.attrs["rng_site"]) for n in graph.nodes if "rng_site" in n.attrs]
+    assert sites == [("dropout", 1), ("sdpa", 2), ("dropout", 3)], "site 0 is pruned but keeps its number"
+    if not decompose:  # (run_decompositions turns it into a clone)
+        assert any(n.op == "dropout" and not n.attrs["train"] for n in graph.nodes), "the eval-mode dropout has no site"
+    key = RngKey(5, 1)
+    with SiteKeyedDropout(key) as mode:
+        eager = module(*dropouts_inputs())
+    assert mode.sites == 4
+    assert abs(float(interpret(graph, module, dropouts_inputs(), key)) - float(eager)) < 1e-6 * abs(float(eager))
+    with SiteKeyedDropout(RngKey(5, 2)):
+        assert abs(float(module(*dropouts_inputs())) - float(eager)) > 1e-4, "another step draws other masks"
+
+
+class FeatureDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout1d(self.fc(x), 0.5).sum()
+
+
+@pytest.mark.parametrize("fallback", [None, "replicate"])
+def test_random_operators_without_exact_masks_are_refused_even_with_the_fallback(fallback):
+    with pytest.raises(UnsupportedOpError, match="feature_dropout.*random operator"):
+        engine.load_model(FeatureDropout(), (torch.randn(4, 6, 6),), fallback=fallback)
+
+
+def test_attention_dropout_keeps_its_probabilities_in_the_memory_estimate():
+    plain, graph0 = one_node("sdpa", [(4, 2, 8, 4)] * 3, (4, 2, 8, 4), {"is_causal": False, "scale": None})
+    drop, graph1 = one_node("sdpa", [(4, 2, 8, 4)] * 3, (4, 2, 8, 4),
+                            {"is_causal": False, "scale": None, "dropout_p": 0.1, "rng_site": 0})
+    cluster = Cluster.from_dict(cluster_dict([1e10, 1e10]))
+    leaf_params = [Node(id=i, name=f"w{i}", op="parameter", inputs=(), shape=(4, 2, 8, 4), dtype="float64") for i in range(3)]
+    mems = []
+    for node in (plain, drop):
+        g = Graph(nodes=tuple(leaf_params) + (node,), loss=3)
+        mems.append(CostModel(g, cluster, [0.5, 0.5], "sgd").compute_delta(3, True)[2][2])
+    probs = 4 * 2 * 8 * 8
+    assert mems[1] - mems[0] == probs * (8 + 1), "float64 probabilities and a boolean mask per attention weight"
