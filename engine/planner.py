@@ -58,21 +58,29 @@ def data_parallel_space(graph: Graph, *, gather: bool = False) -> SearchSpace:
     With `gather`: data parallelism with the fallback. An operator with no batch rule (an opaque
     op, batch norm's exact statistics) runs replicated on all-gathered operands (inputs may load
     whole) and its result is sliced back to the batch shards for free."""
-    if gather:
+    if gather:  # only the batch dim (0) is ever split: slicing a gathered tensor on another dim would
+        # open sequence- and head-parallel branches that multiply the programs to search
         return SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f in (FULL, 0),
-                           collectives=frozenset({"all_gather.padded", "all_gather.grouped", "slice"}))
+                           collectives=frozenset({"all_gather.padded", "all_gather.grouped", "slice"}),
+                           rule_filter=lambda n, r: r.output <= 0 and all(f <= 0 for f in r.inputs))
     return SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f == 0,
                        collectives=frozenset())
 
 
 def data_parallel(graph: Graph, cm: CostModel) -> SearchResult:
     """The data-parallel program under `cm`: plain when every operator splits on the batch, else
-    with all-gathers before the operators that cannot (always a program when every operator has
-    its all-Full rule, as opaque ones do). InfeasibleError says why there is none."""
+    with all-gathers before the operators that cannot, else every device running the whole model
+    (a program whenever every operator has its all-Full rule, as opaque ones do and memory allows).
+    The gathering space is searched with a beam: exactly, it has as many programs as ways to place
+    the gathers (BART-base-sized graphs took minutes). InfeasibleError says why there is none."""
     try:
         return synthesize(graph, cm, space=data_parallel_space(graph))
     except InfeasibleError:
-        return synthesize(graph, cm, space=data_parallel_space(graph, gather=True))
+        pass
+    try:
+        return synthesize(graph, cm, space=data_parallel_space(graph, gather=True), beam_width=DEFAULT_BEAM_WIDTH)
+    except InfeasibleError:
+        return synthesize(graph, cm, space=replicated_space())
 
 
 def unsplittable_input(graph: Graph) -> Node | None:
