@@ -15,7 +15,6 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Callable
 
 import streamlit as st
@@ -23,6 +22,7 @@ import streamlit as st
 import engine
 from engine import Cluster, Graph, HapError, ModelError, Plan
 from engine import compare as engine_compare
+from engine import source as engine_source
 from engine.zoo import ZOO
 
 from . import components as ui
@@ -45,6 +45,8 @@ class Keys:
 
     GRAPH = "model.graph"
     MODEL_SOURCE = "model.source"
+    MODEL_FILE = "model.file"
+    """(name, bytes) of the trusted Python upload the current model came from (a bundle ships it)."""
     CLUSTER = "cluster.cluster"
     CLUSTER_SOURCE = "cluster.source"
     PLAN = "search.plan"
@@ -105,33 +107,48 @@ PYTHON_CONVENTION = """\
 The file must define two functions at top level:
 
     def build_model() -> torch.nn.Module        # the model; its forward returns a scalar loss
-    def example_inputs() -> tuple | dict        # the forward's arguments (meta tensors are fine)
+    def example_inputs() -> tuple | dict        # the forward's arguments
 
-The model is built and captured with `engine.load_model(build_model(), example_inputs())`."""
+Create tensors without device= : the engine calls both on the meta device (nothing allocated) and
+`hap run` on the CPU, seeding torch's global RNG per step before example_inputs() (see engine.source)."""
 
 
 @st.cache_data(show_spinner="Running the uploaded model file and capturing it ...", max_entries=8)
 def model_from_python(source: bytes, filename: str) -> Graph:
     """Execute an uploaded model file (only ever called after the user trusts it) and capture it."""
-    module = ModuleType("hap_user_model")
-    module.__file__ = filename
-    try:
-        exec(compile(source.decode("utf-8"), filename, "exec"), module.__dict__)  # noqa: S102 (opt-in by the user)
-    except Exception as e:  # user code may raise anything; show one line
-        raise ModelError(f"model file {filename}: {type(e).__name__}: {_first_line(e)}") from None
-    for fn in ("build_model", "example_inputs"):
-        if not callable(module.__dict__.get(fn)):
-            raise ModelError(f"model file {filename}: no function {fn}() defined (see the convention on the page)")
-    try:
-        model, inputs = module.build_model(), module.example_inputs()
-    except Exception as e:
-        raise ModelError(f"model file {filename}: building the model failed: {type(e).__name__}: {_first_line(e)}") from None
-    return engine.load_model(model, inputs)
+    return engine_source.capture_source(source, filename)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+HF_CLASSES = engine_source.HF_CLASSES
+HF_SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 128, "vocab_size": 256, "image_size": 32}
+"""Sizes the Hugging Face form starts from (the keys a class's config has): plans in seconds."""
+
+
+def hf_small_config(cls: str) -> str:
+    """JSON of the HF_SMALL keys that `cls`'s default config holds as integers (a starting point to edit)."""
+    default = engine_source.hf_class(cls).config_class()
+    if hf_is_vision(cls) and not isinstance(getattr(default, "num_attention_heads", None), int):
+        return "{}"  # convolutional or windowed vision models: their sizes are lists, keep the defaults
+    keys = {k: v for k, v in HF_SMALL.items() if isinstance(getattr(default, k, None), int)}
+    return json.dumps(keys, indent=1)
+
+
+def hf_is_vision(cls: str) -> bool:
+    return engine_source.task_of(cls) == "image_classification"
+
+
+@st.cache_data(show_spinner="Building the Hugging Face model from its config and capturing it ...", max_entries=16)
+def hf_model(cls: str, config_text: str, batch: int, seq_len: int | None) -> Graph:
+    """A transformers class built from its default config updated by `config_text` (JSON), captured on meta."""
+    try:
+        config = json.loads(config_text or "{}")
+    except json.JSONDecodeError as e:
+        raise ModelError(f"hf:{cls} config: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    if not isinstance(config, dict):
+        raise ModelError(f"hf:{cls} config: expected a JSON object of config keys, got {type(config).__name__}")
+    knobs = {"batch": batch} if seq_len is None else {"batch": batch, "seq_len": seq_len}
+    return engine.load_model(f"hf:{cls}", config=config, **knobs)
 
 
 @st.cache_data(max_entries=16)
@@ -228,16 +245,28 @@ def cluster_json(cluster: Cluster) -> str:
     return json.dumps(cluster.to_dict(), indent=1)
 
 
+def model_file_of(plan: Plan) -> tuple[str, bytes] | None:
+    """The uploaded model file the plan was made from (its sha256 is the plan's), to ship in its bundle."""
+    found = st.session_state.get(Keys.MODEL_FILE)
+    if found and engine_source.sha256_of(found[1]) == plan.graph.origin.get("sha256"):
+        return found
+    return None
+
+
 @st.cache_data(show_spinner="Building the launch bundle ...", max_entries=4)
-def bundle_zip(plan_json: str, cluster_text: str) -> tuple[bytes | None, str]:
-    """A launch bundle made by `hap export PLAN --out DIR --zip` (when the engine has it): (zip bytes
-    or None, the command's one-line message)."""
+def bundle_zip(plan_json: str, cluster_text: str, model_file: tuple[str, bytes] | None = None) -> tuple[bytes | None, str]:
+    """A launch bundle made by `hap export PLAN --out DIR --zip [--model-file F]`: (zip bytes or None,
+    the command's one-line message). `model_file` is (name, bytes) of an uploaded model file."""
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (d / "plan.json").write_text(plan_json)
         (d / "cluster.json").write_text(cluster_text)
         cmd = [sys.executable, "-m", "engine.cli", "export", str(d / "plan.json"), "--cluster", str(d / "cluster.json"),
                "--out", str(d / "bundle"), "--zip"]
+        if model_file is not None:
+            (d / "model").mkdir()
+            (d / "model" / Path(model_file[0]).name).write_bytes(model_file[1])
+            cmd += ["--model-file", str(d / "model" / Path(model_file[0]).name)]
         res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
         zips = sorted(d.rglob("*.zip"))
         if res.returncode != 0 or not zips:
@@ -264,11 +293,13 @@ def init_state() -> None:
             ss[Keys.PLAN] = run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], DEFAULT_BUDGET_S)
 
 
-def set_model(graph: Graph, source: str) -> None:
-    """Make `graph` the current model; rerun when it changed so the sidebar (drawn first) follows."""
+def set_model(graph: Graph, source: str, model_file: tuple[str, bytes] | None = None) -> None:
+    """Make `graph` the current model (with the uploaded file it came from, if any); rerun when it
+    changed so the sidebar (drawn first) follows."""
     changed = st.session_state.get(Keys.GRAPH) != graph
     st.session_state[Keys.GRAPH] = graph
     st.session_state[Keys.MODEL_SOURCE] = source
+    st.session_state[Keys.MODEL_FILE] = model_file
     if changed:
         st.rerun()
 

@@ -3,6 +3,7 @@
 Public surface (scripts rely on these names):
 
     engine.load_model("zoo:gpt", layers=12, ...) | engine.load_model(module, example_inputs) | engine.load_model("graph.json")
+    engine.load_model("path/model.py") | engine.load_model("hf:LlamaForCausalLM", config="cfg.json", hidden_size=256)
     engine.load_cluster(path_or_dict)
     engine.plan(model, cluster, time_budget_s=None, progress=None) -> Plan
     engine.evaluate(model, cluster, "dp-even" | "dp-proportional") -> Plan
@@ -10,11 +11,11 @@ Public surface (scripts rely on these names):
 
 The engine never imports Streamlit and never starts a process group.
 """
-from .capture import load_model
 from .cluster import Cluster, load_cluster
 from .errors import ClusterError, HapError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
 from .graph import Graph, Node
 from .plan import Plan
+from .source import load_model
 from .planner import evaluate, plan
 from .synthesis import SearchProgress
 

@@ -4,8 +4,8 @@ A bundle is a folder (optionally also a zip of it) holding
 
     plan.json        the plan (it embeds the graph IR)
     cluster.json     the cluster spec the plan was made for (GPU type of every rank)
-    model.json       the model source: zoo name + config, or the name of the user's model file
-    model/FILE       the user's model file, when one was given
+    model.json       the model source: zoo name + config, hf class + config, or the user's model file
+    model/FILE       the user's model file (plans of `--model FILE.py`), checked against the plan's sha256
     launch_node.sh   one `torchrun` line per node (c10d rendezvous); run it on every node
                      (these launch files and the README are written by engine.launch_files)
     slurm.sbatch     `srun torchrun ...` for Slurm
@@ -131,26 +131,49 @@ def gpu_type_check(rank: int, device: str, planned: str, actual: str | None) -> 
 
 
 def model_source(plan: Plan, model_file: str | Path | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """model.json's content and the extra files (a user's model file) of the bundle."""
+    """model.json's content and the extra files of the bundle: the plan's model file (from the path
+    its origin names, or `model_file`), checked against the sha256 the plan recorded."""
     origin = plan.graph.origin
     src: dict[str, Any] = {"kind": "hap.model_source", "name": plan.graph.name,
                            "fingerprint": plan.model_fingerprint}
     files: dict[str, bytes] = {}
-    if model_file is not None:
-        path = Path(model_file)
+    if model_file is not None or "file" in origin:
+        path = Path(model_file if model_file is not None else origin["file"])
         if not path.is_file():
-            raise BundleError(f"--model-file '{path}' not found: give the Python file that defines the model")
-        rel = f"model/{path.name}"
-        files[rel] = path.read_bytes()
-        src["file"] = rel
+            raise BundleError(f"model file '{path}' not found: give --model-file with the Python file that defines the model")
+        data = path.read_bytes()
+        if "sha256" in origin and sha256(data) != origin["sha256"]:
+            raise BundleError(f"model file '{path}' is not the plan's (sha256 {sha256(data)[:12]}... != "
+                              f"{str(origin['sha256'])[:12]}...): it changed since the plan was made; plan again")
+        files[f"model/{path.name}"] = data
+        src["file"] = f"model/{path.name}"
     if "zoo" in origin:
         src.update(zoo=origin["zoo"], config=origin.get("config", {}))
-    elif model_file is None:
-        raise BundleError(f"plan's model '{plan.graph.name}' is not a zoo model (origin {origin}); pass --model-file "
-                          "with the Python file that defines it")
+    elif "hf" in origin:
+        src.update(hf=origin["hf"], config=origin.get("config", {}), inputs=origin.get("inputs", {}))
+    elif not files:
+        raise BundleError(f"plan's model '{plan.graph.name}' is not a zoo model and names no model file or hf class "
+                          f"(origin {origin}); pass --model-file with the Python file that defines it")
     else:
         src["origin"] = origin
     return src, files
+
+
+def bundled_model_file(files: dict[str, bytes], plan: Plan) -> tuple[str | None, list[str]]:
+    """(path in the bundle of the plan's model file, problems): model.json must name a file of the bundle
+    whose sha256 is the one the plan recorded, before anything imports it."""
+    origin = plan.graph.origin
+    if "file" not in origin:
+        return None, []
+    try:
+        rel = json.loads(files.get("model.json", b"{}")).get("file")
+    except (ValueError, AttributeError):
+        return None, ["model.json does not parse"]
+    if not isinstance(rel, str) or rel not in files:
+        return None, [f"model.json: the plan's model file ({Path(origin['file']).name}) is not in the bundle"]
+    if sha256(files[rel]) != origin.get("sha256"):
+        return None, [f"{rel}: sha256 differs from the model file the plan was made for"]
+    return rel, []
 
 
 # ----------------------------------------------------------------------------- export
@@ -201,7 +224,7 @@ def manifest_json(files: dict[str, bytes], plan: Plan, cluster: Cluster, nodes: 
     manifest = {"kind": "hap.bundle", "schema_version": BUNDLE_SCHEMA_VERSION,
                 "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "packages": package_versions(), "world_size": plan.world_size,
-                "model": {k: source[k] for k in ("name", "zoo", "file") if k in source},
+                "model": {k: source[k] for k in ("name", "zoo", "hf", "file") if k in source},
                 "nodes": [{"node_rank": n.node_rank, "machine": n.machine, "nproc": n.nproc, "ranks": list(n.ranks)}
                           for n in nodes],
                 "ranks": rank_table(cluster, nodes),
@@ -359,6 +382,7 @@ def check_files(files: dict[str, bytes], label: str) -> BundleReport:
         report.problems.append(f"plan.json: {e}")
         return report
     report.world_size = plan.world_size
+    report.problems += bundled_model_file(files, plan)[1]
     report.problems += _size_problems(files, manifest, plan)
     return report
 
@@ -459,6 +483,15 @@ def open_bundle(folder: str | Path) -> OpenedBundle:
     nodes = tuple(LaunchNode(int(n["node_rank"]), str(n["machine"]), tuple(int(r) for r in n["ranks"]))
                   for n in manifest["nodes"])
     return OpenedBundle(f, f / "plan.json", load_cluster(f / "cluster.json"), nodes)
+
+
+def model_file_of(opened: OpenedBundle) -> Path | None:
+    """The bundle's copy of its plan's model file (None for zoo and hf: plans); BundleError unless its
+    sha256 is the plan's, so nothing imports another file."""
+    rel, problems = bundled_model_file(read_folder(opened.folder), Plan.from_json(opened.plan_path))
+    if problems:
+        raise BundleError(f"bundle {opened.folder} is invalid: " + "; ".join(problems))
+    return opened.folder / rel if rel else None
 
 
 def plan_rank(nodes: Sequence[LaunchNode], node_rank: int, local_rank: int, local_world_size: int) -> int:

@@ -23,14 +23,15 @@ from .graph import Graph, Node
 
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
           "exp": "exp", "neg": "neg", "clone": "identity", "contiguous": "identity",
-          "alias": "identity", "_to_copy": "identity", "to": "identity", "rsqrt": "rsqrt", "sqrt": "sqrt"}
+          "alias": "identity", "_to_copy": "identity", "to": "identity", "rsqrt": "rsqrt", "sqrt": "sqrt",
+          "lift_fresh_copy": "identity", "detach": "identity", "type_as": "identity", "cos": "cos", "sin": "sin"}
 _BINARY = {"add", "sub", "mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow"}
 _BINARY_ALIASES = {"__and__": "logical_and", "bitwise_and": "logical_and", "__or__": "logical_or", "bitwise_or": "logical_or"}
 """Bitwise and/or of booleans are the logical ones (other dtypes are refused)."""
 _NO_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 """Checks torch.export records for itself: they compute nothing."""
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"}
-_UNARY_FLOPS = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "exp": 1, "rsqrt": 1, "sqrt": 1}
+_UNARY_FLOPS = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "exp": 1, "rsqrt": 1, "sqrt": 1, "cos": 4, "sin": 4}
 
 
 class _Builder:
@@ -167,11 +168,17 @@ def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str 
     return _to_graph(ep, name=name, origin=origin or {}, fallback=fallback)
 
 
+_VALUE_PRESERVING = {"detach_"}
+"""In-place ops that change no value (`detach_` only cuts autograd history, e.g. in a KV cache)."""
+
+
 def _mutates(fx: torch.fx.Node, buffers: set[str]) -> bool:
     """Whether a node is an in-place ATen op other than an unused update of a buffer (batch norm's
     `num_batches_tracked += 1`, which `_lower` skips: it is no part of the loss)."""
     target = fx.target
     if fx.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return False
+    if target._opname in _VALUE_PRESERVING:
         return False
     return not (fx.args and getattr(fx.args[0], "name", None) in buffers and not fx.users)
 
@@ -202,7 +209,10 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
     loss: int | None = None
     user_index = 0
     pending_leaves: list[tuple[torch.fx.Node, int]] = []
+    live = _live_nodes(ep)
     for fx in ep.graph_module.graph.nodes:
+        if fx.op not in ("output", "placeholder") and fx not in live:
+            continue  # no part of the loss (a KV cache, logits): never lowered, never refused
         if fx.op == "placeholder":
             spec = specs[fx.name]
             val = fx.meta["val"]
@@ -218,9 +228,16 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
                     continue
                 nid = b.add(fx.name, "placeholder", [], _shape(val), _dtype(val), {"index": user_index, "name": fx.name})
                 user_index += 1
+            elif kind == "CONSTANT_TENSOR":
+                if fx not in live:
+                    continue
+                try:
+                    nid = _constant(fx, ep.constants.get(spec.target), str(spec.target), b)
+                except _Unsupported as u:
+                    unsupported.append(f"{u} ('{spec.target}')")
+                    continue
             else:
-                unsupported.append(f"{kind.lower()} '{spec.target}' (tensor constants made in forward are not "
-                                   "supported: register them as buffers)")
+                unsupported.append(f"{kind.lower()} input '{spec.target}'")
                 continue
             b.ids[fx.name] = nid
             pending_leaves.append((fx, nid))
@@ -249,6 +266,41 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
 
 class _Unsupported(Exception):
     pass
+
+
+def _live_nodes(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:
+    """The nodes the user outputs (the loss) depend on: the rest (KV-cache bookkeeping, logits) is dead."""
+    user = _user_outputs(ep)
+    out = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
+    todo = [a for a in torch.utils._pytree.tree_leaves(out.args[0]) if getattr(a, "name", None) in user]
+    live: set[torch.fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n not in live:
+            live.add(n)
+            todo.extend(n.all_input_nodes)
+    return live
+
+
+CONSTANT_LIMIT = 1 << 20
+"""Largest tensor constant (bytes) kept in the graph JSON."""
+
+
+def _constant(fx: torch.fx.Node, value: Any, target: str, b: _Builder) -> int:
+    """A tensor constant made in forward (`torch.tensor(4096)`, a table built from Python numbers):
+    a `constant` node with no operand whose value is stored in the graph as a nested list, so every
+    rank rebuilds it from the plan alone (theory/index.py: it is built whole on every device)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 0:  # an empty KV cache: no data, meta or not
+        value = torch.empty(value.shape, dtype=value.dtype)
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        raise _Unsupported("a tensor constant made in forward on the meta device has no value "
+                           "(build it from the inputs, or register it as a buffer)")
+    if value.numel() * value.element_size() > CONSTANT_LIMIT:
+        raise _Unsupported(f"a tensor constant of {value.numel() * value.element_size()} bytes made in forward "
+                           f"(over {CONSTANT_LIMIT}: register it as a buffer)")
+    name = re.sub(r"^c_inner_", "c_", fx.name)
+    attrs = {"value": value.detach().cpu().tolist(), "shape": list(value.shape), "target": target.removeprefix(_WRAPPED)}
+    return b.add(name, "constant", [], _shape(value), _dtype(value), attrs)
 
 
 class _Downstream(_Unsupported):
@@ -320,6 +372,9 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
         return
     if opname in _NO_OPS:
         return
+    if opname in _VALUE_PRESERVING:  # in place, values unchanged: an alias of its operand
+        b.ids[fx.name] = _Ctx(fx, b, seg, src, (), "").tid(fx.args[0])
+        return
     if opname in _SPLITS:
         b.multi[fx.name] = _SPLITS[opname](_Ctx(fx, b, seg, src, (), ""))
         return
@@ -361,9 +416,9 @@ class _Ctx:
         return self.b.nodes[self.tid(a)]
 
     def emit(self, op: str, inputs: list[int], attrs: dict | None = None, flops: float = 0.0,
-             name: str | None = None, shape: tuple[int, ...] | None = None) -> int:
-        return self.b.add(name or self.fx.name, op, inputs, shape if shape is not None else self.shape, self.dtype,
-                          attrs, flops, self.seg, self.src)
+             name: str | None = None, shape: tuple[int, ...] | None = None, dtype: str | None = None) -> int:
+        return self.b.add(name or self.fx.name, op, inputs, shape if shape is not None else self.shape,
+                          dtype or self.dtype, attrs, flops, self.seg, self.src)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -499,11 +554,23 @@ def _h_embedding(c: _Ctx) -> int:
     return c.emit("embedding", [w.id, ids.id], attrs, flops=_numel(c.shape))
 
 
+def _repeat_heads(c: _Ctx, kv: Node, heads: int) -> Node:
+    """Grouped-query attention: kv heads (.., Hkv, S, D) repeated to `heads` as torch's enable_gqa
+    does (query head h reads kv head h // (heads / Hkv)): view, expand, view, as `repeat_kv` is."""
+    if kv.shape[-3] == heads:
+        return kv
+    lead, hkv, rest = kv.shape[:-3], kv.shape[-3], kv.shape[-2:]
+    one, many, out = lead + (hkv, 1) + rest, lead + (hkv, heads // hkv) + rest, lead + (heads,) + rest
+    v1 = c.emit("view", [kv.id], {"shape": list(one)}, name=f"{c.fx.name}_{kv.name}_groups", shape=one, dtype=kv.dtype)
+    e = c.emit("expand", [v1], {"shape": list(many)}, name=f"{c.fx.name}_{kv.name}_expand", shape=many, dtype=kv.dtype)
+    return c.b.nodes[c.emit("view", [e], {"shape": list(out)}, name=f"{c.fx.name}_{kv.name}_heads", shape=out, dtype=kv.dtype)]
+
+
 def _h_sdpa(c: _Ctx) -> int:
     q, k, v = (c.node(a) for a in c.fx.args[:3])
     mask = _arg(c.fx, 3, "attn_mask")
     if c.fx.kwargs.get("enable_gqa", _arg(c.fx, 7, "enable_gqa", False)):
-        raise _Unsupported("scaled_dot_product_attention with enable_gqa")
+        k, v = _repeat_heads(c, k, q.shape[-3]), _repeat_heads(c, v, q.shape[-3])
     scale = c.fx.kwargs.get("scale", _arg(c.fx, 6, "scale"))
     attrs = {"is_causal": bool(_arg(c.fx, 5, "is_causal", False)), "scale": None if scale is None else float(scale)}
     attrs.update(_sdpa_dropout(c))
@@ -515,17 +582,23 @@ def _h_sdpa(c: _Ctx) -> int:
 
 
 def _h_cross_entropy(c: _Ctx) -> int:
-    """Mean cross-entropy over all N targets: the count N is fixed, so shards give exact addends.
-    Targets equal to `ignore_index` (-100) are assumed absent: with them, torch's mean divides by
-    the number of the others, a data-dependent count no static plan knows."""
+    """Mean cross-entropy over the targets that are not `ignore_index`, lowered so that it stays exact
+    when targets are sharded: `count = sum(target != ignore_index)` is its own node (an addend per
+    device when the targets are split, all-reduced to Full before use), and `cross_entropy` sums the
+    per-target losses of its rows and divides by that Full count: an addend of the true mean.
+    torch's mean divides by the same count (and gives nan when every target is ignored, as here)."""
     logits, target = c.node(c.fx.args[0]), c.node(c.fx.args[1])
     if _arg(c.fx, 2, "weight") is not None or float(_arg(c.fx, 5, "label_smoothing", 0.0)) != 0.0:
         raise _Unsupported("cross_entropy with class weights or label smoothing")
     reduction = int(_arg(c.fx, 3, "reduction", 1))
     if reduction != 1 or logits.rank != 2:
         raise _Unsupported("cross_entropy other than mean over 2-D logits (flatten the logits first)")
+    ignore = int(_arg(c.fx, 4, "ignore_index", -100))
     n, v = logits.shape
-    return c.emit("cross_entropy", [logits.id, target.id], {"count": n}, 6.0 * n * v)
+    kept = c.emit("ne", [target.id], {"scalar": ignore, "scalar_first": False}, n, name=c.fx.name + "_kept",
+                  shape=(n,), dtype="bool")
+    count = c.emit("sum", [kept], {"dims": [0], "keepdim": False}, n, name=c.fx.name + "_count", shape=(), dtype="int64")
+    return c.emit("cross_entropy", [logits.id, target.id, count], {"ignore_index": ignore}, 6.0 * n * v)
 
 
 def _h_mse(c: _Ctx) -> int:
@@ -547,8 +620,13 @@ _HANDLERS: dict[str, Callable[[_Ctx], int]] = {
 
 # --- shape operators (engine/theory/shape.py) ------------------------------------------------
 def _h_cat(c: _Ctx) -> int:
-    parts = [c.node(t) for t in c.fx.args[0]]
+    """cat; operands with no element along the cat dim (an empty KV cache, or torch's legacy 1-D
+    empty tensor, which cat skips) add nothing and are dropped; one operand left is an identity."""
     dim = _norm_dim(_arg(c.fx, 1, "dim", 0), len(c.shape))
+    parts = [p for p in (c.node(t) for t in c.fx.args[0])
+             if not (p.numel == 0 and (p.shape == (0,) or (p.rank == len(c.shape) and p.shape[dim] == 0)))]
+    if len(parts) == 1 and parts[0].shape == c.shape:
+        return c.emit("identity", [parts[0].id])
     return c.emit("cat", [p.id for p in parts], {"dim": dim})
 
 
@@ -871,6 +949,93 @@ _HANDLERS["dropout"] = _h_dropout
 _SPLITS["native_dropout"] = _m_native_dropout
 
 
+# --- mask and position arithmetic (engine/theory/index.py) -------------------------------------
+_FILLS = {"ones": 1, "new_ones": 1, "ones_like": 1, "zeros": 0, "new_zeros": 0, "zeros_like": 0,
+          "empty": 0, "new_empty": 0, "empty_like": 0, "full": None, "new_full": None, "full_like": None,
+          "scalar_tensor": None}
+"""Tensors filled with one value; their operand (for `new_*` and `*_like`) gives only a device and
+a shape, so the node has none. `empty*` is filled with 0: its values are never read before written."""
+
+
+def _h_full(c: _Ctx) -> int:
+    op = c.fx.target._opname
+    value = _FILLS[op]
+    if value is None:
+        value = c.fx.args[0] if op == "scalar_tensor" else c.fx.args[1 if op in ("full", "full_like") else 2]
+    if not isinstance(value, (bool, int, float)):
+        raise _Unsupported(f"aten.{op} with a fill value that is not a Python number")
+    value = bool(value) if c.dtype == "bool" else (float(value) if c.dtype.startswith(("float", "bfloat")) else int(value))
+    return c.emit("full", [], {"value": value, "shape": list(c.shape)})
+
+
+def _h_pad(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    pad = [int(p) for p in c.fx.args[1]]
+    opname = c.fx.target._opname
+    mode = "constant" if opname == "constant_pad_nd" else _arg(c.fx, 2, "mode", "constant")
+    value = _arg(c.fx, 2 if opname == "constant_pad_nd" else 3, "value", None)
+    if mode != "constant":
+        raise _Unsupported(f"aten.pad in mode {mode!r}")
+    value = 0 if value is None else (int(value) if float(value).is_integer() and not x.dtype.startswith(("float", "bfloat")) else float(value))
+    return c.emit("pad", [x.id], {"pad": pad, "value": value}, _numel(c.shape))
+
+
+def _h_index(c: _Ctx) -> int:
+    """Advanced indexing `x[i0, i1, ...]` (some slots None, i.e. `:`): x and the index tensors."""
+    x = c.node(c.fx.args[0])
+    slots = list(c.fx.args[1])
+    idx = [c.node(t) for t in slots if t is not None]
+    if any(n.dtype == "bool" for n in idx):
+        raise _Unsupported("aten.index with a boolean mask (its result has a data-dependent shape)")
+    attrs = {"slots": [t is not None for t in slots]}
+    return c.emit("index", [x.id] + [n.id for n in idx], attrs, _numel(c.shape))
+
+
+def _h_repeat_interleave(c: _Ctx) -> int:
+    """`x.repeat_interleave(k, dim)` with an int k is view (.., n, 1, ..) -> expand (.., n, k, ..) ->
+    view (.., n*k, ..): each row repeated k times in place (MoE token replication per top-k slot)."""
+    x = c.node(c.fx.args[0])
+    k, dim = _arg(c.fx, 1, "repeats"), _arg(c.fx, 2, "dim")
+    if not isinstance(k, int) or dim is None:
+        raise _Unsupported("aten.repeat_interleave with a tensor of repeats or no dim")
+    dim = _norm_dim(dim, x.rank)
+    one = x.shape[:dim + 1] + (1,) + x.shape[dim + 1:]
+    many = x.shape[:dim + 1] + (k,) + x.shape[dim + 1:]
+    v = c.emit("view", [x.id], {"shape": list(one)}, name=c.fx.name + "_unsqueeze", shape=one)
+    e = c.emit("expand", [v], {"shape": list(many)}, name=c.fx.name + "_expand", shape=many)
+    return c.emit("view", [e], {"shape": list(c.shape)})
+
+
+def _h_diff(c: _Ctx) -> int:
+    """`diff(x, n, dim, prepend, append)` as existing ops: cat the prepend/append pieces, then n
+    times `narrow(1:) - narrow(:-1)` (packed-sequence detection in transformers' mask code)."""
+    x = c.node(c.fx.args[0])
+    n, dim = int(_arg(c.fx, 1, "n", 1)), _norm_dim(_arg(c.fx, 2, "dim", -1), x.rank)
+    parts = [p for p in (_arg(c.fx, 3, "prepend"), x, _arg(c.fx, 4, "append")) if p is not None]
+    nodes = [p if isinstance(p, Node) else c.node(p) for p in parts]
+    if any(p.rank != x.rank for p in nodes):
+        raise _Unsupported("aten.diff with a prepend/append of another rank")
+    shape = list(x.shape)
+    shape[dim] = sum(p.shape[dim] for p in nodes)
+    cur = x.id if len(nodes) == 1 else c.emit("cat", [p.id for p in nodes], {"dim": dim}, name=c.fx.name + "_cat",
+                                                shape=tuple(shape))
+    for i in range(n):
+        size = shape[dim]
+        shape[dim] = size - 1
+        out = tuple(shape)
+        hi = c.emit("narrow", [cur], {"dim": dim, "start": 1, "end": size, "step": 1}, name=f"{c.fx.name}_{i}_hi", shape=out)
+        lo = c.emit("narrow", [cur], {"dim": dim, "start": 0, "end": size - 1, "step": 1}, name=f"{c.fx.name}_{i}_lo", shape=out)
+        cur = c.emit("sub", [hi, lo], flops=_numel(out), name=c.fx.name if i == n - 1 else f"{c.fx.name}_{i}", shape=out)
+    return cur
+
+
+_HANDLERS.update({
+    "diff": _h_diff,
+    **{op: _h_full for op in _FILLS}, "pad": _h_pad, "constant_pad_nd": _h_pad, "index": _h_index,
+    "repeat_interleave": _h_repeat_interleave,
+})
+
+
 # --- the replicate fallback (engine/theory/opaque.py) ------------------------------------------
 def _encode(value: Any, operands: list[int], b: _Builder) -> Any:
     """A non-tensor argument as JSON (dtypes, devices, layouts by name); a tensor as its operand index."""
@@ -920,7 +1085,7 @@ def _opaque(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> bool:
     return True
 
 
-# --- encoder and vision lowerings (issue 13): unflatten, roll, pad (engine/theory/shift.py) -----
+# --- encoder and vision lowerings (issue 13): unflatten, roll (engine/theory/shift.py) -----------
 def _h_roll(c: _Ctx) -> int:
     x = c.node(c.fx.args[0])
     shifts, dims = _arg(c.fx, 1, "shifts"), _arg(c.fx, 2, "dims", [])
@@ -929,19 +1094,7 @@ def _h_roll(c: _Ctx) -> int:
     return c.emit("roll", [x.id], {"shifts": shifts, "dims": dims})
 
 
-def _h_pad(c: _Ctx) -> int:
-    """Constant padding (`aten.pad` in constant mode, `constant_pad_nd`); other modes are refused."""
-    x = c.node(c.fx.args[0])
-    pad = [int(v) for v in c.fx.args[1]]
-    if c.fx.target._opname == "pad" and _arg(c.fx, 2, "mode", "constant") != "constant":
-        raise _Unsupported(f"aten.pad in mode '{_arg(c.fx, 2, 'mode')}' (only constant padding has a rule)")
-    value = _arg(c.fx, 3 if c.fx.target._opname == "pad" else 2, "value", 0) or 0
-    if all(v == 0 for v in pad):
-        return c.emit("identity", [x.id])
-    return c.emit("pad", [x.id], {"pad": pad, "value": float(value)}, _numel(c.shape))
-
-
-_HANDLERS.update({"unflatten": _h_view, "roll": _h_roll, "pad": _h_pad, "constant_pad_nd": _h_pad})
+_HANDLERS.update({"unflatten": _h_view, "roll": _h_roll})
 
 
 # --- the automatic fallback: side arithmetic runs unsharded (issue 13) -------------------------

@@ -2,6 +2,8 @@
 
     hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S]
              [--segments N] [--json]
+    hap plan --model path/to/model.py --cluster FILE ...         (a file defining build_model() and example_inputs())
+    hap plan --model hf:LlamaForCausalLM [--config cfg.json] [--set hidden_size=256 --set batch=8 --set seq_len=128] ...
     hap capture --model zoo:gpt --set layers=2 --out graph.json
     hap run plan.json|BUNDLE [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
     hap export plan.json --out DIR [--zip] [--cluster FILE] [--model-file F]      (launch bundle)
@@ -54,7 +56,7 @@ def _load_graph(args: argparse.Namespace):
     from . import load_model
 
     knobs = _knobs(args.set or [])
-    return load_model(args.model, fallback=args.fallback, **knobs)
+    return load_model(args.model, fallback=args.fallback, config=args.config, **knobs)
 
 
 def _progress_printer():
@@ -228,12 +230,21 @@ def cmd_ui(args: argparse.Namespace) -> int:
         raise
 
 
+MODEL_HELP = ("zoo:NAME (e.g. zoo:gpt), a Python file defining build_model() and example_inputs() (naming it here "
+              "consents to running it), hf:CLASS (a transformers class built from its config, e.g. hf:LlamaForCausalLM) "
+              "or a graph JSON file")
+SET_HELP = ("a zoo knob (--set layers=24), or for hf: a config key (--set hidden_size=256) or an input knob "
+            "(batch, seq_len, image_size)")
+CONFIG_HELP = "hf: models: a JSON file of config keys (applied before --set)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hap", description="Plan SPMD training of one model on a heterogeneous GPU cluster (HAP).")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="synthesize a plan and compare it with data parallelism")
-    p.add_argument("--model", required=True, help="zoo:NAME (e.g. zoo:gpt) or a graph JSON file")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="a zoo model knob, e.g. --set layers=24")
+    p.add_argument("--model", required=True, help=MODEL_HELP)
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
+    p.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     p.add_argument("--cluster", required=True, help="cluster spec JSON (see sample_clusters/)")
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--time-budget", type=float, default=None, metavar="S", help="stop searching after S seconds")
@@ -246,8 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'replicate' every such op, 'strict' none")
     p.set_defaults(func=cmd_plan)
     c = sub.add_parser("capture", help="capture a model into a graph JSON file")
-    c.add_argument("--model", required=True)
-    c.add_argument("--set", action="append", metavar="KEY=VALUE")
+    c.add_argument("--model", required=True, help=MODEL_HELP)
+    c.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
+    c.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     c.add_argument("--out", required=True)
     c.add_argument("--fallback", choices=["auto", "replicate", "strict"], default=None,
                    help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "
@@ -263,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", required=True, metavar="DIR", help="bundle folder to create (new or empty)")
     e.add_argument("--zip", action="store_true", help="also write DIR.zip")
     e.add_argument("--cluster", metavar="FILE", help="cluster spec the plan was made for (default: the sample cluster of its name)")
-    e.add_argument("--model-file", metavar="F", help="Python file defining the model (plans of non-zoo models)")
+    e.add_argument("--model-file", metavar="F", help="the Python file defining the model (default: the file the plan "
+                   "names; its sha256 must be the plan's)")
     e.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="c10d rendezvous (default: node 0's machine, port 29500)")
     e.add_argument("--image", default="hap-workbench:latest", help="container image for the Kubernetes files")
     e.add_argument("--run-args", metavar="'OPTIONS'", help="runner options written into the Kubernetes files, "

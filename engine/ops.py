@@ -19,7 +19,7 @@ from .graph import Graph, Node
 Tensor = torch.Tensor
 _UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu, "exp": torch.exp,
-    "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg,
+    "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg, "cos": torch.cos, "sin": torch.sin,
 }
 _BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "lt": torch.lt, "le": torch.le,
@@ -73,7 +73,7 @@ def run_node(node: Node, graph: Graph, inputs: Sequence[Tensor], out_shape: Sequ
     if op == "opaque":
         return call_opaque(a, inputs)
     if op == "cross_entropy":
-        return F.cross_entropy(inputs[0], inputs[1], reduction="sum") / a["count"]
+        return cross_entropy(a, inputs)
     if op == "mse_loss":
         return F.mse_loss(inputs[0], inputs[1], reduction="sum") / a["count"]
     if op in _SHAPE:
@@ -117,9 +117,8 @@ _SHAPE: dict[str, Callable[[Node, Sequence[Tensor], Sequence[int]], Tensor]] = {
 """Shape operators; `expand` takes the local output shape (a device expands to its own rows)."""
 _SHAPE.update({
     "roll": lambda n, xs, s: torch.roll(xs[0], n.attrs["shifts"], n.attrs["dims"]),
-    "pad": lambda n, xs, s: F.pad(xs[0], n.attrs["pad"], value=n.attrs["value"]),
 })
-"""Shift operators (theory/shift.py): Swin's cyclic window shift and constant padding."""
+"""Swin's cyclic window shift (theory/shift.py)."""
 
 
 def unless_empty(fn: Callable[..., Tensor], out_shape: Sequence[int], *args: object) -> Tensor:
@@ -209,6 +208,27 @@ def embedding(w: Tensor, ids: Tensor, offset: int, vocab: int, padding_idx: int 
     return local * inside.unsqueeze(-1).to(local.dtype)
 
 
+def cross_entropy(attrs: dict, inputs: Sequence[Tensor]) -> Tensor:
+    """Sum of the per-target losses (targets equal to `ignore_index` add nothing) over the count: a
+    third (Full) operand, the number of kept targets of the whole batch, or the static `count`."""
+    total = F.cross_entropy(inputs[0], inputs[1], reduction="sum", ignore_index=attrs.get("ignore_index", -100))
+    return total / (inputs[2] if len(inputs) > 2 else attrs["count"])
+
+
+def _full(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    return torch.full(tuple(node.attrs["shape"]), node.attrs["value"], dtype=getattr(torch, node.dtype))
+
+
+def _pad(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    return F.pad(inputs[0], node.attrs["pad"], value=node.attrs["value"])
+
+
+def _index(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    """`x[i0, i1, ...]` with a None (`:`) wherever `slots` is False."""
+    rest = iter(inputs[1:])
+    return inputs[0][tuple(next(rest) if used else slice(None) for used in node.attrs["slots"])]
+
+
 def _topk(node: Node, inputs: Sequence[Tensor]) -> Tensor:
     a = node.attrs
     res = torch.topk(inputs[0], a["k"], dim=a["dim"], largest=a["largest"], sorted=a["sorted"])
@@ -227,7 +247,16 @@ _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "cumsum": lambda n, x: torch.cumsum(x[0], n.attrs["dim"]),
     "gather": lambda n, x: torch.gather(x[0], n.attrs["dim"], x[1]),
     "arange": _arange,
+    "constant": lambda n, x: torch.tensor(n.attrs["value"], dtype=getattr(torch, n.dtype)).reshape(n.shape),
+    "full": _full, "pad": _pad, "index": _index,
 }
+
+
+def call_canonical(op: str, attrs: dict, dtype: str, out_shape: Sequence[int], inputs: Sequence[Tensor]) -> Tensor:
+    """Run an operator of `_INDEX` from its attributes alone (the runner calls this: no graph needed)."""
+    node = Node(id=len(inputs), name=op, op=op, inputs=tuple(range(len(inputs))), shape=tuple(out_shape), dtype=dtype,
+                attrs=attrs)
+    return _INDEX[op](node, inputs)
 
 
 def resolve_aten(target: str) -> Callable:

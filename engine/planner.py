@@ -96,7 +96,7 @@ def replicated_space() -> SearchSpace:
 
 
 def _coerce(model: Any, cluster: Any) -> tuple[Graph, Cluster]:
-    from .capture import load_model
+    from .source import load_model
 
     return (model if isinstance(model, Graph) else load_model(model)), load_cluster(cluster)
 

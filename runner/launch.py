@@ -32,6 +32,7 @@ exit with status 1 at the start of step STEP, without any cleanup, as a crashed 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -50,6 +51,7 @@ from engine import bundle
 from engine.cluster import Cluster
 from engine.errors import HapError
 from engine.plan import Plan
+from engine import source
 
 from . import checkpoint
 from .timing import Pacer, parse_speeds
@@ -176,17 +178,19 @@ def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
         raise  # unreachable: parser.error exits
 
 
-def load_plan(path: str, world_size: int) -> Plan:
-    """The plan, refused unless it was made for exactly `world_size` devices."""
+def load_plan(path: str, world_size: int, model_file: str | Path | None = None) -> Plan:
+    """The plan, refused unless it was made for exactly `world_size` devices and its model can be
+    rebuilt (its file unchanged); `model_file` is a bundle's copy of the plan's model file."""
     plan = Plan.from_json(path)
+    if model_file is not None:
+        origin = source.with_model_file(plan.graph.origin, model_file)
+        plan = dataclasses.replace(plan, graph=dataclasses.replace(plan.graph, origin=origin))
     if plan.world_size != world_size:
         devices = ", ".join(plan.device_names)
         raise ValueError(f"plan '{path}' is for {plan.world_size} devices ({devices}) but this launch has "
                          f"WORLD_SIZE={world_size}; launch {plan.world_size} processes "
                          f"(e.g. torchrun --nproc-per-node={plan.world_size}) or plan for {world_size} devices")
-    if "zoo" not in plan.graph.origin:
-        raise ValueError(f"plan '{path}' is for a model captured from user code ({plan.graph.name}); "
-                         "the runner rebuilds zoo models only (zoo:mlp, zoo:gpt)")
+    source.check_rebuildable(plan.graph.origin)
     return plan
 
 
@@ -246,7 +250,7 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
     plan_path, opened, scratch = open_source(cfg.plan)
     try:
         env = bundle_rank(env or DistEnv(0, world_size, 0, world_size), opened)
-        plan = load_plan(plan_path, world_size)
+        plan = load_plan(plan_path, world_size, bundle.model_file_of(opened) if opened else None)
         if cfg.speeds:
             parse_speeds(cfg.speeds, world_size)
         for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):

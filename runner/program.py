@@ -26,7 +26,8 @@ from . import collectives as C
 from .timing import probe
 
 _UNARY: dict[str, Callable] = {"relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
-                               "exp": torch.exp, "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg}
+                               "exp": torch.exp, "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg,
+                               "cos": torch.cos, "sin": torch.sin}
 _BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
                                 "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
                                 "ne": torch.ne, "logical_and": torch.logical_and, "logical_or": torch.logical_or,
@@ -189,6 +190,8 @@ def _emit_generic(g, node: Node, graph: Graph, args, shape) -> fx.Node:
             return g.call_function(fn, tuple(args))
         s = a["scalar"]
         return g.call_function(fn, (s, args[0]) if a.get("scalar_first") else (args[0], s))
+    if op in ops._INDEX:  # operators that run from their attributes alone (masks, constants, pad, index)
+        return g.call_function(ops.call_canonical, (op, dict(a), node.dtype, list(shape), list(args)))
     raise NotImplementedError(f"runner has no emitter for operator '{op}' (node {node.name})")
 
 
@@ -216,6 +219,8 @@ def _layer_norm(g, node, graph, args, shape):
 
 def _mean_loss(fn: Callable) -> Callable:
     def emit(g, node, graph, args, shape):
+        if node.op == "cross_entropy":  # the count of kept targets may be a (Full) operand
+            return g.call_function(ops.cross_entropy, (dict(node.attrs), list(args)))
         total = g.call_function(fn, tuple(args), {"reduction": "sum"})
         return g.call_function(torch.div, (total, node.attrs["count"]))
     return emit

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from engine import source
 from engine import zoo
 from engine.dropout import RngKey, SiteKeyedDropout
 from engine.plan import Plan
@@ -23,20 +24,26 @@ from .timing import Pacer
 
 
 def build_module(plan: Plan, seed: int) -> torch.nn.Module:
-    """The single-device model the plan was made for, initialised from `seed` (zoo models only for now)."""
+    """The single-device model the plan was made for, initialised from `seed` on the CPU.
+
+    Zoo models are called with the positional batch; file and Hugging Face models (engine.source)
+    come back with a forward that takes the flat batch of `make_batch` and returns the loss. Every
+    rank builds the whole model once (its memory cost) and then keeps only its slices."""
     origin = plan.graph.origin
     if "zoo" not in origin:
-        raise ValueError("the runner rebuilds zoo models only; this plan's model has no zoo origin")
+        return source.build_module(origin, seed)
     entry = zoo.entry(origin["zoo"])
     torch.manual_seed(seed)
     return entry.build(entry.config_cls(**origin["config"]))
 
 
 def make_batch(plan: Plan, step: int, seed: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
-    """The global batch of one step: the same on every rank and in the reference."""
+    """The global batch of one step, a function of (seed, step): the same on every rank and in the reference."""
     origin = plan.graph.origin
+    if "zoo" not in origin:
+        return tuple(t.to(device) for t in source.make_batch(origin, seed, step))
     entry = zoo.entry(origin["zoo"])
-    batch = entry.example_inputs(entry.config_cls(**origin["config"]), "cpu", seed=seed * 100003 + step)
+    batch = entry.example_inputs(entry.config_cls(**origin["config"]), "cpu", seed=seed * source.BATCH_SEED + step)
     return tuple(t.to(device) for t in batch)
 
 

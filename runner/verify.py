@@ -2,8 +2,9 @@
 
 Rank 0 re-runs the same steps on one device (same seed, same batches, same optimizer) and
 compares the global loss of every step and every parameter at the end, gathered to full shape.
-Relative differences: |a - b| / |b| for a loss; max|a - b| / max|b| over a parameter tensor (an
-element-wise ratio would blow up on entries near zero).
+Relative differences: |a - b| / |b| for a loss; max|a - b| / max(max|b|, NEAR_ZERO) over a
+parameter tensor (an element-wise ratio would blow up on entries near zero, and so would a
+parameter that stays at rounding noise: see NEAR_ZERO).
 """
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
 
 TOLERANCE = 1e-4
 """Largest relative difference accepted in fp32 (issue: runner, verify mode)."""
+NEAR_ZERO = 1e-6
+"""Scale below which a parameter is compared absolutely (to TOLERANCE * NEAR_ZERO = 1e-10). An
+attention key bias has a true gradient of exactly zero (softmax ignores a shift common to all keys):
+initialised to zero, as transformers does, it stays at rounding noise (~1e-14), whose ratio between
+two runs means nothing."""
 
 
 @dataclass
@@ -48,14 +54,14 @@ class Comparison:
         return "\n".join(lines)
 
 
-def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    """max|a - b| / max|b| (0 for two empty tensors; inf on a shape mismatch or a NaN)."""
+def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    """max|a - b| / max(max|b|, floor) (0 for two empty tensors; inf on a shape mismatch or a NaN)."""
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     if a.shape != b.shape:
         return math.inf
     if b.numel() == 0:
         return 0.0
-    d = float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
+    d = float((a - b).abs().max()) / max(float(b.abs().max()), floor, 1e-30)
     return math.inf if math.isnan(d) else d
 
 
@@ -67,7 +73,7 @@ def compare(losses: list[float], params: dict[str, torch.Tensor],
     if len(losses) != len(ref_losses):
         loss_rels.append(math.inf)
     step = max(range(len(loss_rels)), key=loss_rels.__getitem__, default=0)
-    param_rels = {k: rel_diff(params[k], v) for k, v in ref_params.items() if k in params}
+    param_rels = {k: rel_diff(params[k], v, NEAR_ZERO) for k, v in ref_params.items() if k in params}
     name = max(param_rels, key=param_rels.__getitem__, default="-")
     held = {v.data_ptr() for k, v in ref_params.items() if k in params and v.numel()}
     missing = sorted(k for k, v in ref_params.items() if k not in params and not (v.numel() and v.data_ptr() in held))

@@ -56,7 +56,9 @@ def test_gpt_histogram() -> None:
     assert hist["placeholder"] == 2
     loss = g[g.loss]
     assert loss.op == "cross_entropy" and loss.shape == () and g.loss == len(g) - 1
-    assert loss.attrs["count"] == GPT_SMALL["batch"] * GPT_SMALL["seq_len"]
+    count = g[loss.inputs[2]]  # the number of targets that are not ignore_index: the mean's divisor
+    assert count.op == "sum" and count.shape == () and g[count.inputs[0]].op == "ne"
+    assert g[count.inputs[0]].attrs["scalar"] == -100 and g[count.inputs[0]].inputs == (loss.inputs[1],)
     assert [p.dtype for p in g.placeholders] == ["int64", "int64"]
     assert [p.shape for p in g.placeholders] == [(4, 8), (4, 8)]
     assert g.origin == {"zoo": "gpt", "config": {**dataclass_defaults("gpt"), **GPT_SMALL}}
@@ -222,7 +224,7 @@ def _check_two_layer(g: Graph) -> None:
     assert {p.name for p in g.placeholders} == {"x", "y"}
     hist = g.op_histogram()
     assert hist["linear"] == 2 and hist["add"] == 1 and hist["tanh"] == 1 and hist["cross_entropy"] == 1
-    assert g[g.loss].op == "cross_entropy" and g[g.loss].attrs["count"] == 5
+    assert g[g.loss].op == "cross_entropy" and g[g.loss].attrs["ignore_index"] == -100 and len(g[g.loss].inputs) == 3
     assert g.name == "TwoLayer" and g.origin == {"module": "TwoLayer"}
     assert engine.theory.missing_rules(g) == []
 

@@ -15,7 +15,7 @@ st.download_button("Download plan.json", plan.to_json(), file_name="plan.json", 
 st.download_button("Download cluster.json", services.cluster_json(cluster), file_name="cluster.json",
                    mime="application/json", key="export.cluster")
 if importlib.util.find_spec("engine.bundle") is not None:
-    bundle, message = services.bundle_zip(plan.to_json(), services.cluster_json(cluster))
+    bundle, message = services.bundle_zip(plan.to_json(), services.cluster_json(cluster), services.model_file_of(plan))
     if bundle is not None:
         st.download_button("Download launch bundle (zip)", bundle, file_name="hap_bundle.zip", mime="application/zip",
                            key="export.bundle")

@@ -1,4 +1,5 @@
-"""Model: pick a zoo model and its knobs, or upload a graph-IR JSON, or a trusted Python model file."""
+"""Model: pick a zoo model and its knobs, a Hugging Face class and its config, or upload a graph-IR JSON or a
+trusted Python model file."""
 import streamlit as st
 
 from app import components as ui
@@ -7,7 +8,8 @@ from engine import HapError
 from engine.zoo import ZOO
 
 st.title("Model")
-source = st.radio("Source", ["Zoo model", "Graph JSON", "Python file"], horizontal=True, key="model.kind")
+source = st.radio("Source", ["Zoo model", "Hugging Face model", "Graph JSON", "Python file"], horizontal=True,
+                  key="model.kind")
 
 if source == "Zoo model":
     name = st.selectbox("Zoo model", sorted(ZOO), index=sorted(ZOO).index(services.DEFAULT_ZOO), key="model.zoo")
@@ -32,6 +34,20 @@ if source == "Zoo model":
                                f"zoo:{name} " + " ".join(f"{k}={v}" for k, v in knobs.items()))
         except HapError as e:
             services.show_error(e)
+elif source == "Hugging Face model":
+    cls = st.selectbox("Class (built from its config: no weights are downloaded)", services.HF_CLASSES, key="model.hf.class")
+    config = st.text_area("Config: keys of the transformers config as JSON (every other key keeps its default)",
+                          value=services.hf_small_config(cls), height=180, key=f"model.hf.config.{cls}")
+    cols = st.columns(2)
+    batch = cols[0].number_input("batch", value=8, min_value=1, step=1, key="model.hf.batch")
+    seq_len = None if services.hf_is_vision(cls) else \
+        cols[1].number_input("seq_len", value=32, min_value=1, step=1, key="model.hf.seq_len")
+    if st.button("Build and capture", type="primary", key="model.hf.load"):
+        try:
+            services.set_model(services.hf_model(cls, config, int(batch), None if seq_len is None else int(seq_len)),
+                               f"hf:{cls} batch={batch}" + ("" if seq_len is None else f" seq_len={seq_len}"))
+        except HapError as e:
+            services.show_error(e)
 elif source == "Graph JSON":
     upload = st.file_uploader("Graph IR JSON (from `hap capture` or Graph.save)", type=["json"], key="model.json")
     if upload is not None:
@@ -52,7 +68,8 @@ else:
         st.info(f"{upload.name} is uploaded but NOT executed: tick the box to run it.")
     if upload is not None and trusted:
         try:
-            services.set_model(services.model_from_python(upload.getvalue(), upload.name), f"python {upload.name}")
+            services.set_model(services.model_from_python(upload.getvalue(), upload.name), f"python {upload.name}",
+                               (upload.name, upload.getvalue()))
             st.success(f"Captured {upload.name}")
         except HapError as e:
             services.show_error(e)

@@ -7,7 +7,7 @@ import zipfile
 
 import pytest
 
-from ui_helpers import no_exception, open_page, app, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
+from ui_helpers import ROOT, no_exception, open_page, app, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
 
 import engine
 
@@ -50,3 +50,18 @@ def test_export_page_offers_the_bundle(app):
     no_exception(at)
     assert not at.error, [e.value for e in at.error]
     assert "Download launch bundle (zip)" in [b.proto.label for b in at.get("download_button")]
+
+
+@pytest.mark.skipif(not HAS_BUNDLE, reason="engine.bundle (`hap export`) is not in this build yet")
+def test_bundle_of_an_uploaded_model_file_ships_the_upload(cpu_cluster):
+    from app import services
+    from engine.source import capture_source
+
+    text = (ROOT / "tests" / "model_files" / "cumprod_mlp.py").read_bytes()
+    plan = engine.plan(capture_source(text, "net.py", fallback="replicate"), cpu_cluster)
+    data, message = services.bundle_zip(plan.to_json(), services.cluster_json(cpu_cluster))
+    assert data is None and "not found" in message  # the upload has no path on this machine
+    data, message = services.bundle_zip(plan.to_json(), services.cluster_json(cpu_cluster), ("net.py", text))
+    assert data is not None, message
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        assert zf.read(next(n for n in zf.namelist() if n.endswith("model/net.py"))) == text

@@ -92,6 +92,7 @@ def test_python_file_is_not_executed_unless_trusted(app, tmp_path, tiny_graph):
     assert marker.read_text() == "executed"
     graph = at.session_state[Keys.GRAPH]
     assert graph.num_parameters == 8 * 4 + 4 and at.session_state[Keys.MODEL_SOURCE] == "python tiny_model.py"
+    assert at.session_state[Keys.MODEL_FILE] == ("tiny_model.py", source)  # the Export page ships it in the bundle
     # trust belongs to that file: a different upload is not run until its own box is ticked
     other = tmp_path / "other.txt"
     at.file_uploader(key="model.py").set_value(("other.py", MODEL_FILE.format(marker=str(other)).encode(), "text/x-python"))
@@ -126,3 +127,38 @@ def test_graph_collapses_layers_into_one_box_each():
     assert all(f"seg{s} [" in collapsed for s in range(1, segments)) and "seg0 [" not in collapsed
     assert all(f"n{n.id} [" in collapsed for n in graph.nodes if n.segment == 0)
     assert collapsed.count("->") < full.count("->")
+
+
+def _hf_source(at, cls: str):
+    at.radio(key="model.kind").set_value("Hugging Face model").run()
+    at.selectbox(key="model.hf.class").set_value(cls).run()
+    return at
+
+
+def test_hugging_face_model_is_built_from_class_and_config_fields(app):
+    at = _hf_source(open_page(app, "model"), "ViTForImageClassification")
+    config = json.loads(at.text_area(key="model.hf.config.ViTForImageClassification").value)
+    assert config["hidden_size"] == 64 and config["image_size"] == 32  # starts small, editable
+    at.text_area(key="model.hf.config.ViTForImageClassification").set_value(
+        json.dumps({**config, "num_hidden_layers": 1, "patch_size": 8}))
+    at.number_input(key="model.hf.batch").set_value(4)
+    at.button(key="model.hf.load").click().run()
+    no_exception(at)
+    assert not at.error
+    graph = at.session_state[Keys.GRAPH]
+    assert graph.origin["hf"] == "ViTForImageClassification" and graph.origin["config"]["num_hidden_layers"] == 1
+    assert graph.placeholders[0].shape == (4, 3, 32, 32)
+    assert at.session_state[Keys.MODEL_SOURCE] == "hf:ViTForImageClassification batch=4"
+
+
+def test_hugging_face_config_errors_show_one_line(app):
+    at = _hf_source(open_page(app, "model"), "LlamaForCausalLM")
+    key = "model.hf.config.LlamaForCausalLM"
+    assert at.number_input(key="model.hf.seq_len").value == 32  # language models take a sequence length
+    at.text_area(key=key).set_value('{"hidden_size": 64,').run()
+    at.button(key="model.hf.load").click().run()
+    no_exception(at)
+    assert len(at.error) == 1 and "config: not valid JSON" in at.error[0].value and "\n" not in at.error[0].value
+    at.text_area(key=key).set_value('{"hiden_size": 64}').run()
+    at.button(key="model.hf.load").click().run()
+    assert "did you mean 'hidden_size'" in at.error[0].value

@@ -31,8 +31,9 @@ FORCEABLE = ("all_gather.padded", "all_gather.grouped", "reduce_scatter", "all_r
 """Collective keys a program can be restricted to (with the free `slice`)."""
 
 
-NEEDS_FALLBACK = {"hf_gpt2"}
-"""Zoo models with operators that have no rule (captured with fallback="replicate")."""
+NEEDS_FALLBACK: set[str] = set()
+"""Zoo models with operators that have no rule (captured with fallback="replicate"): none since
+GPT-2's mask code (diff, index, new_ones) has rules."""
 
 
 @lru_cache(maxsize=None)

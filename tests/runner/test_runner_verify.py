@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from runner.verify import TOLERANCE, compare, rel_diff
+from runner.verify import NEAR_ZERO, TOLERANCE, compare, rel_diff
 
 
 def test_rel_diff_is_max_abs_difference_over_max_abs_reference():
@@ -31,3 +32,13 @@ def test_compare_checks_a_tied_weight_once_under_the_name_the_plan_holds():
     res = compare([1.0], {"head.weight": shared.clone()}, [1.0], ref)
     assert res.missing == ["ln.bias"] and res.param_rel == 0.0
     assert compare([1.0], {"head.weight": shared.clone()}, [1.0, 2.0], ref).loss_rel == math.inf
+
+
+def test_a_parameter_at_rounding_noise_is_compared_absolutely():
+    """A zero-initialised key bias (true gradient 0) ends at ~1e-14 in both runs: noise, not a difference."""
+    ref = {"key.bias": torch.tensor([3.9e-14, -1e-14]), "w": torch.ones(2)}
+    noise = compare([1.0], {"key.bias": torch.tensor([-2e-14, 2e-14]), "w": torch.ones(2)}, [1.0], ref)
+    assert noise.ok() and noise.param_rel < 1e-7
+    real = compare([1.0], {"key.bias": torch.tensor([3.9e-14, 5e-10]), "w": torch.ones(2)}, [1.0], ref)
+    assert not real.ok() and real.param_name == "key.bias"  # 5e-10 > TOLERANCE * NEAR_ZERO
+    assert rel_diff(torch.tensor([4e-6]), torch.tensor([2e-6]), NEAR_ZERO) == pytest.approx(1.0)  # above the floor: relative

@@ -94,7 +94,7 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "view", "identity", "permute", "linear", "matmul", "softmax", "log_softmax", "sum", "mean", "layer_norm",
         "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand",
         "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm", "einsum", "topk_values", "topk_indices",
-        "one_hot", "cumsum", "gather", "arange", "opaque", "roll", "pad"}
+        "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "roll"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -104,7 +104,8 @@ def _positive(shape):
 
 # a small example for every registered op: operands (shape or (shape, dtype)) and attrs
 EXAMPLES: dict[str, tuple[list, dict]] = {
-    **{op: ([(3, 4)], {}) for op in ("relu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity")},
+    **{op: ([(3, 4)], {}) for op in ("relu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity",
+                                     "cos", "sin")},
     "gelu": ([(3, 4)], {"approximate": "none"}),
     "dropout": ([(3, 4)], {"p": 0.1, "train": False}),
     **{op: ([(3, 4), (4,)], {}) for op in ("add", "sub", "mul", "div")},
@@ -139,11 +140,15 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "cumsum": ([(3, 4)], {"dim": 1}),
     "gather": ([((3, 4), "float64"), ((3, 2), "int64")], {"dim": 1}),
     "arange": ([], {"start": 0, "end": 5, "step": 1}),
+    "constant": ([], {"value": [[1.0, 2.0], [3.0, 4.0]], "shape": [2, 2], "target": "c"}),
+    "full": ([], {"value": 1.5, "shape": [2, 3]}),
+    "pad": ([(3, 4)], {"pad": [0, 1], "value": -100}),
+    "index": ([((5, 4), "float64"), ((3, 1), "int64"), ((1, 2), "int64")], {"slots": [True, True]}),
     "opaque": ([(3, 4)], {"target": "aten::flip.default", "args": [{"tensor": 0}, [0]], "kwargs": {}, "output_index": None}),
     "roll": ([(3, 4)], {"shifts": [1], "dims": [1]}),
-    "pad": ([(3, 4)], {"pad": [0, 2], "value": 0.0}),
 }
-VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5), "topk_values": (3, 2), "topk_indices": (3, 2), "arange": (5,)}
+VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5), "topk_values": (3, 2), "topk_indices": (3, 2), "arange": (5,),
+               "constant": (2, 2), "full": (2, 3)}
 
 
 @pytest.mark.parametrize("op", registered_ops())

@@ -10,7 +10,7 @@ from engine.theory.check import check_rule
 
 from ._helpers import FULL, PARTIAL, SETTINGS, UNEVEN, OpRule, check_all, one_op, ratios_st, rule_set, seeds, shapes
 
-UNARY_SHOWN = ["relu", "gelu", "neg", "identity", "tanh", "sigmoid", "silu", "exp"]
+UNARY_SHOWN = ["relu", "gelu", "neg", "identity", "tanh", "sigmoid", "silu", "exp", "cos", "sin"]  # cos, sin: RoPE tables
 
 
 @SETTINGS
@@ -116,3 +116,11 @@ def test_checker_rejects_wrong_pointwise_rules() -> None:
     assert check_rule(sub, g, OpRule("bogus", (PARTIAL, FULL), PARTIAL), UNEVEN).ok is False  # subtracts y m times
     add, g = one_op("add", [(4, 6), (6,)])
     assert check_rule(add, g, OpRule("bogus", (0, FULL), PARTIAL), UNEVEN).ok is False  # slices are not addends
+
+
+def test_cos_and_sin_are_not_linear() -> None:
+    """RoPE's cos/sin tables: elementwise (any dim shards) but no Partial rule."""
+    for op in ("cos", "sin"):
+        node, g = one_op(op, [(3, 4)])
+        assert all(PARTIAL not in r.inputs for r in op_rules(node, g))
+        assert check_rule(node, g, OpRule("partial", (PARTIAL,), PARTIAL), UNEVEN).ok is False

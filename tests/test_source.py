@@ -1,0 +1,231 @@
+"""Model sources (engine/source.py): model files and `hf:` classes plan with their origin recorded, and the
+runner's side rebuilds the same module and the same batch of every step from it (issue 13, item 4)."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import engine
+from conftest import ROOT
+from engine import source
+from engine.bundle import check_bundle, export_bundle, model_file_of, open_bundle
+from engine.errors import ModelError
+from test_cli import assert_one_line_error
+
+MODEL_FILES = ROOT / "tests" / "model_files"
+CUMPROD = MODEL_FILES / "cumprod_mlp.py"
+TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
+             "vocab_size": 64, "max_position_embeddings": 32}
+
+
+def hap(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.fixture(scope="module")
+def cumprod_graph():
+    return engine.load_model(str(CUMPROD), fallback="replicate")
+
+
+# ----------------------------------------------------------------------------- model files
+
+
+def test_a_model_file_plans_with_its_path_sha256_and_input_spec_recorded(cumprod_graph):
+    origin = cumprod_graph.origin
+    assert origin["file"] == str(CUMPROD.resolve())
+    assert origin["sha256"] == source.sha256_of(CUMPROD.read_bytes())
+    assert [(i["shape"], i["dtype"]) for i in origin["inputs"]] == [([12, 8], "float32"), ([12, 4], "float32")]
+    assert any(n.op == "opaque" for n in cumprod_graph.nodes)  # cumprod has no rule: replicated
+    source.check_rebuildable(origin)
+
+
+def test_the_batch_is_a_function_of_seed_and_step_and_leaves_the_global_rng_alone(cumprod_graph):
+    origin = cumprod_graph.origin
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a0, a1 = source.make_batch(origin, 0, 0), source.make_batch(origin, 0, 1)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(x, y) for x, y in zip(a0, source.make_batch(origin, 0, 0)))
+    assert not torch.equal(a0[0], a1[0]) and not torch.equal(a0[0], source.make_batch(origin, 1, 0)[0])
+    assert [t.shape for t in a0] == [(12, 8), (12, 4)] and not a0[0].is_meta
+
+
+def test_the_rebuilt_module_takes_the_flat_batch_and_is_the_same_for_the_same_seed(cumprod_graph):
+    origin = cumprod_graph.origin
+    m, again, other = source.build_module(origin, 7), source.build_module(origin, 7), source.build_module(origin, 8)
+    names = [n.attrs["target"] for n in cumprod_graph.parameters]
+    params = dict(m.named_parameters())
+    assert sorted(names) == sorted(params) and all(not p.is_meta for p in params.values())
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), again.parameters()))
+    assert not torch.equal(params["fc1.weight"], dict(other.named_parameters())["fc1.weight"])
+    x, y = source.make_batch(origin, 0, 0)
+    loss = m(x, y)
+    expected = torch.nn.functional.mse_loss(m.fc2(torch.cumprod(torch.sigmoid(m.fc1(x)), dim=-1)), y)
+    assert loss.shape == () and torch.equal(loss, expected)
+
+
+def test_a_changed_model_file_is_refused_naming_it(tmp_path):
+    path = tmp_path / "model.py"
+    shutil.copy(CUMPROD, path)
+    origin = engine.load_model(str(path), fallback="replicate").origin
+    path.write_text(path.read_text() + "\n# edited\n")
+    with pytest.raises(ModelError, match=r"model file '.*model.py' changed since the plan was made \(sha256"):
+        source.check_rebuildable(origin)
+    with pytest.raises(ModelError, match="changed since the plan was made"):
+        source.make_batch(origin, 0, 0)
+    path.unlink()
+    with pytest.raises(ModelError, match="not found"):
+        source.build_module(origin, 0)
+
+
+def test_hap_run_refuses_a_changed_model_file_before_any_rank_starts(tmp_path):
+    path = tmp_path / "model.py"
+    shutil.copy(CUMPROD, path)
+    plan = engine.plan(engine.load_model(str(path), fallback="replicate"), engine.load_cluster(ROOT / "sample_clusters" / "cpu_2.json"))
+    plan.save(tmp_path / "p.json")
+    path.write_text(path.read_text() + "\n# edited\n")
+    r = hap("run", str(tmp_path / "p.json"), "--steps", "1")
+    assert r.returncode == 2 and "changed since the plan was made" in r.stderr and "torchrun" not in r.stderr
+
+
+def test_model_file_errors_are_one_line_model_errors(tmp_path):
+    cases = {"nofns.py": ("x = 1\n", "no function build_model()"),
+             "syntax.py": ("def build_model(:\n", "SyntaxError"),
+             "meta.py": ("import torch\ndef build_model():\n    return torch.nn.Linear(2, 2)\n"
+                         "def example_inputs():\n    return (torch.randn(4, 2, device='meta'),)\n", None)}
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        if message:
+            with pytest.raises(ModelError, match=message):
+                engine.load_model(str(tmp_path / name))
+    r = hap("plan", "--model", str(tmp_path / "missing.py"), "--cluster", "sample_clusters/cpu_2.json")
+    assert "model file" in assert_one_line_error(r.returncode, r.stdout, r.stderr)
+    module = source.exec_model_file((tmp_path / "meta.py").read_bytes(), "meta.py")
+    with pytest.raises(ModelError, match="returned meta tensors"):
+        source.file_inputs(module, "meta.py", 0)
+
+
+# ----------------------------------------------------------------------------- hf:
+
+
+@pytest.mark.parametrize("spec, config, knobs, message", [
+    ("hf:", None, {}, "needs a class name"),
+    ("hf:LlamaForCausalLm", None, {}, "no model class 'LlamaForCausalLm'; did you mean 'LlamaForCausalLM'"),
+    ("hf:LlamaModel", None, {}, "no inputs known for this class"),
+    ("hf:LlamaForCausalLM", None, {"hiden_size": "64"}, "'hiden_size' is not a key of LlamaConfig .*did you mean 'hidden_size'"),
+    ("hf:LlamaForCausalLM", None, {"seq_len": "99999999"}, "seq_len 99999999 exceeds the model's"),
+    ("hf:LlamaForCausalLM", None, {"batch": "0"}, "batch must be a positive integer"),
+    ("hf:LlamaForCausalLM", None, {"image_size": "32"}, "image_size applies to image classifiers only"),
+    ("hf:LlamaForCausalLM", "missing.json", {}, "--config missing.json: file not found"),
+])
+def test_hf_spec_errors_are_one_line_model_errors(spec, config, knobs, message):
+    pytest.importorskip("transformers")
+    with pytest.raises(ModelError, match=message) as e:
+        source.hf_spec(spec, config, knobs)
+    assert "\n" not in str(e.value)
+
+
+def test_hap_plan_reports_a_bad_hf_config_in_one_line(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "cfg.json").write_text("[1, 2]")
+    r = hap("plan", "--model", "hf:BertForMaskedLM", "--config", str(tmp_path / "cfg.json"), "--cluster",
+            "sample_clusters/cpu_2.json")
+    assert "expected a JSON object of config keys" in assert_one_line_error(r.returncode, r.stdout, r.stderr)
+    r = hap("plan", "--model", "zoo:mlp", "--config", str(tmp_path / "cfg.json"), "--cluster", "sample_clusters/cpu_2.json")
+    assert "applies to Hugging Face models only" in assert_one_line_error(r.returncode, r.stdout, r.stderr)
+
+
+def test_hf_config_file_then_knobs_give_the_full_config_the_plan_records(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "cfg.json").write_text(json.dumps({"hidden_size": 128, "num_hidden_layers": 3}))
+    spec = source.hf_spec("hf:LlamaForCausalLM", tmp_path / "cfg.json", {"hidden_size": "64", "batch": "4", "seq_len": "16"})
+    assert spec.config["hidden_size"] == 64 and spec.config["num_hidden_layers"] == 3
+    assert spec.config["num_attention_heads"] == 32  # the default, recorded in full
+    assert spec.inputs == {"batch": 4, "seq_len": 16} and spec.task == "causal_lm"
+    rebuilt = source.hf_config(source.spec_of(json.loads(json.dumps(spec.origin()))))
+    assert json.loads(rebuilt.to_json_string(use_diff=False)) == spec.config
+
+
+@pytest.mark.parametrize("cls, knobs, expected, labels_below", [
+    ("BertForMaskedLM", {**TINY_BERT, "batch": 3, "seq_len": 8},
+     {"input_ids": (3, 8), "attention_mask": (3, 8), "labels": (3, 8)}, 64),
+    ("T5ForConditionalGeneration", {"d_model": 32, "vocab_size": 64, "batch": 2, "seq_len": 8},
+     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "labels": (2, 8)}, 64),
+    ("ViTForImageClassification", {"image_size": 16, "patch_size": 8, "num_labels": 5, "batch": 64},
+     {"pixel_values": (64, 3, 16, 16), "labels": (64,)}, 5),
+    ("BertForSequenceClassification", {**TINY_BERT, "num_labels": 3, "batch": 64, "seq_len": 8},
+     {"input_ids": (64, 8), "attention_mask": (64, 8), "labels": (64,)}, 3),
+])
+def test_hf_inputs_follow_the_task_and_stay_in_range(cls, knobs, expected, labels_below):
+    pytest.importorskip("transformers")
+    spec = source.hf_spec(f"hf:{cls}", None, knobs)
+    batch = source.hf_inputs(spec, torch.Generator().manual_seed(0))
+    assert {k: tuple(v.shape) for k, v in batch.items()} == expected
+    if "input_ids" in batch:
+        assert int(batch["input_ids"].max()) < spec.config["vocab_size"] and bool((batch["attention_mask"] == 1).all())
+    assert int(batch["labels"].min()) >= 0 and int(batch["labels"].max()) < labels_below
+
+
+def test_an_hf_model_is_rebuilt_identically_and_its_flat_batch_gives_the_model_loss():
+    pytest.importorskip("transformers")
+    knobs = {**TINY_BERT, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0, "batch": 2, "seq_len": 8}
+    origin = source.hf_spec("hf:BertForMaskedLM", None, knobs).origin()
+    m, again = source.build_module(origin, 3), source.build_module(origin, 3)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), again.parameters()))
+    flat = source.make_batch(origin, 0, 2)
+    assert all(torch.equal(a, b) for a, b in zip(flat, source.make_batch(origin, 0, 2)))
+    ids, mask, labels = flat
+    direct = again.model if hasattr(again, "model") else again
+    expected = type(direct).forward(direct, input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert torch.allclose(m(*flat), expected)
+
+
+# ----------------------------------------------------------------------------- bundles
+
+
+def test_export_carries_the_plans_model_file_and_check_ties_it_to_the_plan(tmp_path):
+    path = tmp_path / "net.py"
+    shutil.copy(CUMPROD, path)
+    plan = engine.plan(engine.load_model(str(path), fallback="replicate"), engine.load_cluster(ROOT / "sample_clusters" / "cpu_2.json"))
+    out = export_bundle(plan, None, tmp_path / "b")
+    assert (out / "model" / "net.py").read_bytes() == path.read_bytes()
+    assert json.loads((out / "model.json").read_text())["file"] == "model/net.py"
+    assert check_bundle(out).ok and model_file_of(open_bundle(out)) == out / "model" / "net.py"
+    # a bundle whose model file (and manifest entry) were swapped is not the plan's model
+    (out / "model" / "net.py").write_text(path.read_text() + "\n# swapped\n")
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["files"]["model/net.py"]["sha256"] = source.sha256_of((out / "model" / "net.py").read_bytes())
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert any("model/net.py: sha256 differs from the model file the plan was made for" in p
+               for p in check_bundle(out).problems)
+    path.write_text("# changed\n")
+    with pytest.raises(Exception, match="changed since the plan was made"):
+        export_bundle(plan, None, tmp_path / "c")
+
+
+@pytest.mark.parametrize("spec, knobs", [
+    (str(CUMPROD), {"fallback": "replicate"}),
+    ("hf:LlamaForCausalLM", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                             "num_key_value_heads": 2, "vocab_size": 64, "batch": 3, "seq_len": 8}),
+])
+def test_the_graph_run_on_the_runners_batch_gives_the_rebuilt_modules_loss(spec, knobs):
+    """Capture (meta) and the runner's rebuild agree: placeholders index the flat batch, parameters match by name."""
+    if spec.startswith("hf:"):
+        pytest.importorskip("transformers")
+    from test_ecosystem import interpret
+
+    graph = engine.load_model(spec, **knobs)
+    module = source.build_module(graph.origin, 0)
+    batch = source.make_batch(graph.origin, 0, 1)
+    for p in graph.placeholders:
+        x = batch[p.attrs["index"]]
+        assert tuple(x.shape) == p.shape and str(x.dtype).removeprefix("torch.") == p.dtype
+    with torch.no_grad():
+        assert torch.allclose(interpret(graph, module, batch), module(*batch), rtol=1e-5)
