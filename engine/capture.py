@@ -3,8 +3,25 @@
 We trace with `torch.export` (non-strict) so fake tensors stand in for the data: on the `meta`
 device no weight is ever allocated, so a 10B-parameter model captures on a laptop. The ATen
 training IR is then mapped onto a small set of canonical operators that the theory has rules for
-(`_CANONICAL` below); `linear` with a bias is split into `linear` + `add` so that row-parallel
+(`_HANDLERS` below); `linear` with a bias is split into `linear` + `add` so that row-parallel
 linear (which yields `Partial`) stays expressible.
+
+What real models bring, and what capture does with it:
+
+- In-place operators (`x += y`, `masked_fill_`): the program is functionalized first
+  (`functionalize`: `run_decompositions` with an empty table), only when it mutates a tensor.
+- Dead code: only the nodes the loss depends on are lowered (`_live_nodes`); a KV cache built in
+  forward, or logits nobody returns, are never refused.
+- Tensor constants made in forward (lifted by torch.export, e.g. `torch.tensor(4096)` or an empty
+  KV cache): a `constant` node with no operand whose value is stored in the graph JSON as a nested
+  list (`attrs["value"]`, at most `CONSTANT_LIMIT` bytes; empty ones need no data, so meta ones
+  are fine). Every rank rebuilds it from the plan alone, Full (`ops.run_node`); a larger or a
+  meta constant with data is refused (register it as a buffer). Buffers computed at init (rotary
+  `inv_freq`) stay `buffer` leaves, which the runner takes from the rebuilt module.
+- Mask and position arithmetic (`arange`, `new_ones`, `index`, `diff`, `pad`, `where`, ...) and
+  grouped-query attention (`enable_gqa`, `repeat_interleave`) become canonical nodes with rules.
+- Mean cross-entropy divides by the number of targets that are not `ignore_index`, a node of its
+  own, so that the loss stays exact when its targets are sharded (see `_h_cross_entropy`).
 """
 from __future__ import annotations
 
@@ -24,7 +41,8 @@ from .graph import Graph, Node
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
           "exp": "exp", "neg": "neg", "clone": "identity", "contiguous": "identity",
           "alias": "identity", "_to_copy": "identity", "to": "identity", "rsqrt": "rsqrt", "sqrt": "sqrt",
-          "lift_fresh_copy": "identity", "detach": "identity", "type_as": "identity", "cos": "cos", "sin": "sin"}
+          "lift_fresh_copy": "identity", "detach": "identity", "type_as": "identity", "cos": "cos", "sin": "sin",
+          "logical_not": "logical_not", "bitwise_not": "logical_not"}
 _BINARY = {"add", "sub", "mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow"}
 _BINARY_ALIASES = {"__and__": "logical_and", "bitwise_and": "logical_and", "__or__": "logical_or", "bitwise_or": "logical_or"}
 """Bitwise and/or of booleans are the logical ones (other dtypes are refused)."""
@@ -487,6 +505,8 @@ def _h_rsub(c: _Ctx) -> int:
 
 def _h_unary(c: _Ctx) -> int:
     op = _UNARY[c.fx.target._opname]
+    if c.fx.target._opname == "bitwise_not" and c.dtype != "bool":
+        raise _Unsupported(f"aten.bitwise_not of {c.dtype} tensors")
     attrs: dict[str, Any] = {}
     if op == "gelu":
         attrs["approximate"] = c.fx.kwargs.get("approximate", _arg(c.fx, 1, "approximate", "none"))
@@ -996,8 +1016,13 @@ def _h_repeat_interleave(c: _Ctx) -> int:
     view (.., n*k, ..): each row repeated k times in place (MoE token replication per top-k slot)."""
     x = c.node(c.fx.args[0])
     k, dim = _arg(c.fx, 1, "repeats"), _arg(c.fx, 2, "dim")
-    if not isinstance(k, int) or dim is None:
-        raise _Unsupported("aten.repeat_interleave with a tensor of repeats or no dim")
+    if not isinstance(k, int):
+        raise _Unsupported("aten.repeat_interleave with a tensor of repeats")
+    if dim is None:  # repeats the flattened tensor
+        if x.rank != 1:
+            x = c.b.nodes[c.emit("view", [x.id], {"shape": [x.numel]}, name=c.fx.name + "_flat", shape=(x.numel,),
+                                 dtype=x.dtype)]
+        dim = 0
     dim = _norm_dim(dim, x.rank)
     one = x.shape[:dim + 1] + (1,) + x.shape[dim + 1:]
     many = x.shape[:dim + 1] + (k,) + x.shape[dim + 1:]
@@ -1029,7 +1054,43 @@ def _h_diff(c: _Ctx) -> int:
     return cur
 
 
+def _h_where(c: _Ctx) -> int:
+    """`where(cond, x, y)` and `masked_fill(x, mask, value)` (= where(mask, value, x)); a Python
+    number in place of x or y is kept in attrs, the tensor operands are inputs [cond, x?, y?]."""
+    if c.fx.target._opname == "where":
+        if len(c.fx.args) < 3:
+            raise _Unsupported("aten.where with one operand (its result has a data-dependent shape)")
+        cond, x, y = c.fx.args[:3]
+    else:
+        y, cond, x = c.fx.args[:3]
+    if isinstance(x, torch.fx.Node) and x.meta["val"].dim() == 0 and x.op == "call_function" and x.name in c.b.ids \
+            and c.b.nodes[c.b.ids[x.name]].op == "full":  # a lifted scalar_tensor: keep it a number
+        x = c.b.nodes[c.b.ids[x.name]].attrs["value"]
+    attrs = {"x": None if isinstance(x, torch.fx.Node) else _scalar(x), "y": None if isinstance(y, torch.fx.Node) else _scalar(y)}
+    inputs = [c.tid(cond)] + [c.tid(t) for t in (x, y) if isinstance(t, torch.fx.Node)]
+    return c.emit("where", inputs, attrs, _numel(c.shape))
+
+
+def _h_index_add(c: _Ctx) -> int:
+    """`index_add(x, dim, index, source)` and `scatter_add(x, dim, index, src)` (MoE combine: expert
+    outputs summed back into their tokens); alpha must be 1."""
+    op = c.fx.target._opname
+    if op == "index_add" and _arg(c.fx, 4, "alpha", 1) != 1:
+        raise _Unsupported("aten.index_add with alpha != 1")
+    x, idx, src = c.node(c.fx.args[0]), c.node(c.fx.args[2]), c.node(c.fx.args[3])
+    return c.emit(op, [x.id, idx.id, src.id], {"dim": _norm_dim(c.fx.args[1], x.rank)}, src.numel)
+
+
+def _h_histc(c: _Ctx) -> int:
+    """`histc(x, bins, min, max)`: expert loads of a router (counts per bin)."""
+    x = c.node(c.fx.args[0])
+    attrs = {"bins": int(_arg(c.fx, 1, "bins", 100)), "min": float(_arg(c.fx, 2, "min", 0)), "max": float(_arg(c.fx, 3, "max", 0))}
+    return c.emit("histc", [x.id], attrs, x.numel)
+
+
 _HANDLERS.update({
+    "index_add": _h_index_add, "scatter_add": _h_index_add, "histc": _h_histc,
+    "where": _h_where, "masked_fill": _h_where,
     "diff": _h_diff,
     **{op: _h_full for op in _FILLS}, "pad": _h_pad, "constant_pad_nd": _h_pad, "index": _h_index,
     "repeat_interleave": _h_repeat_interleave,

@@ -20,6 +20,7 @@ Tensor = torch.Tensor
 _UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu, "exp": torch.exp,
     "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg, "cos": torch.cos, "sin": torch.sin,
+    "logical_not": torch.logical_not,
 }
 _BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "lt": torch.lt, "le": torch.le,
@@ -223,6 +224,16 @@ def _pad(node: Node, inputs: Sequence[Tensor]) -> Tensor:
     return F.pad(inputs[0], node.attrs["pad"], value=node.attrs["value"])
 
 
+def _where(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    """`where(cond, x, y)`, x or y a number where attrs hold one (masked_fill's value)."""
+    rest, cond = iter(inputs[1:]), inputs[0].bool()  # (a no-op on the boolean masks capture sees)
+    x = next(rest) if node.attrs["x"] is None else node.attrs["x"]
+    y = next(rest) if node.attrs["y"] is None else node.attrs["y"]
+    if not isinstance(x, Tensor) and not isinstance(y, Tensor):
+        return torch.where(cond, torch.tensor(x, dtype=getattr(torch, node.dtype)), y)
+    return torch.where(cond, x, y)
+
+
 def _index(node: Node, inputs: Sequence[Tensor]) -> Tensor:
     """`x[i0, i1, ...]` with a None (`:`) wherever `slots` is False."""
     rest = iter(inputs[1:])
@@ -248,7 +259,10 @@ _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "gather": lambda n, x: torch.gather(x[0], n.attrs["dim"], x[1]),
     "arange": _arange,
     "constant": lambda n, x: torch.tensor(n.attrs["value"], dtype=getattr(torch, n.dtype)).reshape(n.shape),
-    "full": _full, "pad": _pad, "index": _index,
+    "full": _full, "pad": _pad, "index": _index, "where": _where,
+    "index_add": lambda n, x: torch.index_add(x[0], n.attrs["dim"], x[1], x[2]),
+    "scatter_add": lambda n, x: torch.scatter_add(x[0], n.attrs["dim"], x[1], x[2]),
+    "histc": lambda n, x: torch.histc(x[0], n.attrs["bins"], n.attrs["min"], n.attrs["max"]),
 }
 
 

@@ -27,7 +27,7 @@ from .timing import probe
 
 _UNARY: dict[str, Callable] = {"relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
                                "exp": torch.exp, "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg,
-                               "cos": torch.cos, "sin": torch.sin}
+                               "cos": torch.cos, "sin": torch.sin, "logical_not": torch.logical_not}
 _BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
                                 "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
                                 "ne": torch.ne, "logical_and": torch.logical_and, "logical_or": torch.logical_or,

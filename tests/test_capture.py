@@ -332,6 +332,34 @@ def test_programs_without_in_place_operators_keep_the_training_ir() -> None:
     assert engine.capture.functionalize(mutating) is not mutating
 
 
+class MaskArithmetic(nn.Module):
+    """The mask and position code of attention models written by hand: integer and boolean tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        pos = torch.cumsum(pad, dim=1) - 1  # positions of a left-padded batch
+        causal = torch.arange(t)[None, :] <= torch.arange(t)[:, None]
+        keep = causal[None] & (pad[:, None, :] == 1)
+        scores = (self.fc(x) @ x.transpose(1, 2)).masked_fill(~keep, -1e9)
+        scores = torch.where(pos[:, :, None] >= 0, scores, torch.zeros_like(scores))
+        return torch.softmax(scores, dim=-1).pow(2).mean() + x.new_zeros(()).float()
+
+
+def test_mask_arithmetic_captures_with_rules_and_computes_the_same() -> None:
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    module, x = MaskArithmetic(), torch.randn(3, 4, 5)
+    pad = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1], [0, 0, 1, 1]])
+    g = engine.load_model(module, (x, pad))
+    assert {"where", "full", "cumsum", "arange"} <= {n.op for n in g.nodes} and engine.theory.missing_rules(g) == []
+    assert torch.allclose(interpret(g, module, (x, pad)), module(x, pad), rtol=1e-6, atol=1e-7)
+
+
 class NotScalar(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -367,7 +395,7 @@ def test_unknown_zoo_name_hints() -> None:
     assert "'gtp'" in str(e.value) and "did you mean 'gpt'" in str(e.value)
     with pytest.raises(ModelError) as e:
         engine.load_model("zoo:resnet")
-    assert "available: bert, bert_moe, gpt, hf_bert, hf_gpt2, mlp" in str(e.value)
+    assert "available: bert, bert_moe, gpt, hf_bert, hf_gpt2, hf_llama, mlp" in str(e.value)
 
 
 def test_unknown_knob_hints() -> None:

@@ -95,7 +95,7 @@ def test_decoder_captures_without_the_fallback(decoder) -> None:
 @pytest.mark.parametrize("cluster", CLUSTERS)
 def test_decoder_plans_without_the_fallback(decoder, cluster: str) -> None:
     name, g = decoder
-    plan = engine.plan(g, engine.load_cluster(sample_path(cluster)), optimizer="sgd")
+    plan = engine.plan(g, engine.load_cluster(sample_path(cluster)), optimizer="sgd", max_iterations=2)
     computes = [i for i in plan.program if i.kind == "compute"]
     assert plan.predicted_time_s > 0 and sum(i.rule != "replicate" for i in computes) > len(computes) // 3
 
@@ -166,4 +166,32 @@ def test_sdpa_enable_gqa_repeats_the_kv_heads() -> None:
     g = engine.load_model(module, (x,))
     sdpa = next(n for n in g.nodes if n.op == "sdpa")
     assert [g[i].shape[1] for i in sdpa.inputs[:3]] == [4, 4, 4]
+    assert torch.allclose(interpret(g, module, (x,)), module(x), rtol=1e-6, atol=1e-7)
+
+
+class TokenChoiceMoE(torch.nn.Module):
+    """Top-2 routing written by hand: expert loads by `histc`, per-token expert weights gathered by
+    index, and the combine by `index_add` (static shapes: no `nonzero`)."""
+
+    def __init__(self, experts: int = 3, width: int = 6) -> None:
+        super().__init__()
+        self.router = torch.nn.Linear(width, experts)
+        self.w = torch.nn.Parameter(torch.randn(experts, width, width) / width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n, e = x.shape[0], self.w.shape[0]
+        probs = torch.softmax(self.router(x), dim=-1)
+        weight, expert = torch.topk(probs, 2, dim=-1)
+        load = torch.histc(expert.float(), bins=e, min=0, max=e - 1)
+        flat = expert.reshape(-1)
+        h = torch.bmm(x.repeat_interleave(2, dim=0).unsqueeze(1), self.w[flat]).squeeze(1) * weight.reshape(-1, 1)
+        out = torch.zeros_like(x).index_add(0, torch.arange(n).repeat_interleave(2), h)
+        return out.pow(2).mean() + (load / (2 * n) * probs.mean(dim=0)).sum() * e
+
+
+def test_hand_written_moe_routing_captures_with_rules_and_computes_the_same() -> None:
+    torch.manual_seed(0)
+    module, x = TokenChoiceMoE(), torch.randn(5, 6)
+    g = engine.load_model(module, (x,))
+    assert {"softmax", "topk_indices", "histc", "index", "index_add"} <= _ops(g) and missing_rules(g) == []
     assert torch.allclose(interpret(g, module, (x,)), module(x), rtol=1e-6, atol=1e-7)

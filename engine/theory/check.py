@@ -59,6 +59,8 @@ def _index_bound(node: Node, graph: Graph) -> int:
         return node.attrs["num_classes"]
     if node.op == "gather":
         return graph[node.inputs[0]].shape[node.attrs["dim"]]
+    if node.op in ("index_add", "scatter_add"):
+        return graph[node.inputs[0]].shape[node.attrs["dim"]]
     if node.op == "index":
         x = graph[node.inputs[0]]
         return min(x.shape[d] for d, used in enumerate(node.attrs["slots"]) if used)
@@ -91,6 +93,8 @@ def check_rule(node: Node, graph: Graph, r: OpRule, ratios: Sequence[float], see
         full_in = [t.abs() + 0.1 for t in full_in]
     if node.op == "cross_entropy" and len(full_in) == 3:  # a count of kept targets is at least 1
         full_in[2] = full_in[2] + 1
+    if node.op == "where":  # the condition is boolean
+        full_in[0] = full_in[0] > 0
     ref = run_node(node, graph, full_in, node.shape)
     local_in = [_local(t, f, sizes.get((k, f)), m, gen) for k, (t, f) in enumerate(zip(full_in, r.inputs))]
     outs = []

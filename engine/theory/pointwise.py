@@ -10,6 +10,9 @@ Rows, with why they hold:
   from the global index (engine/dropout.py). No P -> P: with that shared mask it would even be
   exact (the mask distributes over the addends), but a device would draw the whole mask and scale
   the whole tensor to save no communication; with per-device random streams it would be wrong.
+- where(cond, x, y) (and masked_fill): S(d) on every operand -> S(d); with cond Full it is linear
+  in (x, y) together, so (F, P, P) -> P, where a number in place of x or y must be 0 (each
+  addend would carry any other).
 """
 from __future__ import annotations
 
@@ -21,7 +24,8 @@ NONLINEAR_BINARY = ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_
 """Elementwise binary operators (tensor-tensor or tensor-scalar) that are not linear in any operand."""
 
 
-@rule("relu", "gelu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity", "dropout", "cos", "sin")
+@rule("relu", "gelu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity", "dropout", "cos", "sin",
+      "logical_not")
 def unary_rules(node: Node, graph: Graph) -> list[OpRule]:
     rules = [replicate(node)] + [OpRule("shard", (d,), d) for d in range(node.rank)]
     if node.op in _LINEAR_UNARY and "dtype" not in node.attrs:  # a cast is not linear (it rounds)
@@ -65,4 +69,12 @@ def binary_rules(node: Node, graph: Graph) -> list[OpRule]:
         rules += [OpRule("partial", (PARTIAL, FULL), PARTIAL), OpRule("partial", (FULL, PARTIAL), PARTIAL)]
     else:  # div
         rules.append(OpRule("partial", (PARTIAL, FULL), PARTIAL))
+    return rules
+
+
+@rule("where")
+def where_rules(node: Node, graph: Graph) -> list[OpRule]:
+    rules = _elementwise(node, graph)
+    if all(node.attrs[k] in (None, 0) for k in ("x", "y")):
+        rules.append(OpRule("partial", (FULL,) + (PARTIAL,) * (len(node.inputs) - 1), PARTIAL))
     return rules

@@ -34,6 +34,7 @@ ZOO: dict[str, ZooEntry] = {
     "bert_moe": ZooEntry(bert_moe.BertMoEConfig, bert_moe.build, bert_moe.example_inputs),
     "hf_bert": ZooEntry(hf.HFConfig, hf.build_bert, hf.example_inputs),
     "hf_gpt2": ZooEntry(hf.HFConfig, hf.build_gpt2, hf.example_inputs),
+    "hf_llama": ZooEntry(hf.HFConfig, hf.build_llama, hf.example_inputs),
 }
 
 

@@ -9,10 +9,11 @@ on, the runner draws the same masks as single-device training (engine/dropout.py
 - `hf_bert`: `BertForMaskedLM`; the loss is the model's own `.loss` (labels = the tokens, every
   position predicted, so no label is the ignored -100).
 - `hf_gpt2`: `GPT2LMHeadModel` body; the loss is a cross-entropy of its logits against the next
-  tokens, computed here: the model's own loss pads the shifted labels with -100, a data-dependent
-  mean (see `engine.capture`). GPT-2 builds its attention mask with index arithmetic (`diff`,
-  `index`, `new_ones`) that has no sharding rule: capture it with `fallback="replicate"`
-  (`--fallback replicate`), or it is refused with the list of those operators.
+  tokens, computed here. GPT-2 builds its attention mask with index arithmetic (`diff`, `index`,
+  `new_ones`), which capture lowers to ops with rules.
+- `hf_llama`: `LlamaForCausalLM` with grouped-query attention (half as many kv heads as heads when
+  `heads` is even) and rotary embeddings; the loss is the model's own (labels shifted and padded
+  with -100: the mean over the kept targets, which capture keeps exact under sharding).
 """
 from __future__ import annotations
 
@@ -89,6 +90,24 @@ class HFGPT2(nn.Module):
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.model(input_ids=input_ids).logits  # (B, T, vocab)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class HFLlama(nn.Module):
+    def __init__(self, cfg: HFConfig) -> None:
+        super().__init__()
+        t = _transformers()
+        config = t.LlamaConfig(vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_hidden_layers=cfg.layers,
+                               num_attention_heads=cfg.heads, intermediate_size=cfg.ffn,
+                               num_key_value_heads=cfg.heads // 2 if cfg.heads % 2 == 0 else cfg.heads,
+                               max_position_embeddings=cfg.seq_len, use_cache=False, bos_token_id=0, eos_token_id=0)
+        self.model = t.LlamaForCausalLM(config)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, labels=labels).loss
+
+
+def build_llama(cfg: HFConfig) -> nn.Module:
+    return HFLlama(cfg)
 
 
 def build_bert(cfg: HFConfig) -> nn.Module:

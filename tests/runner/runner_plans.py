@@ -23,6 +23,7 @@ MODELS = {
     "bert_moe": dict(layers=2, hidden=16, heads=2, ffn=32, vocab=40, seq_len=8, predictions=3, batch=10, experts=5),
     "hf_bert": dict(layers=2, hidden=16, heads=2, ffn=32, vocab=40, seq_len=8, batch=10),
     "hf_gpt2": dict(layers=2, hidden=16, heads=2, ffn=32, vocab=40, seq_len=8, batch=10),
+    "hf_llama": dict(layers=2, hidden=16, heads=4, ffn=32, vocab=40, seq_len=8, batch=10),
 }
 """Small zoo configs (dropout off); batch and widths split unevenly on every world size; 5 experts
 divide no world size of the tests."""

@@ -27,3 +27,11 @@ def test_hf_gpt2_mask_code_trains_like_one_device(tmp_path):
     ops = {plan.graph[ins.node].op for ins in plan.program if ins.kind == "compute"}
     assert "opaque" not in ops and {"index", "full", "cross_entropy"} <= ops
     check_equivalence(plan, tmp_path, "sgd", steps=3, near_zero=1e-6)
+
+
+def test_hf_llama_rope_gqa_and_its_own_loss_train_like_one_device(tmp_path):
+    """RoPE tables, repeat_kv, the padding/causal mask and the -100-padded shifted labels, sharded."""
+    plan = engine_plan("hf_llama", 3)
+    ops = {plan.graph[ins.node].op for ins in plan.program if ins.kind == "compute"}
+    assert "opaque" not in ops and {"cos", "sin", "expand", "pad", "cross_entropy"} <= ops
+    check_equivalence(plan, tmp_path, "sgd", steps=3, near_zero=1e-6)

@@ -76,9 +76,24 @@ def bert_moe_small() -> Graph:
     return engine.load_model("zoo:bert_moe", **BERT_SMALL, experts=5)
 
 
+@functools.cache
+def decoder_small(name: str) -> Graph:
+    """A transformers causal LM (default config, tiny): RoPE, GQA, mask code, MoE routing, exact loss."""
+    transformers = pytest.importorskip("transformers")
+    extra = {"num_local_experts": 3, "experts_implementation": "batched_mm"} if name == "Mixtral" else {}
+    cfg = getattr(transformers, f"{name}Config")(hidden_size=16, num_hidden_layers=1, num_attention_heads=4,
+                                                 num_key_value_heads=2, vocab_size=24, intermediate_size=8,
+                                                 max_position_embeddings=16, **extra)
+    with torch.device("meta"):
+        model = getattr(transformers, f"{name}ForCausalLM")(cfg)
+    ids = torch.zeros(3, 6, dtype=torch.long, device="meta")
+    return engine.load_model(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()})
+
+
 BERT_SMALL = dict(layers=2, hidden=16, heads=2, ffn=32, vocab=30, seq_len=6, predictions=2, batch=4)
 MODELS = {"gpt": gpt_small, "mlp": mlp_small, "kitchen": kitchen, "vgg19": vgg19_small, "vit": vit_small,
-          "bert": bert_small, "bert_moe": bert_moe_small}
+          "bert": bert_small, "bert_moe": bert_moe_small, "llama": functools.partial(decoder_small, "Llama"),
+          "mixtral": functools.partial(decoder_small, "Mixtral")}
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))
@@ -94,7 +109,8 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "view", "identity", "permute", "linear", "matmul", "softmax", "log_softmax", "sum", "mean", "layer_norm",
         "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand",
         "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm", "einsum", "topk_values", "topk_indices",
-        "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "roll"}
+        "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "where",
+        "index_add", "scatter_add", "histc", "roll"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -105,7 +121,7 @@ def _positive(shape):
 # a small example for every registered op: operands (shape or (shape, dtype)) and attrs
 EXAMPLES: dict[str, tuple[list, dict]] = {
     **{op: ([(3, 4)], {}) for op in ("relu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity",
-                                     "cos", "sin")},
+                                     "cos", "sin", "logical_not")},
     "gelu": ([(3, 4)], {"approximate": "none"}),
     "dropout": ([(3, 4)], {"p": 0.1, "train": False}),
     **{op: ([(3, 4), (4,)], {}) for op in ("add", "sub", "mul", "div")},
@@ -144,11 +160,15 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "full": ([], {"value": 1.5, "shape": [2, 3]}),
     "pad": ([(3, 4)], {"pad": [0, 1], "value": -100}),
     "index": ([((5, 4), "float64"), ((3, 1), "int64"), ((1, 2), "int64")], {"slots": [True, True]}),
+    "where": ([((3, 4), "int64"), (3, 4)], {"x": -1e9, "y": None}),
+    "index_add": ([(3, 4), ((2,), "int64"), (2, 4)], {"dim": 0}),
+    "scatter_add": ([(3, 4), ((3, 2), "int64"), (3, 2)], {"dim": 1}),
+    "histc": ([(3, 4)], {"bins": 5, "min": 0.0, "max": 2.0}),
     "opaque": ([(3, 4)], {"target": "aten::flip.default", "args": [{"tensor": 0}, [0]], "kwargs": {}, "output_index": None}),
     "roll": ([(3, 4)], {"shifts": [1], "dims": [1]}),
 }
 VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5), "topk_values": (3, 2), "topk_indices": (3, 2), "arange": (5,),
-               "constant": (2, 2), "full": (2, 3)}
+               "constant": (2, 2), "full": (2, 3), "histc": (5,)}
 
 
 @pytest.mark.parametrize("op", registered_ops())

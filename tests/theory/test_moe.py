@@ -107,3 +107,38 @@ def test_expert_weights_can_be_split_by_whole_experts() -> None:
     w1 = next(n for n in g.parameters if n.attrs["target"].endswith("ffn.w1"))
     first = next(n for n in g.nodes if w1.id in n.inputs)
     assert first.op == "einsum" and ((0, 0), 0) in rule_set(first, g)
+
+
+@SETTINGS
+@given(rows=st.integers(1, 5), cols=st.integers(1, 4), picks=st.integers(1, 5), op=st.sampled_from(["index_add", "scatter_add"]),
+       ratios=ratios_st, seed=seeds)
+def test_combine_rules_hold(rows, cols, picks, op, ratios, seed) -> None:
+    """Expert outputs summed back into their tokens: index_add over dim 0, scatter_add over dim 1."""
+    if op == "index_add":
+        node, g = one_op(op, [(rows, cols), ((picks,), "int64"), (picks, cols)], {"dim": 0})
+    else:
+        node, g = one_op(op, [(rows, cols + 1), ((rows, cols), "int64"), (rows, cols)], {"dim": 1})
+    check_all(node, g, ratios, seed, min_rules=2)
+    assert ((PARTIAL, FULL, PARTIAL), PARTIAL) in rule_set(node, g)
+
+
+def test_combine_never_splits_the_summed_dim() -> None:
+    node, g = one_op("index_add", [(6, 3), ((4,), "int64"), (4, 3)], {"dim": 0})
+    assert rule_set(node, g) == {((FULL,) * 3, FULL), ((PARTIAL, FULL, PARTIAL), PARTIAL), ((1, FULL, 1), 1)}
+    assert check_rule(node, g, OpRule("summed-dim", (0, FULL, 0), 0), UNEVEN).ok is False
+    assert check_rule(node, g, OpRule("index-partial", (PARTIAL, PARTIAL, PARTIAL), PARTIAL), UNEVEN).ok is False
+
+
+@SETTINGS
+@given(shape=shapes(1, 3), bins=st.integers(1, 6), ratios=ratios_st, seed=seeds)
+def test_histc_rules_hold(shape, bins, ratios, seed) -> None:
+    node, g = one_op("histc", [shape], {"bins": bins, "min": -1.0, "max": 1.0}, out_shape=(bins,))
+    check_all(node, g, ratios, seed)
+
+
+def test_histc_of_a_data_range_is_replicated_only() -> None:
+    node, g = one_op("histc", [(6, 2)], {"bins": 4, "min": 0.0, "max": 0.0}, out_shape=(4,))
+    assert rule_set(node, g) == {((FULL,), FULL)}
+    assert check_rule(node, g, OpRule("counts", (0,), PARTIAL), UNEVEN).ok is False
+    fixed, g = one_op("histc", [(6, 2)], {"bins": 4, "min": -1.0, "max": 1.0}, out_shape=(4,))
+    assert check_rule(fixed, g, OpRule("counts-as-full", (0,), FULL), UNEVEN).ok is False

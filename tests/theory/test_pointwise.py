@@ -10,7 +10,7 @@ from engine.theory.check import check_rule
 
 from ._helpers import FULL, PARTIAL, SETTINGS, UNEVEN, OpRule, check_all, one_op, ratios_st, rule_set, seeds, shapes
 
-UNARY_SHOWN = ["relu", "gelu", "neg", "identity", "tanh", "sigmoid", "silu", "exp", "cos", "sin"]  # cos, sin: RoPE tables
+UNARY_SHOWN = ["relu", "gelu", "neg", "identity", "tanh", "sigmoid", "silu", "exp", "cos", "sin", "logical_not"]  # RoPE tables, masks
 
 
 @SETTINGS
@@ -124,3 +124,20 @@ def test_cos_and_sin_are_not_linear() -> None:
         node, g = one_op(op, [(3, 4)])
         assert all(PARTIAL not in r.inputs for r in op_rules(node, g))
         assert check_rule(node, g, OpRule("partial", (PARTIAL,), PARTIAL), UNEVEN).ok is False
+
+
+@SETTINGS
+@given(shape=shapes(1, 3), form=st.sampled_from(["tensors", "x-number", "y-number", "zero"]), ratios=ratios_st, seed=seeds)
+def test_where_rules_hold(shape, form, ratios, seed) -> None:
+    """where(cond, x, y) and masked_fill (a number for x): elementwise; Partial only with 0 or tensors."""
+    numbers = {"tensors": (None, None), "x-number": (-1e9, None), "y-number": (None, 2.5), "zero": (0.0, None)}[form]
+    tensors = [shape for v in numbers if v is None]
+    node, g = one_op("where", [(shape[-1:], "bool")] + tensors, {"x": numbers[0], "y": numbers[1]}, out_shape=shape)
+    check_all(node, g, ratios, seed)
+    has_partial = any(r.output == PARTIAL for r in op_rules(node, g))
+    assert has_partial == (form in ("tensors", "zero") and len(tensors) > 0)
+
+
+def test_where_with_a_nonzero_number_is_not_partial() -> None:
+    node, g = one_op("where", [((4, 3), "bool"), (4, 3)], {"x": -1e9, "y": None}, out_shape=(4, 3))
+    assert check_rule(node, g, OpRule("partial", (FULL, PARTIAL), PARTIAL), UNEVEN).ok is False
