@@ -22,17 +22,9 @@ MODELS = ["bert", "roberta", "distilbert", "t5", "bart", "vit", "resnet", "convn
 DROPOUT = {"bert", "roberta", "distilbert", "t5", "bart", "transformer_classifier"}
 """Models whose default config drops out (ViT's, Swin's and the CNNs' do not)."""
 CLUSTERS = ["a100x2_p100x2", "cpu_4_uneven"]
-PENDING = {"t5": "T5 makes tensor constants in forward (relative-position buckets): lifted constants are the "
-                 "capture helper's item; this passes once that lands"}
 
 
-def _param(name: str):
-    if name in PENDING:
-        return pytest.param(name, marks=pytest.mark.xfail(reason=PENDING[name], strict=True))
-    return name
-
-
-@pytest.fixture(scope="module", params=[_param(m) for m in MODELS])
+@pytest.fixture(scope="module", params=MODELS)
 def captured(request) -> tuple[str, Graph]:
     module, inputs = ecosystem.build(request.param, "meta")
     return request.param, engine.load_model(module, inputs)
