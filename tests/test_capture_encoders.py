@@ -4,6 +4,8 @@ inputs and labels, plus two plain-torch models; each captures without asking for
 plans on a GPU and a CPU sample cluster."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import engine
@@ -64,3 +66,32 @@ def test_plans_and_beats_or_matches_every_baseline(captured, cluster: str) -> No
     assert p.predicted_time_s <= min(baselines) * (1 + 1e-9), "a plan is never predicted slower than data parallelism"
     computed = [ins.node for ins in p.program if ins.kind == COMPUTE]
     assert sorted(computed) == [n.id for n in g.nodes if not n.is_leaf], "every node runs exactly once"
+
+
+def test_ecosystem_model_file_plans_through_the_file_contract(tmp_path) -> None:
+    """The model file the coverage bench hands to `hap plan --model` captures the same model."""
+    path = tmp_path / "residual_cnn.py"
+    path.write_text(ecosystem.model_file("residual_cnn"))
+    g = engine.load_model(str(path))
+    assert g.origin.get("file") and g.origin.get("sha256")
+    direct = engine.load_model(*ecosystem.build("residual_cnn", "meta"))
+    assert [n.op for n in g.nodes] == [n.op for n in direct.nodes]
+    batch = ecosystem.draw_inputs("residual_cnn")
+    assert int(batch["labels"].max()) < ecosystem.NUM_LABELS and batch["pixel_values"].dtype.is_floating_point
+
+
+def test_coverage_bench_reports_capture_plan_and_errors_per_model() -> None:
+    import importlib.util
+
+    from conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("coverage_bench", ROOT / "bench" / "coverage.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    row = bench.bench_model("residual_cnn", budget_s=2.0, run=False)
+    assert row.captured and row.nodes > 0 and set(row.plans) == set(bench.PLAN_CLUSTERS)
+    assert all(p.planned and p.speedup >= 0.999 and 0 < p.sharded <= 1 for p in row.plans.values())
+    broken = bench.Row("broken", False, "ModelError: cannot capture")
+    text = bench.table([row, broken], run=False)
+    assert "residual_cnn" in text and "broken" in text and "ModelError: cannot capture" in text

@@ -124,7 +124,10 @@ def _decoder(cls_name: str, config_name: str, **extra: Any) -> Callable[..., Bui
 llama = _decoder("LlamaForCausalLM", "LlamaConfig", num_key_value_heads=2)
 mistral = _decoder("MistralForCausalLM", "MistralConfig", num_key_value_heads=2, head_dim=16, sliding_window=8)
 qwen2 = _decoder("Qwen2ForCausalLM", "Qwen2Config", num_key_value_heads=2)
-mixtral = _decoder("MixtralForCausalLM", "MixtralConfig", num_key_value_heads=2, num_local_experts=4)
+mixtral = _decoder("MixtralForCausalLM", "MixtralConfig", num_key_value_heads=2, num_local_experts=4,
+                   experts_implementation="batched_mm")
+"""Mixtral's experts as batched matmuls: the default (`grouped_mm`) sizes its groups with `histc` and
+`eager` loops over the `nonzero()` experts, both data-dependent shapes (see tests/test_capture_decoders.py)."""
 gpt_neox = _decoder("GPTNeoXForCausalLM", "GPTNeoXConfig")
 phi = _decoder("PhiForCausalLM", "PhiConfig")
 gemma = _decoder("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=2, head_dim=16)
@@ -132,7 +135,8 @@ gemma = _decoder("GemmaForCausalLM", "GemmaConfig", num_key_value_heads=2, head_
 
 def gpt2(device: str | torch.device = "meta", small: bool = True) -> Built:
     t = _transformers()
-    cfg = t.GPT2Config(**_sizes(small, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64))
+    cfg = t.GPT2Config(**_sizes(small, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                bos_token_id=0, eos_token_id=0))  # the default 50256 is past the small vocabulary
     return _build("GPT2LMHeadModel", cfg, device), _text_inputs(device)
 
 
@@ -260,3 +264,45 @@ def build(name: str, device: str | torch.device = "meta", small: bool = True) ->
     if name not in MODELS:
         raise ModelError(f"unknown ecosystem model '{name}' (available: {', '.join(MODELS)})")
     return MODELS[name](device, small)
+
+
+def draw_inputs(name: str, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """A fresh batch for model `name` drawn from torch's global RNG (the model-file contract of
+    engine/source.py: the runner seeds that RNG per step): token ids and text labels in
+    [3, vocab), class labels in [0, NUM_LABELS), all-ones masks, normal pixels; shapes as `build`'s."""
+    _, example = build(name, "meta")
+    classes = name in VISION or name in PLAIN
+    out = {}
+    for key, t in example.items():
+        shape = tuple(t.shape)
+        if key == "attention_mask":
+            out[key] = torch.ones(shape, dtype=t.dtype)
+        elif t.dtype.is_floating_point:
+            out[key] = torch.randn(shape, dtype=t.dtype)
+        elif key == "labels" and classes:
+            out[key] = torch.randint(0, NUM_LABELS, shape)
+        else:
+            out[key] = torch.randint(3, VOCAB, shape)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+MODEL_FILE = '''"""{name} from engine.zoo.ecosystem, in the model-file contract of engine/source.py."""
+import torch
+
+from engine.zoo import ecosystem
+
+
+def build_model() -> torch.nn.Module:
+    return ecosystem.build({name!r}, torch.get_default_device())[0]
+
+
+def example_inputs() -> dict:
+    return ecosystem.draw_inputs({name!r}, torch.get_default_device())
+'''
+"""A model file (`hap plan --model FILE`) for an ecosystem model: the runner rebuilds it from this."""
+
+
+def model_file(name: str) -> str:
+    """The text of a model file for `name` (see MODEL_FILE)."""
+    build(name, "meta")  # an unknown name fails here, not on every rank
+    return MODEL_FILE.format(name=name)
