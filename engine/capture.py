@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from .dropout import MASK_OPS_PER_ELEMENT
 from .errors import ModelError, UnsupportedOpError
 from .graph import Graph, Node
 
@@ -597,6 +598,8 @@ def _h_sdpa(c: _Ctx) -> int:
     batch = _numel(q.shape[:-2])
     tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
     flops = batch * (4.0 * tq * tk * d + 5.0 * tq * tk)  # QK^T and AV matmuls plus the softmax
+    if "rng_site" in attrs:
+        flops += batch * tq * tk * (1 + MASK_OPS_PER_ELEMENT)  # the probabilities' dropout and its mask
     inputs = [q.id, k.id, v.id] + ([c.tid(mask)] if mask is not None else [])
     return c.emit("sdpa", inputs, attrs, flops)
 
@@ -919,10 +922,15 @@ def _dropout_attrs(c: _Ctx, p: float, train: bool) -> dict[str, Any]:
     return attrs
 
 
+def _dropout_flops(attrs: dict[str, Any], numel: int) -> float:
+    """A multiply per element, plus the hashing of its mask at a site (engine/dropout.py)."""
+    return float(numel * (1 + (MASK_OPS_PER_ELEMENT if "rng_site" in attrs else 0)))
+
+
 def _h_dropout(c: _Ctx) -> int:
     """`aten.dropout(x, p, train)` (what torch.export records for nn.Dropout and F.dropout)."""
     attrs = _dropout_attrs(c, float(_arg(c.fx, 1, "p", 0.5)), bool(_arg(c.fx, 2, "train", True)))
-    return c.emit("dropout", [c.tid(c.fx.args[0])], attrs, _numel(c.shape))
+    return c.emit("dropout", [c.tid(c.fx.args[0])], attrs, _dropout_flops(attrs, _numel(c.shape)))
 
 
 def _m_native_dropout(c: _Ctx) -> list[int]:
@@ -933,7 +941,7 @@ def _m_native_dropout(c: _Ctx) -> list[int]:
     x = c.node(c.fx.args[0])
     train = _arg(c.fx, 2, "train", True)
     attrs = _dropout_attrs(c, float(_arg(c.fx, 1, "p", 0.5)), True if train is None else bool(train))
-    return [c.b.add(c.fx.name, "dropout", [x.id], x.shape, x.dtype, attrs, float(x.numel), c.seg, c.src)]
+    return [c.b.add(c.fx.name, "dropout", [x.id], x.shape, x.dtype, attrs, _dropout_flops(attrs, x.numel), c.seg, c.src)]
 
 
 def _sdpa_dropout(c: _Ctx) -> dict[str, Any]:
@@ -958,8 +966,8 @@ _RANDOM_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_
 not be single-device training); only dropout has exact, site-keyed masks."""
 
 
-
 def _h_random_refused(c: _Ctx) -> int:
+    """Dropout variants with no site-keyed mask: refused with what to use instead."""
     raise _Unsupported(f"aten.{c.fx.target._opname} (a random operator without exact per-shard masks: "
                        "use nn.Dropout / F.dropout, whose masks every device derives exactly)")
 

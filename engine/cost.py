@@ -294,14 +294,15 @@ def class_work(acc: Acc, c: DeviceClass, ratio) -> float:
 
 
 def _attention_probs_bytes(graph: Graph, node: int) -> float:
-    """Attention with dropout also keeps its probabilities (..., Tq, Tk) and their boolean mask for
-    backward: it runs in math form (engine/dropout.py); without dropout, attention keeps none."""
+    """Attention with dropout also keeps, for backward, its probabilities (..., Tq, Tk) before and
+    after dropout and the boolean mask: it runs in math form (engine/dropout.py); without dropout,
+    attention keeps none of them."""
     n = graph[node]
     if n.op != "sdpa" or "rng_site" not in n.attrs:
         return 0.0
     q, k = graph[n.inputs[0]], graph[n.inputs[1]]
-    numel = math.prod(attention_weights_shape(q.shape, k.shape))
-    return float(numel * (n.nbytes // max(n.numel, 1) + 1))
+    numel = math.prod(attention_weights_shape(q.shape, k.shape, n.attrs.get("enable_gqa", False)))
+    return float(numel * (2 * (n.nbytes // max(n.numel, 1)) + 1))
 
 
 def _memory_bound(n) -> bool:

@@ -22,7 +22,8 @@ a few int64 element-wise operations over the *local* region only: about 8 bytes 
 of temporaries, freed after the mask is built; the boolean mask (1 byte per local element) is
 what autograd keeps for backward, as torch's own dropout does. Attention dropout makes the
 attention probabilities explicit (B, heads, Tq, Tk) (the math form of attention, as torch's own
-`sdpa` does on CPU with dropout), which the cost model counts as kept activations.
+`sdpa` does on CPU with dropout), which the cost model counts as kept activations; the hashing
+is counted in a site's flops (`MASK_OPS_PER_ELEMENT`).
 
 `Partial` inputs: with one mask shared by all devices, dropout would distribute over addends,
 but no rule offers it (engine/theory/pointwise.py): a device would draw the whole mask.
@@ -41,6 +42,9 @@ from torch.overrides import TorchFunctionMode
 
 Tensor = torch.Tensor
 _M32 = 0xFFFFFFFF
+MASK_OPS_PER_ELEMENT = 24
+"""Integer operations per mask element (flat index, two mixing rounds of 9 operations, the
+conversion and the comparison): what capture adds to a dropout site's flops."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ def dropout(x: Tensor, p: float, key: RngKey, site: int, global_shape: Sequence[
     if p >= 1.0:
         return x * 0.0
     keep = keep_mask(p, key, site, global_shape, starts, x.shape, x.device)
-    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+    return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)  # backward keeps the boolean mask only
 
 
 def attention_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None,
@@ -124,13 +128,18 @@ def attention_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_c
         scores = scores.masked_fill(~causal, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1)
+    dead = torch.isneginf(scores).all(dim=-1, keepdim=True)  # a query that may attend to no key
+    probs = torch.softmax(scores.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)  # 0, not NaN, as torch's sdpa
     return dropout(probs, p, key, site, weights_shape, starts) @ v
 
 
-def attention_weights_shape(q_shape: Sequence[int], k_shape: Sequence[int]) -> tuple[int, ...]:
-    """Global shape (..., Tq, Tk) of the attention probabilities of `sdpa(q, k, v)`."""
-    lead = torch.broadcast_shapes(tuple(q_shape[:-2]), tuple(k_shape[:-2]))
+def attention_weights_shape(q_shape: Sequence[int], k_shape: Sequence[int], enable_gqa: bool = False) -> tuple[int, ...]:
+    """Global shape (..., Tq, Tk) of the attention probabilities of `sdpa(q, k, v)` (with grouped
+    query attention, the key heads are repeated up to the query heads first)."""
+    k_lead = tuple(k_shape[:-2])
+    if enable_gqa and len(k_lead) and len(q_shape) > 2:
+        k_lead = k_lead[:-1] + (q_shape[-3],)
+    lead = torch.broadcast_shapes(tuple(q_shape[:-2]), k_lead)
     return tuple(lead) + (q_shape[-2], k_shape[-2])
 
 
@@ -141,6 +150,17 @@ _SDPA_SIG = inspect.signature(lambda query, key, value, attn_mask=None, dropout_
                               enable_gqa=False: None)
 _RANDOM_FUNCS = (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
                  torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a dropout variant draws random numbers (training mode and p > 0)."""
+    try:
+        a = inspect.signature(func).bind(*args, **kwargs)
+    except (TypeError, ValueError):  # a builtin: (input, p, train)
+        a = _TORCH_DROPOUT_SIG.bind(*args, **kwargs)
+    a.apply_defaults()
+    values = a.arguments
+    return bool(values.get("training", values.get("train", True))) and float(values.get("p", 0.5)) > 0.0
 
 
 class SiteKeyedDropout(TorchFunctionMode):
@@ -167,7 +187,7 @@ class SiteKeyedDropout(TorchFunctionMode):
             return self._dropout(func, args, kwargs)
         if func is F.scaled_dot_product_attention:
             return self._sdpa(func, args, kwargs)
-        if func in _RANDOM_FUNCS:
+        if func in _RANDOM_FUNCS and _draws(func, args, kwargs):
             raise NotImplementedError(f"{getattr(func, '__name__', func)} has no site-keyed mask (use nn.Dropout)")
         return func(*args, **kwargs)
 
@@ -186,6 +206,6 @@ class SiteKeyedDropout(TorchFunctionMode):
         if p == 0.0:
             return func(*args, **kwargs)
         q, k, v = a["query"], a["key"], a["value"]
-        shape = attention_weights_shape(q.shape, k.shape)
+        shape = attention_weights_shape(q.shape, k.shape, bool(a.get("enable_gqa", False)))
         return attention_dropout(q, k, v, a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale"), p,
                                  self.key, self._next_site(), shape, [0] * len(shape), bool(a.get("enable_gqa", False)))

@@ -98,7 +98,7 @@ def _site_dropout(node: Node, graph: Graph, inputs: Sequence[Tensor], offsets: S
     if node.op == "dropout":
         return dropout.dropout(x, a["p"], rng, a["rng_site"], graph[node.inputs[0]].shape, starts)
     assert node.op == "sdpa", f"rng_site on operator '{node.op}'"
-    weights = dropout.attention_weights_shape(graph[node.inputs[0]].shape, graph[node.inputs[1]].shape)
+    weights = dropout.attention_weights_shape(graph[node.inputs[0]].shape, graph[node.inputs[1]].shape, a.get("enable_gqa", False))
     mask = inputs[3] if len(inputs) > 3 else None
     return dropout.attention_dropout(*inputs[:3], mask, a["is_causal"], a["scale"], a["dropout_p"], rng, a["rng_site"],
                                      weights, starts[:-1] + [0], a.get("enable_gqa", False))

@@ -53,7 +53,9 @@ def even_ratios(cluster: Cluster) -> list[float]:
 
 
 def data_parallel_space(graph: Graph, *, gather: bool = False) -> SearchSpace:
-    """Parameters Full (gradients all-reduced), inputs split on dim 0, nothing else communicated.
+    """Parameters Full (gradients all-reduced), inputs split on dim 0; the only activation collective
+    is all-reduce: with parameters Full and inputs split by samples, a value becomes Partial only as
+    a sum over the batch, e.g. the mean loss's count of targets that are not ignored (a scalar).
 
     With `gather`: data parallelism with the fallback. An operator with no batch rule (an opaque
     op, batch norm's exact statistics) runs replicated on all-gathered operands (inputs may load
@@ -61,10 +63,10 @@ def data_parallel_space(graph: Graph, *, gather: bool = False) -> SearchSpace:
     if gather:  # only the batch dim (0) is ever split: slicing a gathered tensor on another dim would
         # open sequence- and head-parallel branches that multiply the programs to search
         return SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f in (FULL, 0),
-                           collectives=frozenset({"all_gather.padded", "all_gather.grouped", "slice"}),
+                           collectives=frozenset({"all_reduce", "all_gather.padded", "all_gather.grouped", "slice"}),
                            rule_filter=lambda n, r: r.output <= 0 and all(f <= 0 for f in r.inputs))
     return SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f == 0,
-                       collectives=frozenset())
+                       collectives=frozenset({"all_reduce"}))
 
 
 def data_parallel(graph: Graph, cm: CostModel) -> SearchResult:

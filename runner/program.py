@@ -173,7 +173,7 @@ def _site_dropout(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: i
     a, starts = node.attrs, output_starts(plan, ins, rank, seg)
     if node.op == "dropout":
         return g.call_function(dropout.dropout, (args[0], a["p"], rng, a["rng_site"], tuple(node.shape), starts))
-    weights = dropout.attention_weights_shape(graph[node.inputs[0]].shape, graph[node.inputs[1]].shape)
+    weights = dropout.attention_weights_shape(graph[node.inputs[0]].shape, graph[node.inputs[1]].shape, a.get("enable_gqa", False))
     mask = args[3] if len(args) > 3 else None
     return g.call_function(dropout.attention_dropout, (*args[:3], mask, a["is_causal"], a["scale"], a["dropout_p"], rng,
                                                        a["rng_site"], weights, starts[:-1] + [0], a.get("enable_gqa", False)))

@@ -360,6 +360,29 @@ def test_mask_arithmetic_captures_with_rules_and_computes_the_same() -> None:
     assert torch.allclose(interpret(g, module, (x, pad)), module(x, pad), rtol=1e-6, atol=1e-7)
 
 
+class ForwardConstant(nn.Module):
+    """A tensor made in forward from Python numbers (torch.export lifts it as a constant)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = torch.tensor([1.0, 2.0, 3.0])
+        return (self.fc(x) * scale).pow(2).mean()
+
+
+def test_tensor_constants_made_in_forward_are_stored_in_the_graph() -> None:
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    module, x = ForwardConstant(), torch.randn(4, 3)
+    g = Graph.from_dict(json.loads(engine.load_model(module, (x,)).to_json()))
+    const = next(n for n in g.nodes if n.op == "constant")
+    assert const.attrs["value"] == [1.0, 2.0, 3.0] and const.shape == (3,) and not const.inputs
+    assert torch.allclose(interpret(g, module, (x,)), module(x), rtol=1e-6)
+
+
 class NotScalar(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -12,9 +12,8 @@ Mixtral runs with `experts_implementation="batched_mm"`: transformers 5.24's def
 (`grouped_mm`) sort the tokens by expert and call a custom `grouped_mm_fallback` op on offsets
 computed with `histc`, and `eager` loops over `nonzero()` experts: both have data-dependent shapes.
 `batched_mm` gathers each token's expert weights (static shapes), which plans and runs exactly.
-GPT-2's attention dropout runs inside `scaled_dot_product_attention(dropout_p=0.1)`, whose capture
-is the dropout work of issue 13; until it lands GPT-2 is built with `attn_pdrop=0` (its residual and
-embedding dropout stay at the default 0.1).
+GPT-2 keeps its default dropout (0.1), its attention dropout included: `scaled_dot_product_attention`
+with `dropout_p > 0` is one `sdpa` node with a dropout site (engine/dropout.py, tests/test_dropout.py).
 """
 from __future__ import annotations
 
@@ -40,7 +39,7 @@ CONFIGS: dict[str, dict] = {
     "MistralForCausalLM": SMALL,
     "Qwen2ForCausalLM": SMALL,
     "MixtralForCausalLM": {**SMALL, "num_local_experts": 4, "experts_implementation": "batched_mm"},
-    "GPT2LMHeadModel": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64, attn_pdrop=0.0),
+    "GPT2LMHeadModel": dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64),
     "GPTNeoXForCausalLM": {k: v for k, v in SMALL.items() if k != "num_key_value_heads"},
     "OPTForCausalLM": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB, ffn_dim=128,
                            max_position_embeddings=64, word_embed_proj_dim=64),

@@ -217,4 +217,77 @@ def test_attention_dropout_keeps_its_probabilities_in_the_memory_estimate():
         g = Graph(nodes=tuple(leaf_params) + (node,), loss=3)
         mems.append(CostModel(g, cluster, [0.5, 0.5], "sgd").compute_delta(3, True)[2][2])
     probs = 4 * 2 * 8 * 8
-    assert mems[1] - mems[0] == probs * (8 + 1), "float64 probabilities and a boolean mask per attention weight"
+    assert mems[1] - mems[0] == probs * (2 * 8 + 1), "float64 probabilities before and after dropout, a boolean mask"
+
+
+def test_the_reference_mode_refuses_dropout_variants_that_would_draw_without_a_site_mask():
+    x = torch.randn(2, 3, 4)
+    with SiteKeyedDropout(KEY) as mode:
+        assert torch.equal(F.dropout1d(x, 0.5, training=False), x) and torch.equal(F.alpha_dropout(x, 0.5), x)
+        with pytest.raises(NotImplementedError, match="dropout1d has no site-keyed mask"):
+            F.dropout1d(x, 0.5)
+        assert torch.equal(F.dropout(x, 0.5, training=False), x) and torch.equal(F.dropout(x, 0.0), x)
+    assert mode.sites == 0, "eval-mode and p = 0 dropout are no sites"
+
+
+def test_a_dropout_site_counts_the_hashing_of_its_mask_in_its_flops():
+    from engine.dropout import MASK_OPS_PER_ELEMENT
+
+    graph, _ = dropouts_graph(decompose=False)
+    site = next(n for n in graph.nodes if n.op == "dropout" and "rng_site" in n.attrs)
+    off = next(n for n in graph.nodes if n.op == "dropout" and "rng_site" not in n.attrs)
+    assert site.flops == site.numel * (1 + MASK_OPS_PER_ELEMENT) and off.flops == off.numel
+    sdpa = next(n for n in graph.nodes if n.op == "sdpa")
+    weights = 4 * 2 * 3 * 3  # (B, nh, T, T)
+    assert sdpa.flops == 4 * 2 * (4.0 * 3 * 3 * 4 + 5.0 * 3 * 3) + weights * (1 + MASK_OPS_PER_ELEMENT)
+
+
+def test_attention_dropout_gives_a_query_with_no_visible_key_zeros_as_torch_does():
+    from engine.dropout import attention_dropout
+
+    q = torch.randn(2, 2, 4, 8, dtype=torch.float64, requires_grad=True)
+    visible = torch.ones(4, 4, dtype=torch.bool)
+    visible[1] = False  # query 1 sees no key (a padded position)
+    want = F.scaled_dot_product_attention(q, q, q, attn_mask=visible)
+    same = attention_dropout(q, q, q, visible, False, None, 0.0, KEY, 0, (2, 2, 4, 4), (0, 0, 0, 0))
+    assert float((same - want).abs().max()) < 1e-12
+    dropped = attention_dropout(q, q, q, visible, False, None, 0.5, KEY, 0, (2, 2, 4, 4), (0, 0, 0, 0))
+    assert torch.equal(dropped[:, :, 1], torch.zeros(2, 2, 8, dtype=torch.float64))
+    dropped.sum().backward()
+    assert bool(torch.isfinite(q.grad).all()), "no NaN reaches the gradients"
+
+
+@pytest.mark.parametrize("ratios", WORLDS, ids=["2-devices", "3-devices"])
+def test_grouped_query_attention_dropout_draws_the_single_device_mask(ratios):
+    """With `enable_gqa` the probabilities have the query heads (key heads repeated): full and batch-split runs."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(s, dtype=torch.float64, generator=gen) for s in [(5, 4, 6, 8), (5, 2, 7, 8), (5, 2, 7, 8)])
+    node, graph = one_node("sdpa", [q.shape, k.shape, v.shape], tuple(q.shape),
+                           {"is_causal": False, "scale": None, "dropout_p": 0.3, "rng_site": 0, "enable_gqa": True})
+    with SiteKeyedDropout(KEY):
+        single = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3, enable_gqa=True)
+    for forms in [(FULL, FULL, FULL), (0, 0, 0)]:
+        out = run_sharded(node, graph, [q, k, v], forms, forms[0], ratios)
+        assert float((out - single).abs().max()) < 1e-12, forms
+
+
+@pytest.mark.parametrize("name, dropout", [("GPT2LMHeadModel", {}), ("LlamaForCausalLM", {"attention_dropout": 0.2})])
+def test_a_transformers_decoder_with_dropout_on_computes_its_loss_with_the_same_masks(name, dropout):
+    """GPT-2 at its default dropout (embeddings, residuals, attention inside sdpa with its padding
+    mask), Llama with attention dropout and GQA: the captured graph, node by node, gives the model's
+    own loss when the eager forward draws the site-keyed masks of the same step."""
+    pytest.importorskip("transformers")
+    from test_capture_decoders import batch, build
+    from test_ecosystem import interpret as interpret_full
+
+    torch.manual_seed(0)
+    model, inputs = build(name, "cpu", **dropout), batch("cpu")
+    g = engine.load_model(model, inputs)
+    assert any(n.op == "sdpa" and "rng_site" in n.attrs for n in g.nodes)
+    by_index = {n.attrs["index"]: inputs[n.attrs["name"]] for n in g.placeholders}
+    got = interpret_full(g, model, tuple(by_index.get(i) for i in range(max(by_index) + 1)))  # run_node's key: RngKey(0, 0)
+    with SiteKeyedDropout(RngKey(0, 0)):
+        want = model(**inputs).loss
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    without = model.eval()(**inputs).loss  # eval mode: no dropout
+    assert abs(float(want) - float(without)) > 1e-4, "the masks change the loss"

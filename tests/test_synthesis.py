@@ -348,7 +348,10 @@ def test_data_parallel_space_yields_full_parameters_and_batch_sharded_inputs(mlp
         if i.kind == LOAD:
             loads[mlp1[i.node].op].add(i.post)
     assert loads == {"parameter": {FULL}, "placeholder": {0}}
-    assert not [i for i in result.program if i.kind == COMM and i.rule != "slice"]
+    comms = [i for i in result.program if i.kind == COMM and i.rule != "slice"]
+    # only the loss's count of kept targets (a scalar sum over the batch) is all-reduced
+    assert [(i.rule, mlp1[i.node].shape) for i in comms] == [("all_reduce", ())]
+    assert mlp1[comms[0].node].name.endswith("_count")
 
 
 # ----------------------------------------------------------------------------- memory

@@ -9,7 +9,7 @@ As in BERT's own pre-training code, each sequence carries a fixed number P of pr
 (max_predictions_per_seq, 20 for T = 128), so the mean loss divides by the fixed count B * P. The
 gather of the masked positions is a one-hot matmul (exact: one nonzero term per output). The paper
 does not state the sequence length: 128 is BERT's main pre-training length. Dropout is a knob,
-off by default (the runner's equivalence needs identical random streams).
+off by default (on, the runner draws the masks single-device training draws: engine/dropout.py).
 """
 from __future__ import annotations
 

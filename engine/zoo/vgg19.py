@@ -5,8 +5,8 @@ image (B, 3, S, S) -> 16 x [conv3x3 -> (batch norm) -> ReLU], max-pooled after t
 flatten -> FC 25088-4096 -> ReLU -> FC 4096-4096 -> ReLU -> FC 4096-classes -> cross-entropy.
 At the defaults (224x224, 1000 classes) it has 143.7M parameters, 123.6M of them in the three FC
 layers. (Table 1 of the paper says 133 "millions": 139.6M with CIFAR-10's 10 classes, in units of
-2^20.) Dropout, after the first two FC layers in the paper, is a knob that defaults to off: the
-runner's equivalence with single-device training needs identical random streams.
+2^20.) Dropout, after the first two FC layers in the paper, is a knob that defaults to off (on, the
+runner draws the masks single-device training draws: engine/dropout.py).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ image (B, 3, S, S) -> patches of P x P -> linear patch embedding (a P-strided co
 equivalent reshape + linear) -> prepend a learned class token -> + position embedding ->
 layers x [pre-norm multi-head attention block, pre-norm GELU MLP block] -> LayerNorm of the class
 token -> linear head -> cross-entropy. Defaults are ViT-Base/16 (hidden 768, 12 layers, 12
-heads, MLP 3072, 224x224 images, 1000 classes: 86.6M parameters). Dropout defaults to off: the
-runner's equivalence with single-device training needs identical random streams.
+heads, MLP 3072, 224x224 images, 1000 classes: 86.6M parameters). Dropout defaults to off (on, the
+runner draws the masks single-device training draws: engine/dropout.py).
 """
 from __future__ import annotations
 

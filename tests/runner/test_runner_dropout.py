@@ -4,12 +4,19 @@ Each rank derives the dropout mask of its block from the global index, the seed,
 the site (engine/dropout.py); the single-device reference draws the same masks through
 `engine.dropout.SiteKeyedDropout`. Zoo BERT (nn.Dropout after the embeddings, attention and
 feed-forward) on 3 uneven ranks, and Hugging Face BERT, whose attention calls
-`scaled_dot_product_attention` with `dropout_p > 0`, on 2 uneven ranks; 3 steps each.
+`scaled_dot_product_attention` with `dropout_p > 0`, on 2 uneven ranks; VGG19 with its FC layers
+column-parallel, so dropout runs on unevenly split hidden units (Shard(1)); 3 steps each.
 """
 from __future__ import annotations
 
+import pytest
+import torch
+
 import engine
+from engine.dropout import RngKey, SiteKeyedDropout
 from engine.plan import Plan
+from runner.profile import one_device_plan
+from runner.train import build_module, make_batch, program_args, setup_rank
 from runner_plans import MODELS, RATIOS, cluster
 from test_runner_equivalence import check_equivalence
 
@@ -32,10 +39,47 @@ def test_bert_with_dropout_trains_like_one_device(tmp_path):
     check_equivalence(plan, tmp_path, "sgd", steps=STEPS)
 
 
+def test_the_rank_program_takes_the_step_key_and_draws_the_reference_masks():
+    """In-process, one device: the rank program's first argument is the step's key, and its loss is
+    the loss of the eager model under SiteKeyedDropout for that step (another step, other masks)."""
+    plan = one_device_plan("bert", {**MODELS["bert"], "dropout": 0.3})
+    st = setup_rank(plan, 0, seed=3)
+    assert st.program.uses_rng and "rng" in st.program.module.code
+    batch, module = make_batch(plan, 0, 3), build_module(plan, 3)
+    losses = []
+    for step in (0, 1):
+        loss = st.program.module(*program_args(plan, st, 0, batch, step))
+        with SiteKeyedDropout(RngKey(3, step)) as mode:
+            want = module(*batch)
+        assert mode.sites == 1 + 2 * MODELS["bert"]["layers"]
+        torch.testing.assert_close(loss, want)
+        losses.append(float(loss))
+    assert abs(losses[0] - losses[1]) > 1e-4, "each step draws its own masks"
+
+
 def test_hf_bert_with_attention_dropout_trains_like_one_device(tmp_path):
+    pytest.importorskip("transformers")
     plan = dropout_plan("hf_bert", 2)
     assert len(set(plan.ratios["0"])) == 2 and RATIOS[2][0] != RATIOS[2][1]
     assert len(sites(plan, "sdpa")) == MODELS["hf_bert"]["layers"], "attention dropout is kept in the sdpa node"
     # the key bias's true gradient is exactly zero (softmax ignores a shift common to all keys, with
     # or without dropout after it): compared absolutely, as in test_runner_hf
     check_equivalence(plan, tmp_path, "sgd", steps=STEPS, near_zero=1e-6)
+
+
+def test_vgg19_with_dropout_on_hidden_units_split_unevenly_trains_like_one_device(tmp_path):
+    """Column-parallel FC layers: each rank holds 6, 4 or 2 of the 12 hidden units, so its dropout
+    draws the mask of those columns (Shard(1)), not of a batch slice."""
+    from engine.cost import CostModel
+    from engine.planner import plan_of
+    from engine.synthesis import SearchSpace, synthesize
+
+    g = engine.load_model("zoo:vgg19", batch=5, image_size=32, width=0.0625, hidden=12, classes=5, pool_size=1, dropout=0.2)
+    fc = {n.id for n in g.parameters if n.rank == 2 and n.shape[0] == 12}
+    space = SearchSpace(param_forms=lambda n, f: f == 0 if n in fc else True)
+    c = cluster(3)
+    plan = plan_of(synthesize(g, CostModel(g, c, RATIOS[3], "sgd"), space=space).program, g, c, RATIOS[3], optimizer="sgd")
+    drops = [i for i in plan.program if i.kind == "compute" and g[i.node].op == "dropout"]
+    assert len(drops) == 2 and all(i.post == 1 for i in drops)
+    assert all(plan.shard_sizes[f"{g[i.node].name}:1"] == [6, 4, 2] for i in drops)
+    check_equivalence(plan, tmp_path, "sgd", steps=STEPS)
