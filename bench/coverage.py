@@ -17,7 +17,7 @@ plain-torch models) and prints, per model:
 Writes the table to bench/results/coverage.json. Run from the repository root:
 
     python bench/coverage.py                       # capture and plan every model (a few minutes)
-    python bench/coverage.py --models bert,llama   # some of them
+    python bench/coverage.py --models bert,llama   # some of them (updates their rows in the JSON)
     python bench/coverage.py --run                 # also train and verify on 2 and 3 ranks (slow)
 """
 from __future__ import annotations
@@ -120,8 +120,9 @@ def hap(*args: str, cwd: Path) -> tuple[int, str]:
         return 124, f"timed out after {RUN_TIMEOUT_S} s"
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if ln.strip() and "Warning" not in ln
              and not ln.startswith(" ")]
+    causes = [ln for ln in lines if "verify: FAILED" in ln or ("Error" in ln and "Traceback" not in ln and "errors/__init__" not in ln)]
     failing = [ln for ln in lines if "error" in ln.lower() or "FAIL" in ln]
-    return proc.returncode, ((failing or lines or [""])[-1])[:300]
+    return proc.returncode, ((causes[:1] or failing[-1:] or lines[-1:] or [""])[0])[:300]
 
 
 def run_row(name: str, world: int) -> str:
@@ -206,8 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, args.run))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "run": args.run,
-                               "clusters": list(PLAN_CLUSTERS), "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    fresh = {r.model: {**asdict(r), "generated": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())} for r in rows}
+    kept = json.loads(out.read_text())["rows"] if args.models and out.exists() else []
+    merged = [fresh.pop(r["model"], r) for r in kept] + list(fresh.values())  # --models updates those rows only
+    out.write_text(json.dumps({"clusters": list(PLAN_CLUSTERS), "rows": merged}, indent=1) + "\n")
     print(f"\nwritten to {out}")
     return 0
 

@@ -60,3 +60,13 @@ def test_roll_and_pad_capture_with_rules_and_plan_batch_parallel() -> None:
     p = engine.plan(g, engine.load_cluster("sample_clusters/cpu_4_uneven.json"))
     sharded = {ins.node for ins in p.program if ins.kind == "compute" and ins.post >= 0}
     assert {n.id for n in g.nodes if n.op in ("roll", "pad")} <= sharded, "shifts run on batch shards"
+
+
+def test_the_runner_emits_roll() -> None:
+    """Every rank's generated program of a plan with roll builds (Swin failed with 'no emitter')."""
+    from runner.program import build_rank_program
+
+    g = engine.load_model(Shifted(), (torch.randn(6, 4, 4), torch.randn(6, 20)))
+    p = engine.plan(g, engine.load_cluster("sample_clusters/cpu_4_uneven.json"))
+    for rank in range(4):
+        assert "roll" in build_rank_program(p, rank).module.code
