@@ -30,6 +30,7 @@ import inspect
 import math
 import operator
 import re
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -112,9 +113,19 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.
     return number_dropout_sites(ep)
 
 
-FALLBACKS = (None, "replicate")
-"""What capture does with an operator it has no rule for: refuse it (None), or keep it as an opaque
-node that only runs unsharded (`replicate`, see theory/opaque.py)."""
+FALLBACKS = (None, "auto", "replicate", "strict")
+"""What capture does with an operator it has no rule for (see theory/opaque.py for how an opaque
+node runs: unsharded, every operand Full):
+
+- `"auto"` (the default, also `None`): keep it opaque when it is *side arithmetic*, i.e. none of
+  its operands carries a gradient (attention-mask and position-id arithmetic on integer or bool
+  tensors, random numbers drawn for drop-path) or none depends on the input batch (arithmetic on
+  parameters and buffers only, e.g. a relative-position bias table). Such an op costs only its
+  own compute when replicated, and its result can be sliced to any shard for free. An op on an
+  activation (batch-dependent *and* differentiable) is refused with its name: replicating it would
+  silently all-gather the activations, the user should know.
+- `"replicate"`: keep every such op opaque, activations included.
+- `"strict"`: refuse every such op (nothing is replicated without a rule)."""
 
 
 def loss_of(output: Any) -> Any:
@@ -162,10 +173,11 @@ def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str 
             origin: dict[str, Any] | None = None, fallback: str | None = None) -> Graph:
     """Trace `module` on `example_inputs` (positional tuple or keyword dict) into a Graph.
 
-    The loss is the model's output or its `.loss` field. `fallback="replicate"` keeps operators
-    that have no rule as opaque all-Full nodes instead of refusing the model."""
-    if fallback not in FALLBACKS:
-        raise ModelError(f"fallback {fallback!r} is not known (choose 'replicate' or leave it unset)")
+    The loss is the model's output or its `.loss` field. Operators with no rule: by default
+    (`fallback=None` or `"auto"`) mask and position arithmetic is kept as opaque all-Full nodes and
+    an op on activations is refused; `"replicate"` keeps every one opaque, `"strict"` none (see
+    `FALLBACKS`)."""
+    _check_fallback(fallback)
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)
     else:
@@ -258,12 +270,12 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
         try:
             _lower(fx, b, segment, _source(fx, path))
         except _Unsupported as u:
-            if fallback == "replicate" and _opaque(fx, b, segment, _source(fx, path)):
+            if _may_replicate(fallback, fx, b) and _opaque(fx, b, segment, _source(fx, path)):
                 continue
             if not isinstance(u, _Downstream):
                 unsupported.append(f"{u} at node '{fx.name}' ({_source(fx, path)})")
     if unsupported:
-        hint = "" if fallback else " (fallback='replicate', or --fallback replicate, runs them unsharded)"
+        hint = "" if fallback == "replicate" else " (fallback='replicate', or --fallback replicate, runs them unsharded)"
         raise UnsupportedOpError(f"{len(unsupported)} unsupported operator(s){hint}: " + "; ".join(unsupported))
     if loss is None:
         raise ModelError("the model's forward must return the scalar training loss (or a tuple/object whose first output is it)")
@@ -1142,6 +1154,65 @@ def _opaque(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> bool:
     return True
 
 
+# --- encoder and vision lowerings (issue 13): unflatten, roll (engine/theory/shift.py) -----------
+def _h_roll(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    shifts, dims = _arg(c.fx, 1, "shifts"), _arg(c.fx, 2, "dims", [])
+    shifts = [int(v) for v in (shifts if isinstance(shifts, (list, tuple)) else [shifts])]
+    dims = [_norm_dim(int(d), x.rank) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    return c.emit("roll", [x.id], {"shifts": shifts, "dims": dims})
+
+
+_HANDLERS.update({"unflatten": _h_view, "roll": _h_roll})
+
+
+# --- the automatic fallback: side arithmetic runs unsharded (issue 13) -------------------------
+def _check_fallback(fallback: str | None) -> None:
+    if fallback not in FALLBACKS:
+        raise ModelError(f"fallback {fallback!r} is not known (choose 'auto', 'replicate' or 'strict', or leave it unset)")
+
+
+@dataclasses.dataclass
+class _Lineage:
+    """Per captured node: whether it carries a gradient (a float that depends on a parameter) and
+    whether it depends on the input batch (on a placeholder). Grown as the builder grows."""
+
+    grad: list[bool] = dataclasses.field(default_factory=list)
+    batch: list[bool] = dataclasses.field(default_factory=list)
+
+    def update(self, nodes: list[Node]) -> None:
+        for n in nodes[len(self.grad):]:
+            floating = n.dtype.startswith(("float", "bfloat", "complex"))
+            self.grad.append(floating and (n.op == "parameter" or any(self.grad[i] for i in n.inputs)))
+            self.batch.append(n.op == "placeholder" or any(self.batch[i] for i in n.inputs))
+
+
+_LINEAGE: "weakref.WeakKeyDictionary[_Builder, _Lineage]" = weakref.WeakKeyDictionary()
+"""The lineage of each live builder (kept beside it, so the builder itself stays as it is)."""
+
+
+def _operand_ids(fx: torch.fx.Node, b: _Builder) -> list[int] | None:
+    """Captured ids of every tensor operand of `fx`; None when one was not captured."""
+    names = [a.name for a in torch.utils._pytree.tree_leaves((fx.args, fx.kwargs)) if isinstance(a, torch.fx.Node)]
+    if any(name not in b.ids for name in names):
+        return None
+    return [b.ids[name] for name in names]
+
+
+def _may_replicate(fallback: str | None, fx: torch.fx.Node, b: _Builder) -> bool:
+    """Whether an op with no rule may be kept opaque under `fallback` (see `FALLBACKS`)."""
+    if fallback == "replicate":
+        return True
+    if fallback == "strict":
+        return False
+    operands = _operand_ids(fx, b)
+    if operands is None:
+        return False
+    lineage = _LINEAGE.setdefault(b, _Lineage())
+    lineage.update(b.nodes)
+    return not any(lineage.grad[i] for i in operands) or not any(lineage.batch[i] for i in operands)
+
+
 def load_model(model: Any, example_inputs: tuple | dict | None = None, *, fallback: str | None = None,
                **knobs: Any) -> Graph:
     """The one entry to get a Graph: `"zoo:NAME"` + knobs, a graph JSON path, a Graph, or a module + inputs.
@@ -1170,6 +1241,5 @@ def load_model(model: Any, example_inputs: tuple | dict | None = None, *, fallba
         return capture(module, entry.example_inputs(cfg, "meta"), name=name, origin=origin, fallback=fallback)
     if knobs:
         raise ModelError(f"knobs {sorted(knobs)} only apply to zoo models ('zoo:NAME')")
-    if fallback not in FALLBACKS:
-        raise ModelError(f"fallback {fallback!r} is not known (choose 'replicate' or leave it unset)")
+    _check_fallback(fallback)
     return Graph.load(model)

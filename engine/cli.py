@@ -258,16 +258,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--segments", type=limits.bounded_int(1, limits.MAX_SEGMENTS, "a segment count"), default=1, metavar="N",
                    help="give N runs of layers their own sharding ratios (HAP §5.2; default 1)")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
-    p.add_argument("--fallback", choices=["replicate"], default=None,
-                   help="capture operators that have no sharding rule as opaque ops run unsharded (all Full)")
+    p.add_argument("--fallback", choices=["auto", "replicate", "strict"], default=None,
+                   help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "
+                        "'replicate' every such op, 'strict' none")
     p.set_defaults(func=cmd_plan)
     c = sub.add_parser("capture", help="capture a model into a graph JSON file")
     c.add_argument("--model", required=True, help=MODEL_HELP)
     c.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     c.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     c.add_argument("--out", required=True)
-    c.add_argument("--fallback", choices=["replicate"], default=None,
-                   help="capture operators that have no sharding rule as opaque ops run unsharded (all Full)")
+    c.add_argument("--fallback", choices=["auto", "replicate", "strict"], default=None,
+                   help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "
+                        "'replicate' every such op, 'strict' none")
     c.set_defaults(func=cmd_capture)
     r = sub.add_parser("run", help="train a plan over torch.distributed (starts torchrun on this machine)",
                        epilog="options after PLAN go to the runner: see `hap run PLAN --help`")

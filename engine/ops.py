@@ -116,6 +116,10 @@ _SHAPE: dict[str, Callable[[Node, Sequence[Tensor], Sequence[int]], Tensor]] = {
     "expand": lambda n, xs, s: xs[0].expand(tuple(s)),
 }
 """Shape operators; `expand` takes the local output shape (a device expands to its own rows)."""
+_SHAPE.update({
+    "roll": lambda n, xs, s: torch.roll(xs[0], n.attrs["shifts"], n.attrs["dims"]),
+})
+"""Swin's cyclic window shift (theory/shift.py)."""
 
 
 def unless_empty(fn: Callable[..., Tensor], out_shape: Sequence[int], *args: object) -> Tensor:

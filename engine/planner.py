@@ -28,7 +28,7 @@ from .graph import Graph, Node
 from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
 from .segments import Segmentation, segment_graph, with_resplits
 from .program import Instruction
-from .synthesis import SearchProgress, SearchSpace, synthesize
+from .synthesis import SearchProgress, SearchResult, SearchSpace, synthesize
 from .theory.core import FULL
 
 DEFAULT_BEAM_WIDTH = 16
@@ -53,12 +53,39 @@ def even_ratios(cluster: Cluster) -> list[float]:
     return [1.0 / cluster.num_devices] * cluster.num_devices
 
 
-def data_parallel_space(graph: Graph) -> SearchSpace:
+def data_parallel_space(graph: Graph, *, gather: bool = False) -> SearchSpace:
     """Parameters Full (gradients all-reduced), inputs split on dim 0; the only activation collective
     is all-reduce: with parameters Full and inputs split by samples, a value becomes Partial only as
-    a sum over the batch, e.g. the mean loss's count of targets that are not ignored (a scalar)."""
+    a sum over the batch, e.g. the mean loss's count of targets that are not ignored (a scalar).
+
+    With `gather`: data parallelism with the fallback. An operator with no batch rule (an opaque
+    op, batch norm's exact statistics) runs replicated on all-gathered operands (inputs may load
+    whole) and its result is sliced back to the batch shards for free."""
+    if gather:  # only the batch dim (0) is ever split: slicing a gathered tensor on another dim would
+        # open sequence- and head-parallel branches that multiply the programs to search
+        return SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f in (FULL, 0),
+                           collectives=frozenset({"all_reduce", "all_gather.padded", "all_gather.grouped", "slice"}),
+                           rule_filter=lambda n, r: r.output <= 0 and all(f <= 0 for f in r.inputs))
     return SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f == 0,
                        collectives=frozenset({"all_reduce"}))
+
+
+def data_parallel(graph: Graph, cm: CostModel, deadline: float | None = None) -> SearchResult:
+    """The data-parallel program under `cm`: plain when every operator splits on the batch, else
+    with all-gathers before the operators that cannot, else every device running the whole model
+    (a program whenever every operator has its all-Full rule, as opaque ones do and memory allows).
+    The gathering space is searched with a beam: exactly, it has as many programs as ways to place
+    the gathers (BART-base-sized graphs took minutes). InfeasibleError says why there is none;
+    each search stops at `deadline` (time.perf_counter) with the best program it has."""
+    try:
+        return synthesize(graph, cm, space=data_parallel_space(graph), time_budget_s=_left(deadline))
+    except InfeasibleError:
+        pass
+    try:
+        return synthesize(graph, cm, space=data_parallel_space(graph, gather=True), beam_width=DEFAULT_BEAM_WIDTH,
+                          time_budget_s=_left(deadline))
+    except InfeasibleError:
+        return synthesize(graph, cm, space=replicated_space(), time_budget_s=_left(deadline))
 
 
 def unsplittable_input(graph: Graph) -> Node | None:
@@ -93,9 +120,9 @@ def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam"
     ratios = even_ratios(cluster) if strategy == "dp-even" else proportional_ratios(cluster)
     cm = CostModel(graph, cluster, ratios, optimizer)
     try:
-        res = synthesize(graph, cm, space=data_parallel_space(graph))
+        res = data_parallel(graph, cm)
     except InfeasibleError:
-        raise InfeasibleError(_oom_message(graph, cluster, optimizer, data_parallel_space(graph), strategy, ratios)) from None
+        raise InfeasibleError(_oom_message(graph, cluster, optimizer, strategy, ratios)) from None
     return _make_plan(strategy, graph, cluster, Candidate(res.program, [ratios], res.cost, Segmentation.single(graph)),
                       optimizer, [], {"expanded": res.expanded, "elapsed_s": res.elapsed_s})
 
@@ -104,10 +131,31 @@ def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], opt
                         deadline: float | None = None) -> Candidate | None:
     cm = CostModel(graph, cluster, ratios, optimizer)
     try:
-        res = synthesize(graph, cm, space=data_parallel_space(graph), time_budget_s=_left(deadline))
+        res = data_parallel(graph, cm, deadline)
     except InfeasibleError:
         return None
     return Candidate(res.program, [ratios], res.cost, Segmentation.single(graph))
+
+
+def _memory_fitted_baseline(graph: Graph, cluster: Cluster, optimizer: str,
+                            deadline: float | None = None) -> Candidate | None:
+    """Data parallelism at the LP's ratios, which respect every device's memory: the plan that
+    exists whenever the model fits data-parallel at all, e.g. when even and proportional splits
+    overflow a small device. None when no ratios fit."""
+    try:
+        cm = CostModel(graph, _unlimited(cluster), proportional_ratios(cluster), optimizer)
+        program = data_parallel(graph, cm, deadline).program
+        ratios = balance(program, graph, cluster, optimizer=optimizer, time_limit_s=_left(deadline) or 30.0).by_segment
+    except InfeasibleError:
+        return None
+    cost = evaluate_program(program, CostModel(graph, cluster, ratios, optimizer)).total_s
+    return Candidate(program, ratios, cost, Segmentation.single(graph))
+
+
+def _unlimited(cluster: Cluster) -> Cluster:
+    """The cluster with (practically) unlimited memory per GPU: to find a program memory rules out."""
+    return Cluster.from_dict({**cluster.to_dict(), "devices": [
+        {**d.to_dict(), "memory_bytes_per_gpu": limits.MAX_MEMORY_BYTES} for d in cluster.devices]})
 
 
 def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
@@ -128,6 +176,8 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     baselines = {"dp-proportional": _baseline_candidate(graph, cluster, proportional_ratios(cluster), optimizer, deadline),
                  "dp-even": _baseline_candidate(graph, cluster, even_ratios(cluster), optimizer, deadline)}
     seeds = [c for c in baselines.values() if c is not None]
+    if not seeds:
+        seeds = [c for c in [_memory_fitted_baseline(graph, cluster, optimizer, deadline)] if c is not None]
     best = min(seeds, key=lambda c: c.cost, default=None)
     history: list[dict[str, Any]] = []
     stats = {"expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
@@ -138,7 +188,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
         best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
     if best is None:
         raise InfeasibleError(_oom_message(graph, cluster, optimizer, deadline=deadline))
-    best = min([best, *seeds], key=lambda c: _realized(graph, cluster, c, optimizer)[2].total_s)  # whole units may reorder them
+    best = min([best, *seeds], key=lambda c: _realized_rank(graph, cluster, c, optimizer))  # whole units may reorder them
     stats["elapsed_s"] = time.perf_counter() - start
     stats["segments"] = best.segmentation.count
     return _make_plan("hap", graph, cluster, best, optimizer, history, stats)
@@ -264,6 +314,14 @@ def _realized(graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str):
     return sizes, ratios, evaluate_program(cand.program, CostModel(graph, cluster, ratios, optimizer, seg))
 
 
+def _realized_rank(graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str) -> tuple[bool, float]:
+    """(overflows a device at whole units, predicted time): rounding the LP's ratios to whole units
+    can push a device past its memory, so a candidate that still fits comes first."""
+    b = _realized(graph, cluster, cand, optimizer)[2]
+    over = any(m > d.memory_bytes_per_gpu for m, d in zip(b.memory_bytes, cluster.devices))
+    return over, b.total_s
+
+
 def _make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str,
                history: list[dict[str, Any]], stats: dict[str, Any]) -> Plan:
     seg = cand.segmentation
@@ -288,19 +346,43 @@ def check_total_memory(graph: Graph, cluster: Cluster, optimizer: str) -> None:
                               "add devices or shrink the model")
 
 
-def _oom_message(graph: Graph, cluster: Cluster, optimizer: str, space: SearchSpace | None = None,
-                 what: str = "no program fits; the fastest", ratios: list[float] | None = None, *,
-                 deadline: float | None = None) -> str:
-    """Nothing fits: plan as if memory were unlimited and name the device that overflows most."""
-    ratios = ratios or proportional_ratios(cluster)
+def _oom_message(graph: Graph, cluster: Cluster, optimizer: str, strategy: str | None = None,
+                 ratios: list[float] | None = None, *, deadline: float | None = None) -> str:
+    """Why nothing fits: the node data parallelism cannot run and why, or the device whose memory
+    even data parallelism overflows most, with its bytes needed and held and what they are."""
+    what = "no program" if strategy is None else f"no {strategy} program"
+    split = "in proportion to device memory" if ratios is None else f"as {strategy} does"
+    ratios = ratios or memory_ratios(cluster)
+    try:
+        res = data_parallel(graph, CostModel(graph, _unlimited(cluster), ratios, optimizer), deadline)
+    except InfeasibleError as e:
+        return f"{what}: {e}"
     cm = CostModel(graph, cluster, ratios, optimizer)
-    unlimited = Cluster.from_dict({**cluster.to_dict(), "devices": [
-        {**d.to_dict(), "memory_bytes_per_gpu": limits.MAX_MEMORY_BYTES} for d in cluster.devices]})
-    res = synthesize(graph, CostModel(graph, unlimited, ratios, optimizer), space=space, beam_width=DEFAULT_BEAM_WIDTH,
-                     time_budget_s=_left(deadline))
-    mem = evaluate_program(res.program, cm).memory_bytes
-    j = max(range(len(mem)), key=lambda i: mem[i] - cluster.devices[i].memory_bytes_per_gpu)
-    cap = cluster.devices[j].memory_bytes_per_gpu
-    return (f"out of memory: {what} needs {gib(mem[j])} on device "
-            f"'{cluster.devices[j].name}' which has {gib(cap)} ({gib(mem[j] - cap)} over); "
-            "use more or larger devices, a smaller batch, or optimizer='sgd'")
+    parts = memory_parts(res.program, cm)
+    j = max(range(len(parts)), key=lambda i: sum(parts[i]) - cluster.devices[i].memory_bytes_per_gpu)
+    state, act = parts[j]
+    return (f"out of memory: device '{cluster.devices[j].name}' needs {gib(state + act)} but has "
+            f"{gib(cluster.devices[j].memory_bytes_per_gpu)} even data-parallel with the batch split {split} "
+            f"(parameters, gradients and {optimizer} state {gib(state)}, activations {gib(act)}); "
+            "use a smaller batch, more or larger devices, or optimizer='sgd'")
+
+
+def memory_ratios(cluster: Cluster) -> list[float]:
+    """Ratios proportional to each device's memory: the split under which data parallelism fits best."""
+    total = sum(d.memory_bytes_per_gpu * d.num_gpus for d in cluster.devices)
+    return [d.memory_bytes_per_gpu * d.num_gpus / total for d in cluster.devices]
+
+
+def memory_parts(program: tuple[Instruction, ...], cm: CostModel) -> list[tuple[float, float]]:
+    """Per device, the predicted peak bytes per GPU split into (parameters, gradients and optimizer
+    state; activations kept for backward): the two terms of `CostModel.memory_by_class`."""
+    from .cost import replay
+
+    out = [(0.0, 0.0)] * cm.cluster.num_devices
+    _, mems = replay(program, cm)
+    for c in cm.classes:
+        state = sum(s * c.ratios[k] + r for k, (s, r, _, _) in enumerate(mems))
+        act = sum((sa * c.ratios[k] + ra) / c.num_gpus for k, (_, _, sa, ra) in enumerate(mems))
+        for j in c.devices:
+            out[j] = (state, act)
+    return out

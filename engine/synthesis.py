@@ -214,6 +214,10 @@ class _Search:
         self.deltas = [{sh: self._compute_delta(k, sh) for sh in (False, True)} for k in range(n)]
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
         self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
+        self.deepest = 0
+        """Furthest position any kept state reached: where a failed search got stuck."""
+        self.over_memory = 0
+        """States dropped because some device's memory overflowed."""
 
     def root(self) -> _State:
         """The empty program."""
@@ -304,7 +308,9 @@ class _Search:
         self._finish(s)
         if s.score >= self.best_cost or not self.cm.fits(s.mem):
             self.pruned += 1
+            self.over_memory += not self.cm.fits(s.mem)
             return
+        self.deepest = max(self.deepest, s.p)
         key = (s.p, s.props)
         bucket = self.seen.setdefault(key, [])
         for other in bucket:
@@ -368,11 +374,24 @@ class _Search:
             return SearchResult(self.incumbent, self.best_cost, optimal and self.beam_cut >= self.best_cost, self.expanded,
                                 self.generated, self.pruned, time.perf_counter() - start, self.frontier)
         if self.best is None:
-            raise InfeasibleError("no distributed program fits: every candidate exceeds some device's memory "
-                                  "or the search space is empty")
+            raise InfeasibleError(self._why_none())
         optimal = optimal and self.beam_cut >= self.best_cost
         return SearchResult(self._program(self.best), self.best_cost, optimal, self.expanded, self.generated,
                             self.pruned, time.perf_counter() - start, self.frontier)
+
+    def _why_none(self) -> str:
+        """Why no complete program was found: memory, or the node no program got past, and how."""
+        k = min(self.deepest, len(self.prep.order) - 1)
+        node = self.graph[self.prep.order[k]]
+        where = f"node '{node.name}' ({node.op}{', ' + node.source if node.source else ''})"
+        beam = (f"; the beam ({self.beam_width} states per node) dropped some programs: try beam_width=None"
+                if self.beam_cut < math.inf else "")
+        if self.over_memory:
+            return (f"out of memory: every program overflows some device's memory by {where} under these ratios "
+                    f"({self.over_memory} partial programs dropped){beam}")
+        rules = ", ".join(str(r) for r in self.prep.rules[k])
+        return (f"no program gets past {where}: none of its rules ({rules}) can have its operands in the forms "
+                f"they need in this search space{beam}")
 
     def _go_greedy(self) -> None:
         """Out of time with no complete program: dive depth-first to finish one."""

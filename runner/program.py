@@ -239,6 +239,8 @@ _SHAPE_EMITTERS: dict[str, Callable[..., fx.Node]] = {
     "expand": lambda g, n, gr, a, s: g.call_method("expand", (a[0], tuple(s))),
 }
 """Shape operators; `expand` expands to the local shape (a device's own rows of a broadcast dim)."""
+_SHAPE_EMITTERS["roll"] = lambda g, n, gr, a, s: g.call_function(torch.roll, (a[0], n.attrs["shifts"], n.attrs["dims"]))
+"""Swin's cyclic shift (engine/theory/shift.py): the rolled dims are whole on every device."""
 
 
 def _topk(part: str) -> Callable[..., fx.Node]:

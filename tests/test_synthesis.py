@@ -377,7 +377,7 @@ def test_tight_memory_makes_the_search_shard_parameters(mlp2):
 
 def test_search_raises_infeasible_when_nothing_fits_memory(mlp2):
     tight = with_memory(sample_dict("cpu_2"), 4096)
-    with pytest.raises(InfeasibleError, match="no distributed program fits"):
+    with pytest.raises(InfeasibleError, match=r"^out of memory: every program overflows some device.s memory by node "):
         synthesize(mlp2, CostModel(mlp2, tight, [0.5, 0.5]))
 
 

@@ -110,7 +110,7 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand",
         "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm", "einsum", "topk_values", "topk_indices",
         "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "where",
-        "index_add", "scatter_add", "histc"}
+        "index_add", "scatter_add", "histc", "roll"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -165,6 +165,7 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "scatter_add": ([(3, 4), ((3, 2), "int64"), (3, 2)], {"dim": 1}),
     "histc": ([(3, 4)], {"bins": 5, "min": 0.0, "max": 2.0}),
     "opaque": ([(3, 4)], {"target": "aten::flip.default", "args": [{"tensor": 0}, [0]], "kwargs": {}, "output_index": None}),
+    "roll": ([(3, 4)], {"shifts": [1], "dims": [1]}),
 }
 VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5), "topk_values": (3, 2), "topk_indices": (3, 2), "arange": (5,),
                "constant": (2, 2), "full": (2, 3), "histc": (5,)}
