@@ -119,7 +119,7 @@ node runs: unsharded, every operand Full):
 
 - `"auto"` (the default, also `None`): keep it opaque when it is *side arithmetic*, i.e. none of
   its operands carries a gradient (attention-mask and position-id arithmetic on integer or bool
-  tensors, random numbers drawn for drop-path) or none depends on the input batch (arithmetic on
+  tensors) or none depends on the input batch (arithmetic on
   parameters and buffers only, e.g. a relative-position bias table). Such an op costs only its
   own compute when replicated, and its result can be sliced to any shard for free. An op on an
   activation (batch-dependent *and* differentiable) is refused with its name: replicating it would
