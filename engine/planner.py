@@ -182,9 +182,12 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     history: list[dict[str, Any]] = []
     stats = {"expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
              "baselines_s": {k: None if c is None else c.cost for k, c in baselines.items()}}
-    loop = _Loop(graph, cluster, optimizer, beam_width, max_iterations, progress, report_every, deadline, history, stats)
+    # asked for segments, the one-segment loop gets half the budget, so the segmented one still runs
+    first = deadline if seg.count == 1 or deadline is None else start + (deadline - start) / 2
+    loop = _Loop(graph, cluster, optimizer, beam_width, max_iterations, progress, report_every, first, history, stats)
     best = loop.run(Segmentation.single(graph), [proportional_ratios(cluster)], best)
     if seg.count > 1 and best is not None:
+        loop.deadline = deadline
         best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
     if best is None:
         raise InfeasibleError(_oom_message(graph, cluster, optimizer, deadline=deadline))

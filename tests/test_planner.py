@@ -5,6 +5,7 @@ import copy
 import json
 import math
 import re
+import time
 
 import pytest
 
@@ -352,3 +353,25 @@ def test_directory_given_as_plan_path_is_a_plan_error(tmp_path):
     with pytest.raises(PlanError) as info:
         Plan.from_json(str(tmp_path))
     one_line(info.value)
+
+
+def test_with_segments_the_one_segment_loop_gets_half_the_budget(monkeypatch):
+    """Asked for segments under a time budget, the segmented Q<->B loop must still get time: the
+    one-segment loop stops at half the budget, the segmented one at the whole (a loaded machine
+    spent the whole budget on one segment and silently returned no segmented iteration)."""
+    from engine import planner
+
+    calls = []
+    original = planner._Loop.run
+
+    def run(self, seg, *args, **kwargs):
+        calls.append((seg.count, self.deadline))
+        return original(self, seg, *args, **kwargs)
+
+    monkeypatch.setattr(planner._Loop, "run", run)
+    before = time.perf_counter()
+    engine.plan(engine.load_model("zoo:gpt", layers=2, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=8),
+                engine.load_cluster(sample_path("cpu_4_uneven")), time_budget_s=20.0, segments=2)
+    (one, first), (two, second) = calls
+    assert (one, two) == (1, 2)
+    assert second - first == pytest.approx(10.0, abs=0.5) and before + 9.5 <= first <= time.perf_counter() + 10
