@@ -30,11 +30,12 @@ but no rule offers it (engine/theory/pointwise.py): a device would draw the whol
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -148,6 +149,8 @@ _DROPOUT_SIG = inspect.signature(lambda input, p=0.5, training=True, inplace=Fal
 _TORCH_DROPOUT_SIG = inspect.signature(lambda input, p, train: None)
 _SDPA_SIG = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                               enable_gqa=False: None)
+_F_DROPOUT, _F_SDPA = F.dropout, F.scaled_dot_product_attention
+"""torch's own functions (the composites' globals are rebound while they run, see `_keyed_globals`)."""
 _RANDOM_FUNCS = (F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
                  torch.feature_dropout, torch.alpha_dropout, torch.feature_alpha_dropout)
 
@@ -168,8 +171,9 @@ class SiteKeyedDropout(TorchFunctionMode):
 
     Used by the single-device reference (runner.train.reference_run): `F.dropout` / `nn.Dropout`,
     `torch.dropout` and `scaled_dot_product_attention` with `dropout_p > 0` draw exactly the masks
-    a distributed run draws for the same sites; other random dropout variants are refused (capture
-    refuses them too)."""
+    a distributed run draws for the same sites, also inside the Python composites of
+    torch.nn.functional (`multi_head_attention_forward`); other random dropout variants are refused
+    (capture refuses them too)."""
 
     def __init__(self, key: RngKey) -> None:
         super().__init__()
@@ -183,16 +187,39 @@ class SiteKeyedDropout(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.dropout or func is torch.dropout:
+        if func is _F_DROPOUT or func is torch.dropout:
             return self._dropout(func, args, kwargs)
-        if func is F.scaled_dot_product_attention:
+        if func is _F_SDPA:
             return self._sdpa(func, args, kwargs)
         if func in _RANDOM_FUNCS and _draws(func, args, kwargs):
             raise NotImplementedError(f"{getattr(func, '__name__', func)} has no site-keyed mask (use nn.Dropout)")
+        if inspect.isfunction(func) and getattr(func, "__module__", "") == F.__name__:
+            with self._keyed_globals():
+                return func(*args, **kwargs)
         return func(*args, **kwargs)
 
+    @contextlib.contextmanager
+    def _keyed_globals(self) -> Iterator[None]:
+        """Rebind torch.nn.functional's `dropout` and `scaled_dot_product_attention` to this mode's
+        keyed versions while a Python composite of that module runs.
+
+        A composite such as `F.multi_head_attention_forward` (nn.MultiheadAttention, hence
+        nn.TransformerEncoderLayer) reaches the mode as one call, and torch turns the mode off while
+        the mode handles it: the attention dropout inside would draw torch's own random mask and take
+        no site number, so every later site of the reference would be off by one from capture's."""
+        keyed = {"dropout": lambda *a, **k: self._dropout(_F_DROPOUT, a, k),
+                 "scaled_dot_product_attention": lambda *a, **k: self._sdpa(_F_SDPA, a, k)}
+        saved = {name: getattr(F, name) for name in keyed}
+        for name, fn in keyed.items():
+            setattr(F, name, fn)
+        try:
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(F, name, fn)
+
     def _dropout(self, func, args: tuple, kwargs: dict) -> Any:
-        sig = _DROPOUT_SIG if func is F.dropout else _TORCH_DROPOUT_SIG
+        sig = _DROPOUT_SIG if func is _F_DROPOUT else _TORCH_DROPOUT_SIG
         a = sig.bind(*args, **kwargs).arguments
         x, p, training = a["input"], float(a.get("p", 0.5)), bool(a.get("training", a.get("train", True)))
         if not training or p == 0.0:

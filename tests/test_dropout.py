@@ -278,3 +278,28 @@ def test_a_transformers_decoder_with_dropout_on_computes_its_loss_with_the_same_
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     without = model.eval()(**inputs).loss  # eval mode: no dropout
     assert abs(float(want) - float(without)) > 1e-4, "the masks change the loss"
+
+
+def test_the_reference_keys_the_attention_dropout_inside_nn_multihead_attention():
+    """nn.TransformerEncoderLayer's attention runs in `F.multi_head_attention_forward`, a Python
+    composite that reaches the mode as one call (torch turns the mode off inside it): its attention
+    dropout must still draw the site-keyed mask and take its site number, else the reference draws
+    torch's own mask there and every later site is shifted by one (hap run --verify failed on the
+    transformer_classifier of the coverage bench)."""
+    from engine.zoo import ecosystem
+
+    model, inputs = ecosystem.build("transformer_classifier", "cpu")
+    g = engine.load_model(model, inputs)
+    sites = sorted(n.attrs["rng_site"] for n in g.nodes if "rng_site" in n.attrs)
+    assert any(n.op == "sdpa" and "rng_site" in n.attrs for n in g.nodes)
+    by_index = {n.attrs["index"]: inputs[n.attrs["name"]] for n in g.placeholders}
+    got = interpret(g, model, tuple(by_index[i] for i in range(max(by_index) + 1)), KEY)
+    losses = []
+    for seed in (0, 1):  # torch's global RNG must not matter: every mask is keyed
+        torch.manual_seed(seed)
+        with SiteKeyedDropout(KEY) as mode:
+            losses.append(model(**inputs).detach())
+        assert mode.sites == sites[-1] + 1 == len(sites)
+    assert float(losses[0]) == float(losses[1])
+    assert torch.allclose(got, losses[0], rtol=1e-5, atol=1e-6)
+    assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention, "the functional module is restored"
