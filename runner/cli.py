@@ -70,8 +70,15 @@ def failed_rank(stderr_text: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2))) if m else None
 
 
-def describe_failure(returncode: int, stderr_text: str, command: str = "hap run") -> str:
-    found = failed_rank(stderr_text)
+def failed_ranks(stderr_text: str) -> list[tuple[int, int]]:
+    """(rank, exit code) of every failure torchrun's summary lists (its 'Failures' and its 'Root Cause'), once each."""
+    return list(dict.fromkeys((int(r), int(c)) for r, c in _ROOT_CAUSE.findall(stderr_text)))
+
+
+def describe_failure(returncode: int, stderr_text: str, command: str = "hap run",
+                     found: tuple[int, int] | None = None) -> str:
+    """The line naming a rank that died without an exception (`found`, default torchrun's root cause)."""
+    found = found or failed_rank(stderr_text)
     if found is None:
         return f"{command}: torchrun exited with status {returncode}"
     rank, code = found
@@ -123,12 +130,19 @@ TRACEBACK_START = "Traceback (most recent call last)"
 def failure_report(returncode: int, errors: str, output: str, command: str = "hap run") -> list[str]:
     """First the one line naming the first failed rank and its exception, then where the tracebacks are.
 
-    The first failure is the earliest record, unless the rank torchrun saw fail first left none: it
-    died without an exception (a signal, an exit), and the others' records are only its echo
-    (connection closed by peer), so torchrun's rank and exit code are the news."""
+    The first failure is the earliest record, unless a rank torchrun lists as failed left none: it
+    died without an exception (SIGKILL, an exit), and the others' records are only its echo
+    (connection closed by peer), so that rank and its exit code are the news. Ranks torchrun itself
+    stopped (SIGTERM) are not such news. torchrun's root cause is not enough alone: under load it
+    may observe an echoing rank exit before the killed one."""
     found = read_failures(errors)
+    recorded = {r.rank for r in found}
+    silent = [(rank, code) for rank, code in failed_ranks(output)
+              if rank not in recorded and code != -signal.SIGTERM]
     root = failed_rank(output)
-    if found and (root is None or any(r.rank == root[0] for r in found)):
+    if silent:
+        head = describe_failure(returncode, output, command, root if root in silent else silent[0])
+    elif found:
         head = found[0].headline(command)
     else:
         head = describe_failure(returncode, output, command)

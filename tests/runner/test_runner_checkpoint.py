@@ -167,7 +167,7 @@ def test_checkpoint_options_are_validated():
         RunConfig(plan="p.json", resume=True)
     with pytest.raises(ValueError, match="--checkpoint-every needs --checkpoint-dir"):
         RunConfig(plan="p.json", checkpoint_every=3)
-    with pytest.raises(ValueError, match="--checkpoint-every must be 0 or more, got -1"):
+    with pytest.raises(ValueError, match="--checkpoint-every must be in 0..1000000000, got -1"):
         RunConfig(plan="p.json", checkpoint_dir="d", checkpoint_every=-1)
     assert parse_args(["p.json", "--checkpoint-dir", "d", "--checkpoint-every", "2", "--resume"]) == \
         RunConfig(plan="p.json", checkpoint_dir="d", checkpoint_every=2, resume=True)

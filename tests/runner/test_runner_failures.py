@@ -108,6 +108,26 @@ def test_a_rank_that_died_without_an_exception_is_named_by_its_exit(tmp_path):
     assert lines[0].startswith("hap run: rank 2 was killed by signal 9")
 
 
+def failures_block(*failures: tuple[int, int]) -> str:
+    """torchrun's 'Failures:' section listing (rank, exit code) pairs."""
+    rows = [ROOT_CAUSE.format(rank=r, code=c).split("\n", 1)[1] for r, c in failures]
+    return "Failures:\n" + "".join(rows)
+
+
+def test_a_killed_rank_is_named_even_when_torchrun_observed_its_echo_first(tmp_path):
+    """Under load torchrun may see the echoing rank 0 (connection closed) exit before the SIGKILLed
+    rank 1: a failed rank without a record is still the news."""
+    write_record(tmp_path, 0, "RuntimeError", "Connection closed by peer", 2.0)
+    output = failures_block((1, -9)) + ROOT_CAUSE.format(rank=0, code=1)
+    assert failure_report(1, str(tmp_path), output)[0].startswith("hap run: rank 1 was killed by signal 9")
+
+
+def test_ranks_torchrun_stopped_itself_are_not_the_news(tmp_path):
+    write_record(tmp_path, 3, "ValueError", "bad batch", 1.0)
+    output = failures_block((0, -15), (1, -15)) + ROOT_CAUSE.format(rank=3, code=1)
+    assert failure_report(1, str(tmp_path), output)[0] == "hap run: rank 3 failed: ValueError: bad batch"
+
+
 def test_without_records_or_summary_the_report_says_torchrun_failed(tmp_path):
     assert failure_report(1, str(tmp_path), "")[0] == "hap run: torchrun exited with status 1"
 
