@@ -129,6 +129,11 @@ def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam"
 
 def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], optimizer: str,
                         deadline: float | None = None) -> Candidate | None:
+    """A data-parallel baseline at `ratios`; None when it does not fit or no input can be split on
+    the batch (the everything-replicated program is no data parallelism: the memory-fitted seed
+    still offers it to the search)."""
+    if unsplittable_input(graph) is not None:
+        return None
     cm = CostModel(graph, cluster, ratios, optimizer)
     try:
         res = data_parallel(graph, cm, deadline)
