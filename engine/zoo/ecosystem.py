@@ -9,7 +9,6 @@ Used by `tests/test_capture_encoders.py` and `bench/coverage.py`; nothing is eve
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable
 
 import torch
@@ -17,21 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..errors import ModelError
+from .hf import _transformers
 
 Built = tuple[nn.Module, dict[str, torch.Tensor]]
 BATCH, SEQ, VOCAB = 8, 16, 512
 """Global batch, sequence length and vocabulary of the small text models."""
 IMAGE = 32
 """Side of the small vision models' images."""
-
-
-def _transformers():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing is ever fetched
-    try:
-        import transformers
-    except ImportError:
-        raise ModelError("these models need the optional 'transformers' package: pip install -e \".[hf]\"") from None
-    return transformers
 
 
 def _build(cls_name: str, config: Any, device: str | torch.device) -> nn.Module:
