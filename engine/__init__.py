@@ -16,7 +16,6 @@ from .cluster import Cluster, load_cluster
 from .errors import ClusterError, HapError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
 from .graph import Graph, Node
 from .plan import Plan
-from .source import load_model
 from .planner import evaluate, plan
 from .synthesis import SearchProgress
 from .validate import validate_plan
@@ -26,7 +25,7 @@ def __getattr__(name: str):
     """`engine.load_model` is imported on first use: it needs torch, which takes seconds to import, and
     checking a cluster file or a command line must not wait for it."""
     if name == "load_model":
-        from .capture import load_model
+        from .source import load_model
 
         return load_model
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

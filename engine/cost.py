@@ -45,7 +45,6 @@ import math
 from dataclasses import dataclass
 
 from .cluster import Cluster
-from .dropout import attention_weights_shape
 from .graph import Graph
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .segments import RESPLIT, Segmentation, instruction_segments, source_segments
@@ -300,6 +299,8 @@ def _attention_probs_bytes(graph: Graph, node: int) -> float:
     n = graph[node]
     if n.op != "sdpa" or "rng_site" not in n.attrs:
         return 0.0
+    from .dropout import attention_weights_shape  # here, not at the top: it imports torch, which the CLI's checks must not wait for
+
     q, k = graph[n.inputs[0]], graph[n.inputs[1]]
     numel = math.prod(attention_weights_shape(q.shape, k.shape, n.attrs.get("enable_gqa", False)))
     return float(numel * (2 * (n.nbytes // max(n.numel, 1)) + 1))

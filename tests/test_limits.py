@@ -304,3 +304,24 @@ def test_a_search_out_of_time_returns_its_incumbent_after_one_expansion() -> Non
     result = synthesize(graph, cm, time_budget_s=1e-9, incumbent=dp)
     assert result.program == dp and not result.optimal and result.expanded == 1
     assert synthesize(graph, cm, time_budget_s=1e-9).expanded > 1  # no incumbent: it dives to finish one
+
+
+def test_a_bad_cluster_is_refused_without_importing_torch(tmp_path):
+    """`hap plan` checks the cluster and the knobs before anything imports torch (seconds to import),
+    so a bad input fails at once: no module the CLI and `import engine` load may import it at the top."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import sample_path
+
+    root = Path(__file__).resolve().parent.parent
+    bad = tmp_path / "nan.json"
+    bad.write_text(Path(sample_path("cpu_4_uneven")).read_text().replace('"intra_machine": 2e09', '"intra_machine": NaN'))
+    code = ("import sys, engine, engine.cli\n"
+            f"rc = engine.cli.main(['plan', '--model', 'zoo:mlp', '--cluster', {str(bad)!r}])\n"
+            "assert rc == 2, rc\n"
+            "assert 'torch' not in sys.modules, 'torch was imported'\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "intra_machine" in r.stderr
