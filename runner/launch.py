@@ -52,11 +52,10 @@ from typing import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from engine import bundle, limits
+from engine import bundle, limits, source
 from engine.cluster import Cluster
 from engine.errors import HapError
 from engine.plan import Plan
-from engine import source
 
 from . import checkpoint
 from .failure import record_failure

@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from engine import source
-from engine import zoo
+from engine import source, zoo
 from engine.dropout import RngKey, SiteKeyedDropout
 from engine.plan import Plan
 from engine.theory.core import FULL, PARTIAL
