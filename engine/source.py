@@ -32,6 +32,7 @@ encoder-decoders), pixel values and class labels for image classifiers.
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import sys
@@ -446,12 +447,20 @@ def zoo_config(origin: dict[str, Any]) -> Any:
     return zoo.make_config(str(origin["zoo"]), **config)
 
 
+@functools.lru_cache(maxsize=4)
+def checked_module(path: str, sha256: str | None) -> tuple[ModuleType, str]:
+    """The plan's model file, checked against its sha256 and executed once per process (module,
+    name): `make_batch` needs it every step, and reading, hashing and running the file each time
+    was per-step work."""
+    data, filename = checked_file({"file": path, "sha256": sha256})
+    return exec_model_file(data, filename), filename
+
+
 def build_module(origin: dict[str, Any], seed: int) -> torch.nn.Module:
     """The single-device module of a file or hf origin on the CPU, initialised from `seed`; its
     forward takes the flat batch of `make_batch` and returns the loss. Every rank builds all of it."""
     if "file" in origin:
-        data, filename = checked_file(origin)
-        module = exec_model_file(data, filename)
+        module, filename = checked_module(origin["file"], origin.get("sha256"))
         torch.manual_seed(seed)
         with torch.device("cpu"):
             model = _call(filename, "build_model", module.build_model)
@@ -470,8 +479,8 @@ def make_batch(origin: dict[str, Any], seed: int, step: int) -> tuple[torch.Tens
     """The global batch of one step as capture orders it, a function of (seed, step) only."""
     step_seed = seed * BATCH_SEED + step
     if "file" in origin:
-        data, filename = checked_file(origin)
-        tensors = flat_tensors(file_inputs(exec_model_file(data, filename), filename, step_seed))
+        module, filename = checked_module(origin["file"], origin.get("sha256"))
+        tensors = flat_tensors(file_inputs(module, filename, step_seed))
     elif "hf" in origin:
         with torch.device("cpu"):
             tensors = flat_tensors(hf_inputs(spec_of(origin), torch.Generator().manual_seed(step_seed)))
