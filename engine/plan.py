@@ -150,6 +150,9 @@ class Plan:
     search: dict[str, Any] = field(default_factory=dict)
     segment_of: list[int] = field(default_factory=list)
     """Segment of every graph node (empty: the whole model is one segment)."""
+    overlap: str = "none"
+    """How communication overlaps computation (`engine.overlap.OVERLAP_MODES`): `none`, `ddp`
+    (gradient buckets during backward) or `duplex` (two half-batches, HiDup)."""
     schema_version: int = PLAN_SCHEMA_VERSION
 
     @property
@@ -190,7 +193,7 @@ class Plan:
                 "predicted_time_s": self.predicted_time_s, "ratios": self.ratios, "shard_sizes": self.shard_sizes,
                 "memory_bytes": self.memory_bytes, "stages": [asdict(s) for s in self.stages],
                 "program": [ins.to_dict() for ins in self.program], "history": self.history, "search": self.search,
-                "segments": self.segment_of, "graph": self.graph.to_dict()}
+                "segments": self.segment_of, "overlap": self.overlap, "graph": self.graph.to_dict()}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -226,7 +229,7 @@ class Plan:
                         shard_sizes=d["shard_sizes"], predicted_time_s=float(d["predicted_time_s"]),
                         stages=[StageRecord(**s) for s in d["stages"]], memory_bytes=list(d["memory_bytes"]),
                         history=list(d.get("history", [])), search=dict(d.get("search", {})),
-                        segment_of=[int(k) for k in d.get("segments", [])])
+                        segment_of=[int(k) for k in d.get("segments", [])], overlap=d.get("overlap", "none"))
         except (KeyError, TypeError, ValueError, AssertionError) as e:
             raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
 

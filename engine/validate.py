@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import HapError, PlanError
 from .graph import SCHEMA_VERSION as GRAPH_SCHEMA_VERSION, Graph
 from .program import COMM, COMPUTE, LOAD, Instruction
+from .overlap import OVERLAP_MODES
 from .segments import RESPLIT, instruction_segments, source_segments
 from .theory import COLLECTIVES, collectives_from, form_str, leaf_forms, op_rules
 from .theory.core import FULL, PARTIAL, Form, parse_form
@@ -133,6 +134,9 @@ def check_plan_dict(d: dict[str, Any]) -> None:
         _check_row(row, f"ratios[{json.dumps(k)}]", _is_number, "a list of numbers")
     for k, row in d["shard_sizes"].items():
         _check_row(row, f"shard_sizes[{json.dumps(k)}]", _is_int, "a list of integers")
+    overlap = _typed(d, "overlap", str, required=False)
+    if overlap is not None and overlap not in OVERLAP_MODES:
+        raise _fail("overlap", f"{_shown(overlap)} is not an overlap mode (one of: {', '.join(OVERLAP_MODES)})")
     segments = _typed(d, "segments", list, required=False) or []
     for i, s in enumerate(segments):
         if not _is_int(s) or s < 0:

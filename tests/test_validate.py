@@ -514,3 +514,13 @@ def test_zoo_knobs_of_a_plans_origin_are_bounded_before_a_rank_builds_the_model(
         source.check_rebuildable({"zoo": "mlp", "config": {"layers": 10**12}})
     with pytest.raises(ModelError, match="config"):
         source.check_rebuildable({"zoo": "mlp", "config": [1, 2]})
+
+
+def test_an_unknown_overlap_mode_is_refused_by_name():
+    import engine
+    from engine.plan import Plan
+
+    d = engine.plan("zoo:mlp", "sample_clusters/cpu_4_uneven.json", time_budget_s=5).to_dict()
+    assert d["overlap"] == "none" and Plan.from_dict({**d, "overlap": "duplex"}).overlap == "duplex"
+    with pytest.raises(PlanError, match='overlap: "bogus" is not an overlap mode'):
+        Plan.from_dict({**d, "overlap": "bogus"})
