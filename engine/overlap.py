@@ -63,3 +63,55 @@ def grad_buckets(graph: Graph, program: tuple[Instruction, ...]) -> list[list[in
     Full (their gradients are all-reduced); slots with none are dropped."""
     full = {ins.node for ins in program if ins.kind == LOAD and ins.post == FULL and graph[ins.node].op == "parameter"}
     return [b for b in ([p for p in slot if p in full] for slot in bucket_slots(graph)) if b]
+
+
+# --- closed forms (engine.cost prices with these; tests check them against engine.timeline) ------
+
+
+def bucket_queue(ready_s: list[float], durations_s: list[float]) -> list[tuple[float, float]]:
+    """(start, end) of every bucket's all-reduce: one after another on the link, in launch order,
+    each as soon as it is ready and the previous one has ended."""
+    out: list[tuple[float, float]] = []
+    free = 0.0
+    for r, d in zip(ready_s, durations_s):
+        start = max(r, free)
+        free = start + d
+        out.append((start, free))
+    return out
+
+
+def ddp_backward_time(chain_s: float, ready_s: list[float], durations_s: list[float]) -> float:
+    """Backward with bucketed gradient all-reduces overlapped: the later of the compute chain's end
+    (`chain_s`, W) and the last bucket's end, max_k (r_k + sum_{j>=k} d_j)."""
+    queue = bucket_queue(ready_s, durations_s)
+    return max(chain_s, queue[-1][1] if queue else 0.0)
+
+
+def duplex_chain_time(xs: list[float]) -> float:
+    """HiDup's Eq. 5 telescoped: two half-batches in lockstep through the alternating chain
+    x = (m_0, c_0, m_1, c_1, ..., m_n, c_n) of per-half communication and computation; while one
+    half runs x_{k+1} the other runs x_k. psi = x_0 + sum_k max(x_k, x_{k+1}) + x_last (the same
+    read backwards, so the backward pass, which runs the chain in reverse, uses it too)."""
+    if not xs:
+        return 0.0
+    return xs[0] + sum(max(a, b) for a, b in zip(xs, xs[1:])) + xs[-1]
+
+
+def duplex_problem(graph: Graph) -> str | None:
+    """Why duplex cannot run this model (None when it can): training-mode batch norm normalises
+    over the local batch, so two half-batches would change its statistics and the gradients."""
+    bn = next((n for n in graph.nodes if n.op == "batch_norm"), None)
+    if bn is None:
+        return None
+    return (f"duplex is refused: node '{bn.name}' is a training-mode batch norm, whose statistics change when "
+            "the batch is split into two halves; use overlap 'ddp' or 'none'")
+
+
+def batch_derived(graph: Graph) -> list[bool]:
+    """For every node, whether it depends on an input (has a placeholder ancestor, or is one): such a
+    tensor splits with the batch, so each duplex half moves half of it; a tensor derived from
+    parameters alone is whole in each half."""
+    out: list[bool] = []
+    for n in graph.nodes:
+        out.append(n.op == "placeholder" or any(out[i] for i in n.inputs))
+    return out
