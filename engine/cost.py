@@ -64,8 +64,8 @@ from dataclasses import dataclass, field
 from .cluster import Cluster
 from .errors import PlanError
 from .graph import Graph
-from .overlap import (OVERLAP_MODES, batch_derived, bucket_queue, bucket_slots, ddp_backward_time, duplex_chain_time,
-                      duplex_problem)
+from .overlap import OVERLAP_MODES, batch_derived, bucket_slots, duplex_problem
+from .overlap import price as overlap_price
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .segments import RESPLIT, Segmentation, instruction_segments, source_segments
 from .theory.core import FULL
@@ -195,6 +195,9 @@ class BucketRecord:
     end_s: float
     stage: int = -1
     """Index (in `Breakdown.stages`) of the backward stage whose computation readies it (ddp)."""
+    stage_left_s: tuple[float, ...] = ()
+    """Per device, that stage's computation from the bucket's earliest-used parameter on: backward
+    reaches the parameter's gradient that long after the stage starts (ddp)."""
 
 
 @dataclass
@@ -219,6 +222,8 @@ class Breakdown:
     """That work on every device."""
     stage_half_comm_s: list[float] = field(default_factory=list)
     """Per stage, the collective's time for one duplex half (duplex only)."""
+    devices: list[str] = field(default_factory=list)
+    """The devices' names, in the order of every per-device list."""
 
 
 class CostModel:
@@ -531,55 +536,31 @@ def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
     comm = [s.comm_const + s.comm_per_max_ratio * max(cm.max_ratios[k] for k in s.comm_segments) for s in stages]
     comp = [cm.device_times(s.work, s.segment) for s in stages]
     per_class = cm.class_memory(r.mems)
+    names = [d.name for d in cm.cluster.devices]
     memory = [0.0] * cm.cluster.num_devices
     for c, b in zip(cm.classes, per_class):
         for j in c.devices:
             memory[j] = b
     if cm.overlap == "none":
-        total = sum(comm) + sum(max(c) for c in comp)
-        return Breakdown(total, stages, comm, comp, memory, cm.ratios)
+        return overlap_price(Breakdown(0.0, stages, comm, comp, memory, cm.ratios, devices=names))
     tail = [0.0] * cm.cluster.num_devices
     for c in cm.classes:
         t = sum(class_work(acc, c, c.ratios[k]) for k, acc in enumerate(r.tails))
         for j in c.devices:
             tail[j] = t
     latency, per_byte = cm.grad_bucket_terms()
-    durations = [latency + nbytes * per_byte for _, nbytes, _, _ in r.buckets]
-    bwd = [i for i, s in enumerate(stages) if s.direction == "backward"]
-    half: list[float] = []
-    if cm.overlap == "ddp":
-        forward = sum(comm[i] + max(comp[i]) for i, s in enumerate(stages) if s.direction == "forward")
-        chain = sum(comm[i] + max(comp[i]) for i in bwd)
-        ready = [forward + _ddp_ready(stages, comm, comp, at, pre, cm) for _, _, at, pre in r.buckets]
-        end = ddp_backward_time(forward + chain, ready, durations)
-    else:
+    half = []
+    if cm.overlap == "duplex":
         for s in stages:
             const, per = cm.half_comm_terms(s.comm, s.comm_node)
             half.append(const + per * max(cm.max_ratios[k] for k in s.comm_segments))
-        psi = sum(duplex_chain_time(_duplex_chain(half, comp, [i for i, s in enumerate(stages) if s.direction == d]))
-                  for d in ("forward", "backward"))
-        ready = [psi] * len(durations)
-        end = psi + sum(durations)
-    queue = bucket_queue(ready, durations)
-    records = [BucketRecord(b, nbytes, d, rd, st, en, at)
-               for (b, nbytes, at, _), d, rd, (st, en) in zip(r.buckets, durations, ready, queue)]
-    total = end + max(tail)
-    return Breakdown(total, stages, comm, comp, memory, cm.ratios, cm.overlap, records, max(tail), tail, half)
+    records = [BucketRecord(params, nbytes, latency + nbytes * per_byte, 0.0, 0.0, 0.0, at,
+                            tuple(_left(stages, at, pre, cm)) if cm.overlap == "ddp" else ())
+               for params, nbytes, at, pre in r.buckets]
+    out = Breakdown(0.0, stages, comm, comp, memory, cm.ratios, cm.overlap, records, max(tail), tail, half, names)
+    return overlap_price(out)
 
 
-def _ddp_ready(stages: list[Stage], comm: list[float], comp: list[list[float]], at: int, pre: Acc, cm: CostModel) -> float:
-    """Seconds from the start of backward until a bucket is ready: the backward stages after stage `at`
-    (in forward order: they run first), then stage `at`'s work from the bucket's parameter on, on
-    its slowest device (the all-reduce waits for every device)."""
-    later = sum(comm[i] + max(comp[i]) for i in range(at + 1, len(stages)) if stages[i].direction == "backward")
-    left = tuple(x - y for x, y in zip(stages[at].work, pre))
-    return later + cm.stage_time(left, stages[at].segment)
-
-
-def _duplex_chain(half: list[float], comp: list[list[float]], members: list[int]) -> list[float]:
-    """The chain (m_0, c_0, m_1, c_1, ...) of one pass: each stage's per-half collective, then its
-    slowest device's half computation."""
-    xs: list[float] = []
-    for i in members:
-        xs += [half[i], max(comp[i]) / 2]
-    return xs
+def _left(stages: list[Stage], at: int, pre: Acc, cm: CostModel) -> list[float]:
+    """Per device, stage `at`'s work after `pre` (what backward runs of it before reaching `pre`'s end)."""
+    return cm.device_times(tuple(x - y for x, y in zip(stages[at].work, pre)), stages[at].segment)

@@ -3,16 +3,20 @@ overlapped with backward, HiDup's duplex halves, their closed forms against the 
 simulator, and the predicted timeline of a priced program."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 import engine
 from conftest import build_graph, ce_graph, cluster_dict
 from engine.cluster import Cluster
-from engine.cost import CostModel, evaluate
+from engine.cost import ZERO, BucketRecord, Breakdown, CostModel, Stage, evaluate
 from engine.errors import PlanError
-from engine.overlap import duplex_chain_time, duplex_problem, grad_buckets
+from engine.overlap import (bucket_queue, ddp_backward_time, duplex_chain_time, duplex_problem, grad_buckets,
+                            predicted_timeline, price)
 from engine.planner import data_parallel_space
 from engine.synthesis import synthesize
+from engine.timeline import simulate
 
 
 def free_network(flops=(1e12, 1e12, 5e11)) -> Cluster:
@@ -140,3 +144,76 @@ def test_duplex_is_refused_for_training_mode_batch_norm(slow):
         CostModel(graph, slow, [0.4, 0.4, 0.2], overlap="duplex")
     CostModel(graph, slow, [0.4, 0.4, 0.2], overlap="ddp")
     assert duplex_problem(ce_graph()) is None
+
+
+# ----------------------------------------------------------------------------- closed forms == the simulator
+
+
+def random_breakdown(rng: random.Random, mode: str) -> Breakdown:
+    """Made-up stage lists: 1-4 devices with their own computation times, collectives (some stages
+    without one), ddp buckets ready part-way through a random backward stage, a tail per device."""
+    devices = [f"d{j}" for j in range(rng.randint(1, 4))]
+    stages, comm, comp, half = [], [], [], []
+    for direction in ("forward", "backward"):
+        for i in range(rng.randint(1, 6)):
+            key = "" if i == 0 or rng.random() < 0.2 else rng.choice(["all_reduce", "all_gather.padded", "all_to_all"])
+            stages.append(Stage(direction, key, -1, 0.0, 0.0, ZERO))
+            c = rng.choice([0.0, rng.uniform(0, 2), rng.uniform(0, 0.1)]) if key else 0.0
+            comm.append(c)
+            half.append(rng.uniform(c / 2, c) if mode == "duplex" else 0.0)
+            comp.append([rng.choice([0.0, rng.uniform(0, 1), rng.uniform(0, 3)]) for _ in devices])
+    bwd = [i for i, s in enumerate(stages) if s.direction == "backward"]
+    buckets = []
+    for k in range(rng.randint(0, 5) if mode != "none" else 0):  # mode none lists its bucket as a stage
+        at = rng.choice(bwd)
+        f = rng.random()
+        left = tuple(f * t for t in comp[at]) if mode == "ddp" else ()
+        nbytes = float(rng.randint(1, 10**6))
+        buckets.append(BucketRecord((k,), nbytes, rng.uniform(0, 1.5), 0.0, 0.0, 0.0, at if mode == "ddp" else -1, left))
+    tail = [rng.choice([0.0, rng.uniform(0, 0.5)]) for _ in devices]
+    b = Breakdown(0.0, stages, comm, comp, [0.0] * len(devices), [[1 / len(devices)] * len(devices)], mode, buckets,
+                  0.0, tail if mode != "none" else [], half if mode == "duplex" else [], devices)
+    return price(b)
+
+
+@pytest.mark.parametrize("mode", ["none", "ddp", "duplex"])
+def test_closed_forms_equal_the_simulated_makespan_on_random_stage_lists(mode):
+    for case in range(300):
+        b = random_breakdown(random.Random(f"{mode}/{case}"), mode)
+        schedule = simulate(predicted_timeline(b))
+        assert schedule.makespan_s == pytest.approx(b.total_s, rel=1e-9, abs=1e-12), f"case {case}"
+        for k, x in enumerate(b.buckets):
+            spans = [s for s in schedule.spans if s.task.info.get("bucket") == k]
+            assert len(spans) == len(b.devices)
+            assert all(s.start_s == pytest.approx(x.start_s, rel=1e-9, abs=1e-12) for s in spans), f"case {case}"
+            assert all(s.end_s == pytest.approx(x.end_s, rel=1e-9, abs=1e-12) for s in spans), f"case {case}"
+
+
+def test_ddp_closed_form_is_the_two_resource_makespan_by_hand():
+    """W = 3 of backward compute; bucket 0 ready after 1 (2 long), bucket 1 ready at W (1 long)."""
+    assert ddp_backward_time(3.0, [1.0, 3.0], [2.0, 1.0]) == 4.0
+    assert ddp_backward_time(3.0, [1.0, 1.5], [0.5, 0.5]) == 3.0
+    assert bucket_queue([0.0, 0.0, 5.0], [1.0, 1.0, 1.0]) == [(0.0, 1.0), (1.0, 2.0), (5.0, 6.0)]
+    # HiDup's lockstep: (m0, c0, m1, c1) = (0, 2, 3, 1): 0 + 2 + 3 + 3 + 1
+    assert duplex_chain_time([0.0, 2.0, 3.0, 1.0]) == 9.0
+
+
+ZOO = {"mlp": dict(layers=2, in_features=128, hidden=512, classes=16, batch=256),
+       "gpt": dict(layers=2, hidden=64, heads=4, ffn=128, vocab=256, seq_len=16, batch=8)}
+
+
+@pytest.mark.parametrize("mode", ["none", "ddp", "duplex"])
+@pytest.mark.parametrize("cluster_name", ["cpu_4_uneven", "hap_paper_testbed_machines", "a100_v100_mixed"])
+@pytest.mark.parametrize("model", sorted(ZOO))
+def test_the_predicted_timeline_of_a_priced_plan_has_its_predicted_makespan(load_sample, model, cluster_name, mode):
+    graph = engine.load_model(f"zoo:{model}", **ZOO[model])
+    cluster = load_sample(cluster_name)
+    ratios = [f / sum(cluster.flops) for f in cluster.flops]
+    for space in (None, data_parallel_space(graph)):
+        program = synthesize(graph, CostModel(graph, cluster, ratios), space=space, beam_width=8).program
+        b = evaluate(program, CostModel(graph, cluster, ratios, overlap=mode))
+        tasks = predicted_timeline(b, graph)
+        assert simulate(tasks).makespan_s == pytest.approx(b.total_s, rel=1e-9)
+        lanes = {t.resource.split(":")[0] for t in tasks}
+        assert lanes <= {"compute", "network", "buckets"} and "compute" in lanes
+        assert {t.info["device"] for t in tasks} == {d.name for d in cluster.devices}
