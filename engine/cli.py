@@ -136,6 +136,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replan(args: argparse.Namespace) -> int:
+    """`hap replan OLD.json --cluster NEW.json [--out NEW_PLAN.json]`: the same model on a changed cluster (engine.replan)."""
+    from .plan import Plan
+    from .replan import replan
+
+    old = Plan.from_json(args.plan)
+    result = replan(old, args.cluster, time_budget_s=args.time_budget, optimizer=args.optimizer)
+    if args.out:
+        result.plan.save(args.out)
+    print(result.report.render())
+    if args.out:
+        print(f"\nplan written to {args.out}")
+    return 0
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
     graph = _load_graph(args)
     graph.save(args.out)
@@ -262,6 +277,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "
                         "'replicate' every such op, 'strict' none")
     p.set_defaults(func=cmd_plan)
+    rp = sub.add_parser("replan", help="plan an existing plan's model on a changed cluster and show what the switch moves")
+    rp.add_argument("plan", help="the old plan JSON (its model is embedded)")
+    rp.add_argument("--cluster", required=True, help="the new cluster spec JSON (devices removed, added or changed)")
+    rp.add_argument("--out", help="write the new plan JSON here")
+    rp.add_argument("--time-budget", type=limits.bounded_float(0, limits.MAX_TIME_BUDGET_S, "seconds", low_open=True),
+                    default=None, metavar="S", help="stop each search after S seconds")
+    rp.add_argument("--optimizer", choices=["adam", "sgd", "none"], default=None,
+                    help="optimizer state counted in memory and moved (default: the old plan's)")
+    rp.set_defaults(func=cmd_replan)
     c = sub.add_parser("capture", help="capture a model into a graph JSON file")
     c.add_argument("--model", required=True, help=MODEL_HELP)
     c.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)

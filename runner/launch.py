@@ -57,7 +57,7 @@ from engine.cluster import Cluster
 from engine.errors import HapError
 from engine.plan import Plan
 
-from . import checkpoint
+from . import checkpoint, reshard
 from .failure import record_failure
 from .timing import Pacer, parse_speeds
 from .train import GRAD_SYNC, RankState, make_batch, setup_rank, train_step
@@ -220,6 +220,8 @@ class Inputs:
     """The bundle's cluster (GPU type of every rank); None for a bare plan file."""
     start_step: int = 0
     """Steps already done by the checkpoint `--resume` continues from."""
+    reshard_from: dict | None = None
+    """The COMPLETE marker of that checkpoint when another plan wrote it (resharded on load, runner.reshard)."""
     scratch: str | None = None
     """Temporary folder a bundle zip was extracted to (removed at the end)."""
 
@@ -271,11 +273,16 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
         for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
-        start = 0
+        start, marker = 0, None
         if cfg.resume:
-            found = checkpoint.latest_complete(cfg.checkpoint_dir, run_key(plan, cfg), env.rank)
-            start = found or 0
-        return Inputs(plan, env, opened.cluster if opened else None, start, scratch)
+            key = run_key(plan, cfg)
+            start = checkpoint.latest_complete(cfg.checkpoint_dir, key, env.rank, other_plans=True) or 0
+            marker = checkpoint.read_marker(cfg.checkpoint_dir, start) if start else None
+            if marker is not None and checkpoint.same_plan(marker, key):
+                marker = None
+            if marker is not None:
+                reshard.table_of(marker, plan)  # a layout that does not fit this model is refused before any process group
+        return Inputs(plan, env, opened.cluster if opened else None, start, reshard_from=marker, scratch=scratch)
     except BaseException:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -391,12 +398,17 @@ def checkpoint_due(cfg: RunConfig, steps_done: int) -> bool:
 
 
 def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metrics: MetricsFile,
-          start: int = 0) -> RankState:
+          start: int = 0, reshard_from: dict | None = None) -> RankState:
     st = setup_rank(plan, env.rank, cfg.seed, cfg.optimizer, cfg.lr, device=device, probes=cfg.timing,
                     grad_sync=cfg.grad_sync)
     if cfg.resume:
         agree_on_start(start, env.rank)
-    if start:
+    if start and reshard_from is not None:
+        table = reshard.load_resharded(cfg.checkpoint_dir, start, reshard_from, plan, env.rank, st)
+        if env.rank == 0:
+            print(f"hap run: resharded the checkpoint after step {start} in {cfg.checkpoint_dir} from "
+                  f"{table.old_world} to {table.new_world} ranks ({table.moved_bytes} bytes between ranks)", flush=True)
+    elif start:
         checkpoint.load(cfg.checkpoint_dir, start, env.rank, st)
         if env.rank == 0:
             print(f"hap run: resuming from the checkpoint after step {start} in {cfg.checkpoint_dir}", flush=True)
@@ -412,7 +424,8 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
             if env.rank == 0:
                 print(f"step {step:4d}  loss {loss:.6f}  {st.step_times[-1] * 1e3:8.2f} ms", flush=True)
             if checkpoint_due(cfg, step + 1):
-                checkpoint.save(cfg.checkpoint_dir, key, st, env.rank, step + 1, dist.barrier)
+                checkpoint.save(cfg.checkpoint_dir, key, st, env.rank, step + 1, dist.barrier,
+                                layout=reshard.layout_of(plan, st) if env.rank == 0 else None)
     finally:
         pacer.uninstall()
     return st
@@ -466,7 +479,7 @@ def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str |
         if env.rank == 0:
             print(f"hap run: {plan.strategy} plan of {plan.graph.name} on {env.world_size} ranks ({backend}), "
                   f"{cfg.steps} steps, {cfg.optimizer} lr {cfg.lr}", flush=True)
-        st = train(plan, cfg, env, device, metrics, inputs.start_step)
+        st = train(plan, cfg, env, device, metrics, inputs.start_step, inputs.reshard_from)
         return verify(plan, cfg, st, env.rank, device)
     except checkpoint.CheckpointError as e:
         record_failure(env.rank, e)
