@@ -156,8 +156,9 @@ def latest_complete(root: str | Path, key: dict[str, Any], rank: int, *, other_p
                                   "or the same plan and options")
         if theirs != key:  # another plan's: resharded, every rank reads the files it needs
             if "layout" not in info:
-                raise CheckpointError(f"{folder} was written by another plan ({', '.join(f'{k} {theirs.get(k)!r} != {key[k]!r}' for k in PLAN_KEYS if theirs.get(k) != key[k])}) "
-                                      "and records no layout to reshard from; resume it with its own plan")
+                diff = ", ".join(f"{k} {theirs.get(k)!r} != {key[k]!r}" for k in PLAN_KEYS if theirs.get(k) != key[k])
+                raise CheckpointError(f"{folder} was written by another plan ({diff}) and records no layout to "
+                                      "reshard from; resume it with its own plan")
             return steps
         if not rank_file(root, steps, rank).is_file():
             raise CheckpointError(f"{rank_file(root, steps, rank)} missing although {marker} exists: "

@@ -19,7 +19,7 @@ from engine.planner import plan_of
 from engine.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
 from runner import checkpoint, reshard
-from runner.launch import FAULT_ENV, DistEnv, RunConfig, run
+from runner.launch import FAULT_ENV, DistEnv, RunConfig, check_inputs, run
 from runner.program import shard
 from runner.train import build_module, reference_run, setup_rank
 from runner.verify import TOLERANCE, rel_diff
@@ -294,3 +294,26 @@ def test_replan_reports_devices_ratios_shardings_times_and_bytes():
 
 def overlap(a, b) -> int:
     return math.prod(max(0, min(x1, y1) - max(x0, y0)) for (x0, x1), (y0, y1) in zip(a, b))
+
+
+def test_hap_run_refuses_a_tampered_checkpoint_before_any_process_group(four_to_three, tmp_path):
+    _, new, root, _, _ = four_to_three
+
+    def wrong_shape(_folder, marker):  # consistent with itself, not with the model
+        bias = marker["layout"]["params"][1]
+        bias["shape"], bias["sizes"] = [48], [2 * s for s in bias["sizes"]]
+
+    copy, _ = tampered(root, tmp_path, wrong_shape)
+    new_path = tmp_path / "new.json"
+    new.save(new_path)
+    cfg = RunConfig(plan=str(new_path), steps=4, optimizer="adam", lr=0.01, seed=SEED, resume=True,
+                    checkpoint_dir=str(copy))
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoint layout: layers.0.bias has shape \[48\], this "
+                                                         r"plan's model \[24\] \(tampered marker\?\)"):
+        check_inputs(cfg, 3, DistEnv(0, 3, 0, 3))
+
+
+def test_hap_replan_refuses_a_missing_plan_with_one_line(tmp_path, capfd):
+    assert cli.main(["replan", str(tmp_path / "none.json"), "--cluster", str(write_cluster(tmp_path, 3))]) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "none.json' not found" in err
