@@ -195,7 +195,8 @@ def load_resharded(root: str | Path, steps: int, marker: dict[str, Any], plan: P
     rows: dict[str, list] = {}
     for t in table.for_receiver(rank):
         rows.setdefault(t.tensor, []).append(t)
-    home = rank % table.old_world  # replicated state, losses and RNG state come from this old rank's file
+    senders = sorted({t.sender for rows_of in rows.values() for t in rows_of})
+    home = senders[0] if senders else rank % table.old_world  # replicated state, losses, RNG: a file read anyway
     opt_state: dict[int, dict[str, Any]] = {}
     for i, ((node, form), p) in enumerate(zip(st.program.params, st.params)):
         name = plan.graph[node].attrs["target"]

@@ -190,15 +190,16 @@ def test_each_new_rank_holds_its_slice_of_every_parameter_and_adam_moment(four_t
         assert st.losses == [0.0, 1.0]
 
 
-def test_a_rank_reads_only_the_old_files_its_slices_come_from(four_to_three):
-    old, new, root, _, _ = four_to_three
+def test_a_rank_reads_only_the_old_files_its_slices_come_from(four_to_three, monkeypatch):
+    _, new, root, _, _ = four_to_three
     marker = checkpoint.read_marker(root, 2)
-    table, olds = reshard.table_of(marker, new)
-    files = reshard.OldFiles(root, 2, marker, olds)
-    senders = {t.sender for t in table.for_receiver(2)}
-    for t in table.for_receiver(2):
-        files.tensor(t.sender, t.tensor)
-    assert set(files.opened) == senders
+    opened = []
+    real = reshard.OldFiles.state
+    monkeypatch.setattr(reshard.OldFiles, "state", lambda self, rank: opened.append(rank) or real(self, rank))
+    for rank in range(3):
+        opened.clear()
+        table = reshard.load_resharded(root, 2, marker, new, rank, setup_rank(new, rank, SEED, "adam", 0.01))
+        assert set(opened) == {t.sender for t in table.for_receiver(rank)}
 
 
 def test_another_models_checkpoint_is_refused_with_one_line(four_to_three, tmp_path):
@@ -317,3 +318,9 @@ def test_hap_replan_refuses_a_missing_plan_with_one_line(tmp_path, capfd):
     assert cli.main(["replan", str(tmp_path / "none.json"), "--cluster", str(write_cluster(tmp_path, 3))]) == 2
     err = capfd.readouterr().err
     assert err.count("\n") == 1 and "none.json' not found" in err
+
+
+def test_resharding_loads_rank_files_with_weights_only():
+    source = Path(reshard.__file__).read_text()
+    loads = [ln for ln in source.splitlines() if "torch.load(" in ln]
+    assert loads and all("weights_only=True" in ln for ln in loads)
