@@ -72,15 +72,19 @@ class ReplanReport:
                  f"{'does not fit' if self.old_program_s is None else f'{self.old_program_s * 1e3:.3f} ms'})",
                  "ratios (per segment):"]
         for name in dict.fromkeys([*self.ratios_before, *self.ratios_after]):
-            before, after = self.ratios_before.get(name), self.ratios_after.get(name)
-            show = lambda r: "-" if r is None else "/".join(f"{x:.3f}" for x in r)  # noqa: E731
-            lines.append(f"  {name:<16} {show(before):>20} -> {show(after)}")
+            before, after = _show(self.ratios_before.get(name)), _show(self.ratios_after.get(name))
+            lines.append(f"  {name:<16} {before:>20} -> {after}")
         lines.append(f"shardings changed: {len(self.shardings)}")
         lines += [f"  {c.name}: {c.before} -> {c.after}" for c in self.shardings]
         lines.append(f"state to move: {self.moved_bytes} bytes over links")
         for name in dict.fromkeys([*self.sent_bytes, *self.received_bytes]):
-            lines.append(f"  {name:<16} sends {self.sent_bytes.get(name, 0):>12}  receives {self.received_bytes.get(name, 0):>12}")
+            sent, received = self.sent_bytes.get(name, 0), self.received_bytes.get(name, 0)
+            lines.append(f"  {name:<16} sends {sent:>12}  receives {received:>12}")
         return "\n".join(lines)
+
+
+def _show(ratios: list[float] | None) -> str:
+    return "-" if ratios is None else "/".join(f"{x:.3f}" for x in ratios)
 
 
 @dataclass
@@ -116,7 +120,8 @@ def replan(old: Plan, cluster: Any, *, time_budget_s: float | None = None, optim
 
 def _seeded(old: Plan, cluster: Cluster, optimizer: str, time_budget_s: float | None,
             beam_width: int | None) -> tuple[Plan | None, float | None]:
-    """(the search seeded with the old Q at its re-balanced ratios, the old Q's own time there); None where nothing fits."""
+    """(the search seeded with the old Q at its re-balanced ratios, the old Q's own time there);
+    None where nothing fits."""
     graph, seg = old.graph, old.segmentation
     try:
         ratios = balance(old.program, graph, cluster, optimizer=optimizer, segmentation=seg).by_segment

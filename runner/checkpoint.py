@@ -14,8 +14,9 @@ counts only once its `COMPLETE` marker exists: rank 0 writes it after every rank
 file, so a run killed while saving leaves an incomplete folder that resume skips. Resume takes the
 newest complete checkpoint whose run key (model, program, shard sizes, seed, optimizer, lr, world
 size) matches this run; a checkpoint of another plan of the same model (other world size, ratios
-or shardings) is resharded on load (runner.reshard). Batches are a function of (seed, step) (`runner.train.make_batch`), so
-the resumed steps see the same data and the run ends exactly where an uninterrupted one would.
+or shardings) is resharded on load (runner.reshard). Batches are a function of (seed, step)
+(`runner.train.make_batch`), so the resumed steps see the same data and the run ends exactly
+where an uninterrupted one would.
 
 Files hold tensors and plain containers only (`torch.save`); they are loaded with
 `weights_only=True`, never unpickled as arbitrary objects. `D` must be on a file system every

@@ -281,7 +281,7 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
             if marker is not None and checkpoint.same_plan(marker, key):
                 marker = None
             if marker is not None:
-                reshard.table_of(marker, plan)  # a layout that does not fit this model is refused before any process group
+                reshard.table_of(marker, plan)  # a layout unfit for this model: refused before any process group
         return Inputs(plan, env, opened.cluster if opened else None, start, reshard_from=marker, scratch=scratch)
     except BaseException:
         if scratch:
