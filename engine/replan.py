@@ -23,7 +23,7 @@ from .errors import InfeasibleError, PlanError
 from .plan import Plan
 from .planner import DEFAULT_BEAM_WIDTH, plan as plan_model, plan_of
 from .program import LOAD
-from .reshard import FULL_DIM, Layout, ReshardTable, TensorMove, reshard_table
+from .reshard import FULL_DIM, Layout, Link, ReshardTable, TensorMove, reshard_table, switch_seconds
 from .synthesis import synthesize
 
 STATE_TENSORS = {"adam": 2, "sgd": 0, "none": 0}
@@ -60,6 +60,8 @@ class ReplanReport:
     """`fresh search` or `old program Q as incumbent`."""
     sent_bytes: dict[str, int] = field(default_factory=dict)
     received_bytes: dict[str, int] = field(default_factory=dict)
+    switch_s: float = 0.0
+    """Predicted seconds to move the state (engine.reshard.switch_seconds on the new cluster's links)."""
 
     @property
     def moved_bytes(self) -> int:
@@ -76,7 +78,8 @@ class ReplanReport:
             lines.append(f"  {name:<16} {before:>20} -> {after}")
         lines.append(f"shardings changed: {len(self.shardings)}")
         lines += [f"  {c.name}: {c.before} -> {c.after}" for c in self.shardings]
-        lines.append(f"state to move: {self.moved_bytes} bytes over links")
+        lines.append(f"state to move: {self.moved_bytes} bytes over links, about {self.switch_s * 1e3:.3f} ms "
+                     "(the busiest device; latencies ignored)")
         for name in dict.fromkeys([*self.sent_bytes, *self.received_bytes]):
             sent, received = self.sent_bytes.get(name, 0), self.received_bytes.get(name, 0)
             lines.append(f"  {name:<16} sends {sent:>12}  receives {received:>12}")
@@ -106,7 +109,8 @@ def replan(old: Plan, cluster: Any, *, time_budget_s: float | None = None, optim
         seeded.predicted_time_s < fresh.predicted_time_s * (1 - 1e-12) else ("fresh search", fresh)
     new = dataclasses.replace(new, search={**new.search, "optimizer": optimizer, "replan": {
         "from_cluster": old.cluster_name, "from_fingerprint": old.cluster_fingerprint, "chosen": chosen}})
-    table = switch_table(old, new, optimizer, cluster)
+    link = device_link(old.device_names, new.device_names, cluster)
+    table = switch_table(old, new, optimizer, link)
     report = ReplanReport(
         removed=[d for d in old.device_names if d not in new.device_names],
         added=[d for d in new.device_names if d not in old.device_names],
@@ -114,7 +118,8 @@ def replan(old: Plan, cluster: Any, *, time_budget_s: float | None = None, optim
         shardings=sharding_changes(old, new), time_before_s=old.predicted_time_s, time_after_s=new.predicted_time_s,
         old_program_s=old_q_s, chosen=chosen,
         sent_bytes={old.device_names[r]: b for r, b in enumerate(table.sent_bytes)},
-        received_bytes={new.device_names[r]: b for r, b in enumerate(table.received_bytes)})
+        received_bytes={new.device_names[r]: b for r, b in enumerate(table.received_bytes)},
+        switch_s=switch_seconds(table, link))
     return Replan(new, report, table)
 
 
@@ -166,15 +171,16 @@ def sharding_changes(old: Plan, new: Plan) -> list[ShardingChange]:
             if k in b and (_describe(a[k][1]) != _describe(b[k][1]))]
 
 
-def switch_table(old: Plan, new: Plan, optimizer: str, cluster: Cluster | None = None) -> ReshardTable:
-    """The resharding table of parameters and optimizer state from `old` to `new` (same model)."""
+def switch_table(old: Plan, new: Plan, optimizer: str, link: Link | None = None) -> ReshardTable:
+    """The resharding table of parameters and optimizer state from `old` to `new` (same model);
+    `link` defaults to `device_link` without a cluster (a device keeping its name copies locally)."""
     if old.model_fingerprint != new.model_fingerprint:
         raise PlanError("the two plans are of different models (their fingerprints differ): a switch keeps the model")
     a, b = param_layouts(old), param_layouts(new)
     moves = [TensorMove(f"{name}#{k}" if k else name, shape, lay, b[name][1], itemsize)
              for name, (shape, lay, itemsize) in a.items()
              for k in ["", *(f"state{j}" for j in range(STATE_TENSORS.get(optimizer, 0)))]]
-    return reshard_table(moves, device_link(old.device_names, new.device_names, cluster))
+    return reshard_table(moves, link or device_link(old.device_names, new.device_names, None))
 
 
 def device_link(old_names: list[str], new_names: list[str], cluster: Cluster | None):

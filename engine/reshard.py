@@ -118,6 +118,18 @@ class ReshardTable:
         return sum(self.sent_bytes)
 
 
+def switch_seconds(table: ReshardTable, link: Link) -> float:
+    """Predicted time of the switch: the busiest device's seconds of sending or of receiving, each
+    transfer at its link's bandwidth (links full duplex, latencies and contention ignored)."""
+    send = [0.0] * table.old_world
+    recv = [0.0] * table.new_world
+    for t in table.transfers:
+        if not t.local:
+            send[t.sender] += t.nbytes / link(t.sender, t.receiver)
+            recv[t.receiver] += t.nbytes / link(t.sender, t.receiver)
+    return max([*send, *recv], default=0.0)
+
+
 def same_rank(sender: int, receiver: int) -> float:
     """The default link: a rank keeps its own number across plans (a local copy), every other link alike."""
     return math.inf if sender == receiver else 1.0

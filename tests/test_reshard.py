@@ -6,7 +6,7 @@ import math
 import pytest
 
 from engine.errors import PlanError
-from engine.reshard import FULL_DIM, Layout, TensorMove, common_boxes, contains, numel, reshard_table
+from engine.reshard import FULL_DIM, Layout, TensorMove, common_boxes, contains, numel, reshard_table, switch_seconds
 
 
 def covered_exactly(move: TensorMove, table) -> None:
@@ -92,3 +92,16 @@ def test_bad_layouts_are_refused_by_name():
     with pytest.raises(PlanError, match="v: layouts over 3->2 ranks in a switch of 2->2"):
         reshard_table([TensorMove("w", (4,), Layout(2), Layout(2)), TensorMove("v", (4,), Layout(3), Layout(2))])
     assert FULL_DIM == -1
+
+
+def test_switch_seconds_is_the_busiest_device_at_its_links_bandwidth():
+    move = TensorMove("w", (10,), Layout(2, 0, (5, 5)), Layout(3, 0, (4, 3, 3)))
+
+    def link(s: int, r: int) -> float:
+        return math.inf if s == r else 4.0
+
+    table = reshard_table([move], link)
+    # rank 1 receives row 4 (from 0); rank 2 receives rows 7-10 (from 1): 3 rows * 4 bytes at 4 B/s
+    assert table.received_bytes == [0, 4, 12]
+    assert switch_seconds(table, link) == 3.0
+    assert switch_seconds(reshard_table([TensorMove("s", (), Layout(2), Layout(2))], link), link) == 0.0
