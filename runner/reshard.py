@@ -159,9 +159,9 @@ class OldFiles:
             except (pickle.UnpicklingError, RuntimeError, EOFError) as e:
                 raise CheckpointError(f"{path}: not a tensors-only rank file, refused without unpickling it "
                                       f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
-            if not isinstance(state, dict) or state.get("steps_done") != self.steps or \
-                    len(state.get("params", [])) != self.count:
-                raise CheckpointError(f"{path}: not the rank file of step {self.steps} with {self.count} parameters")
+            if not _well_formed(state, self.steps, self.count):
+                raise CheckpointError(f"{path}: not the rank file of step {self.steps} with {self.count} parameters, "
+                                      "their optimizer state, the losses so far and an RNG state")
             self.opened[rank] = state
         return self.opened[rank]
 
@@ -180,6 +180,16 @@ class OldFiles:
             raise CheckpointError(f"{rank_file(self.root, self.steps, rank)}: {name} is {got}, its layout says "
                                   f"{list(want)} (tampered checkpoint)")
         return t
+
+
+def _well_formed(state: Any, steps: int, count: int) -> bool:
+    """Whether a loaded rank file has the fields resharding reads, of the right kinds."""
+    if not isinstance(state, dict) or state.get("steps_done") != steps:
+        return False
+    params, opt, losses = state.get("params"), state.get("optimizer"), state.get("losses")
+    return (isinstance(params, list) and len(params) == count and isinstance(opt, dict)
+            and isinstance(opt.get("state"), dict) and all(isinstance(v, dict) for v in opt["state"].values())
+            and isinstance(losses, list) and len(losses) == steps and torch.is_tensor(state.get("rng")))
 
 
 def _within(box: Box, region: Box) -> tuple[slice, ...]:
