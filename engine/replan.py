@@ -206,3 +206,25 @@ def device_link(old_names: list[str], new_names: list[str], cluster: Cluster | N
 def _ratios_by_device(p: Plan) -> dict[str, list[float]]:
     rows = p.ratio_rows
     return {name: [row[j] for row in rows] for j, name in enumerate(p.device_names)}
+
+
+def without_devices(cluster: Any, names: list[str]) -> Cluster:
+    """`cluster` less the named devices (a failed GPU, a machine taken away), validated again."""
+    cluster = load_cluster(cluster)
+    unknown = [n for n in names if n not in {d.name for d in cluster.devices}]
+    if unknown:
+        raise PlanError(f"cluster '{cluster.name}' has no device {', '.join(map(repr, unknown))}; "
+                        f"its devices are {', '.join(d.name for d in cluster.devices)}")
+    if len(set(names)) >= cluster.num_devices:
+        raise PlanError(f"removing {', '.join(names)} leaves cluster '{cluster.name}' without devices")
+    d = cluster.to_dict()
+    d["devices"] = [dev for dev in d["devices"] if dev["name"] not in names]
+    return Cluster.from_dict(d)
+
+
+def with_device(cluster: Any, device: dict[str, Any]) -> Cluster:
+    """`cluster` with one more device (a dict in the cluster JSON's device form), validated again."""
+    cluster = load_cluster(cluster)
+    d = cluster.to_dict()
+    d["devices"] = [*d["devices"], dict(device)]
+    return Cluster.from_dict(d)

@@ -43,6 +43,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,7 +58,7 @@ from engine.cluster import Cluster
 from engine.errors import HapError
 from engine.plan import Plan
 
-from . import checkpoint, reshard
+from . import checkpoint, elastic, reshard
 from .failure import record_failure
 from .timing import Pacer, parse_speeds
 from .train import GRAD_SYNC, RankState, make_batch, setup_rank, train_step
@@ -111,6 +112,9 @@ class RunConfig:
     """Continue from the newest complete checkpoint in checkpoint_dir (from step 0 when there is none)."""
     device_check: str = "warn"
     """Bundles: a rank on another GPU type than its plan device is reported (`warn`), fatal (`error`) or not checked (`off`)."""
+    elastic: str | None = None
+    """Cluster spec JSON of the plan's devices: when a rank fails, `hap run` re-plans without its device and
+    continues from the newest complete checkpoint (runner.elastic); the ranks themselves ignore it."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -132,6 +136,8 @@ class RunConfig:
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
             what = "--resume" if self.resume else "--checkpoint-every"
             raise ValueError(f"{what} needs --checkpoint-dir DIR (where the checkpoints are)")
+        if self.elastic and not self.checkpoint_dir:
+            raise ValueError("--elastic needs --checkpoint-dir DIR (a failed job continues from its checkpoints)")
         if self.device_check not in DEVICE_CHECK:
             raise ValueError(f"--device-check must be {', '.join(DEVICE_CHECK)}, got '{self.device_check}'")
 
@@ -180,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest complete checkpoint in --checkpoint-dir (step 0 if none)")
     p.add_argument("--device-check", choices=list(DEVICE_CHECK), default="warn",
                    help="bundles: report (warn, default), refuse (error) or ignore (off) a rank on another GPU type than planned")
+    p.add_argument("--elastic", metavar="CLUSTER.json",
+                   help="when a rank fails, re-plan on this cluster without its device and continue from the newest checkpoint")
     return p
 
 
@@ -354,7 +362,12 @@ class MetricsFile:
         if not os.path.isfile(path):
             return b""
         lines = Path(path).read_bytes().splitlines(keepends=True)
-        return b"".join(ln for ln in lines if ln.strip() and json.loads(ln).get("step", keep_before) < keep_before)
+        return b"".join(ln for ln in lines if ln.strip() and MetricsFile._keep(json.loads(ln), keep_before))
+
+    @staticmethod
+    def _keep(record: dict, keep_before: int) -> bool:
+        """Step records of the steps before `keep_before`, and every event (an elastic switch)."""
+        return "event" in record or record.get("step", keep_before) < keep_before
 
     def write(self, record: dict) -> None:
         if self.fd is not None:
@@ -403,6 +416,7 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
                     grad_sync=cfg.grad_sync)
     if cfg.resume:
         agree_on_start(start, env.rank)
+    began = time.perf_counter()
     if start and reshard_from is not None:
         table = reshard.load_resharded(cfg.checkpoint_dir, start, reshard_from, plan, env.rank, st)
         if env.rank == 0:
@@ -412,6 +426,10 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
         checkpoint.load(cfg.checkpoint_dir, start, env.rank, st)
         if env.rank == 0:
             print(f"hap run: resuming from the checkpoint after step {start} in {cfg.checkpoint_dir}", flush=True)
+    if elastic.switching():
+        dist.barrier()  # the switch's reshard time is the slowest rank's
+        if env.rank == 0:
+            elastic.report_switch(metrics.write, time.perf_counter() - began)
     key = run_key(plan, cfg)
     pacer = make_pacer(cfg, env, device).install()
     try:
