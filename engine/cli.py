@@ -180,7 +180,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise _UsageError(f"--run-args {args.run_args!r}: {e}; quote it as one shell string") from None
     plan = Plan.from_json(args.plan)  # validated: an inconsistent plan is refused here
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
-                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args)
+                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args,
+                        annotations=args.annotations)
     for warning in plan_warnings(plan, args.cluster):
         print(f"warning: {warning}", file=sys.stderr)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -311,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--image", default="hap-workbench:latest", help="container image for the Kubernetes files")
     e.add_argument("--run-args", metavar="'OPTIONS'", help="runner options written into the Kubernetes files, "
                    "e.g. '--steps 1000 --checkpoint-dir /ckpt --checkpoint-every 100 --resume'")
+    e.add_argument("--annotations", action="store_true",
+                   help="also write hspmd_annotations.json: every tensor in Hetu's HSPMD terms (DG/DS union, HSize, HDim)")
     e.set_defaults(func=cmd_export)
     b = sub.add_parser("bundle", help="launch bundle tools")
     bsub = b.add_subparsers(dest="bundle_command", required=True)
