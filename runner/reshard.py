@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from engine.errors import PlanError
 from engine.plan import Plan
@@ -236,3 +237,55 @@ def _assemble(files: OldFiles, rows: list, region: Box, like: torch.Tensor) -> t
         src = files.tensor(t.sender, t.tensor)
         out[_within(t.box, region)] = src[_within(t.box, rec.layout.region(t.sender, rec.shape))]
     return out.to(like.device)
+
+
+# ----------------------------------------------------------------------------- online: point to point
+
+
+def plan_moves(old: Plan, new: Plan, state_keys: tuple[str, ...] = ()) -> list[TensorMove]:
+    """The table's tensors from `old` to `new` (same model): every parameter and, per key in
+    `state_keys` (e.g. Adam's exp_avg, exp_avg_sq), its optimizer state `<parameter>#<key>`."""
+    if old.model_fingerprint != new.model_fingerprint:
+        raise PlanError("the two plans are of different models (their fingerprints differ): a switch keeps the model")
+    before = {old.graph[n].attrs["target"]: new_layout(old, n, f) for n, f in _param_leaves(old)}
+    moves = []
+    for node, form in _param_leaves(new):
+        name, shape = new.graph[node].attrs["target"], tuple(new.graph[node].shape)
+        for suffix in ("", *(STATE_SEP + k for k in state_keys)):
+            moves.append(TensorMove(name + suffix, shape, before[name], new_layout(new, node, form)))
+    return moves
+
+
+def exchange(table: ReshardTable, moves: list[TensorMove], old_pieces: dict[str, torch.Tensor] | None,
+             rank: int, dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Online resharding over the current process group, where process p is old rank p (p < old world)
+    and new rank p (p < new world): each row of the table is sent once, point to point, by its
+    sender to its receiver (a copy when they are one process). `old_pieces` are this process's
+    pieces under the old plan (None: it is no old rank); returns its pieces under the new plan
+    (empty: it is no new rank). Every process walks the table in the same order, so the messages
+    between two processes pair up."""
+    by_name = {m.name: m for m in moves}
+    out = {m.name: torch.empty([b - a for a, b in m.new.region(rank, m.shape)], dtype=dtype)
+           for m in moves} if rank < table.new_world else {}
+    pending, received = [], []
+    for t in table.transfers:
+        m = by_name[t.tensor]
+        if t.sender == rank:
+            if old_pieces is None:
+                raise PlanError(f"process {rank} is old rank {rank} of the table but holds no old pieces")
+            piece = old_pieces[t.tensor][_within(t.box, m.old.region(rank, m.shape))]
+            if t.receiver == rank:
+                out[t.tensor][_within(t.box, m.new.region(rank, m.shape))] = piece
+            else:
+                sent = piece.contiguous()  # kept alive in `pending` until its send completes
+                pending.append((dist.isend(sent, t.receiver), sent))
+        elif t.receiver == rank:
+            buf = torch.empty([b - a for a, b in t.box], dtype=dtype)
+            pending.append((dist.irecv(buf, t.sender), buf))
+            received.append((t, buf))
+    for req, _ in pending:
+        req.wait()
+    for t, buf in received:
+        m = by_name[t.tensor]
+        out[t.tensor][_within(t.box, m.new.region(rank, m.shape))] = buf
+    return out
