@@ -67,3 +67,19 @@ def test_a_switch_between_plans_of_different_models_is_refused(mlp):
     with pytest.raises(engine.PlanError, match="different models"):
         switch_table(a, b, "sgd")
     assert switch_seconds(switch_table(a, a, "sgd"), device_link(a.device_names, a.device_names, None)) == 0.0
+
+
+def test_a_cluster_less_a_device_or_plus_one_is_validated_again():
+    from engine.errors import PlanError
+    from engine.replan import with_device, without_devices
+
+    c = engine.load_cluster(two_machines(["a", "b", "c"], [1e12] * 3))
+    assert [d.name for d in without_devices(c, ["b"]).devices] == ["a", "c"]
+    with pytest.raises(PlanError, match="has no device 'z'; its devices are a, b, c"):
+        without_devices(c, ["z"])
+    with pytest.raises(PlanError, match="without devices"):
+        without_devices(c, ["a", "b", "c"])
+    grown = with_device(c, {**c.devices[2].to_dict(), "name": "d"})
+    assert [d.name for d in grown.devices] == ["a", "b", "c", "d"] and grown.devices[3].machine == "m1"
+    with pytest.raises(engine.HapError, match="duplicate device name 'a'"):
+        with_device(c, c.devices[0].to_dict())  # a second device named 'a'
