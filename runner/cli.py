@@ -157,11 +157,11 @@ def first_failure(returncode: int, errors: str, output: str, command: str = "hap
 
 def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.launch", command: str = "hap run",
                  *, extra_env: dict[str, str] | None = None, drop_env: Sequence[str] = (),
-                 failed: list[int] | None = None) -> int:
+                 failed: list[tuple[int, int | None]] | None = None) -> int:
     """Start torchrun with `-m module argv`, relay its output, and explain a failure by naming the rank.
 
-    `extra_env`/`drop_env` adjust the ranks' environment; the rank that failed first, when known, is
-    appended to `failed` (runner.elastic re-plans without it)."""
+    `extra_env`/`drop_env` adjust the ranks' environment; (the rank that failed first, its exit code
+    or None), when the rank is known, is appended to `failed` (runner.elastic re-plans without it)."""
     errors = tempfile.mkdtemp(prefix=command.replace(" ", "-") + "-")
     env = {k: v for k, v in {**child_env(), **(extra_env or {}), ERRORS_ENV: errors}.items() if k not in drop_env}
     proc = subprocess.Popen(torchrun_command(world_size, argv, module), env=env, stderr=subprocess.PIPE,
@@ -195,7 +195,7 @@ def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.lau
         print("\n".join(failure_report(returncode, errors, output, command)), file=sys.stderr, flush=True)
         rank, _ = first_failure(returncode, errors, output, command)
         if failed is not None and rank is not None:
-            failed.append(rank)
+            failed.append((rank, dict(failed_ranks(output)).get(rank)))
     return returncode
 
 

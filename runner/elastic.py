@@ -41,6 +41,8 @@ from . import checkpoint
 SWITCH_ENV = "HAP_ELASTIC_SWITCH"
 """JSON of the switch a relaunched job continues after (set by the supervisor for the new ranks)."""
 EVENT = "elastic_switch"
+BAD_INPUT = 2
+"""A rank's exit status for inputs it refused (runner.launch.run): not a device failure."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,21 @@ def relaunch_argv(argv: Sequence[str], plan: str, new_plan: str, metrics: str, s
     return out + (["--speeds", speeds] if speeds else [])
 
 
+def no_switch(code: int, failed: tuple[int, int | None] | None, reached: int, steps: int, world: int) -> str | None:
+    """Why a finished launch is not followed by a switch (None: re-plan without the failed rank)."""
+    if code == 0:
+        return "the job succeeded"
+    if failed is None:
+        return "torchrun named no failed rank"
+    if failed[1] == BAD_INPUT:
+        return f"rank {failed[0]} refused its inputs (exit status {BAD_INPUT}), which is no device failure"
+    if reached >= steps:
+        return f"the failure came after the last step ({steps})"
+    if world == 1:
+        return "no device would be left"
+    return None
+
+
 def run_elastic(cfg: Any, argv: Sequence[str]) -> int:
     """Run the job; after each rank failure re-plan without its device and continue (see the module doc)."""
     from .cli import run_torchrun  # runner.cli imports this module lazily
@@ -136,14 +153,17 @@ def run_elastic(cfg: Any, argv: Sequence[str]) -> int:
     args, extra, drop = [*argv, "--metrics", metrics], {}, ()
     speeds = cfg.speeds.split(",") if cfg.speeds else None
     for number in range(1, plan.world_size + 1):
-        failed: list[int] = []
+        failed: list[tuple[int, int | None]] = []
         sys.stdout.flush()
         code = run_torchrun(plan.world_size, args, extra_env=extra, drop_env=drop, failed=failed)
         done = newest_checkpoint(cfg.checkpoint_dir)
         reached = done + steps_reached(metrics, done)
-        if code == 0 or not failed or reached >= cfg.steps or plan.world_size == 1:
+        why = no_switch(code, failed[0] if failed else None, reached, cfg.steps, plan.world_size)
+        if why:
+            if code != 0:
+                print(f"hap run: elastic: not re-planned: {why}", file=sys.stderr, flush=True)
             return code
-        rank = failed[0]
+        rank = failed[0][0]
         began = time.perf_counter()
         try:
             new = replan(plan, without_devices(cluster, [plan.device_names[rank]]), optimizer=cfg.optimizer).plan

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.plan import Plan
-from runner.elastic import EVENT, relaunch_argv, steps_reached
+from runner.elastic import EVENT, no_switch, relaunch_argv, steps_reached
 from runner.launch import FAULT_ENV, MetricsFile, RunConfig
 from runner.train import reference_run
 from runner.verify import TOLERANCE
@@ -83,3 +83,13 @@ def test_the_relaunch_runs_the_new_plan_resumed_with_the_survivors_speeds():
     argv = ["old.json", "--steps", "9", "--speeds", "1,1,0.5,0.5", "--elastic", "c.json"]
     out = relaunch_argv(argv, "old.json", "new.json", "m.jsonl", "1,1,0.5")
     assert out[0] == "new.json" and out[-5:] == ["--resume", "--metrics", "m.jsonl", "--speeds", "1,1,0.5"]
+
+
+def test_only_a_device_failure_before_the_last_step_is_followed_by_a_switch():
+    assert no_switch(1, (2, -9), 7, 20, 4) is None
+    assert no_switch(1, (2, 1), 7, 20, 4) is None  # an exception or exit in training: the device is dropped
+    assert "refused its inputs" in no_switch(1, (0, 2), 0, 20, 4)
+    assert "after the last step" in no_switch(1, (0, 1), 20, 20, 4)  # e.g. a failed --verify
+    assert "no device would be left" in no_switch(1, (0, -9), 3, 20, 1)
+    assert no_switch(0, None, 20, 20, 4) == "the job succeeded"
+    assert "named no failed rank" in no_switch(1, None, 3, 20, 4)
