@@ -338,7 +338,8 @@ def changed_cluster(cluster: Cluster, remove: list[str], add_copy_of: str | None
     if add_copy_of:
         template = next(d for d in cluster.devices if d.name == add_copy_of)
         taken = {d.name for d in out.devices}
-        name = next(f"{add_copy_of}-new{i or ''}" for i in range(len(taken) + 1) if f"{add_copy_of}-new{i or ''}" not in taken)
+        candidates = (f"{add_copy_of}-new{i or ''}" for i in range(len(taken) + 1))
+        name = next(n for n in candidates if n not in taken)
         out = with_device(out, {**template.to_dict(), "name": name})
     return out
 

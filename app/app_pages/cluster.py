@@ -88,7 +88,8 @@ else:
         st.dataframe(pd.DataFrame(ui.replan_ratio_rows(report)), hide_index=True, key="cluster.replan.ratios")
         st.markdown(f"**Shardings changed**: {len(report.shardings)}")
         if report.shardings:
-            st.dataframe(pd.DataFrame([vars(c) for c in report.shardings]), hide_index=True, key="cluster.replan.shardings")
+            st.dataframe(pd.DataFrame([vars(c) for c in report.shardings]), hide_index=True,
+                         key="cluster.replan.shardings")
         traffic = ui.replan_traffic_rows(report)
         st.markdown(f"**State to move**: {report.moved_bytes} bytes over links")
         st.dataframe(pd.DataFrame(traffic), hide_index=True, key="cluster.replan.traffic")

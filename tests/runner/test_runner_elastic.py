@@ -76,7 +76,8 @@ def test_a_resumed_metrics_file_keeps_earlier_steps_and_every_switch(tmp_path):
     path.write_text("".join(json.dumps(x) + "\n" for x in [{"step": 5, "rank": 0}, {"step": 6, "rank": 0},
                                                           {"event": EVENT, "number": 1}]))
     MetricsFile(str(path), 0, keep_before=6).close()
-    assert [json.loads(x) for x in path.read_text().splitlines()] == [{"step": 5, "rank": 0}, {"event": EVENT, "number": 1}]
+    kept = [json.loads(x) for x in path.read_text().splitlines()]
+    assert kept == [{"step": 5, "rank": 0}, {"event": EVENT, "number": 1}]
 
 
 def test_the_relaunch_runs_the_new_plan_resumed_with_the_survivors_speeds():

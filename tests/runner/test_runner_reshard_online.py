@@ -40,7 +40,8 @@ def switch_rank(rank: int, world: int, init_method: str, old, new) -> dict:
     pytest.param(lambda: sharded_plan("mlp", 4), lambda: sharded_plan("mlp", 3), id="4-to-3"),
     pytest.param(lambda: sharded_plan("mlp", 2), lambda: sharded_plan("mlp", 4), id="2-to-4"),
     pytest.param(lambda: plan_sharding_weights_on({"layers.0.weight": 0, "layers.1.weight": 1}, 2),
-                 lambda: plan_sharding_weights_on({"layers.0.weight": 1, "layers.1.weight": 0}, 3), id="rows-to-columns"),
+                 lambda: plan_sharding_weights_on({"layers.0.weight": 1, "layers.1.weight": 0}, 3),
+                 id="rows-to-columns"),
 ])
 def test_every_new_rank_receives_exactly_its_pieces_of_parameters_and_optimizer_state(old, new, tmp_path):
     old, new = old(), new()
