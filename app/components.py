@@ -427,3 +427,29 @@ def compare_chart(rows: list[dict[str, Any]]) -> alt.Chart:
         x=alt.X("predicted_ms:Q", title="ms"), y=alt.Y("strategy:N", sort=None),
         color=alt.condition(alt.datum.strategy == "Q+B+C", alt.value("#e45756"), alt.value("#4c78a8")),
         tooltip=["strategy", "what", "predicted_ms", "plan_speedup"]).properties(height=60 + 36 * len(df))
+
+
+def replan_ratio_rows(report: Any) -> list[dict[str, Any]]:
+    """One row per device: its ratios (per segment) before and after a re-plan ('-' where absent)."""
+    names = dict.fromkeys([*report.ratios_before, *report.ratios_after])
+    return [{"device": n, "before": _ratios_text(report.ratios_before.get(n)),
+             "after": _ratios_text(report.ratios_after.get(n)),
+             "change": "removed" if n in report.removed else "added" if n in report.added else ""} for n in names]
+
+
+def _ratios_text(ratios: list[float] | None) -> str:
+    return "-" if ratios is None else " / ".join(f"{x:.3f}" for x in ratios)
+
+
+def replan_traffic_rows(report: Any) -> list[dict[str, Any]]:
+    """Bytes each device sends and receives to switch to the new plan (parameters and optimizer state)."""
+    names = dict.fromkeys([*report.sent_bytes, *report.received_bytes])
+    return [{"device": n, "sends_bytes": report.sent_bytes.get(n, 0), "receives_bytes": report.received_bytes.get(n, 0)}
+            for n in names]
+
+
+def replan_traffic_chart(rows: list[dict[str, Any]]) -> alt.Chart:
+    long = [{"device": r["device"], "direction": d, "bytes": r[f"{d}_bytes"]} for r in rows for d in ("sends", "receives")]
+    return alt.Chart(pd.DataFrame(long)).mark_bar().encode(
+        x=alt.X("device:N", sort=None), xOffset="direction:N", y="bytes:Q", color="direction:N",
+        tooltip=["device", "direction", "bytes"]).properties(title="Bytes to move per device")

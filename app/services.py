@@ -321,3 +321,30 @@ def current() -> tuple[Graph, Cluster, Plan | None]:
 def show_error(e: HapError) -> None:
     """The engine's one-line message, never a traceback."""
     st.error(f"{type(e).__name__}: {e}")
+
+
+# ----------------------------------------------------------------------------- re-planning (issue 16)
+
+
+REPLAN = "cluster.replan"
+"""Session key of the last re-plan shown on the Cluster page: (plan key, new cluster fingerprint, Replan)."""
+
+
+def changed_cluster(cluster: Cluster, remove: list[str], add_copy_of: str | None) -> Cluster:
+    """`cluster` less the devices in `remove`, plus (optionally) a copy of device `add_copy_of` under a new name."""
+    from engine.replan import with_device, without_devices
+
+    out = without_devices(cluster, remove) if remove else cluster
+    if add_copy_of:
+        template = next(d for d in cluster.devices if d.name == add_copy_of)
+        taken = {d.name for d in out.devices}
+        candidates = (f"{add_copy_of}-new{i or ''}" for i in range(len(taken) + 1))
+        name = next(n for n in candidates if n not in taken)
+        out = with_device(out, {**template.to_dict(), "name": name})
+    return out
+
+
+@st.cache_data(show_spinner="Re-planning on the changed cluster ...", max_entries=16)
+def replan(key: str, cluster_fp: str, budget_s: float, _plan: Plan, _cluster: Cluster) -> Any:
+    """engine.replan of the plan on the changed cluster (cached on the plan's and the cluster's hashes)."""
+    return engine.replan(_plan, _cluster, time_budget_s=budget_s)

@@ -9,6 +9,7 @@ Public surface (scripts rely on these names):
     engine.evaluate(model, cluster, "dp-even" | "dp-proportional") -> Plan
     engine.Plan.from_json(text_or_path)                       (validated: PlanError naming the first problem)
     engine.validate_plan(plan_or_dict, cluster=None) -> warnings
+    engine.replan(old_plan, new_cluster) -> Replan (new plan, report of what changes, resharding table)
 
 The engine never imports Streamlit and never starts a process group.
 """
@@ -17,6 +18,7 @@ from .errors import ClusterError, HapError, InfeasibleError, ModelError, PlanErr
 from .graph import Graph, Node
 from .plan import Plan
 from .planner import evaluate, plan
+from .replan import replan
 from .synthesis import SearchProgress
 from .validate import validate_plan
 
@@ -31,5 +33,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["load_model", "load_cluster", "plan", "evaluate", "validate_plan", "Plan", "Graph", "Node", "Cluster",
+__all__ = ["load_model", "load_cluster", "plan", "evaluate", "replan", "validate_plan", "Plan", "Graph", "Node", "Cluster",
            "SearchProgress", "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError", "UnsupportedOpError"]

@@ -49,6 +49,8 @@ from .validate import validate_plan
 
 BUNDLE_SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
+ANNOTATIONS = "hspmd_annotations.json"
+"""The plan in Hetu's HSPMD vocabulary (`hap export --annotations`, engine.annotations)."""
 EXECUTABLE = ("launch_node.sh", "slurm.sbatch")
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "sample_clusters"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
@@ -198,8 +200,10 @@ def package_versions() -> dict[str, str]:
 
 def bundle_files(plan: Plan, cluster: Cluster, *, model_file: str | Path | None = None,
                  nodes: Sequence[LaunchNode] | None = None, rdzv_endpoint: str | None = None,
-                 image: str = DEFAULT_IMAGE, run_args: Sequence[str] = (), created: str | None = None) -> dict[str, bytes]:
-    """Every file of the bundle (path -> bytes), manifest included."""
+                 image: str = DEFAULT_IMAGE, run_args: Sequence[str] = (), created: str | None = None,
+                 annotations: bool = False) -> dict[str, bytes]:
+    """Every file of the bundle (path -> bytes), manifest included; `annotations` adds the plan's
+    HSPMD annotations (engine.annotations) as ANNOTATIONS."""
     nodes = launch_nodes(plan, cluster) if nodes is None else check_nodes(plan, cluster, nodes)
     endpoint = rdzv_endpoint or f"{nodes[0].machine}:{DEFAULT_RDZV_PORT}"
     gpus = any(d.gpu_model.strip().lower() != "cpu" for d in cluster.devices)
@@ -217,6 +221,10 @@ def bundle_files(plan: Plan, cluster: Cluster, *, model_file: str | Path | None 
                             f"({', '.join(str(n.nproc) for n in nodes)}); use launch_node.sh or slurm.sbatch"
         else:
             files[name] = text.encode()
+    if annotations:
+        from .annotations import annotations_json
+
+        files[ANNOTATIONS] = (json.dumps(annotations_json(plan), indent=1) + "\n").encode()
     files["README.md"] = readme_text(plan, cluster, nodes, s, skipped).encode()
     files[MANIFEST] = manifest_json(files, plan, cluster, nodes, created, source).encode()
     return files
@@ -262,7 +270,7 @@ def plan_warnings(plan: Plan, cluster: Cluster | str | Path | None) -> list[str]
 def export_bundle(plan: Plan | str | Path, cluster: Cluster | str | Path | None, out_dir: str | Path, *,
                   zip: bool = False, model_source: str | Path | None = None,
                   nodes: Sequence[LaunchNode] | None = None, rdzv_endpoint: str | None = None,
-                  image: str = DEFAULT_IMAGE, run_args: Sequence[str] = ()) -> Path:
+                  image: str = DEFAULT_IMAGE, run_args: Sequence[str] = (), annotations: bool = False) -> Path:
     """Write the bundle folder `out_dir` (and `out_dir`.zip with `zip=True`); returns the folder.
 
     `model_source` is a user's model file to ship (zoo plans carry their name and config);
@@ -272,7 +280,7 @@ def export_bundle(plan: Plan | str | Path, cluster: Cluster | str | Path | None,
     plan = validated(plan) if isinstance(plan, Plan) else Plan.from_json(plan)
     cl = find_cluster(plan, cluster)
     files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, rdzv_endpoint=rdzv_endpoint, image=image,
-                         run_args=run_args)
+                         run_args=run_args, annotations=annotations)
     out = Path(out_dir)
     if not out.name:  # '', '.' or '/': the bundle (and its zip) needs a folder name of its own
         raise BundleError(f"--out {str(out_dir)!r} names no new folder: give one, e.g. --out bundle")

@@ -136,6 +136,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replan(args: argparse.Namespace) -> int:
+    """`hap replan OLD.json --cluster NEW.json [--out NEW_PLAN.json]`: the same model on a changed cluster (engine.replan)."""
+    from .plan import Plan
+    from .replan import replan
+
+    old = Plan.from_json(args.plan)
+    result = replan(old, args.cluster, time_budget_s=args.time_budget, optimizer=args.optimizer)
+    if args.out:
+        result.plan.save(args.out)
+    print(result.report.render())
+    if args.out:
+        print(f"\nplan written to {args.out}")
+    return 0
+
+
 def cmd_capture(args: argparse.Namespace) -> int:
     graph = _load_graph(args)
     graph.save(args.out)
@@ -165,7 +180,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise _UsageError(f"--run-args {args.run_args!r}: {e}; quote it as one shell string") from None
     plan = Plan.from_json(args.plan)  # validated: an inconsistent plan is refused here
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
-                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args)
+                        rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args,
+                        annotations=args.annotations)
     for warning in plan_warnings(plan, args.cluster):
         print(f"warning: {warning}", file=sys.stderr)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -262,6 +278,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "
                         "'replicate' every such op, 'strict' none")
     p.set_defaults(func=cmd_plan)
+    rp = sub.add_parser("replan", help="plan an existing plan's model on a changed cluster and show what the switch moves")
+    rp.add_argument("plan", help="the old plan JSON (its model is embedded)")
+    rp.add_argument("--cluster", required=True, help="the new cluster spec JSON (devices removed, added or changed)")
+    rp.add_argument("--out", help="write the new plan JSON here")
+    rp.add_argument("--time-budget", type=limits.bounded_float(0, limits.MAX_TIME_BUDGET_S, "seconds", low_open=True),
+                    default=None, metavar="S", help="stop each search after S seconds")
+    rp.add_argument("--optimizer", choices=["adam", "sgd", "none"], default=None,
+                    help="optimizer state counted in memory and moved (default: the old plan's)")
+    rp.set_defaults(func=cmd_replan)
     c = sub.add_parser("capture", help="capture a model into a graph JSON file")
     c.add_argument("--model", required=True, help=MODEL_HELP)
     c.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
@@ -287,6 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--image", default="hap-workbench:latest", help="container image for the Kubernetes files")
     e.add_argument("--run-args", metavar="'OPTIONS'", help="runner options written into the Kubernetes files, "
                    "e.g. '--steps 1000 --checkpoint-dir /ckpt --checkpoint-every 100 --resume'")
+    e.add_argument("--annotations", action="store_true",
+                   help="also write hspmd_annotations.json: every tensor in Hetu's HSPMD terms (DG/DS union, HSize, HDim)")
     e.set_defaults(func=cmd_export)
     b = sub.add_parser("bundle", help="launch bundle tools")
     bsub = b.add_subparsers(dest="bundle_command", required=True)

@@ -135,25 +135,35 @@ def failure_report(returncode: int, errors: str, output: str, command: str = "ha
     (connection closed by peer), so that rank and its exit code are the news. Ranks torchrun itself
     stopped (SIGTERM) are not such news. torchrun's root cause is not enough alone: under load it
     may observe an echoing rank exit before the killed one."""
+    _, head = first_failure(returncode, errors, output, command)
+    log = write_log(errors, read_failures(errors), output)
+    return [head, f"{command}: every rank's traceback and torchrun's output are in {log}"]
+
+
+def first_failure(returncode: int, errors: str, output: str, command: str = "hap run") -> tuple[int | None, str]:
+    """(the rank that failed first or None when none is known, the line naming it); see failure_report."""
     found = read_failures(errors)
     recorded = {r.rank for r in found}
     silent = [(rank, code) for rank, code in failed_ranks(output)
               if rank not in recorded and code != -signal.SIGTERM]
     root = failed_rank(output)
     if silent:
-        head = describe_failure(returncode, output, command, root if root in silent else silent[0])
-    elif found:
-        head = found[0].headline(command)
-    else:
-        head = describe_failure(returncode, output, command)
-    log = write_log(errors, found, output)
-    return [head, f"{command}: every rank's traceback and torchrun's output are in {log}"]
+        first = root if root in silent else silent[0]
+        return first[0], describe_failure(returncode, output, command, first)
+    if found:
+        return found[0].rank, found[0].headline(command)
+    return None, describe_failure(returncode, output, command)
 
 
-def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.launch", command: str = "hap run") -> int:
-    """Start torchrun with `-m module argv`, relay its output, and explain a failure by naming the rank."""
+def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.launch", command: str = "hap run",
+                 *, extra_env: dict[str, str] | None = None, drop_env: Sequence[str] = (),
+                 failed: list[tuple[int, int | None]] | None = None) -> int:
+    """Start torchrun with `-m module argv`, relay its output, and explain a failure by naming the rank.
+
+    `extra_env`/`drop_env` adjust the ranks' environment; (the rank that failed first, its exit code
+    or None), when the rank is known, is appended to `failed` (runner.elastic re-plans without it)."""
     errors = tempfile.mkdtemp(prefix=command.replace(" ", "-") + "-")
-    env = {**child_env(), ERRORS_ENV: errors}
+    env = {k: v for k, v in {**child_env(), **(extra_env or {}), ERRORS_ENV: errors}.items() if k not in drop_env}
     proc = subprocess.Popen(torchrun_command(world_size, argv, module), env=env, stderr=subprocess.PIPE,
                             text=True, bufsize=1)
     relay = StderrRelay()
@@ -181,7 +191,11 @@ def run_torchrun(world_size: int, argv: Sequence[str], module: str = "runner.lau
               file=sys.stderr, flush=True)
         return 128 + stopped[0]
     if returncode != 0:
-        print("\n".join(failure_report(returncode, errors, "".join(relay.lines), command)), file=sys.stderr, flush=True)
+        output = "".join(relay.lines)
+        print("\n".join(failure_report(returncode, errors, output, command)), file=sys.stderr, flush=True)
+        rank, _ = first_failure(returncode, errors, output, command)
+        if failed is not None and rank is not None:
+            failed.append((rank, dict(failed_ranks(output)).get(rank)))
     return returncode
 
 
@@ -189,6 +203,10 @@ def main(argv: Sequence[str]) -> int:
     cfg = launch.parse_args(argv)
     if under_launcher():  # this process is one rank; it exits here (see launch.exit_process)
         launch.exit_process(launch.main(argv))
+    if cfg.elastic:
+        from .elastic import run_elastic  # the supervisor imports this module
+
+        return run_elastic(cfg, argv)
     scratch = None
     try:
         plan_path, opened, scratch = launch.open_source(cfg.plan)

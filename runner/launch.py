@@ -43,6 +43,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,7 +58,7 @@ from engine.cluster import Cluster
 from engine.errors import HapError
 from engine.plan import Plan
 
-from . import checkpoint
+from . import checkpoint, elastic, reshard
 from .failure import record_failure
 from .timing import Pacer, parse_speeds
 from .train import GRAD_SYNC, RankState, make_batch, setup_rank, train_step
@@ -111,6 +112,9 @@ class RunConfig:
     """Continue from the newest complete checkpoint in checkpoint_dir (from step 0 when there is none)."""
     device_check: str = "warn"
     """Bundles: a rank on another GPU type than its plan device is reported (`warn`), fatal (`error`) or not checked (`off`)."""
+    elastic: str | None = None
+    """Cluster spec JSON of the plan's devices: when a rank fails, `hap run` re-plans without its device and
+    continues from the newest complete checkpoint (runner.elastic); the ranks themselves ignore it."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -132,6 +136,8 @@ class RunConfig:
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
             what = "--resume" if self.resume else "--checkpoint-every"
             raise ValueError(f"{what} needs --checkpoint-dir DIR (where the checkpoints are)")
+        if self.elastic and not self.checkpoint_dir:
+            raise ValueError("--elastic needs --checkpoint-dir DIR (a failed job continues from its checkpoints)")
         if self.device_check not in DEVICE_CHECK:
             raise ValueError(f"--device-check must be {', '.join(DEVICE_CHECK)}, got '{self.device_check}'")
 
@@ -180,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest complete checkpoint in --checkpoint-dir (step 0 if none)")
     p.add_argument("--device-check", choices=list(DEVICE_CHECK), default="warn",
                    help="bundles: report (warn, default), refuse (error) or ignore (off) a rank on another GPU type than planned")
+    p.add_argument("--elastic", metavar="CLUSTER.json",
+                   help="when a rank fails, re-plan on this cluster without its device and continue from the newest checkpoint")
     return p
 
 
@@ -220,6 +228,8 @@ class Inputs:
     """The bundle's cluster (GPU type of every rank); None for a bare plan file."""
     start_step: int = 0
     """Steps already done by the checkpoint `--resume` continues from."""
+    reshard_from: dict | None = None
+    """The COMPLETE marker of that checkpoint when another plan wrote it (resharded on load, runner.reshard)."""
     scratch: str | None = None
     """Temporary folder a bundle zip was extracted to (removed at the end)."""
 
@@ -271,11 +281,16 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
         for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
-        start = 0
+        start, marker = 0, None
         if cfg.resume:
-            found = checkpoint.latest_complete(cfg.checkpoint_dir, run_key(plan, cfg), env.rank)
-            start = found or 0
-        return Inputs(plan, env, opened.cluster if opened else None, start, scratch)
+            key = run_key(plan, cfg)
+            start = checkpoint.latest_complete(cfg.checkpoint_dir, key, env.rank, other_plans=True) or 0
+            marker = checkpoint.read_marker(cfg.checkpoint_dir, start) if start else None
+            if marker is not None and checkpoint.same_plan(marker, key):
+                marker = None
+            if marker is not None:
+                reshard.table_of(marker, plan)  # a layout unfit for this model: refused before any process group
+        return Inputs(plan, env, opened.cluster if opened else None, start, reshard_from=marker, scratch=scratch)
     except BaseException:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -347,7 +362,12 @@ class MetricsFile:
         if not os.path.isfile(path):
             return b""
         lines = Path(path).read_bytes().splitlines(keepends=True)
-        return b"".join(ln for ln in lines if ln.strip() and json.loads(ln).get("step", keep_before) < keep_before)
+        return b"".join(ln for ln in lines if ln.strip() and MetricsFile._keep(json.loads(ln), keep_before))
+
+    @staticmethod
+    def _keep(record: dict, keep_before: int) -> bool:
+        """Step records of the steps before `keep_before`, and every event (an elastic switch)."""
+        return "event" in record or record.get("step", keep_before) < keep_before
 
     def write(self, record: dict) -> None:
         if self.fd is not None:
@@ -391,15 +411,25 @@ def checkpoint_due(cfg: RunConfig, steps_done: int) -> bool:
 
 
 def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metrics: MetricsFile,
-          start: int = 0) -> RankState:
+          start: int = 0, reshard_from: dict | None = None) -> RankState:
     st = setup_rank(plan, env.rank, cfg.seed, cfg.optimizer, cfg.lr, device=device, probes=cfg.timing,
                     grad_sync=cfg.grad_sync)
     if cfg.resume:
         agree_on_start(start, env.rank)
-    if start:
+    began = time.perf_counter()
+    if start and reshard_from is not None:
+        table = reshard.load_resharded(cfg.checkpoint_dir, start, reshard_from, plan, env.rank, st)
+        if env.rank == 0:
+            print(f"hap run: resharded the checkpoint after step {start} in {cfg.checkpoint_dir} from "
+                  f"{table.old_world} to {table.new_world} ranks ({table.moved_bytes} bytes between ranks)", flush=True)
+    elif start:
         checkpoint.load(cfg.checkpoint_dir, start, env.rank, st)
         if env.rank == 0:
             print(f"hap run: resuming from the checkpoint after step {start} in {cfg.checkpoint_dir}", flush=True)
+    if elastic.switching():
+        dist.barrier()  # the switch's reshard time is the slowest rank's
+        if env.rank == 0:
+            elastic.report_switch(metrics.write, time.perf_counter() - began)
     key = run_key(plan, cfg)
     pacer = make_pacer(cfg, env, device).install()
     try:
@@ -412,7 +442,8 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
             if env.rank == 0:
                 print(f"step {step:4d}  loss {loss:.6f}  {st.step_times[-1] * 1e3:8.2f} ms", flush=True)
             if checkpoint_due(cfg, step + 1):
-                checkpoint.save(cfg.checkpoint_dir, key, st, env.rank, step + 1, dist.barrier)
+                checkpoint.save(cfg.checkpoint_dir, key, st, env.rank, step + 1, dist.barrier,
+                                layout=reshard.layout_of(plan, st) if env.rank == 0 else None)
     finally:
         pacer.uninstall()
     return st
@@ -466,7 +497,7 @@ def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str |
         if env.rank == 0:
             print(f"hap run: {plan.strategy} plan of {plan.graph.name} on {env.world_size} ranks ({backend}), "
                   f"{cfg.steps} steps, {cfg.optimizer} lr {cfg.lr}", flush=True)
-        st = train(plan, cfg, env, device, metrics, inputs.start_step)
+        st = train(plan, cfg, env, device, metrics, inputs.start_step, inputs.reshard_from)
         return verify(plan, cfg, st, env.rank, device)
     except checkpoint.CheckpointError as e:
         record_failure(env.rank, e)

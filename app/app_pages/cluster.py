@@ -50,3 +50,51 @@ cluster = st.session_state[services.Keys.CLUSTER]
 st.graphviz_chart(ui.cluster_dot(cluster), width="stretch")
 st.dataframe(pd.DataFrame([{"collective": k, "latency_s": f.latency_s, "bandwidth_Bps": f.bandwidth_Bps}
                            for k, f in cluster.collectives.items()]), hide_index=True)
+
+st.subheader("Re-plan on a changed cluster")
+st.caption("Remove devices or add one (a copy of an existing device) and see what the engine's re-plan "
+           "(engine.replan, `hap replan`) changes, and what the switch must move.")
+graph, cluster, plan = services.current()
+if plan is None or not services.plan_matches(plan, graph, cluster):
+    st.info("Plan the current model on this cluster first (Search page): the re-plan starts from that plan.")
+else:
+    names = [d.name for d in cluster.devices]
+    remove = st.multiselect("Remove devices", names, key="cluster.replan.remove")
+    add = st.selectbox("Add a copy of device", ["(none)", *names], key="cluster.replan.add")
+    try:
+        changed = services.changed_cluster(cluster, remove, None if add == "(none)" else add)
+    except HapError as e:
+        services.show_error(e)
+        changed = None
+    if changed is not None and st.button("Re-plan", key="cluster.replan.run", disabled=changed == cluster):
+        try:
+            result = services.replan(services.plan_key(plan), changed.fingerprint(),
+                                     st.session_state[services.Keys.BUDGET], plan, changed)
+            st.session_state[services.REPLAN] = (services.plan_key(plan), changed.fingerprint(), result, changed)
+        except HapError as e:
+            services.show_error(e)
+    shown = st.session_state.get(services.REPLAN)
+    if shown and changed is not None and shown[:2] == (services.plan_key(plan), changed.fingerprint()):
+        _, _, result, new_cluster = shown
+        report = result.report
+        before, after, switch = st.columns(3)
+        before.metric("predicted step, before", ui.ms(report.time_before_s))
+        after.metric("predicted step, after", ui.ms(report.time_after_s),
+                     delta=ui.ms(report.time_after_s - report.time_before_s), delta_color="inverse")
+        switch.metric("predicted switch", ui.ms(report.switch_s), help="the busiest device at its links' bandwidth")
+        st.caption(f"chosen: {report.chosen}; devices removed: {', '.join(report.removed) or '-'}; "
+                   f"added: {', '.join(report.added) or '-'}")
+        st.markdown("**Ratios** (per segment)")
+        st.dataframe(pd.DataFrame(ui.replan_ratio_rows(report)), hide_index=True, key="cluster.replan.ratios")
+        st.markdown(f"**Shardings changed**: {len(report.shardings)}")
+        if report.shardings:
+            st.dataframe(pd.DataFrame([vars(c) for c in report.shardings]), hide_index=True,
+                         key="cluster.replan.shardings")
+        traffic = ui.replan_traffic_rows(report)
+        st.markdown(f"**State to move**: {report.moved_bytes} bytes over links")
+        st.dataframe(pd.DataFrame(traffic), hide_index=True, key="cluster.replan.traffic")
+        st.altair_chart(ui.replan_traffic_chart(traffic), width="stretch")
+        if st.button("Use the new cluster and plan", key="cluster.replan.use"):
+            st.session_state[services.Keys.PLAN] = result.plan
+            st.session_state[services.Keys.BASE] = new_cluster
+            services.set_cluster(new_cluster, f"{cluster.name} (re-planned)")
