@@ -27,6 +27,7 @@ time (c is then the window's wall time, and the pad (1/f - 1) c).
 """
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -42,7 +43,8 @@ _active: "Pacer | None" = None
 class Pacer:
     """Timeline recorder and speed emulator of one rank for one run; `install()` it before training."""
 
-    def __init__(self, speed: float = 1.0, *, record: bool = False, sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, speed: float = 1.0, *, record: bool = False, sync: Callable[[], None] | None = None,
+                 device: "threading.Lock | None" = None) -> None:
         if not 0 < speed <= 1:
             raise ValueError(f"speed factor must be in (0, 1], got {speed}")
         self.speed, self.stretch, self.record = speed, 1.0 / speed - 1.0, record
@@ -53,8 +55,22 @@ class Pacer:
         self._t0 = self._open = time.perf_counter()
         self._start_window()
         self._owner = OTHER
+        self._halves: list[dict[str, Any]] = []
         self.last: dict[str, Any] = {}
         """The summary of the last finished step (`end_step`)."""
+        self.device = device
+        self._holding = False
+        """Duplex: the rank's one device, shared by the pacers of its two half-batch streams. A
+        stream holds it while it computes (and while it pays its emulated time) and lets it go
+        for each collective, so the halves' computations take turns, as on one GPU, and one's
+        communication overlaps the other's computation. Waiting for it counts as comm."""
+
+    def half(self) -> "Pacer":
+        """A pacer for one duplex stream of this rank: same speed and recording, and the rank's
+        device lock (made on the first call)."""
+        if self.device is None:
+            self.device = threading.Lock()
+        return Pacer(self.speed, record=self.record, sync=self.sync, device=self.device)
 
     def install(self) -> "Pacer":
         global _active
@@ -72,7 +88,40 @@ class Pacer:
         self._sync()
         self.phase, self.segments, self._owner = "fwd", [], OTHER
         self.totals = dict.fromkeys(self.totals, 0.0)
+        self._halves: list[dict[str, Any]] = []
         self._t0 = self._open = time.perf_counter()
+        self._start_window()
+
+    def hold_device(self) -> None:
+        """A duplex stream (re)starts computing: wait for the device (the wait counts as comm)."""
+        self._close("compute", self._owner)
+        self._acquire()
+        self._close("comm", "(device busy)")
+        self._start_window()
+
+    def pause_device(self) -> None:
+        """A duplex stream stops computing for a while: pay its emulated time, let the device go."""
+        self._pay()
+        self._close("compute", self._owner)
+        self.release_device()
+
+    def release_device(self) -> None:
+        """Let the device go (a no-op when this stream does not hold it)."""
+        if self._holding:
+            self._holding = False
+            self.device.release()
+
+    def _acquire(self) -> None:
+        if self.device is not None:
+            self.device.acquire()
+            self._holding = True
+
+    def absorb(self, label: str, halves: "list[Pacer]") -> None:
+        """The duplex halves just ran on other threads: record their wall time as one segment
+        (their own totals go into this step's summary, `end_step`) and restart the window, so this
+        thread pays no emulated time for computation it did not do."""
+        self._close("compute", label)
+        self._halves = [h.last for h in halves]
         self._start_window()
 
     def set_phase(self, phase: str) -> None:
@@ -86,6 +135,8 @@ class Pacer:
         out: dict[str, Any] = {f"{k}_s": v for k, v in self.totals.items()}
         if self.record:
             out["timeline"] = self.segments
+        if self._halves:
+            out["halves"] = self._halves
         self.last = out
         return out
 
@@ -94,9 +145,13 @@ class Pacer:
     def comm(self, name: str, tag: str) -> Iterator[None]:
         self._pay()
         self._close("compute", self._owner)
+        held = self._holding
+        self.release_device()
         try:
             yield
         finally:
+            if held:
+                self._acquire()
             self._close("comm", f"{name}({tag})" if tag else name)
             self._owner = OTHER
             self._start_window()
@@ -149,14 +204,16 @@ class _Probe(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, label: str) -> torch.Tensor:
         ctx.label = label
-        if _active is not None:
-            _active.instruction_done(label)
+        pacer = collectives.current_observer() or _active
+        if pacer is not None:
+            pacer.instruction_done(label)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        if _active is not None:
-            _active.instruction_backward(ctx.label)
+        pacer = collectives.current_observer() or _active
+        if pacer is not None:
+            pacer.instruction_backward(ctx.label)
         return g, None
 
 
