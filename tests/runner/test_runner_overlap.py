@@ -69,14 +69,15 @@ def test_overlapped_plan_trains_like_one_device_and_like_no_overlap(mode, model,
 
 
 def test_duplex_draws_the_whole_batch_dropout_masks(tmp_path):
-    """Dropout on in GPT (embeddings, attention, residuals): each half draws its rows of the whole
-    batch's masks, so duplex still equals one device."""
-    g = engine.load_model("zoo:gpt", **{**MODELS["gpt"], "dropout": 0.2})
+    """Dropout on in BERT (embeddings, attention probabilities, residuals): each half draws its rows
+    of the whole batch's masks, so duplex still equals one device."""
+    g = engine.load_model("zoo:bert", **{**MODELS["bert"], "dropout": 0.2})
     check_overlap_trains_the_same(engine.plan(g, cluster(3), optimizer="sgd"), "duplex", tmp_path)
 
 
 def test_duplex_refuses_training_mode_batch_norm_in_one_line():
-    g = engine.load_model("zoo:vgg19", batch=4, image_size=32, width=4, classes=3, batch_norm=True)
+    g = engine.load_model("zoo:vgg19", batch=4, image_size=32, width=0.0625, hidden=16, classes=3,
+                          batch_norm=True)
     plan = dataclasses.replace(engine.evaluate(g, cluster(2), "dp-even", optimizer="sgd"), overlap="duplex")
     with pytest.raises(PlanError, match="batch norm") as e:
         setup_rank(plan, 0, seed=0)
