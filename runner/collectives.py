@@ -73,7 +73,7 @@ def run_collective(name: str, tag: str, fn, *args):
     observer = getattr(_stream, "observer", None) or _observer
     if observer is None:
         return fn(*args)
-    with observer.comm(name, tag):
+    with observer.comm(name, tag, args):
         return fn(*args)
 
 

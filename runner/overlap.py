@@ -20,6 +20,7 @@ have its gradients) and so does each wait: time spent waiting for a bucket shows
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ class Bucket:
     pending: int = 0
     flat: torch.Tensor | None = None
     work: object | None = None
+    launched: float = 0.0
 
 
 @dataclass
@@ -102,6 +104,7 @@ class GradBuckets:
         if k == len(self.buckets) - 1 and self.loss is not None:
             grads.append(self.loss.reshape(-1))
         b.flat = torch.cat(grads)
+        b.launched = time.perf_counter()
         b.work = run_collective("all_reduce.launch", f"bucket{k}", dist.all_reduce, b.flat, dist.ReduceOp.SUM,
                                 self.group, True)
         self.next_launch = k + 1
@@ -111,7 +114,7 @@ class GradBuckets:
         while self.next_launch < len(self.buckets):
             self._launch(self.next_launch)
         for k, b in enumerate(self.buckets):
-            run_collective("all_reduce", f"bucket{k}", b.work.wait)
+            run_collective("all_reduce.wait", f"bucket{k}", _wait, b.work, b.flat, b.launched)
             pieces = torch.split(b.flat, [self.params[i].numel() for i in b.members] + ([1] if self._carries_loss(k) else []))
             for i, piece in zip(b.members, pieces):
                 self.params[i].grad.copy_(piece.view_as(self.params[i]))
@@ -124,3 +127,8 @@ class GradBuckets:
 
     def _carries_loss(self, k: int) -> bool:
         return self.loss is not None and k == len(self.buckets) - 1
+
+
+def _wait(work, flat: torch.Tensor, launched: float) -> None:
+    """Wait for a bucket's all-reduce (the flat bucket and its launch time are for the pacer)."""
+    work.wait()

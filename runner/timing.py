@@ -27,6 +27,7 @@ time (c is then the window's wall time, and the pad (1/f - 1) c).
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from contextlib import contextmanager
@@ -44,7 +45,7 @@ class Pacer:
     """Timeline recorder and speed emulator of one rank for one run; `install()` it before training."""
 
     def __init__(self, speed: float = 1.0, *, record: bool = False, sync: Callable[[], None] | None = None,
-                 device: "threading.Lock | None" = None) -> None:
+                 device: "threading.Lock | None" = None, link: "EmulatedLink | None" = None) -> None:
         if not 0 < speed <= 1:
             raise ValueError(f"speed factor must be in (0, 1], got {speed}")
         self.speed, self.stretch, self.record = speed, 1.0 / speed - 1.0, record
@@ -60,6 +61,8 @@ class Pacer:
         """The summary of the last finished step (`end_step`)."""
         self.device = device
         self._holding = False
+        self.link = link
+        """Emulated network (`EmulatedLink`): every collective lasts at least its fitted time."""
         """Duplex: the rank's one device, shared by the pacers of its two half-batch streams. A
         stream holds it while it computes (and while it pays its emulated time) and lets it go
         for each collective, so the halves' computations take turns, as on one GPU, and one's
@@ -70,7 +73,7 @@ class Pacer:
         device lock (made on the first call)."""
         if self.device is None:
             self.device = threading.Lock()
-        return Pacer(self.speed, record=self.record, sync=self.sync, device=self.device)
+        return Pacer(self.speed, record=self.record, sync=self.sync, device=self.device, link=self.link)
 
     def install(self) -> "Pacer":
         global _active
@@ -142,14 +145,18 @@ class Pacer:
 
     # --- events -----------------------------------------------------------------------------
     @contextmanager
-    def comm(self, name: str, tag: str) -> Iterator[None]:
+    def comm(self, name: str, tag: str, args: tuple = ()) -> Iterator[None]:
+        """One collective (`args`: its arguments, which an emulated link prices)."""
         self._pay()
         self._close("compute", self._owner)
         held = self._holding
         self.release_device()
+        start = time.perf_counter()
         try:
             yield
         finally:
+            if self.link is not None:
+                self.link.pad(name, args, start)
             if held:
                 self._acquire()
             self._close("comm", f"{name}({tag})" if tag else name)
@@ -196,6 +203,46 @@ class Pacer:
             self.segments.append({"phase": self.phase, "kind": kind, "name": name,
                                   "start_s": self._open - self._t0, "s": dur})
         self._open = now
+
+
+class EmulatedLink:
+    """A slower network on one box (benches): each collective is padded by sleeping until it has
+    lasted `latency + payload / bandwidth` of the cluster's fit for it (engine.cluster payloads:
+    the whole tensor for all-reduce, the largest shard for all-gather, reduce-scatter and
+    all-to-all, one broadcast per shard for a grouped all-gather). A gradient bucket launched
+    asynchronously is padded when it is waited for: it ends no earlier than its launch, or the
+    end of the bucket before it on the link, plus its time."""
+
+    def __init__(self, cluster: Any) -> None:
+        from engine import load_cluster
+
+        self.cluster = load_cluster(cluster)
+        self.bucket_end = 0.0
+
+    def seconds(self, name: str, args: tuple) -> float:
+        """The fitted time of the collective `name` on these arguments (runner.collectives' calls)."""
+        fits = self.cluster.collectives
+        x = args[0]
+        if name == "all_reduce":
+            return fits["all_reduce"].time(x.numel() * x.element_size())
+        kind = name.split(".")[0]
+        dim, sizes = args[1], (args[3] if kind == "all_to_all" else args[2])
+        row = x.element_size() * math.prod(s for d, s in enumerate(x.shape) if d != dim)
+        if name == "all_gather.grouped":
+            return sum(fits["broadcast"].time(row * s) for s in sizes if s > 0)
+        return fits["all_to_all" if kind == "resplit" else kind].time(row * max(sizes))
+
+    def pad(self, name: str, args: tuple, start: float) -> None:
+        now = time.perf_counter()
+        if name.endswith(".launch"):
+            return
+        if name.endswith(".wait"):  # (work, flat bucket, launch time)
+            end = max(args[2], self.bucket_end) + self.seconds("all_reduce", (args[1],))
+            self.bucket_end = end
+        else:
+            end = start + self.seconds(name, args)
+        if end > now:
+            time.sleep(end - now)
 
 
 class _Probe(torch.autograd.Function):
