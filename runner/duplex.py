@@ -158,10 +158,12 @@ def run_halves(halves: list[HalfStream], params: list[torch.nn.Parameter], args:
     results: list = [None, None]
     errors: list[BaseException] = []
     both_forward = threading.Barrier(2)
+    intra_op = torch.get_num_threads()
 
     def stream_of(h: int) -> None:
         pacer = pacers[h]
         try:
+            torch.set_num_threads(intra_op)  # OpenMP's thread count is per thread: a new one gets the default
             with stream(halves[h].group, pacer), factory():
                 pacer.begin_step()
                 pacer.hold_device()
