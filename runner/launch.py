@@ -59,6 +59,7 @@ from engine.plan import Plan
 
 from . import checkpoint
 from .failure import record_failure
+from .duplex import check_duplex
 from .timing import EmulatedLink, Pacer, parse_speeds
 from .train import GRAD_SYNC, RankState, make_batch, setup_rank, train_step
 from .verify import verify
@@ -211,6 +212,8 @@ def load_plan(path: str, world_size: int, model_file: str | Path | None = None) 
                          f"WORLD_SIZE={world_size}; launch {plan.world_size} processes "
                          f"(e.g. torchrun --nproc-per-node={plan.world_size}) or plan for {world_size} devices")
     source.check_rebuildable(plan.graph.origin)
+    if plan.overlap == "duplex":
+        check_duplex(plan)
     return plan
 
 
@@ -273,6 +276,11 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
         plan = load_plan(plan_path, world_size, bundle.model_file_of(opened) if opened else None)
         if cfg.speeds:
             parse_speeds(cfg.speeds, world_size)
+        if cfg.grad_sync != "bucket" and plan.overlap != "none":
+            raise ValueError(f"--grad-sync {cfg.grad_sync} is for plans without overlap; this plan's overlap is "
+                             f"'{plan.overlap}', which sets how gradients are all-reduced")
+        if cfg.emulate_link:
+            EmulatedLink(cfg.emulate_link)  # a bad cluster file stops here, not in every rank
         for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")

@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from engine.overlap import grad_buckets
 from engine.plan import Plan
+from engine.theory.core import FULL
 
 from .collectives import run_collective
 from .program import RankProgram
-from engine.theory.core import FULL
 
 
 @dataclass

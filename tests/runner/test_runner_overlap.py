@@ -17,13 +17,14 @@ import pytest
 import torch
 
 import engine
-from conftest import ROOT, sample_path
-from dist_harness import init_gloo, run_ranks
+from conftest import sample_path
+from dist_harness import run_ranks
 from engine.errors import PlanError
-from runner.launch import DistEnv, RunConfig, run
+from runner.launch import DistEnv, RunConfig, load_plan, run
+from runner.timing import EmulatedLink
 from runner.train import reference_run, setup_rank
 from runner.verify import TOLERANCE, compare
-from runner_plans import MODELS, cluster, engine_plan, graph
+from runner_plans import MODELS, cluster, engine_plan
 from test_runner_cli import hap
 
 STEPS = 3
@@ -75,13 +76,16 @@ def test_duplex_draws_the_whole_batch_dropout_masks(tmp_path):
     check_overlap_trains_the_same(engine.plan(g, cluster(3), optimizer="sgd"), "duplex", tmp_path)
 
 
-def test_duplex_refuses_training_mode_batch_norm_in_one_line():
+def test_duplex_refuses_training_mode_batch_norm_in_one_line_before_any_rank_starts(tmp_path):
     g = engine.load_model("zoo:vgg19", batch=4, image_size=32, width=0.0625, hidden=16, classes=3,
                           batch_norm=True)
     plan = dataclasses.replace(engine.evaluate(g, cluster(2), "dp-even", optimizer="sgd"), overlap="duplex")
+    plan.save(tmp_path / "plan.json")
     with pytest.raises(PlanError, match="batch norm") as e:
-        setup_rank(plan, 0, seed=0)
+        load_plan(str(tmp_path / "plan.json"), 2)
     assert "\n" not in str(e.value)
+    with pytest.raises(PlanError, match="batch norm"):  # and the rank itself, should it be started anyway
+        setup_rank(plan, 0, seed=0)
 
 
 def test_hap_run_verifies_a_duplex_plan_on_cpu_4_uneven(tmp_path):
@@ -91,3 +95,24 @@ def test_hap_run_verifies_a_duplex_plan_on_cpu_4_uneven(tmp_path):
     r = hap("run", str(tmp_path / "plan.json"), "--steps", "5", "--verify", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verify: OK" in r.stdout
+
+
+def test_emulated_link_prices_each_collective_as_the_cluster_fits_do():
+    """`--emulate-link`: the payload of each collective is the engine's (engine.cluster): the whole
+    tensor for all-reduce, the largest shard for all-gather / reduce-scatter / all-to-all (a
+    resplit is one), one broadcast per shard for the grouped all-gather."""
+    fits = {k: {"latency_s": 1e-3 * (i + 1), "bandwidth_Bps": 1e6 * (i + 1)}
+            for i, k in enumerate(("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"))}
+    spec = json.loads(Path(sample_path("cpu_2")).read_text())
+    spec["network"]["collectives"] = fits
+    link = EmulatedLink(spec)
+
+    def t(name: str, nbytes: float) -> float:
+        return fits[name]["latency_s"] + nbytes / fits[name]["bandwidth_Bps"]
+    x = torch.zeros(3, 5)  # a local shard of 3 rows of 5 floats (20 bytes a row); sizes 3 and 7
+    assert link.seconds("all_reduce", (x,)) == pytest.approx(t("all_reduce", 60))
+    assert link.seconds("all_gather.padded", (x, 0, [3, 7])) == pytest.approx(t("all_gather", 140))
+    assert link.seconds("all_gather.grouped", (x, 0, [3, 7])) == pytest.approx(t("broadcast", 60) + t("broadcast", 140))
+    assert link.seconds("reduce_scatter", (torch.zeros(10, 5), 0, [3, 7])) == pytest.approx(t("reduce_scatter", 140))
+    assert link.seconds("all_to_all", (x, 0, 1, [3, 7], [2, 3])) == pytest.approx(t("all_to_all", 140))
+    assert link.seconds("resplit", (x, 0, [3, 7], [5, 5])) == pytest.approx(t("all_to_all", 140))
