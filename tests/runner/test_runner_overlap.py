@@ -39,30 +39,47 @@ def train_rank(rank: int, world: int, init_method: str, cfg: RunConfig) -> int:
     return run(cfg, DistEnv(rank, world, rank, world), init_method=init_method)
 
 
-def train(plan, tmp_path: Path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train `plan` for STEPS steps on its world size; rank 0's losses and the gathered parameters."""
+def train(plan, tmp_path: Path, name: str, timing: bool = False) -> tuple[list[float], dict[str, torch.Tensor], list[dict]]:
+    """Train `plan` for STEPS steps on its world size; rank 0's losses, the gathered parameters and
+    the metrics records."""
     out = tmp_path / name
     out.mkdir()
     plan.save(out / "plan.json")
     cfg = RunConfig(plan=str(out / "plan.json"), steps=STEPS, seed=3, metrics=str(out / "metrics.jsonl"),
-                    save_params=str(out / "params.pt"))
+                    save_params=str(out / "params.pt"), timing=timing)
     assert run_ranks(train_rank, plan.world_size, out / "run", cfg) == [0] * plan.world_size
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     by_rank = {r: [x["loss"] for x in sorted(records, key=lambda x: x["step"]) if x["rank"] == r] for r in range(plan.world_size)}
     assert all(v == by_rank[0] and len(v) == STEPS for v in by_rank.values()), "every rank reports the same loss"
-    return by_rank[0], torch.load(out / "params.pt")
+    return by_rank[0], torch.load(out / "params.pt"), records
 
 
 def check_overlap_trains_the_same(plan, mode: str, tmp_path: Path) -> None:
     plain = dataclasses.replace(plan, overlap="none")
     overlapped = dataclasses.replace(plan, overlap=mode)
-    losses, params = train(overlapped, tmp_path, mode)
-    base_losses, base_params = train(plain, tmp_path, "none")
+    losses, params, records = train(overlapped, tmp_path, mode, timing=True)
+    base_losses, base_params, _ = train(plain, tmp_path, "none")
     ref_losses, ref_params = reference_run(plan, STEPS, 3)
     single = compare(losses, params, ref_losses, ref_params)
     assert not single.missing and single.ok(TOLERANCE), f"{mode} vs one device:\n{single.render()}\n{plan.listing()}"
     same = compare(losses, params, base_losses, base_params)
     assert not same.missing and same.ok(1e-6), f"{mode} vs no overlap:\n{same.render(1e-6)}"
+    check_timeline(mode, records)
+
+
+def check_timeline(mode: str, records: list[dict]) -> None:
+    """The measured timeline shows the overlap: ddp launches buckets in backward and waits for them
+    (comm) before the step; duplex records both halves, each computing forward and backward."""
+    for r in records:
+        segments = [(s["phase"], s["kind"], s["name"].split("(")[0]) for s in r["timeline"]]
+        if mode == "ddp":
+            assert ("bwd", "comm", "all_reduce.launch") in segments, segments
+            assert ("step", "comm", "all_reduce.wait") in segments, segments
+        else:
+            assert len(r["halves"]) == 2 and ("step", "comm", "all_reduce.wait") in segments, segments
+            for half in r["halves"]:
+                phases = {(s["phase"], s["kind"]) for s in half["timeline"]}
+                assert {("fwd", "compute"), ("bwd", "compute")} <= phases, phases
 
 
 @pytest.mark.parametrize("mode, model, world, knobs", CASES)
