@@ -24,6 +24,15 @@ the emulation stays exact while no more than 1/f ranks share a core (4 ranks of 
 2 cores); sleeping leaves the cores to the other ranks. Hence the launcher pins one intra-op
 thread per rank on CPU. On CUDA the pacer synchronises the device at each boundary and uses wall
 time (c is then the window's wall time, and the pad (1/f - 1) c).
+
+**Duplex.** The two half-batch streams of a rank (runner.duplex) each get a pacer of their own
+(`half()`), on their own thread, sharing one lock that stands for the device: a stream computes
+only while it holds it, so the halves' computations (and emulated pads) take turns while one's
+collectives overlap the other's computation. Their summaries go into the rank's step record
+under `halves`.
+
+**Emulated link.** `EmulatedLink` pads each collective to its fitted time under a cluster's
+collective fits: a slow network on one box, where gloo's links are almost free (benches).
 """
 from __future__ import annotations
 
@@ -60,13 +69,13 @@ class Pacer:
         self.last: dict[str, Any] = {}
         """The summary of the last finished step (`end_step`)."""
         self.device = device
-        self._holding = False
-        self.link = link
-        """Emulated network (`EmulatedLink`): every collective lasts at least its fitted time."""
         """Duplex: the rank's one device, shared by the pacers of its two half-batch streams. A
         stream holds it while it computes (and while it pays its emulated time) and lets it go
         for each collective, so the halves' computations take turns, as on one GPU, and one's
         communication overlaps the other's computation. Waiting for it counts as comm."""
+        self._holding = False
+        self.link = link
+        """Emulated network (`EmulatedLink`): every collective lasts at least its fitted time."""
 
     def half(self) -> "Pacer":
         """A pacer for one duplex stream of this rank: same speed and recording, and the rank's
@@ -91,7 +100,7 @@ class Pacer:
         self._sync()
         self.phase, self.segments, self._owner = "fwd", [], OTHER
         self.totals = dict.fromkeys(self.totals, 0.0)
-        self._halves: list[dict[str, Any]] = []
+        self._halves = []
         self._t0 = self._open = time.perf_counter()
         self._start_window()
 
