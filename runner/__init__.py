@@ -10,6 +10,8 @@ Modules, in the order a run uses them:
   replicate as autograd Functions whose backward is the exact dual;
 - `train`: parameter slices from the seeded single-device model, one training step, the
   single-device reference;
-- `timing`: measured timeline per instruction and emulated device speed;
+- `overlap`: the plan's gradient buckets, all-reduced from gradient hooks during backward (`ddp`);
+- `duplex`: two half-batch streams per rank on two threads and two process groups (`duplex`);
+- `timing`: measured timeline per instruction, emulated device speed and emulated link;
 - `verify`: the comparison with single-device training.
 """

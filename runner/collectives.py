@@ -17,8 +17,10 @@ reach the backend.
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Sequence
+import threading
+from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,6 +29,9 @@ Tensor = torch.Tensor
 
 _observer = None
 """Who is told when communication starts and ends (a `runner.timing.Pacer`), or None."""
+_stream = threading.local()
+"""Per thread: the process group its collectives go on and its own observer (duplex runs two
+half-batch streams as two threads of one rank, each on its own group, see runner.duplex)."""
 
 
 def set_observer(observer) -> None:
@@ -35,10 +40,40 @@ def set_observer(observer) -> None:
     _observer = observer
 
 
+@contextlib.contextmanager
+def stream(group, observer=None) -> Iterator[None]:
+    """Inside: this thread's collectives go on `group` (None: the default group) and report to
+    `observer` (None: the process-wide one). A backend orders collectives per group, so two
+    threads of a rank can communicate at once only on groups of their own."""
+    saved = getattr(_stream, "group", None), getattr(_stream, "observer", None)
+    _stream.group, _stream.observer = group, observer
+    try:
+        yield
+    finally:
+        _stream.group, _stream.observer = saved
+
+
+def capture_stream(ctx) -> None:
+    """Remember on an autograd `ctx` the stream its forward ran on: its backward must use the same
+    group, and on CUDA the autograd engine runs backward on a thread of its own."""
+    ctx.stream = current_group(), getattr(_stream, "observer", None)
+
+
+def current_observer():
+    """This thread's own observer (a duplex stream's pacer), or None."""
+    return getattr(_stream, "observer", None)
+
+
+def current_group():
+    """The process group of this thread's collectives (None: the default group)."""
+    return getattr(_stream, "group", None)
+
+
 def run_collective(name: str, tag: str, fn, *args):
-    if _observer is None:
+    observer = getattr(_stream, "observer", None) or _observer
+    if observer is None:
         return fn(*args)
-    with _observer.comm(name, tag):
+    with observer.comm(name, tag, args):
         return fn(*args)
 
 
@@ -63,7 +98,7 @@ def gather_padded(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
     top = max(sizes)
     padded = _pad_to(x, dim, top).movedim(dim, 0).contiguous()
     out = padded.new_empty((len(sizes) * top,) + tuple(padded.shape[1:]))
-    dist.all_gather_single(out, padded)
+    dist.all_gather_single(out, padded, group=current_group())
     parts = [out[j * top: j * top + s] for j, s in enumerate(sizes)]
     return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
 
@@ -77,7 +112,7 @@ def gather_grouped(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
         shape[dim] = s
         buf = x.contiguous() if j == rank else x.new_empty(shape)
         if s > 0:
-            dist.broadcast(buf, src=j)
+            dist.broadcast(buf, src=j, group=current_group())
         parts.append(buf)
     return torch.cat(parts, dim=dim)
 
@@ -86,7 +121,7 @@ def reduce_scatter_uneven(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
     """Sum `x` over ranks and keep this rank's slice along `dim` (list reduce_scatter takes uneven sizes)."""
     chunks = [c.contiguous() for c in torch.split(x, list(sizes), dim=dim)]
     out = torch.empty_like(chunks[dist.get_rank()])
-    dist.reduce_scatter(out, chunks)
+    dist.reduce_scatter(out, chunks, group=current_group())
     return out
 
 
@@ -102,7 +137,8 @@ def all_to_all_uneven(x: Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence
     recv_numel = [int(torch.Size(s).numel()) for s in recv_shapes]
     flat_in = torch.cat([c.reshape(-1) for c in send])
     flat_out = flat_in.new_empty(sum(recv_numel))
-    dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_numel, input_split_sizes=[c.numel() for c in send])
+    dist.all_to_all_single(flat_out, flat_in, output_split_sizes=recv_numel, input_split_sizes=[c.numel() for c in send],
+                           group=current_group())
     pieces = [p.reshape(s) for p, s in zip(torch.split(flat_out, recv_numel), recv_shapes)]
     return torch.cat(pieces, dim=src_dim)
 
@@ -122,7 +158,8 @@ def resplit_uneven(x: Tensor, dim: int, src_sizes: Sequence[int], dst_sizes: Seq
     send = [overlap(rank, j) * row_numel for j in range(m)]
     recv = [overlap(i, rank) * row_numel for i in range(m)]
     out = rows.new_empty((dst_sizes[rank], *rows.shape[1:]))
-    dist.all_to_all_single(out.view(-1), rows.view(-1), output_split_sizes=recv, input_split_sizes=send)
+    dist.all_to_all_single(out.view(-1), rows.view(-1), output_split_sizes=recv, input_split_sizes=send,
+                           group=current_group())
     return out.movedim(0, dim)
 
 
@@ -131,18 +168,20 @@ class AllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, tag: str) -> Tensor:
+        capture_stream(ctx)
         ctx.tag = tag
         return run_collective("all_reduce", tag, all_reduce_copy, x)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return run_collective("all_reduce", ctx.tag, all_reduce_copy, g), None
+        with stream(*ctx.stream):
+            return run_collective("all_reduce", ctx.tag, all_reduce_copy, g), None
 
 
 def all_reduce_copy(x: Tensor) -> Tensor:
     """The sum over ranks of `x` in a fresh tensor (the input is left alone: autograd may still need it)."""
     y = x.contiguous().clone()
-    dist.all_reduce(y)
+    dist.all_reduce(y, group=current_group())
     return y
 
 
@@ -151,13 +190,15 @@ class AllGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, sizes: list[int], impl: str, tag: str) -> Tensor:
+        capture_stream(ctx)
         ctx.dim, ctx.sizes, ctx.tag = dim, sizes, tag
         gather = gather_grouped if impl == "grouped" else gather_padded
         return run_collective(f"all_gather.{impl}", tag, gather, x, dim, sizes)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return run_collective("reduce_scatter", ctx.tag, reduce_scatter_uneven, g, ctx.dim, ctx.sizes), None, None, None, None
+        with stream(*ctx.stream):
+            return run_collective("reduce_scatter", ctx.tag, reduce_scatter_uneven, g, ctx.dim, ctx.sizes), None, None, None, None
 
 
 class ReduceScatter(torch.autograd.Function):
@@ -165,12 +206,14 @@ class ReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, sizes: list[int], tag: str) -> Tensor:
+        capture_stream(ctx)
         ctx.dim, ctx.sizes, ctx.tag = dim, sizes, tag
         return run_collective("reduce_scatter", tag, reduce_scatter_uneven, x, dim, sizes)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return run_collective("all_gather.padded", ctx.tag, gather_padded, g, ctx.dim, ctx.sizes), None, None, None
+        with stream(*ctx.stream):
+            return run_collective("all_gather.padded", ctx.tag, gather_padded, g, ctx.dim, ctx.sizes), None, None, None
 
 
 class AllToAll(torch.autograd.Function):
@@ -178,12 +221,14 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, src: int, dst: int, src_sizes: list[int], dst_sizes: list[int], tag: str) -> Tensor:
+        capture_stream(ctx)
         ctx.args, ctx.tag = (dst, src, dst_sizes, src_sizes), tag
         return run_collective("all_to_all", tag, all_to_all_uneven, x, src, dst, src_sizes, dst_sizes)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return run_collective("all_to_all", ctx.tag, all_to_all_uneven, g, *ctx.args), None, None, None, None, None
+        with stream(*ctx.stream):
+            return run_collective("all_to_all", ctx.tag, all_to_all_uneven, g, *ctx.args), None, None, None, None, None
 
 
 class Resplit(torch.autograd.Function):
@@ -191,12 +236,14 @@ class Resplit(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, dim: int, src_sizes: list[int], dst_sizes: list[int], tag: str) -> Tensor:
+        capture_stream(ctx)
         ctx.args, ctx.tag = (dim, dst_sizes, src_sizes), tag
         return run_collective("resplit", tag, resplit_uneven, x, dim, src_sizes, dst_sizes)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return run_collective("resplit", ctx.tag, resplit_uneven, g, *ctx.args), None, None, None, None
+        with stream(*ctx.stream):
+            return run_collective("resplit", ctx.tag, resplit_uneven, g, *ctx.args), None, None, None, None
 
 
 class Replicate(torch.autograd.Function):
@@ -206,12 +253,14 @@ class Replicate(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, tag: str) -> Tensor:
+        capture_stream(ctx)
         ctx.tag = tag
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        return run_collective("all_reduce", ctx.tag, all_reduce_copy, g), None
+        with stream(*ctx.stream):
+            return run_collective("all_reduce", ctx.tag, all_reduce_copy, g), None
 
 
 def local_slice(x: Tensor, dim: int, sizes: Sequence[int], rank: int) -> Tensor:

@@ -60,7 +60,8 @@ from engine.plan import Plan
 
 from . import checkpoint, elastic, reshard
 from .failure import record_failure
-from .timing import Pacer, parse_speeds
+from .duplex import check_duplex
+from .timing import EmulatedLink, Pacer, parse_speeds
 from .train import GRAD_SYNC, RankState, make_batch, setup_rank, train_step
 from .verify import verify
 
@@ -100,6 +101,9 @@ class RunConfig:
     """Record per-instruction compute and communication seconds in the metrics."""
     grad_sync: str = "bucket"
     """`bucket` (one all-reduce of all Full parameters' gradients) or `per-param` (see runner.train.GRAD_SYNC)."""
+    emulate_link: str | None = None
+    """A cluster JSON whose collective fits every collective is padded to (runner.timing.EmulatedLink):
+    a slower network emulated on one box, for benches."""
     timeout_s: float = 120.0
     """Process-group timeout: a collective waiting longer than this fails instead of hanging."""
     save_params: str | None = None
@@ -176,6 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing", action="store_true", help="record per-instruction compute and communication times")
     p.add_argument("--grad-sync", choices=list(GRAD_SYNC), default="bucket",
                    help="all-reduce Full parameters' gradients in one bucket after backward (default) or one per parameter during backward")
+    p.add_argument("--emulate-link", metavar="CLUSTER",
+                   help="pad every collective to its time under this cluster JSON's collective fits (emulates a slower network)")
     p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0, metavar="S",
                    help="fail a collective that waits longer than S seconds (default 120)")
     p.add_argument("--save-params", metavar="FILE", help="rank 0 saves the final gathered parameters (torch.save)")
@@ -214,6 +220,8 @@ def load_plan(path: str, world_size: int, model_file: str | Path | None = None) 
                          f"WORLD_SIZE={world_size}; launch {plan.world_size} processes "
                          f"(e.g. torchrun --nproc-per-node={plan.world_size}) or plan for {world_size} devices")
     source.check_rebuildable(plan.graph.origin)
+    if plan.overlap == "duplex":
+        check_duplex(plan)
     return plan
 
 
@@ -278,6 +286,11 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
         plan = load_plan(plan_path, world_size, bundle.model_file_of(opened) if opened else None)
         if cfg.speeds:
             parse_speeds(cfg.speeds, world_size)
+        if cfg.grad_sync != "bucket" and plan.overlap != "none":
+            raise ValueError(f"--grad-sync {cfg.grad_sync} is for plans without overlap; this plan's overlap is "
+                             f"'{plan.overlap}', which sets how gradients are all-reduced")
+        if cfg.emulate_link:
+            EmulatedLink(cfg.emulate_link)  # a bad cluster file stops here, not in every rank
         for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
@@ -338,7 +351,8 @@ def apply_cpu_threads(env: DistEnv, emulating: bool) -> None:
 def make_pacer(cfg: RunConfig, env: DistEnv, device: torch.device) -> Pacer:
     speed = parse_speeds(cfg.speeds, env.world_size)[env.rank] if cfg.speeds else 1.0
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    return Pacer(speed, record=cfg.timing, sync=sync)
+    link = EmulatedLink(cfg.emulate_link) if cfg.emulate_link else None
+    return Pacer(speed, record=cfg.timing, sync=sync, link=link)
 
 
 class MetricsFile:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
 from engine import dropout, ops
+from engine.errors import PlanError
 from engine.graph import Graph, Node
 from engine.ops import unless_empty
 from engine.plan import Plan
@@ -76,9 +77,30 @@ def shard(plan: Plan, tensor: int, form: int, rank: int, full: torch.Tensor) -> 
     return C.local_slice(full, form, sizes, rank)
 
 
-def build_rank_program(plan: Plan, rank: int, *, probes: bool = False) -> RankProgram:
+@dataclass(frozen=True)
+class BatchWindow:
+    """Where a part of the batch sits in the whole batch (duplex halves, runner.duplex): the
+    program runs on `graph` (the model captured at the part's batch size) and draws its dropout
+    masks on the whole batch's global index, shifted by `before` (the first half's graph for the
+    second half: along every dim the batch resizes, the part starts after the first half's
+    rows; None for the first half)."""
+
+    whole: Graph
+    before: Graph | None = None
+
+    def place(self, whole_shape: Sequence[int], part_shape: Sequence[int], before_shape: Sequence[int] | None,
+              starts: list[int]) -> tuple[tuple[int, ...], list[int]]:
+        """The whole tensor's shape and where this rank's block of the part starts in it."""
+        if before_shape is None:
+            return tuple(whole_shape), starts
+        return tuple(whole_shape), [s + (b if w != p else 0) for s, w, p, b in zip(starts, whole_shape, part_shape, before_shape)]
+
+
+def build_rank_program(plan: Plan, rank: int, *, probes: bool = False, window: BatchWindow | None = None) -> RankProgram:
     """The rank's program; `probes` adds a `runner.timing.probe` after every compute instruction
-    so forward and backward time can be measured per instruction (`--timing`)."""
+    so forward and backward time can be measured per instruction (`--timing`). With a `window`
+    (a duplex half) the module returns (loss, the loss's count operand) and draws the masks of
+    its rows of the whole batch."""
     g = fx.Graph()
     env: dict[tuple[int, int], fx.Node] = {}
     leaves: list[tuple[int, int]] = []
@@ -93,15 +115,27 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False) -> RankPr
         elif ins.kind == COMM:
             env[(ins.node, ins.post)] = _emit_comm(g, plan, ins, env, rank, seg, src)
         else:
-            out = _emit_compute(g, plan, ins, env, rank, seg, rng)
+            out = _emit_compute(g, plan, ins, env, rank, seg, rng, window)
             if probes:
                 out = g.call_function(probe, (out, f"{graph[ins.node].name}:{ins.rule}"))
             env[(ins.node, ins.post)] = out
     loss = graph.loss
     form = PARTIAL if (loss, PARTIAL) in env else FULL
-    g.output(env[(loss, form)])
+    g.output(env[(loss, form)] if window is None else (env[(loss, form)], env[loss_count(plan, form)]))
     gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Rank{rank}Program")
     return RankProgram(gm, leaves, form, {n: graph[n].op == "parameter" for n, _ in leaves}, rng is not None)
+
+
+def loss_count(plan: Plan, form: int) -> tuple[int, int]:
+    """The (node, form) of the loss's count operand: a cross entropy over the count of kept
+    targets. A duplex half's loss divides by its own count; the halves reweigh by the counts."""
+    graph = plan.graph
+    node = graph[graph.loss]
+    ins = next((i for i in plan.program if i.node == graph.loss and i.post == form and i.kind != LOAD and i.kind != COMM), None)
+    if node.op != "cross_entropy" or ins is None or len(ins.pre) < 3:
+        raise PlanError(f"duplex needs a mean cross-entropy loss over the batch; the loss '{node.name}' is "
+                        f"'{node.op}': run the plan with overlap 'ddp' or 'none'")
+    return ins.pre[2]
 
 
 def _safe(name: str) -> str:
@@ -132,12 +166,12 @@ def _emit_comm(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, 
 
 
 def _emit_compute(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, seg: int,
-                  rng: fx.Node | None = None) -> fx.Node:
+                  rng: fx.Node | None = None, window: BatchWindow | None = None) -> fx.Node:
     node = plan.graph[ins.node]
     args = [env[p] for p in ins.pre]
     shape = local_shape(plan, ins.node, ins.post, rank, seg)
     if "rng_site" in node.attrs:
-        return _site_dropout(g, plan, ins, args, rank, seg, rng)
+        return _site_dropout(g, plan, ins, args, rank, seg, rng, window)
     if node.op == "embedding":
         return _embedding(g, plan, ins, args, rank, seg)
     return _EMITTERS.get(node.op, _emit_generic)(g, node, plan.graph, args, shape)
@@ -165,18 +199,29 @@ def output_starts(plan: Plan, ins: Instruction, rank: int, seg: int) -> list[int
 
 
 def _site_dropout(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: int, seg: int,
-                  rng: fx.Node | None) -> fx.Node:
+                  rng: fx.Node | None, window: BatchWindow | None = None) -> fx.Node:
     """Dropout (or attention dropout) with the exact mask of this rank's block: a function of the
-    global shape, the step's key (`rng`), the site and where the block starts (engine/dropout.py)."""
+    global shape, the step's key (`rng`), the site and where the block starts (engine/dropout.py);
+    in a `window` (a duplex half) the global shape and the start are the whole batch's."""
     assert rng is not None and ins.post >= FULL, "dropout sites run Full or sharded, never Partial"
     node, graph = plan.graph[ins.node], plan.graph
     a, starts = node.attrs, output_starts(plan, ins, rank, seg)
+    whole = window.whole if window else graph
+    before = window.before if window else None
     if node.op == "dropout":
-        return g.call_function(dropout.dropout, (args[0], a["p"], rng, a["rng_site"], tuple(node.shape), starts))
-    weights = dropout.attention_weights_shape(graph[node.inputs[0]].shape, graph[node.inputs[1]].shape, a.get("enable_gqa", False))
+        shape, starts = (window.place(whole[node.id].shape, node.shape, before[node.id].shape if before else None, starts)
+                         if window else (tuple(node.shape), starts))
+        return g.call_function(dropout.dropout, (args[0], a["p"], rng, a["rng_site"], shape, starts))
+    gqa = a.get("enable_gqa", False)
+
+    def weights_of(gr: Graph) -> tuple[int, ...]:
+        return tuple(dropout.attention_weights_shape(gr[node.inputs[0]].shape, gr[node.inputs[1]].shape, gqa))
+    weights, starts = weights_of(graph), starts[:-1] + [0]
+    if window:
+        weights, starts = window.place(weights_of(whole), weights, weights_of(before) if before else None, starts)
     mask = args[3] if len(args) > 3 else None
     return g.call_function(dropout.attention_dropout, (*args[:3], mask, a["is_causal"], a["scale"], a["dropout_p"], rng,
-                                                       a["rng_site"], weights, starts[:-1] + [0], a.get("enable_gqa", False)))
+                                                       a["rng_site"], weights, starts, gqa))
 
 
 def _emit_generic(g, node: Node, graph: Graph, args, shape) -> fx.Node:

@@ -24,9 +24,20 @@ the emulation stays exact while no more than 1/f ranks share a core (4 ranks of 
 2 cores); sleeping leaves the cores to the other ranks. Hence the launcher pins one intra-op
 thread per rank on CPU. On CUDA the pacer synchronises the device at each boundary and uses wall
 time (c is then the window's wall time, and the pad (1/f - 1) c).
+
+**Duplex.** The two half-batch streams of a rank (runner.duplex) each get a pacer of their own
+(`half()`), on their own thread, sharing one lock that stands for the device: a stream computes
+only while it holds it, so the halves' computations (and emulated pads) take turns while one's
+collectives overlap the other's computation. Their summaries go into the rank's step record
+under `halves`.
+
+**Emulated link.** `EmulatedLink` pads each collective to its fitted time under a cluster's
+collective fits: a slow network on one box, where gloo's links are almost free (benches).
 """
 from __future__ import annotations
 
+import math
+import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -42,7 +53,8 @@ _active: "Pacer | None" = None
 class Pacer:
     """Timeline recorder and speed emulator of one rank for one run; `install()` it before training."""
 
-    def __init__(self, speed: float = 1.0, *, record: bool = False, sync: Callable[[], None] | None = None) -> None:
+    def __init__(self, speed: float = 1.0, *, record: bool = False, sync: Callable[[], None] | None = None,
+                 device: "threading.Lock | None" = None, link: "EmulatedLink | None" = None) -> None:
         if not 0 < speed <= 1:
             raise ValueError(f"speed factor must be in (0, 1], got {speed}")
         self.speed, self.stretch, self.record = speed, 1.0 / speed - 1.0, record
@@ -53,8 +65,24 @@ class Pacer:
         self._t0 = self._open = time.perf_counter()
         self._start_window()
         self._owner = OTHER
+        self._halves: list[dict[str, Any]] = []
         self.last: dict[str, Any] = {}
         """The summary of the last finished step (`end_step`)."""
+        self.device = device
+        """Duplex: the rank's one device, shared by the pacers of its two half-batch streams. A
+        stream holds it while it computes (and while it pays its emulated time) and lets it go
+        for each collective, so the halves' computations take turns, as on one GPU, and one's
+        communication overlaps the other's computation. Waiting for it counts as comm."""
+        self._holding = False
+        self.link = link
+        """Emulated network (`EmulatedLink`): every collective lasts at least its fitted time."""
+
+    def half(self) -> "Pacer":
+        """A pacer for one duplex stream of this rank: same speed and recording, and the rank's
+        device lock (made on the first call)."""
+        if self.device is None:
+            self.device = threading.Lock()
+        return Pacer(self.speed, record=self.record, sync=self.sync, device=self.device, link=self.link)
 
     def install(self) -> "Pacer":
         global _active
@@ -72,7 +100,40 @@ class Pacer:
         self._sync()
         self.phase, self.segments, self._owner = "fwd", [], OTHER
         self.totals = dict.fromkeys(self.totals, 0.0)
+        self._halves = []
         self._t0 = self._open = time.perf_counter()
+        self._start_window()
+
+    def hold_device(self) -> None:
+        """A duplex stream (re)starts computing: wait for the device (the wait counts as comm)."""
+        self._close("compute", self._owner)
+        self._acquire()
+        self._close("comm", "(device busy)")
+        self._start_window()
+
+    def pause_device(self) -> None:
+        """A duplex stream stops computing for a while: pay its emulated time, let the device go."""
+        self._pay()
+        self._close("compute", self._owner)
+        self.release_device()
+
+    def release_device(self) -> None:
+        """Let the device go (a no-op when this stream does not hold it)."""
+        if self._holding:
+            self._holding = False
+            self.device.release()
+
+    def _acquire(self) -> None:
+        if self.device is not None:
+            self.device.acquire()
+            self._holding = True
+
+    def absorb(self, label: str, halves: "list[Pacer]") -> None:
+        """The duplex halves just ran on other threads: record their wall time as one segment
+        (their own totals go into this step's summary, `end_step`) and restart the window, so this
+        thread pays no emulated time for computation it did not do."""
+        self._close("compute", label)
+        self._halves = [h.last for h in halves]
         self._start_window()
 
     def set_phase(self, phase: str) -> None:
@@ -86,17 +147,27 @@ class Pacer:
         out: dict[str, Any] = {f"{k}_s": v for k, v in self.totals.items()}
         if self.record:
             out["timeline"] = self.segments
+        if self._halves:
+            out["halves"] = self._halves
         self.last = out
         return out
 
     # --- events -----------------------------------------------------------------------------
     @contextmanager
-    def comm(self, name: str, tag: str) -> Iterator[None]:
+    def comm(self, name: str, tag: str, args: tuple = ()) -> Iterator[None]:
+        """One collective (`args`: its arguments, which an emulated link prices)."""
         self._pay()
         self._close("compute", self._owner)
+        held = self._holding
+        self.release_device()
+        start = time.perf_counter()
         try:
             yield
         finally:
+            if self.link is not None:
+                self.link.pad(name, args, start)
+            if held:
+                self._acquire()
             self._close("comm", f"{name}({tag})" if tag else name)
             self._owner = OTHER
             self._start_window()
@@ -143,20 +214,62 @@ class Pacer:
         self._open = now
 
 
+class EmulatedLink:
+    """A slower network on one box (benches): each collective is padded by sleeping until it has
+    lasted `latency + payload / bandwidth` of the cluster's fit for it (engine.cluster payloads:
+    the whole tensor for all-reduce, the largest shard for all-gather, reduce-scatter and
+    all-to-all, one broadcast per shard for a grouped all-gather). A gradient bucket launched
+    asynchronously is padded when it is waited for: it ends no earlier than its launch, or the
+    end of the bucket before it on the link, plus its time."""
+
+    def __init__(self, cluster: Any) -> None:
+        from engine import load_cluster
+
+        self.cluster = load_cluster(cluster)
+        self.bucket_end = 0.0
+
+    def seconds(self, name: str, args: tuple) -> float:
+        """The fitted time of the collective `name` on these arguments (runner.collectives' calls)."""
+        fits = self.cluster.collectives
+        x = args[0]
+        if name == "all_reduce":
+            return fits["all_reduce"].time(x.numel() * x.element_size())
+        kind = name.split(".")[0]
+        dim, sizes = args[1], (args[3] if kind == "all_to_all" else args[2])
+        row = x.element_size() * math.prod(s for d, s in enumerate(x.shape) if d != dim)
+        if name == "all_gather.grouped":
+            return sum(fits["broadcast"].time(row * s) for s in sizes if s > 0)
+        return fits["all_to_all" if kind == "resplit" else kind].time(row * max(sizes))
+
+    def pad(self, name: str, args: tuple, start: float) -> None:
+        now = time.perf_counter()
+        if name.endswith(".launch"):
+            return
+        if name.endswith(".wait"):  # (work, flat bucket, launch time)
+            end = max(args[2], self.bucket_end) + self.seconds("all_reduce", (args[1],))
+            self.bucket_end = end
+        else:
+            end = start + self.seconds(name, args)
+        if end > now:
+            time.sleep(end - now)
+
+
 class _Probe(torch.autograd.Function):
     """Identity that tells the active pacer where an instruction ends (forward) or starts (backward)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, label: str) -> torch.Tensor:
         ctx.label = label
-        if _active is not None:
-            _active.instruction_done(label)
+        pacer = collectives.current_observer() or _active
+        if pacer is not None:
+            pacer.instruction_done(label)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        if _active is not None:
-            _active.instruction_backward(ctx.label)
+        pacer = collectives.current_observer() or _active
+        if pacer is not None:
+            pacer.instruction_backward(ctx.label)
         return g, None
 
 

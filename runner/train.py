@@ -20,6 +20,8 @@ from engine.theory.core import FULL, PARTIAL
 
 from .program import RankProgram, build_rank_program, shard, sizes_of
 from .collectives import all_reduce_coalesced, gather_padded, run_collective
+from .duplex import HalfStream, half_args, run_halves, setup_halves
+from .overlap import GradBuckets
 from .timing import Pacer
 
 
@@ -69,6 +71,10 @@ class RankState:
     step_times: list[float] = field(default_factory=list)
     seed: int = 0
     """The run's seed: with the step number, it keys the dropout masks (engine/dropout.py)."""
+    buckets: GradBuckets | None = None
+    """The plan's gradient buckets on a group of their own (overlap `ddp` and `duplex`, runner.overlap)."""
+    halves: list[HalfStream] = field(default_factory=list)
+    """The two half-batch streams of overlap `duplex` (runner.duplex); empty otherwise."""
 
 
 GRAD_SYNC = ("bucket", "per-param")
@@ -82,6 +88,9 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
     """Build the rank's program and its local parameter slices from the seeded single-device model."""
     if grad_sync not in GRAD_SYNC:
         raise ValueError(f"unknown gradient sync '{grad_sync}' (choose {' or '.join(GRAD_SYNC)})")
+    if grad_sync != "bucket" and plan.overlap != "none":
+        raise ValueError(f"--grad-sync {grad_sync} is for plans without overlap; this plan's overlap is "
+                         f"'{plan.overlap}', which sets how gradients are all-reduced")
     device = torch.device(device)
     program = build_rank_program(plan, rank, probes=probes)
     module = build_module(plan, seed)
@@ -96,8 +105,13 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
     named_buffers = dict(module.named_buffers(remove_duplicate=False))
     buffers = {node: shard(plan, node, form, rank, named_buffers[plan.graph[node].attrs["target"]]).to(device)
                for node, form in program.leaves if plan.graph[node].op == "buffer"}
-    return RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync, buffers=buffers,
-                     seed=seed)
+    st = RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync, buffers=buffers,
+                   seed=seed)
+    if plan.overlap != "none":  # every rank creates the same groups in the same order
+        st.halves = setup_halves(plan, rank, module, device, probes=probes) if plan.overlap == "duplex" else []
+        group = dist.new_group(list(range(plan.world_size)))
+        st.buckets = GradBuckets.of(plan, program, params, group, hooks=plan.overlap == "ddp")
+    return st
 
 
 def _grad_all_reduce_hook(name: str):
@@ -112,27 +126,51 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
     """One synchronous step (number `step`, which keys its dropout masks); returns the global loss.
 
     Forward, backward (each device backpropagates its addend of a Partial loss; a Full loss is
-    scaled by 1/m), one all-reduce for the gradients of Full parameters (their local gradients
+    scaled by 1/m), the all-reduce of the gradients of Full parameters (their local gradients
     are addends, DESIGN: semantics) carrying the loss addend along, then the optimizer step.
+    Overlap `ddp` launches the gradient buckets during backward; `duplex` runs forward and
+    backward as two half-batch streams (runner.duplex) and the buckets after both.
     """
     start = time.perf_counter()
     pacer = pacer or Pacer()
     pacer.begin_step()
-    args = program_args(plan, st, rank, batch, step)
     st.optimizer.zero_grad(set_to_none=True)
-    with factory_device(st.device):
-        loss = st.program.module(*args)
-    pacer.set_phase("bwd")
     partial = st.program.loss_form == PARTIAL
-    (loss if partial else loss / dist.get_world_size()).backward()
+    if st.halves:
+        value = duplex_pass(plan, st, rank, batch, step, pacer, 1.0 if partial else 1.0 / dist.get_world_size())
+    else:
+        args = program_args(plan, st, rank, batch, step)
+        with factory_device(st.device):
+            loss = st.program.module(*args)
+        pacer.set_phase("bwd")
+        value = loss.detach().reshape(1).clone()
+        if st.buckets is not None:
+            st.buckets.arm(value if partial else None)
+        (loss if partial else loss / dist.get_world_size()).backward()
     pacer.set_phase("step")
-    value = loss.detach().reshape(1).clone()
     sync_gradients(st, value if partial else None)
     st.optimizer.step()
     pacer.end_step()
     st.losses.append(float(value))
     st.step_times.append(time.perf_counter() - start)
     return st.losses[-1]
+
+
+def duplex_pass(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...], step: int, pacer: Pacer,
+                scale: float) -> torch.Tensor:
+    """Forward and backward of the two half batches (runner.duplex); sets the summed gradients,
+    arms the buckets and returns the rank's loss (its addend for a Partial loss)."""
+    rng = [RngKey(st.seed, step)] if st.program.uses_rng else []
+    args = [half_args(h, st.params, rank, batch, rng) for h in st.halves]
+    pacer.set_phase("duplex")
+    pacers = [pacer.half(), pacer.half()]
+    loss, grads = run_halves(st.halves, st.params, args, pacers, scale, lambda: factory_device(st.device))
+    pacer.absorb("(duplex halves)", pacers)
+    for p, g in zip(st.params, grads):
+        p.grad = g
+    value = loss.reshape(1).clone()
+    st.buckets.arm(value if st.program.loss_form == PARTIAL else None)
+    return value
 
 
 def factory_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -151,7 +189,11 @@ def program_args(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor
 
 
 def sync_gradients(st: RankState, loss_addend: torch.Tensor | None) -> None:
-    """All-reduce the gradients of Full parameters (and the loss addend) in one flat collective."""
+    """All-reduce the gradients of Full parameters (and the loss addend): the plan's buckets when it
+    overlaps (`runner.overlap`, launched during backward under `ddp`), else one flat collective."""
+    if st.buckets is not None:
+        st.buckets.finish()
+        return
     grads = []
     for p, is_full in zip(st.params, st.full_params):
         if is_full and st.grad_sync == "bucket":

@@ -1,0 +1,196 @@
+"""Duplex (HiDup, the plan's `duplex` overlap): each rank runs two half-batch streams at once.
+
+The global batch of B samples splits into two halves, samples [0, B0) and [B0, B) (B0 = B // 2).
+Each half is the plan's program run on a batch of its own size: the model is captured again at
+that batch size (same nodes, smaller batch dims) and the same program and ratios give the
+half's shard sizes (`engine.plan.shard_sizes`), so every rank holds its share of each half and
+every collective of a half sums or gathers that half only. Dropout masks stay the whole batch's:
+a half draws its rows of the whole tensor's global index (`runner.program.BatchWindow`).
+
+The two halves run on two threads of the rank, each with a process group of its own (the same
+ranks; a backend orders collectives per group, so half 0's all-gather cannot meet half 1's), and
+every collective of a half, forward and backward, goes on its group (`runner.collectives.stream`).
+Both forwards finish before either backward: each half's loss divides by the count of its own
+kept targets, and the halves are reweighed by count_h / (count_0 + count_1) so that the two
+gradients add up to the whole batch's (the loss is a mean cross entropy). Gradients come back
+from `torch.autograd.grad` per half and are summed in a fixed order; then the gradient buckets
+(after both halves) and the optimizer step.
+
+A training-mode batch norm normalises over the batch: half batches change its statistics, so
+such models are refused.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+import engine
+from engine.errors import ModelError, PlanError
+from engine.graph import Graph
+from engine.plan import Plan, shard_key, shard_sizes
+from engine.program import LOAD
+
+from .collectives import stream
+from .program import BatchWindow, RankProgram, build_rank_program, shard
+from .timing import Pacer
+
+
+def check_duplex(plan: Plan) -> None:
+    """Refuse, with a one-line reason, a plan whose model cannot train in two half batches."""
+    graph = plan.graph
+    bn = next((n for n in graph.nodes if n.op == "batch_norm"), None)
+    if bn is not None:
+        raise PlanError(f"duplex refused: '{bn.name}' is a training-mode batch norm, whose statistics change with half "
+                        "batches; plan with --overlap ddp")
+    if "zoo" not in graph.origin and "hf" not in graph.origin:
+        raise PlanError("duplex refused: the model's batch size is set inside its file, so it cannot be captured at half "
+                        "the batch; plan a zoo or Hugging Face model, or use --overlap ddp")
+    if batch_of(graph) < 2:
+        raise PlanError("duplex refused: the batch has a single sample, which cannot be split into two halves")
+
+
+def batch_of(graph: Graph) -> int:
+    origin = graph.origin
+    return int(origin["config"].get("batch", 0) if "zoo" in origin else origin["inputs"].get("batch", 0))
+
+
+def capture_at(graph: Graph, batch: int) -> Graph:
+    """The plan's model captured at another batch size; it must be the same graph but for sizes."""
+    origin = graph.origin
+    try:
+        if "zoo" in origin:
+            other = engine.load_model(f"zoo:{origin['zoo']}", **{**origin["config"], "batch": batch})
+        else:
+            from engine.source import capture_hf, spec_of
+
+            spec = spec_of(origin)
+            other = capture_hf(type(spec)(spec.cls, spec.config, spec.task, {**spec.inputs, "batch": batch}))
+    except ModelError as e:
+        raise PlanError(f"duplex refused: the model cannot be captured at batch {batch}: {e}") from None
+    same = len(other) == len(graph) and all(
+        (a.name, a.op, a.inputs) == (b.name, b.op, b.inputs) for a, b in zip(graph.nodes, other.nodes))
+    if not same:
+        raise PlanError(f"duplex refused: the model's graph changes with the batch size (captured at {batch}); "
+                        "use --overlap ddp")
+    return other
+
+
+def half_plan(plan: Plan, graph: Graph) -> Plan:
+    """The plan's program and ratios on `graph` (the model at a half's batch size)."""
+    seg = plan.segmentation
+    sizes = shard_sizes(plan.program, graph, plan.ratio_rows, seg)
+    keyed = {shard_key(graph, seg, t, d, k): v for (t, d, k), v in sizes.items()}
+    for node, form in ((ins.node, ins.post) for ins in plan.program if ins.kind == LOAD and ins.post >= 0
+                                           and graph[ins.node].op == "parameter"):
+        if keyed[shard_key(graph, seg, node, form, seg.of_node[node])] != plan.sizes(node, form):
+            raise PlanError(f"duplex refused: the shard of '{graph[node].name}' is linked to the batch, so half "
+                            "batches would change it; use --overlap ddp")
+    return Plan(plan.strategy, graph, plan.cluster_name, plan.cluster_fingerprint, plan.device_names, plan.program,
+                plan.ratios, keyed, plan.predicted_time_s, plan.stages, plan.memory_bytes, segment_of=plan.segment_of,
+                overlap=plan.overlap)
+
+
+@dataclass
+class HalfStream:
+    """One half of the batch on one rank: its program, its process group and its inputs' place."""
+
+    plan: Plan
+    program: RankProgram
+    group: object
+    rows: dict[int, tuple[int, int, int]]
+    """Input index -> (batch dim, first row, row count) of this half in the global batch tensor."""
+    buffers: dict[int, torch.Tensor]
+
+
+def setup_halves(plan: Plan, rank: int, module: torch.nn.Module, device: torch.device, *,
+                 probes: bool = False) -> list[HalfStream]:
+    """Both halves of this rank (every rank must call it: it creates two process groups)."""
+    check_duplex(plan)
+    total = batch_of(plan.graph)
+    graphs = [capture_at(plan.graph, b) for b in (total // 2, total - total // 2)]
+    named_buffers = dict(module.named_buffers(remove_duplicate=False))
+    out = []
+    for h, graph in enumerate(graphs):
+        hp = half_plan(plan, graph)
+        window = BatchWindow(plan.graph, graphs[0] if h else None)
+        program = build_rank_program(hp, rank, probes=probes, window=window)
+        rows = {}
+        for node in plan.graph.placeholders:
+            whole, part = plan.graph[node.id].shape, graph[node.id].shape
+            dims = [d for d, (w, p) in enumerate(zip(whole, part)) if w != p]
+            if len(dims) != 1:
+                raise PlanError(f"duplex refused: input '{node.name}' has no single batch dim ({whole} vs {part})")
+            d = dims[0]
+            rows[node.attrs["index"]] = (d, graphs[0][node.id].shape[d] if h else 0, part[d])
+        buffers = {node: shard(hp, node, form, rank, named_buffers[graph[node].attrs["target"]]).to(device)
+                   for node, form in program.leaves if graph[node].op == "buffer"}
+        out.append(HalfStream(hp, program, dist.new_group(list(range(plan.world_size))), rows, buffers))
+    return out
+
+
+def half_args(half: HalfStream, params: list[torch.nn.Parameter], rank: int, batch: tuple[torch.Tensor, ...],
+              rng: list) -> list:
+    """The half program's arguments: the step's dropout key, the rank's parameters (shared by the
+    halves), the half's buffers and its shares of its rows of the batch."""
+    it = iter(params)
+    args = list(rng)
+    for node, form in half.program.leaves:
+        if half.program.is_param[node]:
+            args.append(next(it))
+        elif node in half.buffers:
+            args.append(half.buffers[node])
+        else:
+            index = half.plan.graph[node].attrs["index"]
+            d, start, count = half.rows[index]
+            args.append(shard(half.plan, node, form, rank, batch[index].narrow(d, start, count)))
+    return args
+
+
+def run_halves(halves: list[HalfStream], params: list[torch.nn.Parameter], args: list[list], pacers: list[Pacer],
+               scale: float, factory) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """Forward and backward of both halves on two threads; the rank's loss (its addend for a
+    Partial loss) and the summed gradient of every parameter (None where neither half reaches it).
+    `scale` multiplies the loss that is backpropagated (1/m for a Full loss)."""
+    counts: list[torch.Tensor | None] = [None, None]
+    results: list = [None, None]
+    errors: list[BaseException] = []
+    both_forward = threading.Barrier(2)
+    intra_op = torch.get_num_threads()
+
+    def stream_of(h: int) -> None:
+        pacer = pacers[h]
+        try:
+            torch.set_num_threads(intra_op)  # OpenMP's thread count is per thread: a new one gets the default
+            with stream(halves[h].group, pacer), factory():
+                pacer.begin_step()
+                pacer.hold_device()
+                loss, count = halves[h].program.module(*args[h])
+                counts[h] = count.detach()
+                pacer.pause_device()  # the partner's forward may be waiting for the device
+                both_forward.wait()
+                pacer.set_phase("bwd")
+                pacer.hold_device()
+                weight = counts[h] / (counts[0] + counts[1])
+                grads = torch.autograd.grad(loss * (weight * scale), params, allow_unused=True)
+                results[h] = ((loss * weight).detach(), grads)
+                pacer.end_step()
+                pacer.release_device()
+        except BaseException as e:  # re-raised on the rank's thread; the partner stops at the barrier
+            errors.append(e)
+            both_forward.abort()
+            pacer.release_device()
+
+    threads = [threading.Thread(target=stream_of, args=(h,), name=f"duplex-half{h}") for h in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+        raise (real or errors)[0]
+    loss = results[0][0] + results[1][0]
+    grads = [g0 if g1 is None else g1 if g0 is None else g0 + g1 for g0, g1 in zip(results[0][1], results[1][1])]
+    return loss, grads
