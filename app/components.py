@@ -313,13 +313,32 @@ def measured_rows(records: list[dict[str, Any]], step: int | None = None) -> lis
     step = max(r["step"] for r in timed) if step is None else step
     rows = []
     for r in sorted((r for r in timed if r["step"] == step), key=lambda r: r["rank"]):
-        for seg in r["timeline"]:
+        for seg, half in _rank_segments(r):
             device = f"rank {r['rank']}"
             lane = seg.get("lane") or ("network" if seg["kind"] in NETWORK_KINDS else "compute")
             rows.append({"device": device, "lane": lane, "row": lane_label(device, lane),
                          "kind": TASK_KINDS.get(seg["kind"], seg["kind"]), "phase": seg["phase"], "name": seg["name"],
-                         "start_ms": seg["start_s"] * 1e3, "end_ms": (seg["start_s"] + seg["s"]) * 1e3})
+                         "half": half, "start_ms": seg["start_s"] * 1e3, "end_ms": (seg["start_s"] + seg["s"]) * 1e3})
     return rows
+
+
+DEVICE_WAIT = "(device busy)"
+"""A duplex half waiting for the rank's device while the other half computes (runner.timing): no work, drawn as a gap."""
+
+
+def _rank_segments(record: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """(segment, half) of one rank's step: a duplex rank's "duplex" phase, which its own timeline
+    records as one segment, is replaced by both halves' segments (`halves`, each timed from its own
+    start, placed from that segment's start)."""
+    halves = [h for h in record.get("halves") or [] if h.get("timeline")]
+    out = []
+    for seg in record["timeline"]:
+        if seg["phase"] == "duplex" and halves:
+            out += [({**s, "start_s": seg["start_s"] + s["start_s"]}, half)
+                    for h, half in zip(halves, "AB") for s in h["timeline"] if s["name"] != DEVICE_WAIT]
+        else:
+            out.append((seg, ""))
+    return out
 
 
 def lane_label(device: str, lane: str) -> str:

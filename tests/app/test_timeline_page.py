@@ -84,6 +84,27 @@ def test_measured_segments_go_to_their_lane():
     assert s["overlapped_ms"] == pytest.approx(1.0) and s["hidden_%"] == pytest.approx(50.0)
 
 
+def test_measured_duplex_halves_replace_their_phase():
+    """A duplex rank records its two half-batch streams under `halves` (runner.timing.Pacer.absorb):
+    their segments are drawn, placed from the rank's duplex segment, and the device waits are gaps."""
+    def half(comm_at: float) -> dict:
+        return {"timeline": [{"phase": "fwd", "kind": "compute", "name": "linear_mm", "start_s": 0.0, "s": 0.002},
+                             {"phase": "fwd", "kind": "comm", "name": "(device busy)", "start_s": 0.002, "s": 0.001},
+                             {"phase": "fwd", "kind": "comm", "name": "all_to_all(x)", "start_s": comm_at, "s": 0.002}]}
+
+    record = {"step": 0, "rank": 0, "timeline": [
+        {"phase": "fwd", "kind": "compute", "name": "(other)", "start_s": 0.0, "s": 0.001},
+        {"phase": "duplex", "kind": "compute", "name": "(duplex halves)", "start_s": 0.001, "s": 0.006},
+        {"phase": "step", "kind": "comm", "name": "all_reduce(bucket0)", "start_s": 0.007, "s": 0.001}],
+        "halves": [half(0.002), half(0.004)]}
+    rows = ui.measured_rows(ui.parse_metrics(json.dumps(record)))
+    assert [(r["name"], r["half"], r["lane"]) for r in rows] == [
+        ("(other)", "", "compute"), ("linear_mm", "A", "compute"), ("all_to_all(x)", "A", "network"),
+        ("linear_mm", "B", "compute"), ("all_to_all(x)", "B", "network"), ("all_reduce(bucket0)", "", "network")]
+    a_comm = rows[2]
+    assert (a_comm["start_ms"], a_comm["end_ms"]) == pytest.approx((3.0, 5.0))
+
+
 def test_timeline_page_draws_predicted_and_measured(app, tiny_plan):
     at = open_page(app, "timeline")
     no_exception(at)
