@@ -484,10 +484,11 @@ def test_auto_gives_each_mode_its_share_of_the_budget(monkeypatch):
         return original(self, seg, *args, **kwargs)
 
     monkeypatch.setattr(planner._Loop, "run", run)
+    graph = engine.load_model("zoo:gpt", layers=2, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=8)
+    cluster = engine.load_cluster(sample_path("cpu_4_uneven"))
     before = time.perf_counter()
-    engine.plan(engine.load_model("zoo:gpt", layers=2, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=8),
-                engine.load_cluster(sample_path("cpu_4_uneven")), time_budget_s=20.0)
+    engine.plan(graph, cluster, time_budget_s=20.0)
     (first_mode, first), (second_mode, second) = calls
     assert (first_mode, second_mode) == ("ddp", "duplex")
-    assert second == pytest.approx(before + 20.0, abs=0.5)
-    assert second - first == pytest.approx(10.0, abs=0.6)
+    assert before + 20.0 <= second <= before + 20.5  # the whole budget, from plan()'s start
+    assert before + 10.0 <= first <= before + 11.0  # half of what the baselines left
