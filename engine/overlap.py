@@ -8,6 +8,16 @@ Our slots are fixed over *all* parameters of the graph, whatever the program; a 
 is the Full parameters of one slot (a sharded parameter's gradient is not all-reduced). With
 every parameter Full (data parallelism) these are exactly DDP's buckets, and fixed slots let the
 search and the LP price a partial program bucket by bucket.
+
+Ready point. Backward runs a stage's work in reverse, so a bucket is ready once its stage has
+run the work from its earliest-used Full parameter's first consumer on (on every device: the
+all-reduce waits for all), not at the end of the stage: data parallelism, one backward stage,
+still overlaps all buckets but the first layer's. Activation collectives and buckets are not
+modelled as contending for the link.
+
+Closed forms (`price`, used by `engine.cost.evaluate`; tested against `engine.timeline.simulate`
+through `predicted_timeline`): `ddp_backward_time` (compute chain and bucket queue),
+`duplex_chain_time` (HiDup's Eq. 5 telescoped).
 """
 from __future__ import annotations
 
@@ -123,7 +133,8 @@ def price(b: "Breakdown") -> "Breakdown":
         psi = sum(duplex_chain_time(_chain(b, members)) for members in (fwd, bwd))
         ready = [psi] * len(durations)
         end = psi + sum(durations)
-    b.buckets = [replace(x, ready_s=r, start_s=s, end_s=e) for x, r, (s, e) in zip(b.buckets, ready, bucket_queue(ready, durations))]
+    queue = bucket_queue(ready, durations)
+    b.buckets = [replace(x, ready_s=r, start_s=s, end_s=e) for x, r, (s, e) in zip(b.buckets, ready, queue)]
     b.tail_s = max(b.tail_device_s, default=0.0)
     b.total_s = end + b.tail_s
     return b
