@@ -156,11 +156,11 @@ def test_lp_with_two_segments_equals_a_grid_search():
 
 @pytest.fixture(scope="module")
 def segmented_plan() -> Plan:
-    return engine.plan(two_layer(), slow_link_cluster(), segments=2)
+    return engine.plan(two_layer(), slow_link_cluster(), segments=2, overlap="none")  # one bucket after backward
 
 
 def test_segments_pay_where_layers_want_different_ratios(segmented_plan):
-    one = engine.plan(two_layer(), slow_link_cluster())
+    one = engine.plan(two_layer(), slow_link_cluster(), overlap="none")
     assert segmented_plan.search["segments"] == 2
     assert segmented_plan.predicted_time_s < one.predicted_time_s * (1 - 1e-3)
     r0, r1 = segmented_plan.ratios["0"], segmented_plan.ratios["1"]
@@ -192,7 +192,8 @@ def test_cli_plans_with_segments(tmp_path, capsys):
     two_layer().save(graph_path)
     cluster_path = tmp_path / "cluster.json"
     cluster_path.write_text(json.dumps(slow_link_cluster().to_dict()))
-    assert main(["plan", "--model", str(graph_path), "--cluster", str(cluster_path), "--segments", "2"]) == 0
+    assert main(["plan", "--model", str(graph_path), "--cluster", str(cluster_path), "--segments", "2",
+                 "--overlap", "none"]) == 0
     assert "ratio per segment" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["plan", "--model", str(graph_path), "--cluster", str(cluster_path), "--segments", "0"])

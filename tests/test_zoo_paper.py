@@ -32,7 +32,7 @@ def test_paper_size_model_beats_both_baselines_on_the_paper_testbed(model: str) 
     cfg = plan.graph.origin["config"]
     assert (cfg["hidden"], cfg["layers"], cfg["heads"], cfg["vocab"]) == (768, 12, 12, 30522)
     baselines = plan.search["baselines_s"]
-    assert set(baselines) == {"dp-even", "dp-proportional"}
+    assert set(baselines) == set(engine.BASELINES)
     for name, t in baselines.items():
         assert t is not None and plan.predicted_time_s < t * 0.99, f"{model}: {plan.predicted_time_s:.3f} s vs {name} {t:.3f} s"
 
