@@ -12,7 +12,9 @@ predicted slower than them.
 Overlap (`engine.overlap`): the loop runs with the cost model and the LP of one overlap mode.
 `overlap="auto"` runs it in `ddp` (gradient buckets during backward) and in `duplex` (HiDup's two
 half-batches), each with its share of the time budget, and keeps the faster prediction; duplex
-wins only where it predicts a gain. The baselines (`ddp`, `dp-even`, `dp-proportional`) are
+wins only where it predicts a gain. The ddp plan is also priced with one bucket after backward
+(`none`): every bucket pays a latency, so where backward is too short to hide them, not
+overlapping is faster, and auto keeps that. The baselines (`ddp`, `dp-even`, `dp-proportional`) are
 priced as PyTorch DDP runs: gradient buckets overlapped with backward.
 
 With `segments=g > 1` (§5.2) the model is cut into g segments at layer boundaries, B becomes one
@@ -202,7 +204,8 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     """Plan `model` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
 
     `overlap` is the overlap mode to plan in (`none`, `ddp`, `duplex`), or `auto`: plan in ddp
-    and in duplex (each with an equal share of what is left of the budget) and keep the faster;
+    and in duplex (each with an equal share of what is left of the budget), price the ddp plan
+    in none too, and keep the fastest;
     the plan's search stats record every mode's predicted time (`overlap_s`) and why one was
     skipped (`overlap_skipped`). `segments` > 1 then iterates again with that many runs of
     layers, each with its own ratios (§5.2), starting from the one-segment plan; the faster of
@@ -231,7 +234,10 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
             stats["overlap_s"][mode] = _realized_rank(graph, cluster, cand, optimizer)[1]
     if not found:
         raise InfeasibleError(_oom_message(graph, cluster, optimizer, deadline=deadline))
-    # modes in order (ddp before duplex): a tie keeps the earlier, so duplex is chosen only for a predicted gain
+    if overlap == "auto" and "ddp" in found:
+        found["none"] = _priced_in(found["ddp"], graph, cluster, optimizer, "none")
+        stats["overlap_s"]["none"] = _realized_rank(graph, cluster, found["none"], optimizer)[1]
+    # modes in order (ddp, duplex, none): a tie keeps the earlier, so duplex or none is chosen only for a predicted gain
     best = min(found.values(), key=lambda c: _realized_rank(graph, cluster, c, optimizer))
     stats["elapsed_s"] = time.perf_counter() - start
     stats["segments"] = best.segmentation.count
