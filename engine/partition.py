@@ -4,12 +4,15 @@ Formulation. The graph's L layers (`engine.stages`) are split into S contiguous 
 runs on a group of devices of one sub-cluster (`engine.stage_cost`), its per-microbatch time t_i
 from the pricer, and c_i is the transfer to stage i+1. For a bound t_max, HAPT's Eq. 13 objective is
 
-    T(t_max) = min over partitions of  sum_i (t_i + 2 c_i)  +  (B - 1) t_max
+    T(t_max) = min over partitions of  sum_i (t_i + 2 c_i + u_i)  +  (B - 1) t_max
 
-subject to, for every stage: t_i <= t_max; c_i <= t_max (H-1F1B hides it, §4.1); its memory with
+where u_i is stage i's gradient sync after the pipeline drains (its all-reduce inside its group and
+its optimizer step; HAPT leaves it out). The syncs of different stages overlap in time, so the sum
+over-counts them (their maximum, roughly, is what the simulator charges), but without it the DP
+spreads a stage over a sub-cluster whose all-reduce crosses a slow link. Subject to, for every stage: t_i <= t_max; c_i <= t_max (H-1F1B hides it, §4.1); its memory with
 N_i microbatches in flight fits every device (Eq. 24), N_i the H-1F1B warm-up count for this
 t_max (N_S = 1, N_i = min(B, N_{i+1} + ceil(1 + 2 c_i / t_max))); and the groups of a sub-cluster
-use at most its devices.
+use at most its devices; a group has at most as many devices as a microbatch has samples.
 
 Dynamic program (`_Solver`). From the last layer back: the state is (first layer k of the rest,
 devices used so far in each sub-cluster, sub-cluster of the rest's first stage, that stage's N),
@@ -67,7 +70,7 @@ class Partition:
     microbatches: int
     t_max_bound: float
     objective_s: float
-    """HAPT Eq. 13 with the bound: sum_i (t_i + 2 c_i) + (B - 1) t_max."""
+    """HAPT Eq. 13 with the bound, plus every stage's sync: sum_i (t_i + 2 c_i + u_i) + (B - 1) t_max."""
     transfers_s: tuple[float, ...]
     warmup: tuple[int, ...]
     """H-1F1B counts under the bound (those the memory check used)."""
@@ -81,6 +84,8 @@ class _Table:
     """(a, g) -> t[k, e, o] (inf where no stage)."""
     held: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
     """(a, g) -> most microbatches in flight that fit, [k, e, o]."""
+    syncs: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)
+    """(a, g) -> the stage's gradient sync after the drain, [k, e, o]."""
     prices: dict[tuple[int, int, int, int, int], StagePrice] = field(default_factory=dict)
     transfers: np.ndarray | None = None
     """c[e, a, b]: transfer at cut e from sub-cluster a to b."""
@@ -95,18 +100,20 @@ class Partitioner:
         self.pricer = pricer or DataParallelPricer(cluster, optimizer)
         self.subs: tuple[SubCluster, ...] = sub_clusters(cluster)
         self.levels = [[transfer_level(cluster, a, b) for b in self.subs] for a in self.subs]
+        self.batch = batch_of(stages.graph)
         self.block_ids = _layer_signatures(stages)
+        blocks: dict[tuple[int, ...], int] = {}
+        L = stages.num_layers
+        self.block_key = [[blocks.setdefault(tuple(self.block_ids[k:e]), len(blocks)) if e > k else -1
+                           for e in range(L + 1)] for k in range(L + 1)]
+        """An id per run of layers [k, e), equal for identical runs (repeated blocks are priced once)."""
         self._cache: dict[tuple, StagePrice] = {}
 
     # --- prices ----------------------------------------------------------------------------
     def price(self, start: int, end: int, sub: int, offset: int, size: int, microbatches: int) -> StagePrice:
         """The pricer's answer, shared by identical blocks of layers on identical groups (HAPT §5.1)."""
-        devices = self.subs[sub].devices[offset:offset + size]
-        key = (tuple(self.block_ids[start:end]), device_signature(self.cluster, devices), microbatches)
-        hit = self._cache.get(key)
-        if hit is None:
-            hit = self._cache[key] = self.pricer(self.stages, start, end, devices, microbatches)
-        return hit
+        sig = device_signature(self.cluster, self.subs[sub].devices[offset:offset + size])
+        return self._price(start, end, sig, sub, offset, size, microbatches)
 
     def transfer(self, cut: int, a: int, b: int, microbatches: int) -> float:
         """c at cut `cut` (between layers cut-1 and cut) from a group of sub-cluster a to one of b."""
@@ -115,21 +122,36 @@ class Partitioner:
         return transfer_s(self.cluster, self.levels[a][b], nbytes / microbatches)
 
     def table(self, microbatches: int) -> _Table:
+        """Every stage's price at B, each distinct (block, group) priced once."""
         L, B = self.stages.num_layers, microbatches
         t = _Table()
         for a, sub in enumerate(self.subs):
             for g in sub.group_sizes:
                 times = np.full((L + 1, L + 1, sub.size - g + 1), INF)
-                held = np.full_like(times, -1.0)
+                if g * B > self.batch:  # a device of the group would get no sample of a microbatch
+                    t.times[(a, g)], t.held[(a, g)], t.syncs[(a, g)] = times, np.full_like(times, -1.0), np.zeros_like(times)
+                    continue
+                held, syncs = np.full_like(times, -1.0), np.zeros_like(times)
+                places: dict[tuple, list[int]] = {}
                 for o in sub.offsets(g):
+                    places.setdefault(device_signature(self.cluster, sub.devices[o:o + g]), []).append(o)
+                for sig, offsets in places.items():  # offsets with the same layout share every price
                     for k in range(L):
                         for e in range(k + 1, L + 1):
-                            p = t.prices[(k, e, a, g, o)] = self.price(k, e, a, o, g, B)
-                            times[k, e, o], held[k, e, o] = p.total_s, p.max_held
-                t.times[(a, g)], t.held[(a, g)] = times, held
+                            p = self._price(k, e, sig, a, offsets[0], g, B)
+                            times[k, e, offsets], held[k, e, offsets], syncs[k, e, offsets] = p.total_s, p.max_held, p.sync_s
+                            t.prices.update({(k, e, a, g, o): p for o in offsets})
+                t.times[(a, g)], t.held[(a, g)], t.syncs[(a, g)] = times, held, syncs
         C = len(self.subs)
         t.transfers = np.array([[[self.transfer(e, a, b, B) for b in range(C)] for a in range(C)] for e in range(L + 1)])
         return t
+
+    def _price(self, k: int, e: int, sig: tuple, a: int, o: int, g: int, B: int) -> StagePrice:
+        key = (self.block_key[k][e], sig, B)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self.pricer(self.stages, k, e, self.subs[a].devices[o:o + g], B)
+        return hit
 
     # --- search ----------------------------------------------------------------------------
     def search(self, microbatches: int, tolerance: float = 0.0) -> list[Partition]:
@@ -161,6 +183,8 @@ class _Solution:
     """Sub-cluster of the first stage -> value array [k, used..., N]."""
     index: tuple[int, ...]
     """(a, k=0, used..., N) of the optimum."""
+    collapsed: bool
+    """Whether the N axis was dropped (no memory constraint binds)."""
 
 
 class _Solver:
@@ -171,16 +195,32 @@ class _Solver:
         self.subs = part.subs
         self.L = part.stages.num_layers
         self.grid = tuple(s.size + 1 for s in self.subs)
-        finite = [h[np.isfinite(self.table.times[key])] for key, h in self.table.held.items()]
-        self.collapse = all(((x >= microbatches) | (x < 1)).all() for x in finite)
-        self.NB = 1 if self.collapse else microbatches + 1
+        self.collapse, self.NB = False, microbatches + 1
+
+    def _memory_binds(self, t_max: float) -> bool:
+        """Whether some stage within t_max fits its state but not B microbatches in flight."""
+        for key, held in self.table.held.items():
+            h = held[self.table.times[key] <= t_max]
+            if ((h >= 1) & (h < self.B)).any():
+                return True
+        return False
 
     def solve(self, t_max: float) -> _Solution | None:
         C, L = len(self.subs), self.L
+        self.collapse = not self._memory_binds(t_max)  # then N never matters: drop its axis
+        self.NB = 1 if self.collapse else self.B + 1
+        self._masked = {key: self._mask_times(key, t_max) for key in self.table.times}
+        c = self.table.transfers  # [e, a, b]
+        self._step = {(a, g, b): self._masked[(a, g)] + self.table.syncs[(a, g)] + np.where(c[:, a, b] <= t_max, 2 * c[:, a, b], INF)[None, :, None]
+                      for (a, g) in self._masked for b in range(C)}
+        self._deltas = np.array([[[h1f1b_delta(float(x), t_max) if x <= t_max else 0 for x in c[:, a, b]]
+                                  for b in range(C)] for a in range(C)], dtype=int)
         V = {a: np.full((L + 1, *self.grid, self.NB), INF) for a in range(C)}
         for k in range(L - 1, -1, -1):
             for a in range(C):
                 for g in self.subs[a].group_sizes:
+                    if not np.isfinite(self._masked[(a, g)][k]).any():
+                        continue
                     self._base(V[a], k, a, g, t_max)
                     for b in range(C):
                         self._extend(V, k, a, g, b, t_max)
@@ -189,50 +229,57 @@ class _Solver:
             return None
         a = best[1]
         index = (a, 0, *np.unravel_index(int(np.argmin(V[a][0])), V[a][0].shape))
-        return _Solution(float(best[0]), V, tuple(int(i) for i in index))
+        return _Solution(float(best[0]), V, tuple(int(i) for i in index), self.collapse)
+
+    def _mask_times(self, key: tuple[int, int], t_max: float) -> np.ndarray:
+        """Stage times with inf where a stage is slower than t_max or does not fit its memory."""
+        t, held = self.table.times[key], self.table.held[key]
+        return np.where((t <= t_max) & (held >= (self.B if self.collapse else 1)), t, INF)
 
     def _times(self, a: int, g: int, k: int, t_max: float) -> tuple[np.ndarray, np.ndarray]:
-        """t[e, o] of stages starting at k (inf above t_max) and the microbatches they can hold."""
-        t = self.table.times[(a, g)][k]
-        return np.where(t <= t_max, t, INF), self.table.held[(a, g)][k]
+        """t[e, o] of stages starting at k (inf above t_max or out of memory) and the microbatches they can hold."""
+        return self._masked[(a, g)][k], self.table.held[(a, g)][k]
 
     def _base(self, Va: np.ndarray, k: int, a: int, g: int, t_max: float) -> None:
         """The last stage [k, L): N = 1, at offset 0 of its sub-cluster."""
         t, held = self._times(a, g, k, t_max)
-        if not math.isfinite(t[self.L, 0]) or held[self.L, 0] < (self.B if self.collapse else 1):
+        if not math.isfinite(t[self.L, 0]):
             return
         idx = [k, *[0] * len(self.subs), 0 if self.collapse else 1]
         idx[1 + a] = g
-        Va[tuple(idx)] = min(Va[tuple(idx)], t[self.L, 0])
+        Va[tuple(idx)] = min(Va[tuple(idx)], t[self.L, 0] + self.table.syncs[(a, g)][k, self.L, 0])
 
     def _extend(self, V: dict[int, np.ndarray], k: int, a: int, g: int, b: int, t_max: float) -> None:
         """Stage [k, e) on g devices of a before a rest whose first stage is on b, for every e at once."""
-        n_a = self.subs[a].size
-        t, held = self._times(a, g, k, t_max)
-        es = np.arange(k + 1, self.L)
-        if not len(es):
+        L, n_o = self.L, self.subs[a].size - g + 1
+        if k + 1 >= L:
             return
-        c = self.table.transfers[es, a, b]
-        ok = (c <= t_max) & np.isfinite(t[es]).any(axis=1)
-        if not ok.any():
+        cost = self._step[(a, g, b)][k, k + 1:L]  # (E, n_o): t + 2c, inf where not allowed
+        live = np.isfinite(cost).any(axis=1)
+        if not live.any():
             return
-        src = V[b][es[ok]].take(np.arange(n_a - g + 1), axis=1 + a)  # rest used o = used[a] devices of a
-        cand = src + _along(t[es[ok]], 1 + a, src.ndim) + _along(2 * c[ok], 0, src.ndim)
+        lo = k + 1 + int(np.argmax(live))  # the first useful end; later ones may be inf (harmless)
+        cost = cost[lo - k - 1:]
+        window = (slice(lo, L), *(slice(0, n_o) if ax == a else slice(None) for ax in range(len(self.subs))))
+        cand = V[b][window] + _along(cost, 1 + a, V[b].ndim)  # rest used o = used[a] devices of a
         dst = V[a][k][tuple(slice(g, None) if ax == a else slice(None) for ax in range(len(self.subs)))]
         if self.collapse:
             np.minimum(dst, cand.min(axis=0), out=dst)
             return
-        deltas = np.array([h1f1b_delta(x, t_max) for x in c[ok]])
+        held = self.table.held[(a, g)][k, lo:L]
+        deltas = self._deltas[a, b, lo:L]
         for d in np.unique(deltas):
             sel = deltas == d
             shifted = _shift_n(cand[sel], int(d), self.B)  # N of this stage = min(N of the rest + delta, B)
-            fits = np.arange(self.NB)[None, None, :] <= held[es[ok][sel], :n_a - g + 1, None]  # Eq. 24
+            fits = np.arange(self.NB)[None, None, :] <= held[sel][:, :, None]  # Eq. 24
             shape = [1] * shifted.ndim
             shape[0], shape[1 + a], shape[-1] = fits.shape
             np.minimum(dst, np.where(fits.reshape(shape), shifted, INF).min(axis=0), out=dst)
 
     def partition(self, sol: _Solution, t_max: float) -> Partition:
         """Walk the optimum forward, re-finding each stage's choice in the value arrays."""
+        self.collapse, self.NB = sol.collapsed, 1 if sol.collapsed else self.B + 1
+        self._masked = {key: self._mask_times(key, t_max) for key in self.table.times}
         a, k, *used = sol.index
         n = used.pop()
         used, value, stages = list(used), sol.value, []
@@ -255,7 +302,8 @@ class _Solver:
             t, held = self._times(a, g, k, t_max)
             if t.shape[1] <= o:
                 continue
-            if all(x == 0 for x in rest) and math.isclose(t[self.L, o], value, rel_tol=1e-9, abs_tol=1e-15) \
+            sync = self.table.syncs[(a, g)][k]
+            if all(x == 0 for x in rest) and math.isclose(t[self.L, o] + sync[self.L, o], value, rel_tol=1e-9, abs_tol=1e-15) \
                     and (self.collapse or n == 1):
                 return self._choice(k, self.L, a, o, g), None
             for e in range(k + 1, self.L):
@@ -267,7 +315,8 @@ class _Solver:
                                                        if min(m + h1f1b_delta(c, t_max), self.B) == n and n <= held[e, o]]
                     for m in nexts:
                         v = sol.arrays[b][(e, *rest, m)]
-                        if math.isfinite(v) and math.isclose(v + t[e, o] + 2 * c, value, rel_tol=1e-9, abs_tol=1e-15):
+                        if math.isfinite(v) and math.isclose(v + t[e, o] + sync[e, o] + 2 * c, value, rel_tol=1e-9,
+                                                             abs_tol=1e-15):
                             return self._choice(k, e, a, o, g), (e, b, rest, m, float(v))
         raise AssertionError("DP reconstruction found no stage for the optimum")
 
@@ -280,7 +329,7 @@ class _Solver:
         warm = [1]
         for x in reversed(c):
             warm.append(min(self.B, warm[-1] + h1f1b_delta(x, t_max)))
-        objective = sum(s.price.total_s for s in stages) + 2 * sum(c) + (self.B - 1) * t_max
+        objective = sum(s.price.total_s + s.price.sync_s for s in stages) + 2 * sum(c) + (self.B - 1) * t_max
         return Partition(stages, self.B, t_max, objective, c, tuple(warm[::-1]))
 
 
@@ -342,3 +391,142 @@ def _layer_signatures(stages: StageGraph) -> list[int]:
             key.append((n.op, n.shape, n.dtype, n.flops, repr(sorted(n.attrs.items())), refs))
         out.append(ids.setdefault(tuple(key), len(ids)))
     return out
+
+
+# ----------------------------------------------------------------------------- the best pipeline
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """One stage of a pipeline plan."""
+
+    devices: tuple[int, ...]
+    """Device ranks (indices in the cluster)."""
+    sub_cluster: str
+    layers: tuple[int, int]
+    """Layers [start, end)."""
+    nodes: tuple[int, int]
+    """First and last computed node id (topological order)."""
+    warmup: int
+    forward_s: float
+    backward_s: float
+    sync_s: float
+    peak_memory_bytes: float
+    """Per GPU on the fullest device, under the plan's schedule."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What crosses between two neighbouring stages."""
+
+    cut: int
+    tensors: tuple[int, ...]
+    forward_bytes: int
+    """Per iteration (all microbatches)."""
+    backward_bytes: int
+    link: str
+    transfer_s: float
+    """Per microbatch, each way."""
+
+
+@dataclass(frozen=True)
+class ScheduleResult:
+    """A schedule of the plan's partition, simulated."""
+
+    iteration_s: float
+    warmup: tuple[int, ...]
+    peak_memory_bytes: tuple[float, ...]
+    fits: bool
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline plan: stages on device groups, boundaries, schedule and microbatches (HAPT)."""
+
+    stages: tuple[PipelineStage, ...]
+    boundaries: tuple[Boundary, ...]
+    schedule: str
+    microbatches: int
+    predicted_s: float
+    """Simulated iteration time under `schedule`, gradient syncs included."""
+    t_max_s: float
+    closed_form_s: float | None
+    """HAPT Eq. 13 (syncs excluded), when every transfer is at most t_max."""
+    schedules: dict[str, ScheduleResult]
+    """The same partition under every schedule of `engine.schedule.SCHEDULES`."""
+    planning_s: float
+
+
+def batch_of(graph) -> int:
+    """The batch size: dim 0 of the first input (1 when there is none)."""
+    return graph.placeholders[0].shape[0] if graph.placeholders and graph.placeholders[0].shape else 1
+
+
+def microbatch_candidates(graph) -> list[int]:
+    """Powers of two that divide the batch, up to 64."""
+    batch = batch_of(graph)
+    return [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= batch and batch % b == 0]
+
+
+def best_pipeline(graph, cluster: Cluster, microbatches: int | None = None, *, pricer: StagePricer | None = None,
+                  optimizer: str = "adam", tolerance: float = 0.02, finalists: int = 3) -> PipelinePlan:
+    """The fastest simulated H-1F1B pipeline among the DP's best `finalists` partitions per B."""
+    import time
+
+    start = time.perf_counter()
+    stages = StageGraph(graph)
+    part = Partitioner(stages, cluster, pricer, optimizer)
+    counts = [microbatches] if microbatches else microbatch_candidates(graph)
+    if any(not isinstance(b, int) or b < 1 for b in counts):
+        raise PlanError(f"microbatches = {microbatches!r}; give a positive integer (or None to search)")
+    best: tuple[float, Partition, object] | None = None
+    for B in counts:
+        for p in part.search(B, tolerance)[:finalists]:
+            pipe, warm = _pipeline_of(p)
+            run = run_h1f1b(pipe, warm)
+            if best is None or run.iteration_s < best[0]:
+                best = (run.iteration_s, p, run)
+    if best is None:
+        raise InfeasibleError(f"no pipeline of {graph.name} fits {cluster.name}: every stage on every device group "
+                              "runs out of memory or a boundary transfer is slower than the slowest stage; "
+                              "add devices, use fewer microbatches, or shrink the model")
+    return _plan(part, best[1], best[2], time.perf_counter() - start)
+
+
+def _pipeline_of(p: Partition):
+    """The schedule's view of a partition, and the H-1F1B counts that fit memory."""
+    from .schedule import Pipeline, StageTimes, warmup_counts
+
+    pipe = Pipeline(tuple(StageTimes(s.price.forward_s, s.price.backward_s, max(s.price.activation_bytes),
+                                     s.price.sync_s) for s in p.stages), p.transfers_s, p.microbatches)
+    exact = warmup_counts("h-1f1b", pipe)
+    fits = all(n <= s.price.max_held for n, s in zip(exact, p.stages))
+    return pipe, exact if fits else p.warmup
+
+
+def run_h1f1b(pipe, warm):
+    from .schedule import run_schedule
+
+    return run_schedule(pipe, "h-1f1b", warmup=warm)
+
+
+def _plan(part: Partitioner, p: Partition, run, planning_s: float) -> PipelinePlan:
+    from .schedule import SCHEDULES, closed_form_s, run_schedule
+
+    pipe, _ = _pipeline_of(p)
+    results = {}
+    for name in SCHEDULES:
+        r = run if name == "h-1f1b" else run_schedule(pipe, name)
+        peaks = tuple(s.price.memory_bytes(h) for s, h in zip(p.stages, r.in_flight))
+        results[name] = ScheduleResult(r.iteration_s, r.warmup, peaks,
+                                       all(h <= s.price.max_held for s, h in zip(p.stages, r.in_flight)))
+    sg = part.stages
+    stages = tuple(PipelineStage(s.devices, part.subs[s.sub].name, (s.start, s.end),
+                                 (sg.layers[s.start][0], sg.layers[s.end - 1][-1]), w, s.price.forward_s,
+                                 s.price.backward_s, s.price.sync_s, m)
+                   for s, w, m in zip(p.stages, run.warmup, results["h-1f1b"].peak_memory_bytes))
+    bounds = tuple(Boundary(s.end, sg.cut(s.end).tensors, sg.cut(s.end).forward_bytes, sg.cut(s.end).backward_bytes,
+                            part.levels[s.sub][n.sub], c) for s, n, c in zip(p.stages, p.stages[1:], p.transfers_s))
+    closed = closed_form_s(pipe) if all(c <= pipe.t_max for c in pipe.transfer_s) else None
+    return PipelinePlan(stages, bounds, "h-1f1b", p.microbatches, run.iteration_s, pipe.t_max, closed, results,
+                        planning_s)

@@ -188,9 +188,11 @@ def in_flight(warmup: int, microbatches: int) -> int:
     return peak
 
 
-def run_schedule(pipeline: Pipeline, schedule: str, epsilon: float = 0.0) -> PipelineRun:
-    """Simulate `schedule` on `pipeline`: iteration time, warm-up counts and peak activations per stage."""
-    warmup = warmup_counts(schedule, pipeline, epsilon)
+def run_schedule(pipeline: Pipeline, schedule: str, epsilon: float = 0.0,
+                 warmup: tuple[int, ...] | None = None) -> PipelineRun:
+    """Simulate `schedule` on `pipeline`: iteration time, warm-up counts and peak activations per stage.
+    `warmup` overrides the schedule's counts (e.g. H-1F1B computed for a larger t_max, to fit memory)."""
+    warmup = warmup if warmup is not None else warmup_counts(schedule, pipeline, epsilon)
     timeline = simulate(pipeline_tasks(pipeline, warmup))
     held = tuple(in_flight(n, pipeline.microbatches) for n in warmup)
     peak = tuple(h * s.activation_bytes for h, s in zip(held, pipeline.stages))

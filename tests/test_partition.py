@@ -29,7 +29,7 @@ def mlp4():
 
 
 def _brute_force(part: Partitioner, microbatches: int) -> float:
-    """min over every partition, group choice and t_max candidate of Eq. 13 under the DP's constraints."""
+    """min over every partition, group choice and t_max candidate of the DP's objective under its constraints."""
     L, subs, B = part.stages.num_layers, part.subs, microbatches
     table = part.table(B)
     t_values = sorted({float(x) for arr in table.times.values() for x in arr[arr < math.inf]})
@@ -50,7 +50,7 @@ def _brute_force(part: Partitioner, microbatches: int) -> float:
                     warm.append(min(B, warm[-1] + h1f1b_delta(x, t_max)))
                 if any(n > p.max_held for n, p in zip(warm[::-1], prices)):
                     continue
-                best = min(best, sum(p.total_s for p in prices) + 2 * sum(c) + (B - 1) * t_max)
+                best = min(best, sum(p.total_s + p.sync_s for p in prices) + 2 * sum(c) + (B - 1) * t_max)
     return best
 
 
