@@ -530,3 +530,12 @@ def _plan(part: Partitioner, p: Partition, run, planning_s: float) -> PipelinePl
     closed = closed_form_s(pipe) if all(c <= pipe.t_max for c in pipe.transfer_s) else None
     return PipelinePlan(stages, bounds, "h-1f1b", p.microbatches, run.iteration_s, pipe.t_max, closed, results,
                         planning_s)
+
+
+def plan_pipeline(plan: PipelinePlan, transfers_s: tuple[float, ...] | None = None):
+    """The schedule's view of a plan (stage times, syncs), with other transfer times to ask "what if"."""
+    from .schedule import Pipeline, StageTimes
+
+    return Pipeline(tuple(StageTimes(s.forward_s, s.backward_s, 0.0, s.sync_s) for s in plan.stages),
+                    transfers_s if transfers_s is not None else tuple(b.transfer_s for b in plan.boundaries),
+                    plan.microbatches)

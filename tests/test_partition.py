@@ -138,3 +138,31 @@ def test_data_parallel_price_splits_flops_over_the_group_and_microbatches(mlp4):
     slow = pricer(sg, 0, 4, (2,), 1)
     assert slow.forward_s == pytest.approx(2 * one.forward_s)
     assert pricer(sg, 0, 2, (0,), 1).total_s + pricer(sg, 2, 4, (0,), 1).total_s == pytest.approx(one.total_s)
+
+
+def test_best_pipeline_is_a_consistent_plan(mlp4):
+    from engine.partition import best_pipeline
+    from engine.schedule import SCHEDULES
+
+    plan = best_pipeline(mlp4, _two_machines(flops=(2e9, 1e9), inter_Bps=1e9), microbatches=4)
+    layers = [s.layers for s in plan.stages]
+    assert layers[0][0] == 0 and layers[-1][1] == 4 and all(a[1] == b[0] for a, b in zip(layers, layers[1:]))
+    devices = [d for s in plan.stages for d in s.devices]
+    assert len(devices) == len(set(devices))
+    sg = StageGraph(mlp4)
+    assert [b.forward_bytes for b in plan.boundaries] == [sg.cut(s.layers[1]).forward_bytes for s in plan.stages[:-1]]
+    assert set(plan.schedules) == set(SCHEDULES) and plan.schedule == "h-1f1b"
+    assert plan.predicted_s == plan.schedules["h-1f1b"].iteration_s
+    assert all(r.fits for r in plan.schedules.values())
+    assert max(plan.schedules["gpipe"].peak_memory_bytes) >= max(plan.schedules["1f1b"].peak_memory_bytes)
+    assert plan.stages[-1].warmup == 1 and plan.stages[0].warmup == plan.schedules["h-1f1b"].warmup[0]
+
+
+def test_best_pipeline_says_why_nothing_fits(mlp4):
+    from engine.errors import InfeasibleError, PlanError
+    from engine.partition import best_pipeline
+
+    with pytest.raises(InfeasibleError, match="no pipeline"):
+        best_pipeline(mlp4, _two_machines(memory=1024))
+    with pytest.raises(PlanError, match="microbatches"):
+        best_pipeline(mlp4, _two_machines(), microbatches=-2)
