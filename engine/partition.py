@@ -9,18 +9,19 @@ from the pricer, and c_i is the transfer to stage i+1. For a bound t_max, HAPT's
 where u_i is stage i's gradient sync after the pipeline drains (its all-reduce inside its group and
 its optimizer step; HAPT leaves it out). The syncs of different stages overlap in time, so the sum
 over-counts them (their maximum, roughly, is what the simulator charges), but without it the DP
-spreads a stage over a sub-cluster whose all-reduce crosses a slow link. Subject to, for every stage: t_i <= t_max; c_i <= t_max (H-1F1B hides it, §4.1); its memory with
-N_i microbatches in flight fits every device (Eq. 24), N_i the H-1F1B warm-up count for this
+spreads a stage over a sub-cluster whose all-reduce crosses a slow link. Subject to, for every
+stage: t_i <= t_max; c_i <= t_max (H-1F1B hides it, §4.1); its memory with N_i microbatches
+in flight fits every device (Eq. 24), N_i the H-1F1B warm-up count for this
 t_max (N_S = 1, N_i = min(B, N_{i+1} + ceil(1 + 2 c_i / t_max))); and the groups of a sub-cluster
 use at most its devices; a group has at most as many devices as a microbatch has samples.
 
 Dynamic program (`_Solver`). From the last layer back: the state is (first layer k of the rest,
 devices used so far in each sub-cluster, sub-cluster of the rest's first stage, that stage's N),
-the value the least sum_i (t_i + 2 c_i) of the rest. A new first stage [k, e) on a group of size g
+the value the least sum_i (t_i + 2 c_i + u_i) of the rest. A new first stage [k, e) on a group of size g
 of sub-cluster a lands at the next aligned offset of a (the count used so far), so its price is
 exact; c depends on the two sub-clusters. Tracking N keeps the memory constraint exact (HAPT takes
-N from the sub-problem's optimum instead); when no stage's memory binds for any N <= B, the N
-axis collapses. States are numpy arrays over the used-device counts, one transition per (k, a, g,
+N from the sub-problem's optimum instead); when no stage within t_max has a memory that binds
+for some N <= B, the N axis collapses. States are numpy arrays over the used-device counts, one transition per (k, a, g,
 sub-cluster of the next stage) for all stage ends e at once.
 
 t_max candidates (§5.2.2, bidirectional pruning): every stage time t of the price table, sorted;
@@ -29,19 +30,22 @@ below the best T found (F(t_max) never drops below the unconstrained F(inf)). Wi
 candidates within a factor (1 + tolerance) are merged into their largest (the answer is then within
 that factor of the optimum in its (B - 1) t_max term). B ranges over `microbatch_candidates`.
 
-The DP ranks by Eq. 13; the final choice among the best few is by the simulator
-(`engine.schedule`), which also counts each stage's gradient sync after the pipeline drains.
+The DP ranks by this objective; `best_pipeline` picks among the best few partitions of every B by
+the simulator (`engine.schedule`, H-1F1B), which charges the syncs as they overlap, and reports the
+chosen partition under every schedule.
 """
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .cluster import Cluster
 from .errors import InfeasibleError, PlanError
-from .schedule import h1f1b_delta
+from .schedule import SCHEDULES, Pipeline, PipelineRun, StageTimes, closed_form_s, h1f1b_delta, run_schedule, \
+    warmup_counts
 from .stage_cost import (DataParallelPricer, StagePrice, StagePricer, SubCluster, device_signature, sub_clusters,
                          transfer_level, transfer_s)
 from .stages import StageGraph
@@ -128,10 +132,10 @@ class Partitioner:
         for a, sub in enumerate(self.subs):
             for g in sub.group_sizes:
                 times = np.full((L + 1, L + 1, sub.size - g + 1), INF)
-                if g * B > self.batch:  # a device of the group would get no sample of a microbatch
-                    t.times[(a, g)], t.held[(a, g)], t.syncs[(a, g)] = times, np.full_like(times, -1.0), np.zeros_like(times)
-                    continue
                 held, syncs = np.full_like(times, -1.0), np.zeros_like(times)
+                t.times[(a, g)], t.held[(a, g)], t.syncs[(a, g)] = times, held, syncs
+                if g * B > self.batch:  # a device of the group would get no sample of a microbatch
+                    continue
                 places: dict[tuple, list[int]] = {}
                 for o in sub.offsets(g):
                     places.setdefault(device_signature(self.cluster, sub.devices[o:o + g]), []).append(o)
@@ -139,11 +143,12 @@ class Partitioner:
                     for k in range(L):
                         for e in range(k + 1, L + 1):
                             p = self._price(k, e, sig, a, offsets[0], g, B)
-                            times[k, e, offsets], held[k, e, offsets], syncs[k, e, offsets] = p.total_s, p.max_held, p.sync_s
+                            times[k, e, offsets], held[k, e, offsets] = p.total_s, p.max_held
+                            syncs[k, e, offsets] = p.sync_s
                             t.prices.update({(k, e, a, g, o): p for o in offsets})
-                t.times[(a, g)], t.held[(a, g)], t.syncs[(a, g)] = times, held, syncs
         C = len(self.subs)
-        t.transfers = np.array([[[self.transfer(e, a, b, B) for b in range(C)] for a in range(C)] for e in range(L + 1)])
+        t.transfers = np.array([[[self.transfer(e, a, b, B) for b in range(C)] for a in range(C)]
+                                for e in range(L + 1)])
         return t
 
     def _price(self, k: int, e: int, sig: tuple, a: int, o: int, g: int, B: int) -> StagePrice:
@@ -211,8 +216,9 @@ class _Solver:
         self.NB = 1 if self.collapse else self.B + 1
         self._masked = {key: self._mask_times(key, t_max) for key in self.table.times}
         c = self.table.transfers  # [e, a, b]
-        self._step = {(a, g, b): self._masked[(a, g)] + self.table.syncs[(a, g)] + np.where(c[:, a, b] <= t_max, 2 * c[:, a, b], INF)[None, :, None]
-                      for (a, g) in self._masked for b in range(C)}
+        self._step = {(a, g, b): self._masked[(a, g)] + self.table.syncs[(a, g)]
+                      + np.where(c[:, a, b] <= t_max, 2 * c[:, a, b], INF)[None, :, None]
+                      for (a, g) in self._masked for b in range(C)}  # t + u + 2c of stage [k, e) at offset o
         self._deltas = np.array([[[h1f1b_delta(float(x), t_max) if x <= t_max else 0 for x in c[:, a, b]]
                                   for b in range(C)] for a in range(C)], dtype=int)
         V = {a: np.full((L + 1, *self.grid, self.NB), INF) for a in range(C)}
@@ -291,34 +297,35 @@ class _Solver:
             (k, a, used, n, value) = choice[1]
         return self._partition(tuple(stages), t_max)
 
-    def _find(self, sol, k, a, used, n, value, t_max):
-        """The stage at k on sub-cluster a (and the rest's state) that gives `value`."""
+    def _find(self, sol: _Solution, k: int, a: int, used: list[int], n: int, value: float, t_max: float):
+        """The stage at k on sub-cluster a, and the rest's state (None for the last stage), that give `value`."""
         for g in self.subs[a].group_sizes:
-            if used[a] < g:
-                continue
             rest = list(used)
             rest[a] -= g
             o = rest[a]
-            t, held = self._times(a, g, k, t_max)
-            if t.shape[1] <= o:
+            if o < 0:
                 continue
-            sync = self.table.syncs[(a, g)][k]
-            if all(x == 0 for x in rest) and math.isclose(t[self.L, o] + sync[self.L, o], value, rel_tol=1e-9, abs_tol=1e-15) \
-                    and (self.collapse or n == 1):
+            t, held = self._times(a, g, k, t_max)
+            own = t[:, o] + self.table.syncs[(a, g)][k][:, o]
+            if not any(rest) and _same(own[self.L], value) and (self.collapse or n == 1):
                 return self._choice(k, self.L, a, o, g), None
-            for e in range(k + 1, self.L):
-                for b in range(len(self.subs)):
-                    c = float(self.table.transfers[e, a, b])
-                    if c > t_max or not math.isfinite(t[e, o]):
-                        continue
-                    nexts = [0] if self.collapse else [m for m in range(1, self.B + 1)
-                                                       if min(m + h1f1b_delta(c, t_max), self.B) == n and n <= held[e, o]]
-                    for m in nexts:
-                        v = sol.arrays[b][(e, *rest, m)]
-                        if math.isfinite(v) and math.isclose(v + t[e, o] + sync[e, o] + 2 * c, value, rel_tol=1e-9,
-                                                             abs_tol=1e-15):
-                            return self._choice(k, e, a, o, g), (e, b, rest, m, float(v))
+            for e, b in ((e, b) for e in range(k + 1, self.L) for b in range(len(self.subs))):
+                c = float(self.table.transfers[e, a, b])
+                if c > t_max or not math.isfinite(own[e]):
+                    continue
+                for m in self._rest_counts(n, c, t_max, held[e, o]):
+                    v = float(sol.arrays[b][(e, *rest, m)])
+                    if _same(v + own[e] + 2 * c, value):
+                        return self._choice(k, e, a, o, g), (e, b, rest, m, v)
         raise AssertionError("DP reconstruction found no stage for the optimum")
+
+    def _rest_counts(self, n: int, c: float, t_max: float, held: float) -> list[int]:
+        """The rest's first-stage N values that give this stage N = n (any, when N is not tracked)."""
+        if self.collapse:
+            return [0]
+        if n > held:
+            return []
+        return [m for m in range(1, self.B + 1) if min(m + h1f1b_delta(c, t_max), self.B) == n]
 
     def _choice(self, k: int, e: int, a: int, o: int, g: int) -> StageChoice:
         sub = self.subs[a]
@@ -331,6 +338,10 @@ class _Solver:
             warm.append(min(self.B, warm[-1] + h1f1b_delta(x, t_max)))
         objective = sum(s.price.total_s + s.price.sync_s for s in stages) + 2 * sum(c) + (self.B - 1) * t_max
         return Partition(stages, self.B, t_max, objective, c, tuple(warm[::-1]))
+
+
+def _same(x: float, y: float) -> bool:
+    return math.isfinite(x) and math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-15)
 
 
 def _along(v: np.ndarray, axis: int, ndim: int) -> np.ndarray:
@@ -471,19 +482,17 @@ def microbatch_candidates(graph) -> list[int]:
 def best_pipeline(graph, cluster: Cluster, microbatches: int | None = None, *, pricer: StagePricer | None = None,
                   optimizer: str = "adam", tolerance: float = 0.02, finalists: int = 3) -> PipelinePlan:
     """The fastest simulated H-1F1B pipeline among the DP's best `finalists` partitions per B."""
-    import time
-
     start = time.perf_counter()
     stages = StageGraph(graph)
     part = Partitioner(stages, cluster, pricer, optimizer)
     counts = [microbatches] if microbatches else microbatch_candidates(graph)
     if any(not isinstance(b, int) or b < 1 for b in counts):
         raise PlanError(f"microbatches = {microbatches!r}; give a positive integer (or None to search)")
-    best: tuple[float, Partition, object] | None = None
+    best: tuple[float, Partition, PipelineRun] | None = None
     for B in counts:
         for p in part.search(B, tolerance)[:finalists]:
             pipe, warm = _pipeline_of(p)
-            run = run_h1f1b(pipe, warm)
+            run = run_schedule(pipe, "h-1f1b", warmup=warm)
             if best is None or run.iteration_s < best[0]:
                 best = (run.iteration_s, p, run)
     if best is None:
@@ -493,10 +502,9 @@ def best_pipeline(graph, cluster: Cluster, microbatches: int | None = None, *, p
     return _plan(part, best[1], best[2], time.perf_counter() - start)
 
 
-def _pipeline_of(p: Partition):
-    """The schedule's view of a partition, and the H-1F1B counts that fit memory."""
-    from .schedule import Pipeline, StageTimes, warmup_counts
-
+def _pipeline_of(p: Partition) -> tuple[Pipeline, tuple[int, ...]]:
+    """The schedule's view of a partition, and its H-1F1B counts: for its own t_max when they fit
+    memory, else those the DP checked (for the DP's larger t_max bound, so fewer)."""
     pipe = Pipeline(tuple(StageTimes(s.price.forward_s, s.price.backward_s, max(s.price.activation_bytes),
                                      s.price.sync_s) for s in p.stages), p.transfers_s, p.microbatches)
     exact = warmup_counts("h-1f1b", pipe)
@@ -504,15 +512,8 @@ def _pipeline_of(p: Partition):
     return pipe, exact if fits else p.warmup
 
 
-def run_h1f1b(pipe, warm):
-    from .schedule import run_schedule
-
-    return run_schedule(pipe, "h-1f1b", warmup=warm)
-
-
-def _plan(part: Partitioner, p: Partition, run, planning_s: float) -> PipelinePlan:
-    from .schedule import SCHEDULES, closed_form_s, run_schedule
-
+def _plan(part: Partitioner, p: Partition, run: PipelineRun, planning_s: float) -> PipelinePlan:
+    """The plan of partition `p` (simulated as `run` under H-1F1B), with every other schedule simulated."""
     pipe, _ = _pipeline_of(p)
     results = {}
     for name in SCHEDULES:
@@ -532,10 +533,8 @@ def _plan(part: Partitioner, p: Partition, run, planning_s: float) -> PipelinePl
                         planning_s)
 
 
-def plan_pipeline(plan: PipelinePlan, transfers_s: tuple[float, ...] | None = None):
+def plan_pipeline(plan: PipelinePlan, transfers_s: tuple[float, ...] | None = None) -> Pipeline:
     """The schedule's view of a plan (stage times, syncs), with other transfer times to ask "what if"."""
-    from .schedule import Pipeline, StageTimes
-
     return Pipeline(tuple(StageTimes(s.forward_s, s.backward_s, 0.0, s.sync_s) for s in plan.stages),
                     transfers_s if transfers_s is not None else tuple(b.transfer_s for b in plan.boundaries),
                     plan.microbatches)

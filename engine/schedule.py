@@ -211,7 +211,8 @@ def closed_form_s(pipeline: Pipeline) -> float:
 
 def steady_idle_s(run: PipelineRun, stage: int) -> float:
     """Idle seconds of `stage` between its first backward's start and its last forward's end (the steady phase)."""
-    spans = [s for s in run.timeline.spans if s.task.resource == f"stage{stage}" and s.task.kind in ("forward", "backward")]
+    spans = [s for s in run.timeline.spans
+             if s.task.resource == f"stage{stage}" and s.task.kind in ("forward", "backward")]
     first_b = next((k for k, s in enumerate(spans) if s.task.kind == "backward"), None)
     last_f = max((k for k, s in enumerate(spans) if s.task.kind == "forward"), default=None)
     if first_b is None or last_f is None or last_f < first_b:

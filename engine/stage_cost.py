@@ -71,7 +71,8 @@ def sub_clusters(cluster: Cluster) -> tuple[SubCluster, ...]:
         per_machine: dict[str, int] = {}
         for j in devs:
             per_machine[cluster.devices[j].machine] = per_machine.get(cluster.devices[j].machine, 0) + 1
-        name = f"{key[1]}" + (f"@{key[0]}" if key[0] else "") + (f"#{len(out)}" if any(o.name.startswith(key[1]) for o in out) else "")
+        name = key[1] + (f"@{key[0]}" if key[0] else "")
+        name += f"#{len(out)}" if any(o.name == name for o in out) else ""  # same model, other figures
         out.append(SubCluster(name, tuple(devs), min(per_machine.values())))
     return tuple(out)
 
@@ -205,7 +206,7 @@ class _GroupTable:
     def price(self, start: int, end: int, microbatches: int) -> StagePrice:
         fwd, bwd, sync, state, act, param_bytes = (_minus(a, b) for a, b in zip(self.prefix[end], self.prefix[start]))
         cm, B = self.cm, microbatches
-        per_mb = lambda w: (w[0] / B, w[1], 0.0, 0.0, w[4] / B, w[5])  # noqa: E731  sharded work splits over microbatches
+        per_mb = lambda w: (w[0] / B, w[1], 0.0, 0.0, w[4] / B, w[5])  # noqa: E731  sharded work splits in B
         latency, per_byte = cm.grad_bucket_terms()
         all_reduce = latency + param_bytes * per_byte if param_bytes else 0.0
         states = cm.memory_by_class(state)
