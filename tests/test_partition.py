@@ -138,6 +138,13 @@ def test_data_parallel_price_splits_flops_over_the_group_and_microbatches(mlp4):
     slow = pricer(sg, 0, 4, (2,), 1)
     assert slow.forward_s == pytest.approx(2 * one.forward_s)
     assert pricer(sg, 0, 2, (0,), 1).total_s + pricer(sg, 2, 4, (0,), 1).total_s == pytest.approx(one.total_s)
+    # memory: every device of the group holds all parameters with gradient and Adam state (4x), and its
+    # share of a microbatch's activations
+    assert two.state_bytes == (mlp4.num_parameters * 4 * 4,) * 2
+    assert two.activation_bytes[0] == pytest.approx(one.activation_bytes[0] / 2)
+    assert pricer(sg, 0, 4, (0, 1), 4).activation_bytes[0] == pytest.approx(two.activation_bytes[0] / 4)
+    assert one.activation_bytes[0] == pytest.approx(sg.stage(0, 4).activation_bytes)
+    assert one.max_held == (8 * GIB - one.state_bytes[0]) // one.activation_bytes[0]
 
 
 def test_best_pipeline_is_a_consistent_plan(mlp4):
