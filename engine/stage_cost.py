@@ -14,8 +14,9 @@ all the stage's parameters all-reduced inside the group after the pipeline drain
 optimizer step. Planning each stage with HAP's full synthesis and LP (tensor sharding inside a
 stage) is later work: a pricer that does it plugs in here.
 
-Transfers: one microbatch's boundary tensor goes point to point over the slowest link level between
-the two stages' sub-clusters (`transfer_level`), `latency + bytes / bandwidth`. A pair of stages in
+Transfers: one microbatch's boundary tensors (the larger of the activations forward and their
+gradients back, both ways) go point to point over the slowest link level between the two stages'
+sub-clusters (`transfer_level`), `latency + bytes / bandwidth`. A pair of stages in
 one sub-cluster that spans machines is priced as crossing machines (the DP does not track which
 machine a group lands on).
 """
@@ -54,10 +55,12 @@ class SubCluster:
         whole = [k * self.per_machine for k in range(1, self.size // self.per_machine + 1)]
         return tuple(sorted(set(small + whole + ([self.size] if not whole else []))))
 
-    def offsets(self, size: int) -> range:
-        """Aligned places of a group of `size` devices: within one machine, or on machine boundaries."""
-        step = size if size <= self.per_machine else self.per_machine
-        return range(0, self.size - size + 1, step)
+    def offsets(self, size: int) -> list[int]:
+        """Aligned places of a group of `size` devices: inside one machine, or from a machine boundary."""
+        M = self.per_machine
+        if size > M:
+            return list(range(0, self.size - size + 1, M))
+        return [m + j * size for m in range(0, self.size - M + 1, M) for j in range(M // size)]
 
 
 def sub_clusters(cluster: Cluster) -> tuple[SubCluster, ...]:

@@ -9,7 +9,7 @@ import engine
 from engine.cluster import Cluster
 from engine.partition import Partitioner
 from engine.schedule import h1f1b_delta
-from engine.stage_cost import DataParallelPricer, StagePrice, sub_clusters
+from engine.stage_cost import DataParallelPricer, StagePrice, SubCluster, sub_clusters
 from engine.stages import StageGraph
 
 GIB = 2**30
@@ -124,7 +124,9 @@ def test_sub_clusters_follow_hardware_and_groups(load_sample):
     assert [(s.size, s.per_machine, s.group_sizes) for s in subs] == [(8, 8, (1, 2, 4, 8)), (8, 8, (1, 2, 4, 8))]
     testbed = sub_clusters(load_sample("hap_paper_testbed"))
     assert [s.size for s in testbed] == [16, 48] and testbed[1].group_sizes == (1, 2, 4, 8, 16, 24, 32, 40, 48)
-    assert list(testbed[1].offsets(4)) == list(range(0, 45, 4)) and list(testbed[1].offsets(16)) == list(range(0, 33, 8))
+    assert testbed[1].offsets(4) == list(range(0, 45, 4)) and testbed[1].offsets(16) == list(range(0, 33, 8))
+    six = SubCluster("x", tuple(range(12)), 6)  # 4 devices fit once in a machine of 6, never across two
+    assert six.group_sizes == (1, 2, 4, 6, 12) and six.offsets(4) == [0, 6] and six.offsets(2) == [0, 2, 4, 6, 8, 10]
     assert len(sub_clusters(load_sample("a100_v100_mixed"))) == 2
 
 
