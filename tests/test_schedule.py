@@ -113,3 +113,11 @@ def test_every_schedule_simulates_and_bad_input_is_refused():
         Pipeline((StageTimes(1.0, 1.0),) * 2, (), 2)
     with pytest.raises(PlanError, match="microbatches"):
         Pipeline((StageTimes(1.0, 1.0),), (), 0)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_equal_stages_without_transfers_take_b_plus_s_minus_one_slots(schedule):
+    # the textbook pipeline time: (B + S - 1)(t_f + t_b) for GPipe and 1F1B alike
+    for S, B in [(1, 5), (3, 3), (4, 8), (5, 2)]:
+        p = Pipeline((StageTimes(1.0, 2.0),) * S, (0.0,) * (S - 1), B)
+        assert run_schedule(p, schedule).iteration_s == pytest.approx((B + S - 1) * 3.0)
