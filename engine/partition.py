@@ -159,20 +159,21 @@ class Partitioner:
         return hit
 
     # --- search ----------------------------------------------------------------------------
-    def search(self, microbatches: int, tolerance: float = 0.0, bound: float = INF) -> list[Partition]:
-        """The DP's best partition for every t_max it evaluates at this B, best objective first; none
-        whose objective cannot be below `bound` (the best of other B, say)."""
+    def search(self, microbatches: int, tolerance: float = 0.0, floor_s: float = INF) -> list[Partition]:
+        """The DP's best partition for every t_max it evaluates at this B, best objective first. None
+        when B times the smallest feasible t_max is at least `floor_s`: every microbatch passes the
+        slowest stage, so no partition at this B runs an iteration faster than that."""
         table = self.table(microbatches)
         solver = _Solver(self, table, microbatches)
         free = solver.solve(INF)
         if free is None:
             return []
         candidates = _candidates(table, tolerance)
-        if not candidates or free.value + (microbatches - 1) * candidates[0] >= bound:
-            return []
         lo = _first_feasible(solver, candidates)
+        if lo == len(candidates) or microbatches * candidates[lo] >= floor_s:
+            return []
         found: list[Partition] = []
-        best = bound
+        best = INF
         for t_max in candidates[lo:]:
             if free.value + (microbatches - 1) * t_max >= best:
                 break
@@ -181,7 +182,7 @@ class Partitioner:
                 continue
             found.append(solver.partition(sol, t_max))
             best = min(best, found[-1].objective_s)
-        return sorted((p for p in found if p.objective_s < bound), key=lambda p: p.objective_s)
+        return sorted(found, key=lambda p: p.objective_s)
 
 
 @dataclass
@@ -483,9 +484,9 @@ def microbatch_candidates(graph) -> list[int]:
 
 
 def best_pipeline(graph, cluster: Cluster, microbatches: int | None = None, *, pricer: StagePricer | None = None,
-                  optimizer: str = "adam", tolerance: float = 0.02, finalists: int = 3) -> PipelinePlan:
+                  optimizer: str = "adam", tolerance: float = 0.05, finalists: int = 3) -> PipelinePlan:
     """The fastest simulated H-1F1B pipeline among the DP's best `finalists` partitions per B (a B
-    whose DP objective cannot beat the best of the larger B already searched is skipped)."""
+    that cannot beat the best simulated so far is skipped, see `Partitioner.search`)."""
     start = time.perf_counter()
     stages = StageGraph(graph)
     part = Partitioner(stages, cluster, pricer, optimizer)
@@ -493,11 +494,8 @@ def best_pipeline(graph, cluster: Cluster, microbatches: int | None = None, *, p
     if any(not isinstance(b, int) or b < 1 for b in counts):
         raise PlanError(f"microbatches = {microbatches!r}; give a positive integer (or None to search)")
     best: tuple[float, Partition, PipelineRun] | None = None
-    bound = INF  # the best DP objective so far: a B whose bound cannot beat it is skipped
     for B in sorted(counts, reverse=True):
-        found = part.search(B, tolerance, bound)[:finalists]
-        bound = min([bound, *(p.objective_s for p in found)])
-        for p in found:
+        for p in part.search(B, tolerance, best[0] if best else INF)[:finalists]:
             pipe, warm = _pipeline_of(p)
             run = run_schedule(pipe, "h-1f1b", warmup=warm)
             if best is None or run.iteration_s < best[0]:
