@@ -99,8 +99,9 @@ class Partitioner:
     """HAPT's DP over (cut, devices used per sub-cluster) for one graph on one cluster."""
 
     def __init__(self, stages: StageGraph, cluster: Cluster, pricer: StagePricer | None = None,
-                 optimizer: str = "adam") -> None:
-        self.stages, self.cluster = stages, cluster
+                 optimizer: str = "adam", epsilon: float = 0.0) -> None:
+        self.stages, self.cluster, self.epsilon = stages, cluster, epsilon
+        """HAPT Eq. 2's epsilon: a transfer of at most epsilon t_max adds one warm-up forward, not two."""
         self.pricer = pricer or DataParallelPricer(cluster, optimizer)
         self.subs: tuple[SubCluster, ...] = sub_clusters(cluster)
         self.levels = [[transfer_level(cluster, a, b) for b in self.subs] for a in self.subs]
@@ -223,7 +224,8 @@ class _Solver:
         self._step = {(a, g, b): self._masked[(a, g)] + self.table.syncs[(a, g)]
                       + np.where(c[:, a, b] <= t_max, 2 * c[:, a, b], INF)[None, :, None]
                       for (a, g) in self._masked for b in range(C)}  # t + u + 2c of stage [k, e) at offset o
-        self._deltas = np.array([[[h1f1b_delta(float(x), t_max) if x <= t_max else 0 for x in c[:, a, b]]
+        eps = self.part.epsilon
+        self._deltas = np.array([[[h1f1b_delta(float(x), t_max, eps) if x <= t_max else 0 for x in c[:, a, b]]
                                   for b in range(C)] for a in range(C)], dtype=int)
         V = {a: np.full((L + 1, *self.grid, self.NB), INF) for a in range(C)}
         for k in range(L - 1, -1, -1):
@@ -329,7 +331,8 @@ class _Solver:
             return [0]
         if n > held:
             return []
-        return [m for m in range(1, self.B + 1) if min(m + h1f1b_delta(c, t_max), self.B) == n]
+        delta = h1f1b_delta(c, t_max, self.part.epsilon)
+        return [m for m in range(1, self.B + 1) if min(m + delta, self.B) == n]
 
     def _choice(self, k: int, e: int, a: int, o: int, g: int) -> StageChoice:
         sub = self.subs[a]
@@ -339,7 +342,7 @@ class _Solver:
         c = tuple(float(self.table.transfers[s.end, s.sub, nxt.sub]) for s, nxt in zip(stages, stages[1:]))
         warm = [1]
         for x in reversed(c):
-            warm.append(min(self.B, warm[-1] + h1f1b_delta(x, t_max)))
+            warm.append(min(self.B, warm[-1] + h1f1b_delta(x, t_max, self.part.epsilon)))
         objective = sum(s.price.total_s + s.price.sync_s for s in stages) + 2 * sum(c) + (self.B - 1) * t_max
         return Partition(stages, self.B, t_max, objective, c, tuple(warm[::-1]))
 
@@ -484,19 +487,20 @@ def microbatch_candidates(graph) -> list[int]:
 
 
 def best_pipeline(graph, cluster: Cluster, microbatches: int | None = None, *, pricer: StagePricer | None = None,
-                  optimizer: str = "adam", tolerance: float = 0.05, finalists: int = 3) -> PipelinePlan:
+                  optimizer: str = "adam", tolerance: float = 0.05, finalists: int = 3,
+                  epsilon: float = 0.0) -> PipelinePlan:
     """The fastest simulated H-1F1B pipeline among the DP's best `finalists` partitions per B (a B
     that cannot beat the best simulated so far is skipped, see `Partitioner.search`)."""
     start = time.perf_counter()
     stages = StageGraph(graph)
-    part = Partitioner(stages, cluster, pricer, optimizer)
+    part = Partitioner(stages, cluster, pricer, optimizer, epsilon)
     counts = [microbatches] if microbatches else microbatch_candidates(graph)
     if any(not isinstance(b, int) or b < 1 for b in counts):
         raise PlanError(f"microbatches = {microbatches!r}; give a positive integer (or None to search)")
     best: tuple[float, Partition, PipelineRun] | None = None
     for B in sorted(counts, reverse=True):
         for p in part.search(B, tolerance, best[0] if best else INF)[:finalists]:
-            pipe, warm = _pipeline_of(p)
+            pipe, warm = _pipeline_of(p, epsilon)
             run = run_schedule(pipe, "h-1f1b", warmup=warm)
             if best is None or run.iteration_s < best[0]:
                 best = (run.iteration_s, p, run)
@@ -507,19 +511,19 @@ def best_pipeline(graph, cluster: Cluster, microbatches: int | None = None, *, p
     return _plan(part, best[1], best[2], time.perf_counter() - start)
 
 
-def _pipeline_of(p: Partition) -> tuple[Pipeline, tuple[int, ...]]:
+def _pipeline_of(p: Partition, epsilon: float = 0.0) -> tuple[Pipeline, tuple[int, ...]]:
     """The schedule's view of a partition, and its H-1F1B counts: for its own t_max when they fit
     memory, else those the DP checked (for the DP's larger t_max bound, so fewer)."""
     pipe = Pipeline(tuple(StageTimes(s.price.forward_s, s.price.backward_s, max(s.price.activation_bytes),
                                      s.price.sync_s) for s in p.stages), p.transfers_s, p.microbatches)
-    exact = warmup_counts("h-1f1b", pipe)
+    exact = warmup_counts("h-1f1b", pipe, epsilon)
     fits = all(n <= s.price.max_held for n, s in zip(exact, p.stages))
     return pipe, exact if fits else p.warmup
 
 
 def _plan(part: Partitioner, p: Partition, run: PipelineRun, planning_s: float) -> PipelinePlan:
     """The plan of partition `p` (simulated as `run` under H-1F1B), with every other schedule simulated."""
-    pipe, _ = _pipeline_of(p)
+    pipe, _ = _pipeline_of(p, part.epsilon)
     results = {}
     for name in SCHEDULES:
         r = run if name == "h-1f1b" else run_schedule(pipe, name)

@@ -47,7 +47,7 @@ def _brute_force(part: Partitioner, microbatches: int) -> float:
                     continue
                 warm = [1]
                 for x in reversed(c):
-                    warm.append(min(B, warm[-1] + h1f1b_delta(x, t_max)))
+                    warm.append(min(B, warm[-1] + h1f1b_delta(x, t_max, part.epsilon)))
                 if any(n > p.max_held for n, p in zip(warm[::-1], prices)):
                     continue
                 best = min(best, sum(p.total_s + p.sync_s for p in prices) + 2 * sum(c) + (B - 1) * t_max)
@@ -105,9 +105,11 @@ def test_a_fast_link_and_enough_microbatches_make_a_two_stage_pipeline(mlp4):
     assert best.stages[0].end == best.stages[1].start
 
 
-@pytest.mark.parametrize("seed, capacity", [(0, 100.0), (1, 4.0), (2, 2.5), (3, 3.0)])
-def test_dp_equals_brute_force_when_memory_binds(mlp4, seed, capacity):
-    part = Partitioner(StageGraph(mlp4), _two_machines(inter_Bps=3e5), pricer=_RandomPricer(seed, capacity))
+@pytest.mark.parametrize("seed, capacity, epsilon", [(0, 100.0, 0.0), (1, 4.0, 0.0), (2, 2.5, 0.0), (3, 3.0, 0.0),
+                                                      (2, 2.5, 0.05), (3, 3.0, 0.05)])
+def test_dp_equals_brute_force_when_memory_binds(mlp4, seed, capacity, epsilon):
+    part = Partitioner(StageGraph(mlp4), _two_machines(inter_Bps=3e5), pricer=_RandomPricer(seed, capacity),
+                       epsilon=epsilon)
     for B in (2, 4):
         found = part.search(B)
         expect = _brute_force(part, B)
@@ -165,6 +167,16 @@ def test_best_pipeline_is_a_consistent_plan(mlp4):
     assert all(r.fits for r in plan.schedules.values())
     assert max(plan.schedules["gpipe"].peak_memory_bytes) >= max(plan.schedules["1f1b"].peak_memory_bytes)
     assert plan.stages[-1].warmup == 1 and plan.stages[0].warmup == plan.schedules["h-1f1b"].warmup[0]
+
+
+def test_epsilon_lets_a_tiny_transfer_cost_one_warmup_forward_not_two(mlp4):
+    from engine.partition import best_pipeline
+
+    cluster = _two_machines(flops=(2e9, 1e9), inter_Bps=1e9)
+    exact = best_pipeline(mlp4, cluster, microbatches=4)
+    relaxed = best_pipeline(mlp4, cluster, microbatches=4, epsilon=0.05)
+    assert exact.boundaries[0].transfer_s < 0.05 * exact.t_max_s
+    assert exact.schedules["h-1f1b"].warmup == (3, 1) and relaxed.schedules["h-1f1b"].warmup == (2, 1)
 
 
 def test_best_pipeline_says_why_nothing_fits(mlp4):
