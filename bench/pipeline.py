@@ -13,6 +13,7 @@ Run from the repository root (captures take a while; the 64-GPU SPMD plans domin
 
     PYTHONPATH=. python bench/pipeline.py                   # 12, 24, 48 layers, both clusters
     PYTHONPATH=. python bench/pipeline.py --layers 12 --budget 5
+    PYTHONPATH=. python bench/pipeline.py --layers 24 --clusters a100x8_v100x8_5gbps --epsilon 0.05
 
 It reports; it never asserts. Stage times are per microbatch; "sync" is a stage's gradient
 all-reduce in its group plus its optimizer step, after the pipeline drains.
@@ -37,14 +38,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48])
     ap.add_argument("--budget", type=float, default=10.0, help="seconds of SPMD HAP search per case")
+    ap.add_argument("--epsilon", type=float, default=0.0,
+                    help="HAPT Eq. 2: a transfer under epsilon x t_max adds one warm-up forward, not two")
+    ap.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=CLUSTERS)
     args = ap.parse_args()
     graphs = {n: _capture(n) for n in args.layers}
     deepest = None
-    for name in CLUSTERS:
+    for name in args.clusters:
         cluster = engine.load_cluster(ROOT / "sample_clusters" / f"{name}.json")
         print(f"\n== {name}: {cluster.num_devices} GPUs")
         for n, graph in graphs.items():
-            pipe = _case(graph, cluster, n, args.budget)
+            pipe = _case(graph, cluster, n, args.budget, args.epsilon)
             if name == CLUSTERS[0]:
                 deepest = (n, pipe, cluster)
     if deepest is not None:
@@ -58,11 +62,11 @@ def _capture(layers: int):
     return graph
 
 
-def _case(graph, cluster, layers: int, budget: float) -> PipelinePlan:
+def _case(graph, cluster, layers: int, budget: float, epsilon: float) -> PipelinePlan:
     start = time.perf_counter()
     spmd = engine.plan(graph, cluster, time_budget_s=budget)
     spmd_s = time.perf_counter() - start
-    pipe = best_pipeline(graph, cluster)
+    pipe = best_pipeline(graph, cluster, epsilon=epsilon)
     print(f"gpt-{layers}: SPMD HAP {spmd.predicted_time_s * 1e3:9.1f} ms (planned in {spmd_s:.1f} s); "
           f"pipeline of {len(pipe.stages)} stages, B = {pipe.microbatches} (planned in {pipe.planning_s:.1f} s)")
     for s in pipe.stages:
