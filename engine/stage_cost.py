@@ -29,7 +29,6 @@ from typing import Protocol
 from .cluster import Cluster
 from .cost import CostModel, MEM_ZERO, ZERO, add
 from .graph import Graph
-from .planner import proportional_ratios
 from .stages import StageGraph
 from .theory.core import FULL
 
@@ -190,7 +189,8 @@ class _GroupTable:
 
     def __init__(self, stages: StageGraph, group: Cluster, optimizer: str) -> None:
         graph = stages.graph
-        self.cm = CostModel(graph, group, proportional_ratios(group), optimizer)
+        total = sum(group.flops)
+        self.cm = CostModel(graph, group, [f / total for f in group.flops], optimizer)  # ratios ~ flops
         derived = batch_derived(graph)
         rows = [[ZERO, ZERO, ZERO, MEM_ZERO, MEM_ZERO, 0.0] for _ in range(stages.num_layers)]
         for k, ids in enumerate(stages.layers):
