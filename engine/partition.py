@@ -571,6 +571,11 @@ def fixed_pipeline(graph, cluster: Cluster, stages: list[tuple[int, int, tuple[i
     part = Partitioner(sg, cluster, None, optimizer)
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r} (choose one of: {', '.join(SCHEDULES)})")
+    bounds = [k for k, _, _ in stages] + [stages[-1][1] if stages else 0]
+    if not stages or bounds[0] != 0 or bounds[-1] != sg.num_layers or any(e != k2 for (_, e, _), k2 in zip(stages, bounds[1:]))\
+            or any(k >= e for k, e, _ in stages):
+        raise PlanError(f"stages {[(k, e) for k, e, _ in stages]} must be consecutive non-empty runs of layers covering "
+                        f"0..{sg.num_layers} (the graph has {sg.num_layers} layers)")
     choices = []
     for k, e, devices in stages:
         sub = next((a for a, s in enumerate(part.subs) if devices and devices[0] in s.devices), None)

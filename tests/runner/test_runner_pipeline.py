@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 import pytest
 import torch
@@ -15,9 +16,16 @@ from runner.train import make_batch
 from runner.verify import compare
 
 from dist_harness import init_gloo, run_ranks
-from runner_plans import cluster, graph
+from runner_plans import MODELS, cluster
+import engine
 
 STEPS = 3
+
+
+@lru_cache(maxsize=None)
+def graph(model: str):
+    """The runner tests' small configs, with two layers to cut between."""
+    return engine.load_model(f"zoo:{model}", **{**MODELS[model], "layers": 2})
 
 
 def two_stage_plan(model: str, world: int, groups: tuple[tuple[int, ...], ...], microbatches: int, schedule: str):
