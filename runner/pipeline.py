@@ -398,17 +398,11 @@ def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: s
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hap run", description="Run a pipeline plan (one process per device).")
-    p.add_argument("plan")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"))
-    p.add_argument("--verify", action="store_true", help="compare with single-device microbatch accumulation")
-    p.add_argument("--emulate-links", action="store_true",
-                   help="sleep each transfer to the plan's predicted boundary transfer time (CPU runs)")
-    p.add_argument("--timeout", type=float, default=120.0)
-    return p
+    """`hap run`'s options (runner.launch), of which a pipeline run uses plan, steps, seed, optimizer,
+    lr, verify, timeout and emulate-links."""
+    from .launch import build_parser as run_parser
+
+    return run_parser()
 
 
 def run_rank(plan: PipelinePlan, rank: int, args: argparse.Namespace) -> int:
@@ -451,7 +445,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             raise PlanError("pipeline plans run on gloo (CPU) only so far; hide the GPUs (CUDA_VISIBLE_DEVICES=)")
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
         status = run_rank(plan, rank, args)
     except HapError as e:
         print(f"hap run: error: {e}", file=sys.stderr)

@@ -66,3 +66,60 @@ def test_two_stages_of_two_ranks_with_uneven_ratios(model, tmp_path):
     results = run_ranks(_train, 4, tmp_path, json.dumps(plan.to_dict()))
     result = _compare(plan, results)
     assert result.ok(1e-4), result.render()
+
+
+def test_hap_run_pipeline_plan_verify_end_to_end(tmp_path):
+    from test_runner_cli import hap
+
+    plan = two_stage_plan("mlp", 4, ((0, 2), (1, 3)), 2, "1f1b")
+    path = tmp_path / "pipeline.json"
+    path.write_text(json.dumps(plan.to_dict()))
+    r = hap("run", str(path), "--steps", "5", "--verify", "--emulate-links", timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verify: OK" in r.stdout and "step 4: loss" in r.stdout
+
+
+@pytest.fixture(scope="module")
+def plan_dict() -> dict:
+    return two_stage_plan("mlp", 4, ((0, 2), (1, 3)), 2, "h-1f1b").to_dict()
+
+
+def _edited(d: dict, path: tuple, value) -> dict:
+    d = json.loads(json.dumps(d))
+    node = d
+    for key in path[:-1]:
+        node = node[key]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return d
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("kind",), "hap.graph", "not a plan: \"kind\" is \"hap.graph\""),
+    (("schema_version",), 7, "schema_version"),
+    (("schedule",), "zigzag", "schedule"),
+    (("microbatches",), 0, "microbatches"),
+    (("microbatches",), 3, "microbatches: 3 does not divide"),
+    (("stages", 0, "devices"), [0, 1], "stages[1].devices: rank 1 is also in stages[0]"),
+    (("stages", 1, "devices"), [1, 9], "stages[1].devices: rank 9 is outside"),
+    (("stages", 0, "warmup"), 5, "stages[0].warmup: 5 exceeds"),
+    (("stages", 0, "ratios"), [0.9, 0.3], "stages[0].ratios"),
+    (("stages", 1, "nodes"), [0, 1], "stages[1].nodes"),
+    (("stages", 0, "forward_s"), -1, "stages[0].forward_s"),
+    (("stages", 0, "sub_cluster"), KeyError, "stages[0].sub_cluster: is missing"),
+    (("boundaries", 0, "tensors"), [], "boundaries[0].tensors"),
+    (("boundaries",), [], "boundaries: has 0 entries for 2 stages"),
+    (("timeline", 0, "end_s"), -3.0, "timeline[0].end_s"),
+    (("model", "fingerprint"), "0" * 64, "graph: was edited"),
+])
+def test_a_malformed_pipeline_plan_is_refused_naming_the_field(plan_dict, path, value, message):
+    with pytest.raises(PlanError) as e:
+        load_any(_edited(plan_dict, path, value))
+    assert message in str(e.value)
+
+
+def test_pipeline_plan_round_trips_through_json(plan_dict):
+    plan = load_any(json.loads(json.dumps(plan_dict)))
+    assert plan.to_dict() == plan_dict
