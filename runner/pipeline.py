@@ -15,6 +15,9 @@ split over the batch is re-sliced so each receiver gets exactly the rows it need
 (`row_pieces`); a replicated one comes whole from one sender, and its gradient addend goes back to
 that sender. `link_s` emulates slow links: each transfer also carries its send time, and the
 receiver waits until send time (or the link's previous arrival) plus the boundary's transfer time.
+
+Limits (issue 15): CPU and gloo only (no NCCL path yet); no dropout; a weight used by two stages
+(tied embeddings) is refused, not summed; stages run data parallelism inside, not HAP's sharding.
 """
 from __future__ import annotations
 
@@ -442,10 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if world != plan.world_size:
             raise PlanError(f"the plan needs {plan.world_size} ranks, torchrun started {world}")
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            raise PlanError("pipeline plans run on gloo (CPU) only so far; hide the GPUs (CUDA_VISIBLE_DEVICES=)")
-        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout_s))
+        if torch.cuda.is_available() and rank == 0:
+            print("hap run: pipeline plans run on the CPU over gloo so far (the GPUs are not used)", file=sys.stderr)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
         status = run_rank(plan, rank, args)
     except HapError as e:
         print(f"hap run: error: {e}", file=sys.stderr)
