@@ -123,3 +123,19 @@ def test_a_malformed_pipeline_plan_is_refused_naming_the_field(plan_dict, path, 
 def test_pipeline_plan_round_trips_through_json(plan_dict):
     plan = load_any(json.loads(json.dumps(plan_dict)))
     assert plan.to_dict() == plan_dict
+
+
+def test_groups_of_different_sizes_re_slice_the_rows(tmp_path):
+    plan = two_stage_plan("mlp", 3, ((0,), (1, 2)), 2, "eager-1f1b")
+    results = run_ranks(_train, 3, tmp_path, json.dumps(plan.to_dict()))
+    result = _compare(plan, results)
+    assert result.ok(1e-5), result.render()
+
+
+def test_row_pieces_send_each_receiver_exactly_its_rows():
+    from runner.pipeline import row_pieces
+
+    send, recv = [3, 2, 4, 1], [1, 4, 2, 3]  # two microbatches of 5 rows, two ranks per stage
+    assert row_pieces(send, recv, 0, 2, 2) == [(0, 0, 0, 1), (0, 1, 1, 3), (1, 1, 3, 5)]
+    assert row_pieces(send, recv, 1, 2, 2) == [(0, 0, 5, 7), (0, 1, 7, 9), (1, 1, 9, 10)]
+    assert row_pieces([5, 5], [2, 3, 2, 3], 1, 1, 2) == [(0, 0, 5, 7), (0, 1, 7, 10)]
