@@ -119,6 +119,8 @@ class RunConfig:
     elastic: str | None = None
     """Cluster spec JSON of the plan's devices: when a rank fails, `hap run` re-plans without its device and
     continues from the newest complete checkpoint (runner.elastic); the ranks themselves ignore it."""
+    emulate_links: bool = False
+    """Pipeline plans: each stage-to-stage transfer takes at least its predicted time (runner.pipeline)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -194,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bundles: report (warn, default), refuse (error) or ignore (off) a rank on another GPU type than planned")
     p.add_argument("--elastic", metavar="CLUSTER.json",
                    help="when a rank fails, re-plan on this cluster without its device and continue from the newest checkpoint")
+    p.add_argument("--emulate-links", action="store_true",
+                   help="pipeline plans: sleep each transfer between stages to its predicted time (slow links on one box)")
     return p
 
 

@@ -96,11 +96,14 @@ class BatchWindow:
         return tuple(whole_shape), [s + (b if w != p else 0) for s, w, p, b in zip(starts, whole_shape, part_shape, before_shape)]
 
 
-def build_rank_program(plan: Plan, rank: int, *, probes: bool = False, window: BatchWindow | None = None) -> RankProgram:
+def build_rank_program(plan: Plan, rank: int, *, probes: bool = False, window: BatchWindow | None = None,
+                       piece: ProgramPiece | None = None) -> RankProgram:
     """The rank's program; `probes` adds a `runner.timing.probe` after every compute instruction
     so forward and backward time can be measured per instruction (`--timing`). With a `window`
     (a duplex half) the module returns (loss, the loss's count operand) and draws the masks of
-    its rows of the whole batch."""
+    its rows of the whole batch. With `piece`, only that part of the program (a pipeline stage):
+    its cut inputs come first among the placeholders (after the dropout key) and the module
+    returns its cut outputs, or the loss for the last piece."""
     g = fx.Graph()
     env: dict[tuple[int, int], fx.Node] = {}
     leaves: list[tuple[int, int]] = []
@@ -108,7 +111,11 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False, window: B
     segs = instruction_segments(plan.program, plan.segmentation)
     sources = source_segments(plan.program, plan.segmentation)
     rng = g.placeholder("rng") if has_dropout_sites(graph) else None
-    for ins, seg, src in zip(plan.program, segs, sources):
+    for t, f in piece.inputs if piece else ():
+        env[(t, f)] = g.placeholder(f"cut_{_safe(graph[t].name)}")
+    for k, (ins, seg, src) in enumerate(zip(plan.program, segs, sources)):
+        if piece and k not in piece.instructions:
+            continue
         if ins.kind == LOAD:
             env[(ins.node, ins.post)] = g.placeholder(_safe(graph[ins.node].name))
             leaves.append((ins.node, ins.post))
@@ -121,7 +128,10 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False, window: B
             env[(ins.node, ins.post)] = out
     loss = graph.loss
     form = PARTIAL if (loss, PARTIAL) in env else FULL
-    g.output(env[(loss, form)] if window is None else (env[(loss, form)], env[loss_count(plan, form)]))
+    if piece and piece.outputs:
+        g.output(tuple(env[o] for o in piece.outputs))
+    else:
+        g.output(env[(loss, form)] if window is None else (env[(loss, form)], env[loss_count(plan, form)]))
     gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Rank{rank}Program")
     return RankProgram(gm, leaves, form, {n: graph[n].op == "parameter" for n, _ in leaves}, rng is not None)
 
@@ -136,6 +146,17 @@ def loss_count(plan: Plan, form: int) -> tuple[int, int]:
         raise PlanError(f"duplex needs a mean cross-entropy loss over the batch; the loss '{node.name}' is "
                         f"'{node.op}': run the plan with overlap 'ddp' or 'none'")
     return ins.pre[2]
+
+
+@dataclass(frozen=True)
+class ProgramPiece:
+    """Part of a plan's program (a pipeline stage): which instructions, the (tensor, form)s it takes
+    from earlier pieces and those it hands to later ones (none for the piece ending in the loss)."""
+
+    instructions: frozenset[int]
+    """Indices into `plan.program`."""
+    inputs: tuple[tuple[int, int], ...]
+    outputs: tuple[tuple[int, int], ...]
 
 
 def _safe(name: str) -> str:

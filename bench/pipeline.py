@@ -1,0 +1,155 @@
+"""Pipelines (HAPT) beside SPMD HAP on clusters joined by slow links.
+
+For `zoo:gpt` (hidden 768, seq_len 128, batch 64) at 12, 24 and 48 layers on
+`sample_clusters/a100x8_v100x8_5gbps.json` and `sample_clusters/hap_paper_testbed.json` it prints
+the SPMD HAP prediction (`engine.plan` with a small time budget), the best pipeline
+(`engine.partition.best_pipeline`: HAPT's DP with HAP's data-parallel stage pricing) under each
+schedule (GPipe, 1F1B, Eager-1F1B, H-1F1B: simulated iteration time, the fullest GPU's peak memory,
+and whether it fits), and both planning times. Then the shape of HAPT Fig. 10: the pipeline
+chosen for the deepest model at 5 Gbps, its cross-machine link scaled from 10 to 3 Gbps, under
+each schedule (H-1F1B stays flat until a transfer exceeds t_max).
+
+Run from the repository root (captures take a while; the 64-GPU SPMD plans dominate):
+
+    PYTHONPATH=. python bench/pipeline.py                   # 12, 24, 48 layers, both clusters
+    PYTHONPATH=. python bench/pipeline.py --layers 12 --budget 5
+    PYTHONPATH=. python bench/pipeline.py --layers 24 --clusters a100x8_v100x8_5gbps --epsilon 0.05
+
+With `--run`, instead: a 2-stage pipeline plan of a small GPT on `sample_clusters/cpu_4_uneven.json`
+(2 ranks per stage, the cluster's link slowed to `--link-gbps` so transfers matter) is run by
+`hap run --emulate-links` on 4 local CPU ranks, and the measured iteration time (median of the
+steps after the first) is printed beside the predicted one. The prediction prices compute from
+the cluster file's FLOP/s figures, not from this machine: profile the box (`hap profile`) for a
+fair comparison.
+
+    PYTHONPATH=. python bench/pipeline.py --run --link-gbps 0.05
+
+It reports; it never asserts. Stage times are per microbatch; "sync" is a stage's gradient
+all-reduce in its group plus its optimizer step, after the pipeline drains.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import engine
+from engine.partition import PipelinePlan, best_pipeline, plan_pipeline
+from engine.schedule import SCHEDULES, run_schedule
+from engine.stage_cost import transfer_s
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTERS = ("a100x8_v100x8_5gbps", "hap_paper_testbed")
+GIB = 2**30
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[12, 24, 48])
+    ap.add_argument("--budget", type=float, default=10.0, help="seconds of SPMD HAP search per case")
+    ap.add_argument("--epsilon", type=float, default=0.0,
+                    help="HAPT Eq. 2: a transfer under epsilon x t_max adds one warm-up forward, not two")
+    ap.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=CLUSTERS)
+    ap.add_argument("--run", action="store_true", help="run a 2-stage plan on 4 CPU ranks: measured vs predicted")
+    ap.add_argument("--link-gbps", type=float, default=0.05, help="--run: the emulated link between stages, Gbit/s")
+    args = ap.parse_args()
+    if args.run:
+        _measured_vs_predicted(args.link_gbps)
+        return
+    graphs = {n: _capture(n) for n in args.layers}
+    deepest = None
+    for name in args.clusters:
+        cluster = engine.load_cluster(ROOT / "sample_clusters" / f"{name}.json")
+        print(f"\n== {name}: {cluster.num_devices} GPUs")
+        for n, graph in graphs.items():
+            pipe = _case(graph, cluster, n, args.budget, args.epsilon)
+            if name == CLUSTERS[0]:
+                deepest = (n, pipe, cluster)
+    if deepest is not None:
+        _fig10(*deepest)
+
+
+def _capture(layers: int):
+    start = time.perf_counter()
+    graph = engine.load_model("zoo:gpt", layers=layers)
+    print(f"captured gpt-{layers} in {time.perf_counter() - start:.1f} s")
+    return graph
+
+
+def _case(graph, cluster, layers: int, budget: float, epsilon: float) -> PipelinePlan:
+    start = time.perf_counter()
+    spmd = engine.plan(graph, cluster, time_budget_s=budget)
+    spmd_s = time.perf_counter() - start
+    pipe = best_pipeline(graph, cluster, epsilon=epsilon)
+    print(f"gpt-{layers}: SPMD HAP {spmd.predicted_time_s * 1e3:9.1f} ms (planned in {spmd_s:.1f} s); "
+          f"pipeline of {len(pipe.stages)} stages, B = {pipe.microbatches} (planned in {pipe.planning_s:.1f} s)")
+    for s in pipe.stages:
+        print(f"    layers {s.layers[0]:>2}-{s.layers[1] - 1:<2} on {len(s.devices):>2} x {s.sub_cluster:<16} "
+              f"f {s.forward_s * 1e3:7.3f} b {s.backward_s * 1e3:7.3f} sync {s.sync_s * 1e3:7.2f} ms, N = {s.warmup}")
+    for b in pipe.boundaries:
+        print(f"    cut {b.cut}: {b.forward_bytes / 2**20:.1f} MiB per iteration over {b.link}, "
+              f"{b.transfer_s * 1e3:.3f} ms per microbatch each way")
+    for name in SCHEDULES:
+        r = pipe.schedules[name]
+        print(f"    {name:<11} {r.iteration_s * 1e3:9.1f} ms  peak {max(r.peak_memory_bytes) / GIB:6.2f} GiB"
+              f"{'' if r.fits else '  (does not fit)'}  warm-up {r.warmup}")
+    closed = "n/a (a transfer exceeds t_max)" if pipe.closed_form_s is None else f"{pipe.closed_form_s * 1e3:.1f} ms"
+    print(f"    HAPT Eq. 13 (syncs excluded): {closed}; t_max {pipe.t_max_s * 1e3:.3f} ms")
+    return pipe
+
+
+def _fig10(layers: int, pipe: PipelinePlan, cluster) -> None:
+    print(f"\n== HAPT Fig. 10 shape: gpt-{layers} on {cluster.name}, the chosen partition, inter_machine link scaled")
+    print("   Gbps " + "".join(f"{s:>12}" for s in SCHEDULES) + "   c/t_max")
+    for gbps in (10, 9, 8, 7, 6, 5, 4, 3):
+        c = tuple(transfer_s(cluster, b.link, max(b.forward_bytes, b.backward_bytes) / pipe.microbatches)
+                  if b.link != "inter_machine" else
+                  cluster.network.latency_s + max(b.forward_bytes, b.backward_bytes) / pipe.microbatches / (gbps * 1.25e8)
+                  for b in pipe.boundaries)
+        p = plan_pipeline(pipe, c)
+        times = [run_schedule(p, s).iteration_s for s in SCHEDULES]
+        ratio = max(c, default=0.0) / p.t_max
+        print(f"   {gbps:>4} " + "".join(f"{t * 1e3:9.1f} ms" for t in times) + f"   {ratio:6.2f}")
+
+
+def _measured_vs_predicted(link_gbps: float, steps: int = 6) -> None:
+    """Run a 2 x 2 pipeline plan through `hap run --emulate-links`; print measured and predicted step times."""
+    import json
+    import os
+    import re
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    from engine.cluster import Cluster
+    from engine.partition import fixed_pipeline
+    from engine.stages import StageGraph
+
+    d = json.loads((ROOT / "sample_clusters" / "cpu_4_uneven.json").read_text())
+    d["network"]["bandwidth_Bps"] = {"intra_machine": link_gbps * 1.25e8}
+    cluster = Cluster.from_dict(d)
+    graph = engine.load_model("zoo:gpt", layers=4, hidden=64, heads=4, ffn=128, vocab=256, seq_len=32, batch=16)
+    L = StageGraph(graph).num_layers
+    plan = fixed_pipeline(graph, cluster, [(0, L // 2, (0, 1)), (L // 2, L, (2, 3))], 4, "h-1f1b")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pipeline.json"
+        path.write_text(json.dumps(plan.to_dict()))
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(path), "--steps", str(steps),
+                            "--emulate-links"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        print(r.stdout + r.stderr)
+        return
+    times = [float(t) for t in re.findall(r"time ([0-9.]+) ms", r.stdout)]
+    measured = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    print(f"gpt (4 layers, hidden 64) on 4 CPU ranks, 2 stages x 2 ranks, B = {plan.microbatches}, "
+          f"link {link_gbps} Gbit/s emulated")
+    for b in plan.boundaries:
+        print(f"    cut {b.cut}: {b.transfer_s * 1e3:.2f} ms per microbatch each way")
+    print(f"    predicted {plan.predicted_s * 1e3:8.2f} ms per step   measured {measured:8.2f} ms "
+          f"(median of steps 1..{len(times) - 1})   measured / predicted {measured / (plan.predicted_s * 1e3):.2f}")
+
+
+if __name__ == "__main__":
+    main()

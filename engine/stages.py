@@ -1,0 +1,138 @@
+"""Pipeline stages of a captured graph (HAPT §5.1): cut points at layer boundaries, and what a stage holds.
+
+The computed nodes, in the graph's topological order, change layer (`Node.segment`) at the
+boundaries `engine.segments` already cuts at; those positions are the candidate cut points. The
+graph is topologically ordered, so every tensor that crosses a cut goes forward: the tensors
+computed before it and used after it are the activations sent to the next stage, and those that
+require grad have a gradient of the same size sent back. Leaves are not sent: a stage loads the
+inputs and buffers it reads itself, and holds the parameters its nodes use (a parameter used on
+both sides of a cut, a tied weight, is held by both stages: `Cut.shared_parameters`; summing its
+two gradients is not modelled yet).
+
+A stage is the run of layers between two cuts, `Stage(start, end)` in cut indices (0 is the
+model's start, `len(layers)` its end, which holds the loss). Its flops, parameter bytes and
+activations kept for backward come from prefix sums, so the partitioner asks for any of the
+O(L^2) stages in constant time. Flops use the cost model's rules (`engine.cost`): a node's
+forward flops as captured, and about one forward per operand that needs a gradient backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from .cost import _attention_probs_bytes, _backward_flops, _requires_grad
+from .errors import PlanError
+from .graph import Graph
+from .segments import _layer_cuts
+
+NO_ACTIVATION_OPS = frozenset({"view", "permute", "identity"})
+"""Operators whose output aliases its input: they keep nothing for backward (as `engine.cost` counts)."""
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A candidate cut point between two layers, and what crosses it per iteration (whole batch)."""
+
+    index: int
+    """1 .. L-1: the cut sits before layer `index`."""
+    position: int
+    """Computed nodes (in topological order) before the cut."""
+    tensors: tuple[int, ...]
+    """Ids of the tensors computed before the cut and used after it."""
+    forward_bytes: int
+    """Bytes of those tensors (the activations sent forward)."""
+    backward_bytes: int
+    """Bytes of those that require grad (the gradients sent back)."""
+    shared_parameters: tuple[int, ...] = ()
+    """Parameters used on both sides (tied weights)."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """Layers [start, end) of a graph, with what they cost per iteration (whole batch)."""
+
+    start: int
+    end: int
+    nodes: tuple[int, ...]
+    """Computed node ids, in topological order."""
+    parameters: tuple[int, ...]
+    """Parameter ids the stage's nodes use."""
+    forward_flops: float
+    backward_flops: float
+    parameter_bytes: int
+    activation_bytes: float
+    """Bytes its forward keeps for its backward."""
+    input_bytes: int
+    """Bytes received from the previous stage (0 for the first)."""
+    output_bytes: int
+    """Bytes sent to the next stage (0 for the last)."""
+
+
+class StageGraph:
+    """A graph seen as a sequence of layers with cut points between them."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.order = [n for n in graph.nodes if not n.is_leaf]
+        self.positions = [0, *_layer_cuts(graph, self.order), len(self.order)]
+        self.requires_grad = _requires_grad(graph)
+        self.layers: list[tuple[int, ...]] = [tuple(n.id for n in self.order[a:b])
+                                              for a, b in zip(self.positions, self.positions[1:])]
+        self.layer_of = {nid: k for k, ids in enumerate(self.layers) for nid in ids}
+        self._prefix = _prefix_sums([self._layer_sums(k) for k in range(len(self.layers))])
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @cached_property
+    def cuts(self) -> list[Cut]:
+        """The L-1 candidate cut points, in order."""
+        return [self._cut(k) for k in range(1, self.num_layers)]
+
+    def cut(self, index: int) -> Cut | None:
+        """Cut `index` (None for 0 and L, the model's ends)."""
+        return None if index in (0, self.num_layers) else self.cuts[index - 1]
+
+    def stage(self, start: int, end: int) -> Stage:
+        """Layers [start, end) as a stage."""
+        if not 0 <= start < end <= self.num_layers:
+            raise PlanError(f"stage [{start}, {end}) is not a run of layers of a graph with {self.num_layers} layers")
+        fwd, bwd, act = (hi - lo for hi, lo in zip(self._prefix[end], self._prefix[start]))
+        nodes = tuple(i for k in range(start, end) for i in self.layers[k])
+        used = sorted({i for n in nodes for i in self.graph[n].inputs if self.graph[i].op == "parameter"})
+        cut_in, cut_out = self.cut(start), self.cut(end)
+        params = sum(self.graph[i].nbytes for i in used)
+        return Stage(start, end, nodes, tuple(used), fwd, bwd, params, act,
+                     cut_in.forward_bytes if cut_in else 0, cut_out.forward_bytes if cut_out else 0)
+
+    def _cut(self, index: int) -> Cut:
+        before = {n.id for n in self.order[:self.positions[index]]}
+        after = self.order[self.positions[index]:]
+        crossing = sorted({i for n in after for i in n.inputs if i in before})
+        params_before = {i for n in before for i in self.graph[n].inputs if self.graph[i].op == "parameter"}
+        shared = sorted({i for n in after for i in n.inputs if i in params_before})
+        fwd = sum(self.graph[i].nbytes for i in crossing)
+        bwd = sum(self.graph[i].nbytes for i in crossing if self.requires_grad[i])
+        return Cut(index, self.positions[index], tuple(crossing), fwd, bwd, tuple(shared))
+
+    def _layer_sums(self, k: int) -> tuple[float, float, float]:
+        """(forward flops, backward flops, activation bytes) of layer k."""
+        g, ids = self.graph, self.layers[k]
+        fwd = sum(g[i].flops for i in ids)
+        bwd = sum(_backward_flops(g, i, self.requires_grad) for i in ids)
+        return fwd, bwd, sum(self.kept_bytes(i) for i in ids)
+
+    def kept_bytes(self, node: int) -> float:
+        """Bytes node `node` keeps from forward to backward (as `engine.cost.CostModel.compute_delta`)."""
+        n = self.graph[node]
+        if not self.requires_grad[node] or n.op in NO_ACTIVATION_OPS:
+            return 0.0
+        return float(n.nbytes) + _attention_probs_bytes(self.graph, node)
+
+
+def _prefix_sums(rows: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
+    out = [(0.0,) * (len(rows[0]) if rows else 3)]
+    for r in rows:
+        out.append(tuple(a + b for a, b in zip(out[-1], r)))
+    return out
