@@ -336,7 +336,8 @@ def _make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, o
     int_sizes, ratios, b = _realized(graph, cluster, cand, optimizer)
     sizes = {shard_key(graph, seg, t, d, k): s for (t, d, k), s in int_sizes.items()}
     return Plan(strategy=strategy, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
-                device_names=[d.name for d in cluster.devices], program=cand.program,
+                device_names=[d.name for d in cluster.devices], machines=[d.machine for d in cluster.devices],
+                program=cand.program,
                 ratios={str(k): list(r) for k, r in enumerate(ratios)}, shard_sizes=sizes, predicted_time_s=b.total_s,
                 stages=stage_records(b, graph), memory_bytes=b.memory_bytes, history=history,
                 search={**stats, "optimizer": optimizer}, segment_of=list(seg.of_node) if seg.count > 1 else [])
