@@ -6,9 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import engine
 import runner.collectives as C
 from dist_harness import init_gloo, run_ranks
+from engine.hierarchy import HIER_KEYS
+from runner_plans import collectives_of, forced_plan
 from test_runner_collectives import SIZES, inputs, out_grads, reference
+from test_runner_equivalence import check_equivalence
 
 WORLD = 4
 LAYOUTS = {"contiguous": ((0, 1), (2, 3)), "interleaved": ((0, 2), (1, 3))}
@@ -47,3 +51,20 @@ def test_hierarchical_collectives_match_single_process_forward_and_backward(layo
             got_y, got_g = results[rank][op]
             torch.testing.assert_close(got_y, ys[rank], rtol=1e-6, atol=1e-6, msg=f"{op} forward, rank {rank}")
             torch.testing.assert_close(got_g, grads[rank], rtol=1e-6, atol=1e-6, msg=f"{op} backward, rank {rank}")
+
+
+# --- plans that use them, trained end to end ---------------------------------------------------
+
+
+def two_by_two():
+    """4 CPU ranks declared as 2 machines of 2 (sample_clusters/cpu_2x2.json)."""
+    from conftest import sample_path
+    return engine.load_cluster(sample_path("cpu_2x2"))
+
+
+@pytest.mark.parametrize("key", HIER_KEYS)
+def test_plans_forced_to_one_hierarchical_collective_train_like_one_device(key, tmp_path):
+    plan = forced_plan("mlp", WORLD, key, on=two_by_two())
+    assert key in collectives_of(plan) and plan.machines == ["m0", "m0", "m1", "m1"]
+    assert len(set(plan.ratios["0"])) == WORLD, "uneven shards"
+    check_equivalence(plan, tmp_path, "sgd")
