@@ -68,3 +68,18 @@ def test_plans_forced_to_one_hierarchical_collective_train_like_one_device(key, 
     assert key in collectives_of(plan) and plan.machines == ["m0", "m0", "m1", "m1"]
     assert len(set(plan.ratios["0"])) == WORLD, "uneven shards"
     check_equivalence(plan, tmp_path, "sgd")
+
+
+def test_hap_plan_then_hap_run_verify_on_two_machines_of_two(tmp_path):
+    """The engine picks a hierarchical collective on cpu_2x2 (its machines are 8x faster inside than
+    between) and `hap run --verify` trains that plan on 4 ranks like one device."""
+    from test_runner_cli import hap
+
+    plan_path = tmp_path / "plan.json"
+    made = hap("plan", "--model", "zoo:mlp", "--set", "layers=2", "--set", "in_features=64", "--set", "hidden=128",
+               "--set", "batch=32", "--cluster", "sample_clusters/cpu_2x2.json", "--out", str(plan_path))
+    assert made.returncode == 0, made.stdout + made.stderr
+    assert collectives_of(engine.Plan.from_json(plan_path)) & set(HIER_KEYS)
+    r = hap("run", str(plan_path), "--steps", "3", "--verify", timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verify: OK" in r.stdout
