@@ -66,6 +66,7 @@ from .errors import PlanError
 from .graph import Graph
 from .overlap import OVERLAP_MODES, batch_derived, bucket_slots, duplex_problem
 from .overlap import price as overlap_price
+from .hierarchy import HIER_KEYS, hierarchy_of
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .segments import RESPLIT, Segmentation, instruction_segments, source_segments
 from .theory.core import FULL
@@ -91,10 +92,13 @@ _FIT = {"all_gather.padded": "all_gather", "reduce_scatter": "reduce_scatter", "
 all-gather, priced from `all_reduce` and `broadcast`, are spelled out in `CostModel.comm_terms`)."""
 
 DUAL = {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
-        "all_gather.grouped": "reduce_scatter", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT}
+        "all_gather.grouped": "reduce_scatter", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT,
+        "all_reduce.hier": "all_reduce.hier", "all_gather.hier": "reduce_scatter.hier",
+        "reduce_scatter.hier": "all_gather.hier"}
 """The collective that runs in the backward pass for each forward collective (its dual), as the runner
-runs it: both all-gathers reduce-scatter their gradient (`runner.collectives.AllGather`). A grouped
-all-gather's backward is not priced as m reduces: on gloo those are no faster than one reduce-scatter."""
+runs it: both flat all-gathers reduce-scatter their gradient (`runner.collectives.AllGather`). A grouped
+all-gather's backward is not priced as m reduces: on gloo those are no faster than one reduce-scatter.
+A hierarchical collective's dual is hierarchical too (`engine.hierarchy`)."""
 
 Acc = tuple[float, float, float, float, float, float]
 """Linear work of a stage: (sharded flops, replicated flops, sharded parameter bytes, Full parameter bytes,
@@ -254,6 +258,8 @@ class CostModel:
         self.total_flops = sum(c.flops * len(c.devices) for c in self.classes)
         intra = [d.intra_bandwidth_Bps for d in cluster.devices if d.num_gpus > 1]
         self.hierarchy_s_per_byte = 2.0 / min(intra) if intra else 0.0  # gather to / broadcast from GPU 0 (§6)
+        self.levels = hierarchy_of(cluster) if overlap != "duplex" else None  # duplex streams own no machine sub-groups
+        """Machine and peer link levels for the `.hier` collectives (None: not offered on this cluster)."""
         self.nbytes = [n.nbytes for n in graph.nodes]
         self._comm_cache: dict[tuple[str, int], float] = {}
         self.batch_derived = batch_derived(graph) if overlap == "duplex" else []
@@ -276,6 +282,11 @@ class CostModel:
         if key == "slice" or m == 1:
             return 0.0, 0.0
         h = self.hierarchy_s_per_byte
+        if key in HIER_KEYS:  # not offered: never cheaper than the flat collective the search also sees
+            if self.levels is None:
+                return math.inf, 0.0
+            const, per = self.levels.terms(key, nbytes)
+            return (const + nbytes * h, per) if key == "all_reduce.hier" else (const, per + nbytes * h)
         if key == "all_reduce":
             fit = c["all_reduce"]
             return fit.latency_s + nbytes / fit.bandwidth_Bps + nbytes * h, 0.0

@@ -159,6 +159,29 @@ def duplex_problem(graph: Graph) -> str | None:
             "the batch is split into two halves; use overlap 'ddp' or 'none'")
 
 
+def duplex_run_problem(graph: Graph) -> str | None:
+    """Why the runner cannot train this model in two half-batches (None when it can): the cost
+    model's reason (`duplex_problem`), or a model it cannot rebuild at half the batch (a model
+    file or graph JSON fixes its batch), a batch of one sample, or a loss that is not a mean
+    cross-entropy over kept targets (the halves reweigh their losses by those counts). The
+    planner skips duplex for these, so `auto` never picks a plan `hap run` would refuse."""
+    problem = duplex_problem(graph)
+    if problem:
+        return problem
+    origin = graph.origin
+    if "zoo" not in origin and "hf" not in origin:
+        return ("duplex is refused: the model is not rebuilt at another batch size (a model file or graph JSON "
+                "fixes its batch); use overlap 'ddp' or 'none'")
+    batch = int((origin.get("config", {}) if "zoo" in origin else origin.get("inputs", {})).get("batch", 0) or 0)
+    if batch < 2:
+        return "duplex is refused: the batch has fewer than two samples, which cannot be split into two halves"
+    loss = graph[graph.loss]
+    if loss.op != "cross_entropy" or len(loss.inputs) < 3:
+        return (f"duplex is refused: the loss '{loss.name}' is '{loss.op}', not a mean cross-entropy over kept "
+                "targets that two halves can reweigh; use overlap 'ddp' or 'none'")
+    return None
+
+
 def batch_derived(graph: Graph) -> list[bool]:
     """For every node, whether it depends on an input (has a placeholder ancestor, or is one): such a
     tensor splits with the batch, so each duplex half moves half of it; a tensor derived from

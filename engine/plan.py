@@ -150,6 +150,9 @@ class Plan:
     search: dict[str, Any] = field(default_factory=dict)
     segment_of: list[int] = field(default_factory=list)
     """Segment of every graph node (empty: the whole model is one segment)."""
+    machines: list[str] = field(default_factory=list)
+    """Machine of every device, in device order (empty in plans written before hierarchical
+    collectives); the runner builds the sub-groups of `.hier` collectives from it."""
     overlap: str = "none"
     """How communication overlaps computation (`engine.overlap.OVERLAP_MODES`): `none`, `ddp`
     (gradient buckets during backward) or `duplex` (two half-batches, HiDup)."""
@@ -189,7 +192,8 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         return {"kind": "hap.plan", "schema_version": self.schema_version, "strategy": self.strategy,
                 "model": {"name": self.graph.name, "fingerprint": self.model_fingerprint, "origin": self.graph.origin},
-                "cluster": {"name": self.cluster_name, "fingerprint": self.cluster_fingerprint, "devices": self.device_names},
+                "cluster": {"name": self.cluster_name, "fingerprint": self.cluster_fingerprint, "devices": self.device_names,
+                            **({"machines": self.machines} if self.machines else {})},
                 "predicted_time_s": self.predicted_time_s, "ratios": self.ratios, "shard_sizes": self.shard_sizes,
                 "memory_bytes": self.memory_bytes, "stages": [asdict(s) for s in self.stages],
                 "program": [ins.to_dict() for ins in self.program], "history": self.history, "search": self.search,
@@ -225,6 +229,7 @@ class Plan:
         try:
             return Plan(strategy=d["strategy"], graph=graph, cluster_name=d["cluster"]["name"],
                         cluster_fingerprint=d["cluster"]["fingerprint"], device_names=list(d["cluster"]["devices"]),
+                        machines=list(d["cluster"].get("machines", [])),
                         program=tuple(Instruction.from_dict(x) for x in d["program"]), ratios=d["ratios"],
                         shard_sizes=d["shard_sizes"], predicted_time_s=float(d["predicted_time_s"]),
                         stages=[StageRecord(**s) for s in d["stages"]], memory_bytes=list(d["memory_bytes"]),

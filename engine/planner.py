@@ -33,7 +33,7 @@ from .cost import Breakdown, CostModel, evaluate as evaluate_program
 from . import limits
 from .errors import InfeasibleError, PlanError
 from .graph import Graph, Node
-from .overlap import OVERLAP_MODES, duplex_problem
+from .overlap import OVERLAP_MODES, duplex_run_problem
 from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
 from .segments import Segmentation, segment_graph, with_resplits
 from .program import Instruction
@@ -247,7 +247,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
 def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]]:
     """The overlap modes to plan in for `overlap`, and the modes `auto` skips with the reason
     (duplex for a model whose half batches would not compute the same, e.g. training-mode BatchNorm)."""
-    problem = duplex_problem(graph) if overlap in ("auto", "duplex") else None
+    problem = duplex_run_problem(graph) if overlap in ("auto", "duplex") else None
     if overlap == "duplex" and problem:
         raise PlanError(f"model '{graph.name}': {problem}")
     if overlap == "auto":
@@ -433,7 +433,8 @@ def _make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, o
     int_sizes, ratios, b = _realized(graph, cluster, cand, optimizer)
     sizes = {shard_key(graph, seg, t, d, k): s for (t, d, k), s in int_sizes.items()}
     return Plan(strategy=strategy, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
-                device_names=[d.name for d in cluster.devices], program=cand.program,
+                device_names=[d.name for d in cluster.devices], machines=[d.machine for d in cluster.devices],
+                program=cand.program,
                 ratios={str(k): list(r) for k, r in enumerate(ratios)}, shard_sizes=sizes, predicted_time_s=b.total_s,
                 stages=stage_records(b, graph), memory_bytes=b.memory_bytes, history=history,
                 search={**stats, "optimizer": optimizer}, segment_of=list(seg.of_node) if seg.count > 1 else [],

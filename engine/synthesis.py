@@ -73,7 +73,8 @@ class SearchSpace:
     param_forms: Callable[[int, int], bool] = lambda node, form: True
     placeholder_forms: Callable[[int, int], bool] = lambda node, form: True
     collectives: frozenset[str] = frozenset({"all_reduce", "reduce_scatter", "all_gather.padded",
-                                             "all_gather.grouped", "all_to_all", "slice"})
+                                             "all_gather.grouped", "all_to_all", "slice", "all_reduce.hier",
+                                             "reduce_scatter.hier", "all_gather.hier"})
     rule_filter: Callable[[int, OpRule], bool] = lambda node, r: True
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import HapError, PlanError
 from .graph import SCHEMA_VERSION as GRAPH_SCHEMA_VERSION, Graph
+from .hierarchy import HIER_KEYS, machine_groups
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .overlap import OVERLAP_MODES
 from .segments import RESPLIT, instruction_segments, source_segments
@@ -167,6 +168,13 @@ def _check_cluster_field(c: dict[str, Any]) -> None:
     if len(set(devices)) != len(devices):
         dup = next(n for n in devices if devices.count(n) > 1)
         raise _fail("cluster.devices", f"device '{dup}' is listed twice: device names must be unique")
+    machines = _typed(c, "machines", list, "cluster.", required=False)
+    if machines is not None:
+        if len(machines) != len(devices):
+            raise _fail("cluster.machines", f"has {len(machines)} entries but the plan has {len(devices)} devices")
+        for j, name in enumerate(machines):
+            if not isinstance(name, str) or not name:
+                raise _fail(f"cluster.machines[{j}]", f"{_shown(name)} is not a machine name")
 
 
 def _check_stage(s: Any, path: str) -> None:
@@ -389,6 +397,9 @@ class _Replay:
         if not legal:
             raise _fail(self.where(i, ins), f"{ins.rule} does not take {node.name} from {form_str(before)} to "
                         f"{form_str(ins.post)} (see engine/theory/collectives.py for the collective triples)")
+        if ins.rule in HIER_KEYS and machine_groups(self.plan.machines) is None:
+            raise _fail(self.where(i, ins), f"{ins.rule} needs at least 2 machines of the same number (>= 2) of "
+                        f"devices, but cluster.machines is {self.plan.machines or 'absent'}")
         self._require(i, ins, src if ins.rule == RESPLIT else own)
 
     def _require(self, i: int, ins: Instruction, segment: int) -> None:
@@ -510,6 +521,11 @@ def check_against_cluster(plan: "Plan", cluster: "Cluster") -> list[str]:
         j = next(j for j, (a, b) in enumerate(zip(names, plan.device_names)) if a != b)
         raise _fail(f"cluster.devices[{j}]", f"device '{plan.device_names[j]}' but cluster '{cluster.name}' has "
                     f"'{names[j]}' there", "plan again for this cluster (hap plan --cluster FILE)")
+    machines = [d.machine for d in cluster.devices]
+    if plan.machines and plan.machines != machines:
+        j = next(j for j, (a, b) in enumerate(zip(machines, plan.machines)) if a != b)
+        raise _fail(f"cluster.machines[{j}]", f"device '{names[j]}' is on machine '{plan.machines[j]}' in the plan but on "
+                    f"'{machines[j]}' in cluster '{cluster.name}'", "plan again for this cluster (hap plan --cluster FILE)")
     optimizer = plan.search.get("optimizer", "adam")
     try:
         cm = CostModel(plan.graph, cluster, plan.ratio_rows, optimizer if optimizer in ("adam", "sgd", "none") else "adam",

@@ -7,7 +7,8 @@ Modules, in the order a run uses them:
   training loop, metrics, verify;
 - `program`: the plan's program for one rank as a readable `torch.fx.GraphModule`;
 - `collectives`: all-reduce, all-gather (padded / grouped), reduce-scatter, all-to-all, slice and
-  replicate as autograd Functions whose backward is the exact dual;
+  replicate as autograd Functions whose backward is the exact dual, and the hierarchical
+  all-reduce, all-gather and reduce-scatter over machine and peer sub-groups;
 - `train`: parameter slices from the seeded single-device model, one training step, the
   single-device reference;
 - `overlap`: the plan's gradient buckets, all-reduced from gradient hooks during backward (`ddp`);

@@ -9,17 +9,27 @@
 | resplit(d)          S(d)->S(d)  | resplit back (segment boundary)   |
 | slice(d)            F -> S(d)   | zero padding (free)               |
 | replicate           F -> F      | all_reduce (a Full parameter)     |
+| all_reduce.hier     P -> F      | all_reduce.hier                   |
+| all_gather.hier(d)  S(d) -> F   | reduce_scatter.hier(d)            |
+| reduce_scatter.hier P -> S(d)   | all_gather.hier(d)                |
 
 Shards are uneven: `sizes[j]` is device j's size along the sharded dim. gloo cannot all-gather
 uneven tensors, so `all_gather` pads every shard to the largest, gathers, and trims ("padded"),
 or runs one broadcast per device ("grouped"). NCCL takes the same paths: only equal-size buffers
 reach the backend.
+
+The `.hier` collectives (`engine.hierarchy`) take `machines`, the ranks of every machine (M
+machines of k ranks), and run on sub-groups: each machine's ranks, and the peers (the r-th rank
+of every machine). Shards are padded to the largest, as in `gather_padded`. The sub-groups are
+made on first use, by every rank in the same order (all ranks run the same collectives in the
+same order, so the first use is reached by all of them).
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import threading
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
@@ -268,6 +278,137 @@ def local_slice(x: Tensor, dim: int, sizes: Sequence[int], rank: int) -> Tensor:
     return x.narrow(dim, _offsets(sizes)[rank], sizes[rank])
 
 
+Machines = tuple[tuple[int, ...], ...]
+"""Global ranks of every machine, each in ascending order (`engine.hierarchy.machine_groups`)."""
+
+
+@dataclass(frozen=True)
+class Levels:
+    """This rank's two sub-groups of a machine layout, and where every rank sits in them."""
+
+    machine_group: object
+    """Process group of this rank's machine (group rank l = the l-th rank of the machine)."""
+    peer_group: object
+    """Process group of the ranks that hold this rank's local index on every machine (group rank q =
+    the q-th of them in ascending order)."""
+    local: int
+    """This rank's index in its machine."""
+    place: dict[int, tuple[int, int]]
+    """Global rank -> (index in its machine l, position in its peer group q)."""
+    members: tuple[int, ...]
+    """Ranks of this rank's machine."""
+    peers: tuple[int, ...]
+    """Ranks of this rank's peer group, ascending."""
+
+
+_levels: dict[tuple, Levels] = {}
+
+
+def levels_of(machines: Machines) -> Levels:
+    """This rank's sub-groups for `machines`, made (by every rank, in one order) on first use."""
+    key = (id(dist.group.WORLD), machines)
+    if key not in _levels:
+        rank = dist.get_rank()
+        peer_lists = [tuple(sorted(p)) for p in zip(*machines)]
+        made = {}
+        for group in [*machines, *peer_lists]:  # every rank creates every group, in the same order
+            made[group] = dist.new_group(list(group))
+        place = {j: (m.index(j), p.index(j)) for m in machines for j in m for p in peer_lists if j in p}
+        mine = next(m for m in machines if rank in m)
+        peers = next(p for p in peer_lists if rank in p)
+        _levels[key] = Levels(made[mine], made[peers], mine.index(rank), place, mine, peers)
+    return _levels[key]
+
+
+def _rows(x: Tensor, dim: int, top: int) -> Tensor:
+    """`x` with `dim` moved first and padded to `top` rows."""
+    return _pad_to(x.movedim(dim, 0), 0, top)
+
+
+def gather_hier(x: Tensor, dim: int, sizes: Sequence[int], machines: Machines) -> Tensor:
+    """Shard(dim) -> Full in two steps: all-gather across the peers, then inside the machine."""
+    lv, top = levels_of(machines), max(sizes)
+    mine = _rows(x, dim, top)
+    rest = tuple(mine.shape[1:])
+    across = mine.new_empty((len(lv.peers) * top,) + rest)
+    dist.all_gather_single(across, mine, group=lv.peer_group)
+    inside = across.new_empty((len(lv.members) * len(lv.peers) * top,) + rest)
+    dist.all_gather_single(inside, across, group=lv.machine_group)
+    inside = inside.view((len(lv.members), len(lv.peers), top) + rest)
+    parts = [inside[lv.place[j][0], lv.place[j][1], :s] for j, s in enumerate(sizes)]
+    return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
+
+
+def reduce_scatter_hier(x: Tensor, dim: int, sizes: Sequence[int], machines: Machines) -> Tensor:
+    """Partial -> Shard(dim) in two steps: reduce-scatter inside the machine (each member gets its
+    peers' slices), then across the peers (each gets its own)."""
+    lv, top = levels_of(machines), max(sizes)
+    slices = [_rows(c, dim, top) for c in torch.split(x, list(sizes), dim=dim)]
+    blocks = [torch.stack([torch.zeros_like(slices[0])] * len(lv.peers)) for _ in lv.members]
+    for j, piece in enumerate(slices):
+        blocks[lv.place[j][0]][lv.place[j][1]] = piece
+    across = torch.empty_like(blocks[0])
+    dist.reduce_scatter(across, blocks, group=lv.machine_group)
+    mine = torch.empty_like(across[0])
+    dist.reduce_scatter(mine, [c.contiguous() for c in across], group=lv.peer_group)
+    return mine[:sizes[dist.get_rank()]].movedim(0, dim).contiguous()
+
+
+def all_reduce_hier(x: Tensor, machines: Machines) -> Tensor:
+    """Partial -> Full in three steps: reduce-scatter inside the machine, all-reduce each piece
+    across the peers, all-gather inside the machine (a fresh tensor, as `all_reduce_copy`)."""
+    lv = levels_of(machines)
+    k = len(lv.members)
+    flat = x.contiguous().reshape(-1)
+    per = -(-flat.numel() // k)
+    pieces = list(_pad_to(flat, 0, per * k).view(k, per).clone().unbind(0))
+    piece = torch.empty_like(pieces[0])
+    dist.reduce_scatter(piece, pieces, group=lv.machine_group)
+    dist.all_reduce(piece, group=lv.peer_group)
+    out = piece.new_empty(per * k)
+    dist.all_gather_single(out, piece, group=lv.machine_group)
+    return out[:flat.numel()].view_as(x)
+
+
+class AllReduceHier(torch.autograd.Function):
+    """Partial -> Full over machines and peers; the gradient of a Full output is partial: the same backward."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, machines: Machines, tag: str) -> Tensor:
+        ctx.machines, ctx.tag = machines, tag
+        return run_collective("all_reduce.hier", tag, all_reduce_hier, x, machines)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return run_collective("all_reduce.hier", ctx.tag, all_reduce_hier, g, ctx.machines), None, None
+
+
+class AllGatherHier(torch.autograd.Function):
+    """Shard(d) -> Full over peers and machines; backward reduce-scatters hierarchically."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, sizes: list[int], machines: Machines, tag: str) -> Tensor:
+        ctx.args, ctx.tag = (dim, sizes, machines), tag
+        return run_collective("all_gather.hier", tag, gather_hier, x, dim, sizes, machines)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return run_collective("reduce_scatter.hier", ctx.tag, reduce_scatter_hier, g, *ctx.args), None, None, None, None
+
+
+class ReduceScatterHier(torch.autograd.Function):
+    """Partial -> Shard(d) over machines and peers; backward all-gathers hierarchically."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, sizes: list[int], machines: Machines, tag: str) -> Tensor:
+        ctx.args, ctx.tag = (dim, sizes, machines), tag
+        return run_collective("reduce_scatter.hier", tag, reduce_scatter_hier, x, dim, sizes, machines)
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        return run_collective("all_gather.hier", ctx.tag, gather_hier, g, *ctx.args), None, None, None, None
+
+
 def all_reduce(x: Tensor, tag: str = "") -> Tensor:
     return AllReduce.apply(x, tag)
 
@@ -282,6 +423,18 @@ def all_gather(x: Tensor, dim: int, sizes: list[int], impl: str = "padded", tag:
 
 def reduce_scatter(x: Tensor, dim: int, sizes: list[int], tag: str = "") -> Tensor:
     return ReduceScatter.apply(x, dim, sizes, tag)
+
+
+def all_reduce_hierarchical(x: Tensor, machines: Machines, tag: str = "") -> Tensor:
+    return AllReduceHier.apply(x, machines, tag)
+
+
+def all_gather_hierarchical(x: Tensor, dim: int, sizes: list[int], machines: Machines, tag: str = "") -> Tensor:
+    return AllGatherHier.apply(x, dim, sizes, machines, tag)
+
+
+def reduce_scatter_hierarchical(x: Tensor, dim: int, sizes: list[int], machines: Machines, tag: str = "") -> Tensor:
+    return ReduceScatterHier.apply(x, dim, sizes, machines, tag)
 
 
 def all_to_all(x: Tensor, src: int, dst: int, src_sizes: list[int], dst_sizes: list[int], tag: str = "") -> Tensor:

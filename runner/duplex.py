@@ -31,6 +31,7 @@ import engine
 from engine.errors import ModelError, PlanError
 from engine.graph import Graph
 from engine.plan import Plan, shard_key, shard_sizes
+from engine.overlap import duplex_run_problem
 from engine.program import LOAD
 
 from .collectives import stream
@@ -39,17 +40,17 @@ from .timing import Pacer
 
 
 def check_duplex(plan: Plan) -> None:
-    """Refuse, with a one-line reason, a plan whose model cannot train in two half batches."""
-    graph = plan.graph
-    bn = next((n for n in graph.nodes if n.op == "batch_norm"), None)
-    if bn is not None:
-        raise PlanError(f"duplex refused: '{bn.name}' is a training-mode batch norm, whose statistics change with half "
-                        "batches; plan with --overlap ddp")
-    if "zoo" not in graph.origin and "hf" not in graph.origin:
-        raise PlanError("duplex refused: the model's batch size is set inside its file, so it cannot be captured at half "
-                        "the batch; plan a zoo or Hugging Face model, or use --overlap ddp")
-    if batch_of(graph) < 2:
-        raise PlanError("duplex refused: the batch has a single sample, which cannot be split into two halves")
+    """Refuse, with a one-line reason, a plan whose model cannot train in two half batches (the
+    engine's reasons, which the planner also heeds) or whose program uses hierarchical
+    collectives (their machine sub-groups are shared, not one per half-batch stream)."""
+    problem = duplex_run_problem(plan.graph)
+    if problem:
+        raise PlanError(problem.replace("duplex is refused", "duplex refused", 1))
+    hier = next((ins for ins in plan.program if ins.rule.endswith(".hier")), None)
+    if hier is not None:
+        raise PlanError(f"duplex refused: the program runs the hierarchical collective '{hier.rule}' on "
+                        f"'{plan.graph[hier.node].name}', whose sub-groups both half-batch streams would share; "
+                        "plan with --overlap ddp")
 
 
 def batch_of(graph: Graph) -> int:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from engine import dropout, ops
 from engine.errors import PlanError
 from engine.graph import Graph, Node
+from engine.hierarchy import HIER_KEYS, machine_groups
 from engine.ops import unless_empty
 from engine.plan import Plan
 from engine.program import COMM, LOAD, Instruction
@@ -173,6 +174,8 @@ def _emit_comm(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, 
         return sizes_of(plan, t, dim, seg)
     if ins.rule == "slice":
         return g.call_function(C.local_slice, (x, ins.post, sizes(ins.post), rank))
+    if ins.rule in HIER_KEYS:
+        return _emit_hier(g, plan, ins, x, sizes, tag)
     if ins.rule == "all_reduce":
         return g.call_function(C.all_reduce, (x,), tag)
     if ins.rule == "reduce_scatter":
@@ -184,6 +187,20 @@ def _emit_comm(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, 
     if ins.rule == RESPLIT:
         return g.call_function(C.resplit, (x, src, sizes_of(plan, t, src, from_seg), sizes(src)), tag)
     raise ValueError(f"unknown collective '{ins.rule}' in plan")
+
+
+def _emit_hier(g: fx.Graph, plan: Plan, ins: Instruction, x: fx.Node, sizes: Callable[[int], list[int]],
+               tag: dict) -> fx.Node:
+    """A hierarchical collective over the plan's machines (the validator made sure there are any)."""
+    machines = machine_groups(plan.machines)
+    if machines is None:
+        raise ValueError(f"'{ins.rule}' needs machines of equal size in the plan (cluster.machines: {plan.machines})")
+    src = ins.pre[0][1]
+    if ins.rule == "all_reduce.hier":
+        return g.call_function(C.all_reduce_hierarchical, (x, machines), tag)
+    if ins.rule == "reduce_scatter.hier":
+        return g.call_function(C.reduce_scatter_hierarchical, (x, ins.post, sizes(ins.post), machines), tag)
+    return g.call_function(C.all_gather_hierarchical, (x, src, sizes(src), machines), tag)
 
 
 def _emit_compute(g: fx.Graph, plan: Plan, ins: Instruction, env: dict, rank: int, seg: int,

@@ -217,3 +217,36 @@ def test_the_predicted_timeline_of_a_priced_plan_has_its_predicted_makespan(load
         lanes = {t.resource.split(":")[0] for t in tasks}
         assert lanes <= {"compute", "network", "buckets"} and "compute" in lanes
         assert {t.info["device"] for t in tasks} == {d.name for d in cluster.devices}
+
+
+def test_duplex_run_problem_names_what_the_runner_cannot_split(tmp_path):
+    """The planner skips duplex for every model `hap run` would refuse it for, with the reason."""
+    from engine.overlap import duplex_run_problem
+
+    gpt = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=4)
+    assert duplex_run_problem(gpt) is None
+    one = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=1)
+    assert "fewer than two samples" in duplex_run_problem(one)
+    fixed = engine.load_model("examples/llama_tiny.py")
+    assert "not rebuilt at another batch size" in duplex_run_problem(fixed)
+    p = engine.plan(fixed, "sample_clusters/cpu_2.json", time_budget_s=3)
+    assert p.overlap != "duplex" and "not rebuilt" in p.search["overlap_skipped"]["duplex"]
+
+
+def test_the_runner_refuses_duplex_with_hierarchical_collectives():
+    import dataclasses
+
+    from runner.duplex import check_duplex
+
+
+    gpt = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=4)
+    plan = engine.plan(gpt, "sample_clusters/cpu_2.json", time_budget_s=3, overlap="duplex")
+    check_duplex(plan)  # runnable as planned
+    from engine.program import COMM, Instruction
+    from engine.theory.core import FULL, PARTIAL
+    from runner.duplex import check_duplex
+
+    loss = plan.graph.loss  # as if the loss's addends were summed hierarchically
+    bad = dataclasses.replace(plan, program=plan.program + (Instruction(COMM, loss, "all_reduce.hier", ((loss, PARTIAL),), FULL),))
+    with pytest.raises(PlanError, match="hierarchical collective 'all_reduce.hier'"):
+        check_duplex(bad)

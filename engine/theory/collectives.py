@@ -6,11 +6,16 @@
 | reduce_scatter(d)          | P       | S(d)    | all_gather(d), padded      |
 | all_gather(d), padded      | S(d)    | F       | reduce_scatter(d)          |
 | all_gather(d), grouped     | S(d)    | F       | grouped reduce (m reduces) |
+| all_reduce, hier           | P       | F       | all_reduce, hier           |
+| reduce_scatter(d), hier    | P       | S(d)    | all_gather(d), hier        |
+| all_gather(d), hier        | S(d)    | F       | reduce_scatter(d), hier    |
 | all_to_all(d1 -> d2)       | S(d1)   | S(d2)   | all_to_all(d2 -> d1)       |
 | slice(d) (free, local)     | F       | S(d)    | zero-padding, free         |
 
 A full parameter's gradient is all-reduced in the backward pass (counted by the cost model where
 the parameter is loaded). All collectives but `slice` are synchronisation points (stage borders).
+The `hier` implementations run in the machine, across machines, in the machine again
+(`engine.hierarchy`); they establish the same forms as the flat ones.
 """
 from __future__ import annotations
 
@@ -27,7 +32,8 @@ class Collective:
     name: str
     """`all_reduce`, `reduce_scatter`, `all_gather`, `all_to_all` or `slice`."""
     impl: str = ""
-    """Implementation choice: `padded` or `grouped` for all_gather, else empty."""
+    """Implementation choice: `padded`, `grouped` or `hier` for all_gather, `hier` for all_reduce and
+    reduce_scatter, else empty."""
 
     @property
     def key(self) -> str:
@@ -44,7 +50,11 @@ ALL_GATHER_PADDED = Collective("all_gather", "padded")
 ALL_GATHER_GROUPED = Collective("all_gather", "grouped")
 ALL_TO_ALL = Collective("all_to_all")
 SLICE = Collective("slice")
-COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER_PADDED, ALL_GATHER_GROUPED, ALL_TO_ALL, SLICE)
+ALL_REDUCE_HIER = Collective("all_reduce", "hier")
+REDUCE_SCATTER_HIER = Collective("reduce_scatter", "hier")
+ALL_GATHER_HIER = Collective("all_gather", "hier")
+COLLECTIVES = (ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER_PADDED, ALL_GATHER_GROUPED, ALL_TO_ALL, SLICE,
+               ALL_REDUCE_HIER, REDUCE_SCATTER_HIER, ALL_GATHER_HIER)
 BY_KEY = {c.key: c for c in COLLECTIVES}
 
 
@@ -53,14 +63,17 @@ def collectives_from(form: Form, shape: tuple[int, ...]) -> Iterator[tuple[Colle
     shardable = [d for d, s in enumerate(shape) if s >= 2]
     if form == PARTIAL:
         yield ALL_REDUCE, FULL
+        yield ALL_REDUCE_HIER, FULL
         for d in shardable:
             yield REDUCE_SCATTER, d
+            yield REDUCE_SCATTER_HIER, d
     elif form == FULL:
         for d in shardable:
             yield SLICE, d
     else:
         yield ALL_GATHER_PADDED, FULL
         yield ALL_GATHER_GROUPED, FULL
+        yield ALL_GATHER_HIER, FULL
         for d in shardable:
             if d != form:
                 yield ALL_TO_ALL, d

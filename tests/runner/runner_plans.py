@@ -57,14 +57,15 @@ def dp_even_plan(model: str, world: int) -> Plan:
     return engine.evaluate(graph(model), cluster(world), "dp-even", optimizer="sgd")
 
 
-def forced_plan(model: str, world: int, collective: str) -> Plan:
-    """A cheapest program whose only communication is `collective` (and free slices), at RATIOS[world].
+def forced_plan(model: str, world: int, collective: str, on: Cluster | None = None) -> Plan:
+    """A cheapest program whose only communication is `collective` (and free slices), at RATIOS[world],
+    on cluster `on` (default: `cluster(world)`, one machine).
 
     With gradients all-reduced in one bucket, plain data parallelism is cheapest on these small
     models, so one weight matrix is kept from being Full: the first (in graph order) for which
     the cheapest such program uses `collective`.
     """
-    g, c, ratios = graph(model), cluster(world), RATIOS[world]
+    g, c, ratios = graph(model), on or cluster(world), RATIOS[world]
     cm = CostModel(g, c, ratios, "sgd")
     for weight in (n.id for n in g.parameters if n.rank >= 2):
         space = SearchSpace(collectives=frozenset({collective, "slice"}),

@@ -101,6 +101,9 @@ def slice_(locs: Locals, ratios: list[float], pre: int, post: int) -> Locals:
 SIMULATE: dict[str, Callable[[Locals, list[float], int, int], Locals]] = {
     "all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather.padded": all_gather_padded,
     "all_gather.grouped": all_gather_grouped, "all_to_all": all_to_all, "slice": slice_,
+    # hierarchical implementations (engine.hierarchy) establish the same forms; the runner's sub-group
+    # steps are checked numerically on 4 ranks in tests/runner/test_runner_hierarchical.py
+    "all_reduce.hier": all_reduce, "reduce_scatter.hier": reduce_scatter, "all_gather.hier": all_gather_padded,
 }
 
 # --- the table, as written in the module docstring (HAP Fig. 9, §4.4) -------------------------
@@ -109,10 +112,12 @@ SIMULATE: dict[str, Callable[[Locals, list[float], int, int], Locals]] = {
 def table_rows(form: int, shape: tuple[int, ...]) -> set[tuple[str, int]]:
     shardable = [d for d, s in enumerate(shape) if s >= 2]
     if form == PARTIAL:
-        return {("all_reduce", FULL)} | {("reduce_scatter", d) for d in shardable}
+        return ({("all_reduce", FULL), ("all_reduce.hier", FULL)} | {("reduce_scatter", d) for d in shardable}
+                | {("reduce_scatter.hier", d) for d in shardable})
     if form == FULL:
         return {("slice", d) for d in shardable}
-    return {("all_gather.padded", FULL), ("all_gather.grouped", FULL)} | {("all_to_all", d) for d in shardable if d != form}
+    return ({("all_gather.padded", FULL), ("all_gather.grouped", FULL), ("all_gather.hier", FULL)}
+            | {("all_to_all", d) for d in shardable if d != form})
 
 
 def forms_of(shape: tuple[int, ...]) -> list[int]:
@@ -129,6 +134,8 @@ def test_every_collective_has_a_simulation_and_a_dual() -> None:
     assert DUAL["all_reduce"] == "all_reduce"
     assert DUAL["reduce_scatter"] == "all_gather.padded" and DUAL["all_gather.padded"] == "reduce_scatter"
     assert DUAL["all_to_all"] == "all_to_all"
+    assert DUAL["all_reduce.hier"] == "all_reduce.hier"
+    assert DUAL["reduce_scatter.hier"] == "all_gather.hier" and DUAL["all_gather.hier"] == "reduce_scatter.hier"
     assert [c.key for c in COLLECTIVES if not c.is_communication] == ["slice"]
     assert Collective("all_gather", "padded").key == "all_gather.padded" and ALL_REDUCE.key == "all_reduce"
 
@@ -153,7 +160,9 @@ def test_table_pre_and_post_per_collective() -> None:
             kind = lambda f: {FULL: "F", PARTIAL: "P"}.get(f, "S")  # noqa: E731
             kinds.setdefault(c.key, set()).add((kind(form), kind(post)))
     assert kinds == {"all_reduce": {("P", "F")}, "reduce_scatter": {("P", "S")}, "all_gather.padded": {("S", "F")},
-                     "all_gather.grouped": {("S", "F")}, "all_to_all": {("S", "S")}, "slice": {("F", "S")}}
+                     "all_gather.grouped": {("S", "F")}, "all_to_all": {("S", "S")}, "slice": {("F", "S")},
+                     "all_reduce.hier": {("P", "F")}, "reduce_scatter.hier": {("P", "S")},
+                     "all_gather.hier": {("S", "F")}}
 
 
 @SETTINGS
@@ -221,13 +230,13 @@ def test_backward_duals(shape: tuple[int, ...], ratios: list[float], seed: int) 
             ys = SIMULATE[c.key](xs, ratios, pre, post)
             g_full, gys = _output_grads(shape, post, ratios, gen)
             gxs = _grads(xs, ys, gys)
-            if c.key in ("all_gather.padded", "all_gather.grouped"):
+            if c.key in ("all_gather.padded", "all_gather.grouped", "all_gather.hier"):
                 # S(d) -> F backward: reduce_scatter(d) of the addends (grouped: m reduces, same values)
                 want = reduce_scatter(gys, ratios, PARTIAL, pre)
-            elif c.key == "reduce_scatter":
+            elif c.key in ("reduce_scatter", "reduce_scatter.hier"):
                 # P -> S(d) backward: all_gather(d) of the shard gradients, a Full gradient on every device
                 want = all_gather_padded(gys, ratios, post, FULL)
-            elif c.key == "all_reduce":
+            elif c.key in ("all_reduce", "all_reduce.hier"):
                 want = all_reduce(gys, ratios, PARTIAL, FULL)  # P -> F backward: all_reduce of the addends
             elif c.key == "all_to_all":
                 want = all_to_all(gys, ratios, post, pre)  # S(d1) -> S(d2) backward: all_to_all(d2 -> d1)
@@ -252,7 +261,9 @@ def test_backward_duals(shape: tuple[int, ...], ratios: list[float], seed: int) 
 
 def test_dual_table_names() -> None:
     """The cost model's duals follow the table and price what the runner runs: both all-gather
-    implementations reduce-scatter their gradient in backward (runner.collectives.AllGather)."""
+    implementations reduce-scatter their gradient in backward (runner.collectives.AllGather), and the
+    hierarchical ones run hierarchical duals (runner.collectives.AllGatherHier, ...)."""
     assert DUAL == {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
                     "all_gather.grouped": "reduce_scatter", "all_to_all": "all_to_all", "slice": "slice",
-                    RESPLIT: RESPLIT}
+                    RESPLIT: RESPLIT, "all_reduce.hier": "all_reduce.hier", "all_gather.hier": "reduce_scatter.hier",
+                    "reduce_scatter.hier": "all_gather.hier"}
