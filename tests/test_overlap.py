@@ -238,7 +238,6 @@ def test_the_runner_refuses_duplex_with_hierarchical_collectives():
 
     from runner.duplex import check_duplex
 
-
     gpt = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=4)
     plan = engine.plan(gpt, "sample_clusters/cpu_2.json", time_budget_s=3, overlap="duplex")
     check_duplex(plan)  # runnable as planned
