@@ -13,6 +13,8 @@ import altair as alt
 import pandas as pd
 
 from engine import Cluster, Graph, Plan
+from engine.compare import LANES, lane_figures
+from engine.planner import OVERLAP_MEANING  # noqa: F401 (pages show it)
 from engine.program import COMM, COMPUTE, LOAD
 from engine.theory import COLLECTIVES, collectives_from, form_long, form_str, leaf_forms, op_rules
 from engine.theory.core import FULL, PARTIAL
@@ -27,7 +29,12 @@ FORM_SENTENCES = {
 """One sentence per property form (HAP §4.2)."""
 FORM_COLORS = {"F": "#d9d9d9", "P": "#fdae6b"}
 SHARD_COLORS = ["#9ecae1", "#a1d99b", "#bcbddc", "#fdd0a2", "#c6dbef", "#c7e9c0"]
-KIND_COLORS = {"compute": "#4c78a8", "communication": "#e45756", "idle": "#d9d9d9", "emulated": "#bab0ac"}
+KIND_COLORS = {"compute": "#4c78a8", "communication": "#e45756", "gradient bucket": "#f58518",
+               "optimizer": "#54a24b", "idle": "#d9d9d9", "emulated": "#bab0ac"}
+TASK_KINDS = {"compute": "compute", "comm": "communication", "grad_bucket": "gradient bucket", "tail": "optimizer"}
+"""How the kinds of `engine.timeline.Task` (predicted) and of runner timeline segments (measured) are shown."""
+NETWORK_KINDS = ("comm", "grad_bucket", "bucket")
+"""Measured segment kinds that occupy the network lane (the rest occupy the compute lane)."""
 
 
 def _q(text: str) -> str:
@@ -279,54 +286,6 @@ def history_rows(plan: Plan) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- timeline
 
 
-def execution_stages(plan: Plan) -> list[tuple[int, Any]]:
-    """Stages in execution order: forward as listed, then backward reversed (`plan.stages` lists
-    backward stages in forward program order; the backward pass runs them last to first)."""
-    fwd = [(i, s) for i, s in enumerate(plan.stages) if s.direction == "forward"]
-    bwd = [(i, s) for i, s in enumerate(plan.stages) if s.direction != "forward"]
-    return fwd + bwd[::-1]
-
-
-def device_groups(plan: Plan, group: bool) -> list[tuple[str, list[int]]]:
-    """Rows of the timeline: each device, or runs of devices with identical compute in every stage."""
-    if not group:
-        return [(name, [j]) for j, name in enumerate(plan.device_names)]
-    out: list[tuple[str, list[int]]] = []
-    sig = [tuple(s.comp_s[j] for s in plan.stages) for j in range(plan.world_size)]
-    for j, name in enumerate(plan.device_names):
-        if out and sig[out[-1][1][-1]] == sig[j]:
-            out[-1][1].append(j)
-        else:
-            out.append((name, [j]))
-    return [(n if len(m) == 1 else f"{n} .. {plan.device_names[m[-1]]} ({len(m)})", m) for n, m in out]
-
-
-def timeline_rows(plan: Plan, *, group: bool = False) -> list[dict[str, Any]]:
-    """Gantt bars of the predicted iteration (HAP §3.2): per device (or device group) and stage,
-    the communication, the device's compute, and the idle time waiting for the slowest device.
-    A forward stage opens with its collective; a backward stage computes, then runs its collective."""
-    rows, t = [], 0.0
-    groups = device_groups(plan, group)
-    for order, (idx, s) in enumerate(execution_stages(plan)):
-        slowest = max(s.comp_s)
-        comm_first = s.direction == "forward"
-        comp_start = t + s.comm_s if comm_first else t
-        comm_start = t if comm_first else t + slowest
-        label = f"{s.direction[:3]} {order}: {s.comm or 'start'}" + (f" {s.comm_tensor}" if s.comm_tensor else "")
-        for name, members in groups:
-            base = {"device": name, "stage": order, "record": idx, "direction": s.direction, "stage_label": label}
-            comp = s.comp_s[members[0]]
-            rows.append({**base, "kind": "compute", "start_ms": comp_start * 1e3, "end_ms": (comp_start + comp) * 1e3})
-            if slowest - comp > 0:
-                rows.append({**base, "kind": "idle", "start_ms": (comp_start + comp) * 1e3,
-                             "end_ms": (comp_start + slowest) * 1e3})
-            if s.comm_s > 0:
-                rows.append({**base, "kind": "communication", "start_ms": comm_start * 1e3,
-                             "end_ms": (comm_start + s.comm_s) * 1e3})
-        t += s.comm_s + slowest
-    return rows
-
-
 def parse_metrics(text: str) -> list[dict[str, Any]]:
     """Records of a runner metrics file (JSON lines, one per step and rank; see runner.launch)."""
     records = []
@@ -352,13 +311,78 @@ def measured_rows(records: list[dict[str, Any]], step: int | None = None) -> lis
     if not timed:
         raise ValueError("metrics file: no 'timeline' in any record; record it with `hap run PLAN --timing --metrics FILE`")
     step = max(r["step"] for r in timed) if step is None else step
-    kinds = {"compute": "compute", "comm": "communication", "emulated": "emulated"}
     rows = []
     for r in sorted((r for r in timed if r["step"] == step), key=lambda r: r["rank"]):
-        for seg in r["timeline"]:
-            rows.append({"device": f"rank {r['rank']}", "kind": kinds.get(seg["kind"], seg["kind"]), "phase": seg["phase"],
-                         "name": seg["name"], "start_ms": seg["start_s"] * 1e3, "end_ms": (seg["start_s"] + seg["s"]) * 1e3})
+        for seg, half in _rank_segments(r):
+            device = f"rank {r['rank']}"
+            lane = seg.get("lane") or ("network" if seg["kind"] in NETWORK_KINDS else "compute")
+            rows.append({"device": device, "lane": lane, "row": lane_label(device, lane),
+                         "kind": TASK_KINDS.get(seg["kind"], seg["kind"]), "phase": seg["phase"], "name": seg["name"],
+                         "half": half, "start_ms": seg["start_s"] * 1e3, "end_ms": (seg["start_s"] + seg["s"]) * 1e3})
     return rows
+
+
+DEVICE_WAIT = "(device busy)"
+"""A duplex half waiting for the rank's device while the other half computes (runner.timing): no work, drawn as a gap."""
+
+
+def _rank_segments(record: dict[str, Any]) -> list[tuple[dict[str, Any], str]]:
+    """(segment, half) of one rank's step: a duplex rank's "duplex" phase, which its own timeline
+    records as one segment, is replaced by both halves' segments (`halves`, each timed from its own
+    start, placed from that segment's start)."""
+    halves = [h for h in record.get("halves") or [] if h.get("timeline")]
+    out = []
+    for seg in record["timeline"]:
+        if seg["phase"] == "duplex" and halves:
+            out += [({**s, "start_s": seg["start_s"] + s["start_s"]}, half)
+                    for h, half in zip(halves, "AB") for s in h["timeline"] if s["name"] != DEVICE_WAIT]
+        else:
+            out.append((seg, ""))
+    return out
+
+
+def lane_label(device: str, lane: str) -> str:
+    """The Gantt row of one device's lane."""
+    return f"{device} · {lane}"
+
+
+def predicted_lane_rows(schedule_rows: list[dict[str, Any]], *, group: bool = False) -> list[dict[str, Any]]:
+    """Gantt bars of a predicted schedule (`engine.compare.predicted_schedule(...).rows()`): per device a
+    compute lane, a network lane and (ddp) a buckets lane; with `group`, runs of devices with identical
+    lanes share one set."""
+    rows = []
+    for r in schedule_rows:
+        lane, _, device = r["resource"].partition(":")
+        if lane not in LANES or not device or r["end_s"] <= r["start_s"]:
+            continue  # zero-length tasks (barriers, empty pieces) draw nothing
+        rows.append({"device": device, "lane": lane, "kind": TASK_KINDS.get(r["kind"], r["kind"]), "name": r["name"],
+                     "stage": r.get("stage"), "half": r.get("half"), "direction": r.get("direction"),
+                     "start_ms": r["start_s"] * 1e3, "end_ms": r["end_s"] * 1e3})
+    if group:
+        rows = _grouped_lanes(rows)
+    return [{**r, "row": lane_label(r["device"], r["lane"])} for r in rows]
+
+
+def _grouped_lanes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of the first device of each run of consecutive devices whose bars are identical, renamed for the run."""
+    order = list(dict.fromkeys(r["device"] for r in rows))
+    sig = {d: tuple((r["lane"], r["kind"], r["start_ms"], r["end_ms"]) for r in rows if r["device"] == d) for d in order}
+    runs: list[list[str]] = []
+    for d in order:
+        if runs and sig[runs[-1][-1]] == sig[d]:
+            runs[-1].append(d)
+        else:
+            runs.append([d])
+    name = {run[0]: run[0] if len(run) == 1 else f"{run[0]} .. {run[-1]} ({len(run)})" for run in runs}
+    return [{**r, "device": name[r["device"]]} for r in rows if r["device"] in name]
+
+
+def lane_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per device: ms computing and communicating (network and buckets lanes), how much of them
+    overlaps (communication hidden behind computation, `engine.compare.lane_figures`) and the idle rest."""
+    spans = [(r["device"], r["lane"], r["start_ms"], r["end_ms"]) for r in rows]
+    return [{"device": f.device, "compute_ms": f.compute_s, "network_ms": f.network_s, "overlapped_ms": f.overlapped_s,
+             "idle_ms": f.idle_s, "hidden_%": 100 * f.hidden_share} for f in lane_figures(spans)]
 
 
 # ----------------------------------------------------------------------------- charts
@@ -369,11 +393,13 @@ def _kind_scale() -> alt.Scale:
 
 
 def gantt_chart(rows: list[dict[str, Any]], title: str, tooltip: list[str]) -> alt.Chart:
-    """Horizontal bars per device over time, coloured by compute / communication / idle."""
-    height = max(160, 34 * len({r["device"] for r in rows}))
+    """Horizontal bars over time, one row per device (or per device lane, where rows carry `row`),
+    coloured by compute / communication / gradient bucket / idle."""
+    y = "row" if rows and "row" in rows[0] else "device"
+    height = max(160, 34 * len({r[y] for r in rows}))
     return alt.Chart(pd.DataFrame(rows), title=title).mark_bar().encode(
         x=alt.X("start_ms:Q", title="time (ms)"), x2="end_ms:Q",
-        y=alt.Y("device:N", sort=None, title=None),
+        y=alt.Y(f"{y}:N", sort=None, title=None),
         color=alt.Color("kind:N", scale=_kind_scale(), title=None),
         tooltip=tooltip).properties(height=height)
 
@@ -425,5 +451,5 @@ def compare_chart(rows: list[dict[str, Any]]) -> alt.Chart:
     df = pd.DataFrame([r for r in rows if r["predicted_ms"] is not None])
     return alt.Chart(df, title="Predicted iteration time, same cost model").mark_bar().encode(
         x=alt.X("predicted_ms:Q", title="ms"), y=alt.Y("strategy:N", sort=None),
-        color=alt.condition(alt.datum.strategy == "Q+B+C", alt.value("#e45756"), alt.value("#4c78a8")),
+        color=alt.condition(alt.datum.plan, alt.value("#e45756"), alt.value("#4c78a8")),
         tooltip=["strategy", "what", "predicted_ms", "plan_speedup"]).properties(height=60 + 36 * len(df))

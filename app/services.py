@@ -51,6 +51,8 @@ class Keys:
     CLUSTER_SOURCE = "cluster.source"
     PLAN = "search.plan"
     BUDGET = "search.budget"
+    OVERLAP = "search.overlap"
+    """The overlap mode asked of the planner (`auto`, `none`, `ddp`, `duplex`)."""
     FRONTIER = "search.frontier"
     PYTHON_TRUST = "model.trust"
     EDITOR = "cluster.editor"
@@ -204,21 +206,23 @@ def _plan_store() -> dict[tuple, Plan]:
 _store_lock = threading.Lock()
 
 
-def stored_plan(graph: Graph, cluster: Cluster, budget_s: float, segments: int = 1) -> Plan | None:
+def stored_plan(graph: Graph, cluster: Cluster, budget_s: float, segments: int = 1, overlap: str = "auto") -> Plan | None:
     with _store_lock:
-        return _plan_store().get((graph_key(graph), cluster.fingerprint(), budget_s, segments))
+        return _plan_store().get((graph_key(graph), cluster.fingerprint(), budget_s, segments, overlap))
 
 
 def run_plan(graph: Graph, cluster: Cluster, budget_s: float,
-             progress: Callable[[engine.SearchProgress], None] | None = None, segments: int = 1) -> Plan:
-    """Plan with the engine (the Q<->B loop, A* + LP; `segments` > 1 also tries per-segment ratios) and keep it in the store."""
-    found = stored_plan(graph, cluster, budget_s, segments)
+             progress: Callable[[engine.SearchProgress], None] | None = None, segments: int = 1,
+             overlap: str = "auto") -> Plan:
+    """Plan with the engine (the Q<->B loop, A* + LP; `segments` > 1 also tries per-segment ratios;
+    `overlap` the overlap mode, `auto` the faster of ddp and duplex) and keep it in the store."""
+    found = stored_plan(graph, cluster, budget_s, segments, overlap)
     if found is not None:
         return found
     result = engine.plan(graph, cluster, time_budget_s=budget_s, progress=progress, report_every=REPORT_EVERY,
-                         segments=segments)
+                         segments=segments, overlap=overlap)
     with _store_lock:
-        _plan_store()[(graph_key(graph), cluster.fingerprint(), budget_s, segments)] = result
+        _plan_store()[(graph_key(graph), cluster.fingerprint(), budget_s, segments, overlap)] = result
     return result
 
 
@@ -229,8 +233,16 @@ def plan_matches(plan: Plan, graph: Graph, cluster: Cluster) -> bool:
 
 @st.cache_data(show_spinner="Comparing with the baselines and the ablations ...", max_entries=16)
 def comparison(key: str, cluster_fp: str, budget_s: float, _plan: Plan, _cluster: Cluster) -> engine_compare.Comparison:
-    """Plan vs dp-even, dp-proportional and the Fig. 15 ablations (cached on plan and cluster hashes)."""
+    """Plan vs ddp, dp-even, dp-proportional, the Fig. 15 ablations and the plan with and without
+    duplex (cached on plan and cluster hashes)."""
     return engine_compare.compare(_plan, _cluster, time_budget_s=budget_s)
+
+
+@st.cache_data(max_entries=16)
+def predicted_lanes(key: str, cluster_fp: str, group: bool, _plan: Plan, _cluster: Cluster) -> list[dict[str, Any]]:
+    """Gantt rows of the plan's predicted iteration, a compute and a network lane per device
+    (`engine.compare.predicted_schedule`, cached on plan and cluster hashes)."""
+    return ui.predicted_lane_rows(engine_compare.predicted_schedule(_plan, _cluster).rows(), group=group)
 
 
 @st.cache_data(show_spinner="Re-planning on the changed cluster ...", max_entries=32)
@@ -288,6 +300,7 @@ def init_state() -> None:
         ss[Keys.CLUSTER] = sample_cluster(DEFAULT_CLUSTER)
         ss[Keys.CLUSTER_SOURCE] = f"sample_clusters/{DEFAULT_CLUSTER}"
     ss.setdefault(Keys.BUDGET, DEFAULT_BUDGET_S)
+    ss.setdefault(Keys.OVERLAP, "auto")
     if Keys.PLAN not in ss:
         with st.spinner("Planning the default model on the default cluster ..."):
             ss[Keys.PLAN] = run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], DEFAULT_BUDGET_S)

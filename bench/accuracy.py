@@ -11,7 +11,8 @@ For each local cluster — 2 gloo ranks with emulated speeds 1.0/0.5, and 4 rank
    refitted with `engine.cluster.fit_collective` (load only ever adds time, so the best of a few
    samples is the closest to the machine without other jobs, on both sides of the comparison);
 2. every variant of the family (sizes x layer counts) is planned on that spec twice: the HAP
-   plan (`engine.plan`) and the `dp-even` baseline (`engine.evaluate`), SGD as the runner uses;
+   plan (`engine.plan`, overlap mode `--overlap`, default auto: ddp or duplex) and the `dp-even`
+   baseline (`engine.evaluate`, priced and run as DDP runs: buckets during backward), SGD as the runner uses;
 3. each plan runs with `hap run --speeds ... --metrics` (plus `--timing` with `--timing`) for `--steps` steps. Iteration
    time = per step the slowest rank's `step_time_s`, median over the steps after `--warmup`;
    each plan is launched `--repeat` times, interleaved with the other plans of its cluster,
@@ -122,13 +123,13 @@ def combine_profiles(specs: list[Path]) -> dict:
     return out
 
 
-def make_plans(family: str, knobs: dict, spec: Path, out: Path, tag: str) -> dict[str, Path]:
+def make_plans(family: str, knobs: dict, spec: Path, out: Path, tag: str, overlap: str = "auto") -> dict[str, Path]:
     import engine
 
     graph = engine.load_model(f"zoo:{family}", **knobs)
     paths = {}
     for strategy in STRATEGIES:
-        plan = (engine.plan(graph, spec, time_budget_s=30, optimizer="sgd") if strategy == "hap"
+        plan = (engine.plan(graph, spec, time_budget_s=30, optimizer="sgd", overlap=overlap) if strategy == "hap"
                 else engine.evaluate(graph, spec, strategy, optimizer="sgd"))
         paths[strategy] = out / f"plan_{tag}_{strategy}.json"
         plan.save(paths[strategy])
@@ -155,13 +156,18 @@ def measured(records: list[dict], warmup: int) -> dict[str, float]:
             "comm_s": statistics.median(min(r["comm_s"] for r in rs) for rs in by_step.values())}
 
 
-def predicted(plan_path: Path) -> dict[str, float]:
+def predicted(plan_path: Path, spec: Path) -> dict[str, float]:
+    """The plan's prediction: iteration, computation (slowest device per stage, plus the optimizer
+    tail of the overlap modes) and communication (every collective and gradient bucket, hidden or not)."""
+    import engine
     from engine.plan import Plan
+    from engine.planner import breakdown_of
 
     plan = Plan.from_json(plan_path)
-    return {"iteration_s": plan.predicted_time_s, "compute_s": sum(max(s.comp_s) for s in plan.stages),
-            "comm_s": sum(s.comm_s for s in plan.stages), "ratios": plan.ratios,
-            "collectives": sorted({i.rule for i in plan.program if i.kind == "comm"})}
+    b = breakdown_of(plan, engine.load_cluster(spec))
+    return {"iteration_s": plan.predicted_time_s, "compute_s": sum(max(c) for c in b.stage_comp_s) + b.tail_s,
+            "comm_s": sum(b.stage_comm_s) + sum(x.duration_s for x in b.buckets), "ratios": plan.ratios,
+            "overlap": plan.overlap, "collectives": sorted({i.rule for i in plan.program if i.kind == "comm"})}
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -224,7 +230,8 @@ def report(rows: list[dict]) -> str:
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     for r in rows:
         p, m = r["predicted"], r["measured"]
-        head.append([r["cluster"], r["model"], r["strategy"], ms(p["iteration_s"]), ms(m["iteration_s"]),
+        head.append([r["cluster"], r["model"], f"{r['strategy']} ({p.get('overlap', 'none')})", ms(p["iteration_s"]),
+                     ms(m["iteration_s"]),
                      f"{(p['iteration_s'] - m['iteration_s']) / m['iteration_s']:+.0%}", ms(p["compute_s"]),
                      ms(m["compute_s"]), ms(p["comm_s"]), ms(m["comm_s"]), f"{r['launch_spread']:.0%}",
                      f"{m['load_before']:.1f}",
@@ -264,9 +271,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             print(f"[{time.strftime('%H:%M:%S')}] profiled {cluster} for zoo:{family}: {spec.name}", file=sys.stderr)
             for i, knobs in enumerate(VARIANTS[family]):
                 tag = f"{len(speeds)}_{family}{i}"
-                for strategy, path in make_plans(family, knobs, spec, out, tag).items():
+                for strategy, path in make_plans(family, knobs, spec, out, tag, args.overlap).items():
                     cases.append({"cluster": cluster, "model": describe(family, knobs), "family": family,
-                                  "knobs": knobs, "strategy": strategy, "plan": path, "predicted": predicted(path),
+                                  "knobs": knobs, "strategy": strategy, "plan": path, "predicted": predicted(path, spec),
                                   "launches": []})
         for launch in range(args.repeat):  # interleaved, so a burst of load from elsewhere hits all plans alike
             for case in cases:
@@ -306,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="10 steps, one launch per plan, one profile")
     p.add_argument("--families", default="gpt,mlp", help="model families (default gpt,mlp)")
     p.add_argument("--clusters", default="", help="only these rank counts, e.g. 2 or 2,4 (default all)")
+    p.add_argument("--overlap", default="auto", choices=["auto", "none", "ddp", "duplex"],
+                   help="overlap mode of the HAP plans (default auto; dp-even always runs as DDP does)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.repeat, args.profiles = 10, 1, 1

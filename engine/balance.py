@@ -14,6 +14,15 @@ loses nothing because the problem is convex and symmetric in them):
 A stage lies in one segment k_i (§5.2); a resplit across a boundary is bounded by the largest
 ratio of both segments (K_i has two members, an epigraph variable takes their max).
 
+Overlap modes (`overlap=`, priced as `engine.cost` says; every max is an epigraph variable, so
+the LP stays exact): the tail u >= sum_k tail_kc(B_kc) for every class c, and
+- ddp: minimise F + T + u with F the forward stages' sum, T >= W (the backward stages' sum) and,
+  per bucket k ready in backward stage s_k, T >= sum_{backward i after s_k} (t_i + comm_i) + v_k
+  + sum_{j >= k} d_j, where v_k >= the class's work of stage s_k from the bucket's parameter on;
+- duplex: minimise psi_f + psi_b + sum_k d_k + u, psi = x_0 + sum_k z_k + x_last over the chain
+  x = (m_0, t_0/2, m_1, t_1/2, ...) with z_k >= x_k and z_k >= x_{k+1}; the per-half collectives
+  m_i are linear in the largest ratio like comm_i.
+
 Every term is linear in B (see `engine.cost`), so this is an LP. PuLP models it; HiGHS solves it
 (the bundled CBC is the fallback). Rounding to integer shard sizes is `plan.split_sizes`.
 """
@@ -27,7 +36,7 @@ from dataclasses import dataclass
 import pulp
 
 from .cluster import Cluster
-from .cost import CostModel, Stage, class_work, device_classes, replay
+from .cost import CostModel, Replayed, Stage, class_work, device_classes, replay_terms
 from .errors import InfeasibleError, PlanError
 from .graph import Graph
 from .program import Instruction
@@ -88,17 +97,21 @@ def _absorb_highs_banner() -> None:
 
 
 def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *, optimizer: str = "adam",
-            time_limit_s: float = 30.0, segmentation: Segmentation | None = None) -> BalanceResult:
-    """Solve Eq. 3 for `program`; raises InfeasibleError naming the device short of memory."""
-    probe = CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices, optimizer, segmentation)
-    stages, mems = replay(program, probe)
+            time_limit_s: float = 30.0, segmentation: Segmentation | None = None, overlap: str = "none") -> BalanceResult:
+    """Solve Eq. 3 for `program` priced in `overlap`; raises InfeasibleError naming the device short of memory."""
+    probe = CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices, optimizer, segmentation, overlap)
+    r = replay_terms(program, probe)
+    stages, mems = r.stages, r.mems
     classes = device_classes(cluster, None, optimizer)
     _check_finite(stages, mems, classes)
     prob = pulp.LpProblem("hap_sharding_ratios", pulp.LpMinimize)
     B = [_ratio_vars(prob, classes, k) for k in range(len(mems))]
     M = [_max_ratio(prob, row, k) for k, row in enumerate(B)]
     t = _stage_epigraphs(prob, stages, classes, B)
-    prob += pulp.lpSum(t) + pulp.lpSum(_comm(prob, i, s, M) for i, s in enumerate(stages))
+    if overlap == "none":
+        prob += pulp.lpSum(t.values()) + pulp.lpSum(_comm(prob, i, s, M) for i, s in enumerate(stages))
+    else:
+        prob += _overlap_objective(prob, probe, r, classes, B, M, t)
     for k, row in enumerate(B):
         _ratios_sum_to_one(prob, classes, row, k)
     _memory_limits(prob, classes, B, mems)
@@ -154,16 +167,63 @@ def _comm(prob: pulp.LpProblem, i: int, st: Stage, M: list[pulp.LpVariable]):
     return st.comm_const + st.comm_per_max_ratio * top
 
 
-def _stage_epigraphs(prob: pulp.LpProblem, stages: list[Stage], classes, B) -> list[pulp.LpVariable]:
-    t = []
+def _stage_epigraphs(prob: pulp.LpProblem, stages: list[Stage], classes, B) -> dict[int, pulp.LpVariable]:
+    """t_i >= every class's computation of stage i (stages with work only)."""
+    t = {}
     for i, st in enumerate(stages):
         if not any(st.work):
             continue
         ti = prob.add_variable(f"t_{i}", lowBound=0)
         for k, (c, b) in enumerate(zip(classes, B[st.segment])):
             prob += ti >= class_work(st.work, c, b), f"stage_{i}_class_{k}"
-        t.append(ti)
+        t[i] = ti
     return t
+
+
+def _overlap_objective(prob: pulp.LpProblem, cm: CostModel, r: Replayed, classes, B, M, t: dict):
+    """The iteration time of the overlap modes (module docstring), with its epigraph constraints."""
+    stages = r.stages
+    u = prob.add_variable("tail", lowBound=0)
+    for c, cls in enumerate(classes):
+        prob += u >= pulp.lpSum(class_work(acc, cls, B[k][c]) for k, acc in enumerate(r.tails)), f"tail_class_{c}"
+    latency, per_byte = cm.grad_bucket_terms()
+    durations = [latency + nbytes * per_byte for _, nbytes, _, _ in r.buckets]
+    if cm.overlap == "ddp":
+        full = [t.get(i, 0) + _comm(prob, i, st, M) for i, st in enumerate(stages)]
+        bwd = [i for i, st in enumerate(stages) if st.direction == "backward"]
+        T = prob.add_variable("backward", lowBound=0)
+        prob += T >= pulp.lpSum(full[i] for i in bwd), "backward_chain"
+        for k, (_, _, at, pre) in enumerate(r.buckets):
+            v = prob.add_variable(f"ready_{k}", lowBound=0)
+            left = tuple(x - y for x, y in zip(stages[at].work, pre))
+            for c, cls in enumerate(classes):
+                prob += v >= class_work(left, cls, B[stages[at].segment][c]), f"ready_{k}_class_{c}"
+            prob += T >= pulp.lpSum(full[i] for i in bwd if i > at) + v + sum(durations[k:]), f"bucket_{k}"
+        return pulp.lpSum(full[i] for i, st in enumerate(stages) if st.direction == "forward") + T + u
+    psi = []
+    for direction in ("forward", "backward"):
+        xs = []
+        for i, st in enumerate(stages):
+            if st.direction == direction:
+                xs += [_half_comm(prob, i, st, M, cm), 0.5 * t[i] if i in t else 0]
+        psi.append(xs[0] + xs[-1] if xs else 0)
+        for k, (a, b) in enumerate(zip(xs, xs[1:])):
+            z = prob.add_variable(f"pair_{direction}_{k}", lowBound=0)
+            prob += z >= a, f"pair_{direction}_{k}_left"
+            prob += z >= b, f"pair_{direction}_{k}_right"
+            psi.append(z)
+    return pulp.lpSum(psi) + sum(durations) + u
+
+
+def _half_comm(prob: pulp.LpProblem, i: int, st: Stage, M: list[pulp.LpVariable], cm: CostModel):
+    """Stage i's collective for one duplex half (`CostModel.half_comm_terms`), linear in the largest ratio."""
+    const, per = cm.half_comm_terms(st.comm, st.comm_node)
+    if per == 0 or len(st.comm_segments) == 1:
+        return const + per * M[st.comm_segments[0]]
+    top = prob.add_variable(f"M_half_stage_{i}", lowBound=0)
+    for k in st.comm_segments:
+        prob += top >= M[k], f"max_ratio_half_stage_{i}_{k}"
+    return const + per * top
 
 
 def _ratios_sum_to_one(prob: pulp.LpProblem, classes, B, segment: int) -> None:

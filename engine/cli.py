@@ -1,7 +1,7 @@
 """The `hap` command line: headless planning from a shell.
 
     hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S]
-             [--segments N] [--json]
+             [--segments N] [--overlap auto|none|ddp|duplex] [--json]
     hap plan --model path/to/model.py --cluster FILE ...         (a file defining build_model() and example_inputs())
     hap plan --model hf:LlamaForCausalLM [--config cfg.json] [--set hidden_size=256 --set batch=8 --set seq_len=128] ...
     hap capture --model zoo:gpt --set layers=2 --out graph.json
@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 from . import limits
 from .errors import HapError
+from .planner import BASELINES, OVERLAP_MEANING, PLAN_OVERLAPS
 
 GIB = 2**30
 
@@ -101,7 +102,7 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
             rows.append([name, why, ""])
         else:
             rows.append([name, f"{t * 1e3:.2f} ms", f"{t / plan.predicted_time_s:.2f}x"])
-    lines += [_table(rows), ""]
+    lines += [_table(rows), "", *_overlap_lines(plan, baselines), ""]
     dev = [["device", "gpu", "ratio" if len(plan.ratios) == 1 else "ratio per segment", "memory / GPU", "capacity"]]
     for first, last, cells in _device_runs(plan, cluster):
         name = first if first == last else f"{first} .. {last}"
@@ -113,6 +114,25 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
     return "\n".join(lines)
 
 
+def _overlap_lines(plan, baselines: dict[str, float | None]) -> list[str]:
+    """The speed-up over the best baseline, and which overlap mode the plan runs and why."""
+    fitting = {k: t for k, t in baselines.items() if t is not None}
+    lines = []
+    if fitting:
+        name = min(fitting, key=fitting.get)
+        lines.append(f"speed-up over the best baseline ({name}): {fitting[name] / plan.predicted_time_s:.2f}x "
+                     "(baselines priced as PyTorch DDP runs: gradient buckets overlapped with backward)")
+    modes = plan.search.get("overlap_s", {})
+    tried = ", ".join(f"{m} {t * 1e3:.2f} ms" for m, t in modes.items())
+    line = f"overlap: {plan.overlap} ({OVERLAP_MEANING[plan.overlap]})"
+    if len(modes) > 1:
+        line += f"; predicted {tried}"
+    lines.append(line)
+    lines += [f"overlap {m} not tried: {why}" for m, why in plan.search.get("overlap_skipped", {}).items()]
+    return lines
+
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from . import load_cluster, plan
 
@@ -120,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     graph = _load_graph(args)
     result = plan(graph, cluster, time_budget_s=args.time_budget, progress=_progress_printer(), optimizer=args.optimizer,
-                  segments=args.segments)
+                  segments=args.segments, overlap=args.overlap)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if args.out:
@@ -128,8 +148,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(result.to_json())
         return 0
-    # the planner already evaluated both baselines (they seed its search); None = no data-parallel program fits
-    baselines = {name: result.search["baselines_s"][name] for name in ("dp-even", "dp-proportional")}
+    # the planner already evaluated the baselines (they seed its search); None = no data-parallel program fits
+    baselines = {name: result.search["baselines_s"][name] for name in BASELINES}
     print(_report(result, baselines, cluster))
     if args.out:
         print(f"\nplan written to {args.out}")
@@ -257,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=["adam", "sgd", "none"], default="adam", help="optimizer state counted in memory")
     p.add_argument("--segments", type=limits.bounded_int(1, limits.MAX_SEGMENTS, "a segment count"), default=1, metavar="N",
                    help="give N runs of layers their own sharding ratios (HAP §5.2; default 1)")
+    p.add_argument("--overlap", choices=PLAN_OVERLAPS, default="auto",
+                   help="overlap of communication with computation: 'ddp' gradient buckets during backward, 'duplex' "
+                        "two half-batches (HiDup), 'none' nothing; 'auto' (default) plans in ddp and duplex and keeps "
+                        "the faster")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     p.add_argument("--fallback", choices=["auto", "replicate", "strict"], default=None,
                    help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "

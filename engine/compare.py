@@ -1,16 +1,23 @@
-"""Comparisons under one cost model: baselines, the ablations of HAP Fig. 15, and what-if clusters.
+"""Comparisons under one cost model: baselines, the ablations of HAP Fig. 15, what-if clusters, and
+how much communication a timeline hides.
 
 Every figure here comes from the same `engine.cost` model the planner optimises, so rows are
 comparable with each other and with `Plan.predicted_time_s`:
 
-- `dp-even`, `dp-proportional`: data parallelism with even / flops-proportional ratios (§7.1);
-- ablations (§7.4, Fig. 15), each adding one of HAP's components to the previous one:
+- `ddp`, `dp-even`, `dp-proportional`: data parallelism with even / even / flops-proportional
+  ratios (§7.1), priced as PyTorch DDP runs (gradient buckets overlapped with backward);
+- ablations (§7.4, Fig. 15), each adding one of HAP's components to the previous one, priced
+  with DDP's overlap (`ddp`):
   `Q`     program synthesis alone, ratios proportional to flops, no LP, no communication optimisation;
   `Q+B`   the Q<->B alternation with the load balancer's LP ratios (§3.1, §5), still without it;
-  `Q+B+C` the full planner, with communication optimisation: the grouped-broadcast all-gather
-          (§2.5.1) and sufficient-factor broadcasting, i.e. the all-Full rule of matrix products (§2.5.2).
+  `Q+B+C` the full planner without duplex, with communication optimisation: the grouped-broadcast
+          all-gather (§2.5.1) and sufficient-factor broadcasting, i.e. the all-Full rule of matrix
+          products (§2.5.2);
+  `Q+B+C+D` the same search with duplex (HiDup's two half-batches, `engine.overlap`).
 - what-if: the same model on a cluster with one GPU model's flops or one link level's bandwidth
   scaled; the old plan's program and ratios evaluated there, and a fresh plan.
+- lanes: per device, how long its compute and network lanes are busy and how much of it
+  overlaps (HiDup Table 4's overlapping ratio), for a predicted or a measured timeline.
 """
 from __future__ import annotations
 
@@ -21,16 +28,19 @@ from typing import Any
 from .balance import balance
 from .cluster import Cluster, nominal_collectives
 from .cost import CostModel, evaluate as evaluate_program
-from .errors import ClusterError, InfeasibleError
+from .errors import ClusterError, InfeasibleError, PlanError
 from .graph import Graph
 from .plan import Plan
 from .segments import Segmentation
-from .planner import DEFAULT_BEAM_WIDTH, evaluate, plan, proportional_ratios
+from .planner import BASELINE_OVERLAP, BASELINES, DEFAULT_BEAM_WIDTH, breakdown_of, evaluate, plan, proportional_ratios
 from .program import Instruction
 from .synthesis import SearchSpace, synthesize
+from .timeline import Schedule, simulate
 
 MATMUL_OPS = ("linear", "matmul")
-ABLATIONS = ("Q", "Q+B", "Q+B+C")
+ABLATIONS = ("Q", "Q+B", "Q+B+C", "Q+B+C+D")
+PLAN_ROWS = {"ddp": "Q+B+C", "duplex": "Q+B+C+D"}
+"""The ablation row of a full plan in each overlap mode."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,8 @@ class Row:
     predicted_time_s: float | None
     ratios: list[float] | None = None
     note: str = ""
+    is_plan: bool = False
+    """The row of the plan being compared."""
 
     @property
     def fits(self) -> bool:
@@ -59,6 +71,12 @@ class Comparison:
         """How many times faster the plan is than `row` (None when `row` does not fit)."""
         return None if row.predicted_time_s is None else row.predicted_time_s / self.plan_time_s
 
+    @property
+    def best_baseline(self) -> Row | None:
+        """The fastest baseline that fits: what the plan's speed-up is claimed against."""
+        fitting = [r for r in self.rows if r.name in BASELINES and r.fits]
+        return min(fitting, key=lambda r: r.predicted_time_s, default=None)
+
     def table(self) -> list[dict[str, Any]]:
         """Rows as plain dicts for a table: strategy, what it is, time in ms, speed-up of the plan."""
         out = []
@@ -66,7 +84,7 @@ class Comparison:
             speed = self.speedup(r)
             out.append({"strategy": r.name, "what": r.description,
                         "predicted_ms": None if r.predicted_time_s is None else r.predicted_time_s * 1e3,
-                        "plan_speedup": speed, "note": r.note})
+                        "plan_speedup": speed, "plan": r.is_plan, "note": r.note})
         return out
 
 
@@ -79,15 +97,16 @@ def without_comm_optimisation(graph: Graph) -> SearchSpace:
 
 
 def predict(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
-            optimizer: str = "adam", segmentation: Segmentation | None = None) -> float:
-    """Predicted iteration time of a fixed program and ratios (one row per segment) on `cluster` (HAP §3.2)."""
-    return evaluate_program(program, CostModel(graph, cluster, ratios, optimizer, segmentation)).total_s
+            optimizer: str = "adam", segmentation: Segmentation | None = None, overlap: str = "none") -> float:
+    """Predicted iteration time of a fixed program and ratios (one row per segment) on `cluster`
+    (HAP §3.2) in overlap mode `overlap`."""
+    return evaluate_program(program, CostModel(graph, cluster, ratios, optimizer, segmentation, overlap=overlap)).total_s
 
 
 def _search(graph: Graph, cluster: Cluster, ratios: list[float], space: SearchSpace, optimizer: str,
             budget: float | None) -> tuple[tuple[Instruction, ...], float]:
-    res = synthesize(graph, CostModel(graph, cluster, ratios, optimizer), space=space, time_budget_s=budget,
-                     beam_width=DEFAULT_BEAM_WIDTH)
+    cm = CostModel(graph, cluster, ratios, optimizer, overlap=BASELINE_OVERLAP)
+    res = synthesize(graph, cm, space=space, time_budget_s=budget, beam_width=DEFAULT_BEAM_WIDTH)
     return res.program, res.cost
 
 
@@ -119,10 +138,10 @@ def ablation_qb(graph: Graph, cluster: Cluster, *, optimizer: str = "adam", time
             break
         seen.add(program)
         try:
-            ratios = balance(program, graph, cluster, optimizer=optimizer).ratios
+            ratios = balance(program, graph, cluster, optimizer=optimizer, overlap=BASELINE_OVERLAP).ratios
         except InfeasibleError:
             break
-        cost = predict(program, graph, cluster, ratios, optimizer)
+        cost = predict(program, graph, cluster, ratios, optimizer, overlap=BASELINE_OVERLAP)
         if cost < best_s:
             best_s, best_ratios = cost, ratios
     if best_ratios is None:
@@ -130,25 +149,55 @@ def ablation_qb(graph: Graph, cluster: Cluster, *, optimizer: str = "adam", time
     return Row("Q+B", "synthesis + LP ratios", best_s, best_ratios)
 
 
+BASELINE_WHAT = {"ddp": "PyTorch DDP: even shares, gradient buckets overlapped with backward",
+                 "dp-even": "data parallel, even ratios", "dp-proportional": "data parallel, ratios ~ flops"}
+PLAN_WHAT = {"Q+B+C": "+ communication optimisation: HAP without duplex (overlap ddp)",
+             "Q+B+C+D": "+ duplex: two half-batches overlap communication (HiDup)"}
+
+
 def baseline_row(graph: Graph, cluster: Cluster, strategy: str, optimizer: str = "adam") -> Row:
-    """`dp-even` or `dp-proportional` under the same cost model (None time when out of memory)."""
-    what = {"dp-even": "data parallel, even ratios", "dp-proportional": "data parallel, ratios ~ flops"}[strategy]
+    """A baseline of `BASELINES` under the same cost model (None time when out of memory)."""
     try:
         p = evaluate(graph, cluster, strategy, optimizer=optimizer)
     except InfeasibleError as e:
-        return Row(strategy, what, None, None, str(e))
-    return Row(strategy, what, p.predicted_time_s, p.ratios["0"])
+        return Row(strategy, BASELINE_WHAT[strategy], None, None, str(e))
+    return Row(strategy, BASELINE_WHAT[strategy], p.predicted_time_s, p.ratios["0"])
 
 
 def compare(the_plan: Plan, cluster: Cluster, *, time_budget_s: float | None = None) -> Comparison:
-    """The plan against dp-even, dp-proportional and the ablations of Fig. 15 on `cluster`."""
+    """The plan against the baselines, the ablations of Fig. 15 and the plan with and without
+    duplex on `cluster`. The full plan in the mode the plan did not run is the same search
+    (`engine.plan`) forced to that mode, unless the plan's own search already priced it."""
     graph, optimizer = the_plan.graph, the_plan.search.get("optimizer", "adam")
-    share = None if time_budget_s is None else time_budget_s / 2
-    rows = [baseline_row(graph, cluster, "dp-even", optimizer), baseline_row(graph, cluster, "dp-proportional", optimizer),
-            ablation_q(graph, cluster, optimizer=optimizer, time_budget_s=share),
-            ablation_qb(graph, cluster, optimizer=optimizer, time_budget_s=share),
-            Row("Q+B+C", "the plan: + communication optimisation", the_plan.predicted_time_s, the_plan.ratios.get("0"))]
+    share = None if time_budget_s is None else time_budget_s / 3
+    rows = [baseline_row(graph, cluster, name, optimizer) for name in BASELINES]
+    rows += [ablation_q(graph, cluster, optimizer=optimizer, time_budget_s=share),
+             ablation_qb(graph, cluster, optimizer=optimizer, time_budget_s=share)]
+    rows += [full_plan_row(the_plan, cluster, mode, time_budget_s=share) for mode in PLAN_ROWS]
+    if the_plan.overlap not in PLAN_ROWS:  # forced to another mode, e.g. none: its own row
+        rows.append(Row("plan", f"the plan (overlap {the_plan.overlap})", the_plan.predicted_time_s,
+                        the_plan.ratios.get("0"), is_plan=True))
     return Comparison(the_plan.predicted_time_s, rows)
+
+
+def full_plan_row(the_plan: Plan, cluster: Cluster, mode: str, *, time_budget_s: float | None = None) -> Row:
+    """`Q+B+C` (mode ddp) or `Q+B+C+D` (duplex): the plan itself when it runs in `mode`, else the
+    same search forced to `mode` (the figure the plan's own `auto` search recorded, when it did)."""
+    name, what = PLAN_ROWS[mode], PLAN_WHAT[PLAN_ROWS[mode]]
+    if the_plan.overlap == mode:
+        return Row(name, what, the_plan.predicted_time_s, the_plan.ratios.get("0"), "the plan", is_plan=True)
+    skipped = the_plan.search.get("overlap_skipped", {}).get(mode)
+    if skipped:
+        return Row(name, what, None, None, f"not planned: {skipped}")
+    recorded = the_plan.search.get("overlap_s", {}).get(mode)
+    if recorded is not None:
+        return Row(name, what, recorded, None, "priced by the plan's search")
+    try:
+        other = plan(the_plan.graph, cluster, time_budget_s=time_budget_s, optimizer=the_plan.search.get("optimizer", "adam"),
+                     overlap=mode)
+    except (InfeasibleError, PlanError) as e:
+        return Row(name, what, None, None, str(e))
+    return Row(name, what, other.predicted_time_s, other.ratios.get("0"))
 
 
 # ----------------------------------------------------------------------------- what-if
@@ -195,6 +244,115 @@ def what_if(the_plan: Plan, cluster: Cluster, *, flops_scale: dict[str, float] |
         changed = scale_link(changed, *link_scale)
         changes.append(f"{link_scale[0]} bandwidth x{link_scale[1]:g}")
     optimizer = the_plan.search.get("optimizer", "adam")
-    same = predict(the_plan.program, the_plan.graph, changed, the_plan.ratio_rows, optimizer, the_plan.segmentation)
-    fresh = plan(the_plan.graph, changed, time_budget_s=time_budget_s, optimizer=optimizer)
+    same = predict(the_plan.program, the_plan.graph, changed, the_plan.ratio_rows, optimizer, the_plan.segmentation,
+                   the_plan.overlap)
+    fresh = plan(the_plan.graph, changed, time_budget_s=time_budget_s, optimizer=optimizer,
+                 overlap=the_plan.search.get("overlap_request", the_plan.overlap))
     return WhatIf(changed, the_plan.predicted_time_s, same, fresh, changes)
+
+
+# ----------------------------------------------------------------------------- lanes: what overlaps
+
+
+LANES = ("compute", "network", "buckets")
+"""A device's lanes in a timeline: its computation, its activation collectives, and (ddp) its
+gradient buckets, which the cost model lets run beside the activation collectives."""
+COMM_LANES = ("network", "buckets")
+
+
+@dataclass(frozen=True)
+class LaneFigures:
+    """Where one device's iteration goes: how long it computes and communicates (its `network` and
+    `buckets` lanes together), and for how long both at once (communication hidden behind computation)."""
+
+    device: str
+    compute_s: float
+    network_s: float
+    overlapped_s: float
+    span_s: float
+    """The whole timeline, first start to last end over all devices (a device idles the rest)."""
+
+    @property
+    def idle_s(self) -> float:
+        return self.span_s - (self.compute_s + self.network_s - self.overlapped_s)
+
+    @property
+    def hidden_share(self) -> float:
+        """The share of communication hidden behind computation (0 without communication)."""
+        return self.overlapped_s / self.network_s if self.network_s > 0 else 0.0
+
+    @property
+    def overlap_ratio(self) -> float:
+        """HiDup's overlapping ratio (Table 4): overlapped time over the smaller of computation and communication."""
+        smaller = min(self.compute_s, self.network_s)
+        return self.overlapped_s / smaller if smaller > 0 else 0.0
+
+
+def lane_figures(spans: list[tuple[str, str, float, float]]) -> list[LaneFigures]:
+    """Per device (in order of first appearance), the figures of `spans` = (device, lane, start,
+    end) with a lane of `LANES`; spans may overlap each other (e.g. two half-batch streams, or
+    buckets beside activation collectives): their union is what counts."""
+    if not spans:
+        return []
+    first, last = min(s[2] for s in spans), max(s[3] for s in spans)
+    by_device: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for device, lane, start, end in spans:
+        if lane not in LANES:
+            raise PlanError(f"timeline lane {lane!r}: expected one of {', '.join(LANES)}")
+        by_device.setdefault(device, {k: [] for k in LANES})[lane].append((start, end))
+    out = []
+    for device, lanes in by_device.items():
+        compute = _union(lanes["compute"])
+        network = _union([span for lane in COMM_LANES for span in lanes[lane]])
+        out.append(LaneFigures(device, _length(compute), _length(network), _length(_intersection(compute, network)),
+                               last - first))
+    return out
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Disjoint sorted intervals covering the same time."""
+    out: list[tuple[float, float]] = []
+    for start, end in sorted(i for i in intervals if i[1] > i[0]):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The time two disjoint sorted interval lists share (a merge walk)."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if end > start:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def predicted_schedule(the_plan: Plan, cluster: Cluster) -> Schedule:
+    """The plan's predicted iteration as a simulated timeline: per device the lanes
+    `compute:<device>`, `network:<device>` and in ddp `buckets:<device>` (`engine.overlap.predicted_timeline`),
+    in the plan's overlap mode; its makespan is the plan's predicted time on `cluster`."""
+    from .overlap import predicted_timeline
+
+    return simulate(predicted_timeline(breakdown_of(the_plan, cluster), the_plan.graph))
+
+
+def schedule_spans(schedule: Schedule) -> list[tuple[str, str, float, float]]:
+    """(device, lane, start, end) of every task of a predicted schedule on a resource
+    `<lane>:<device>` (other resources, e.g. zero-length phase barriers, are no device's lane)."""
+    out = []
+    for s in schedule.spans:
+        lane, _, device = s.task.resource.partition(":")
+        if lane in LANES and device:
+            out.append((device, lane, s.start_s, s.end_s))
+    return out

@@ -37,15 +37,35 @@ inside one segment and its work scales with that segment's ratios, and a tensor 
 boundary is re-split by an all-to-all (`resplit`) whose payload is the larger of the two
 segments' largest shards. Memory sums the segments' terms.
 
-Everything here is linear in B_j (or in max_j B_j), which is what makes the load balancer an LP.
+Overlap (`CostModel(..., overlap=)`, `engine.overlap`): mode `none` is the model above. In the
+modes `ddp` and `duplex` the per-parameter-byte work (update, bucket copies, sync inside a virtual
+device) is a tail after every gradient all-reduce, U = max over devices of its work, and the Full
+parameters' gradients go in DDP's buckets (`engine.overlap.bucket_slots`), one latency each:
+
+- ddp: forward as above (F). Backward stages run in reverse forward order, each its compute then
+  its dual collective: a chain of W seconds. Bucket k is ready when the backward stage that loaded
+  its earliest-used Full parameter has computed, r_k = W - w_k (w_k: the chain after that point),
+  and the buckets queue on the link: T = F + max(W, max_k (r_k + sum_{j>=k} d_j)) + U.
+- duplex (HiDup): each device's share runs as two half-batches. Per pass, the chain
+  x = (m_0, c_0, m_1, c_1, ...) of per-half collectives m_i (a batch-derived tensor moves half its
+  payload, a parameter-only one all of it) and half computations c_i = max_j comp_ij / 2 costs
+  psi = x_0 + sum_k max(x_k, x_{k+1}) + x_last (Eq. 5 telescoped); T = psi_f + psi_b + sum_k d_k + U.
+
+Activation collectives and gradient buckets are not modelled as contending for the link.
+
+Everything here is linear in B_j (or in max_j B_j) or a max of such terms, which is what makes the
+load balancer an LP.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cluster import Cluster
+from .errors import PlanError
 from .graph import Graph
+from .overlap import OVERLAP_MODES, batch_derived, bucket_slots, duplex_problem
+from .overlap import price as overlap_price
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .segments import RESPLIT, Segmentation, instruction_segments, source_segments
 from .theory.core import FULL
@@ -64,6 +84,11 @@ BUCKET_TRAFFIC = 2.0
 """Bytes moved per gradient byte of a Full parameter to copy the summed bucket back (read + write);
 building the bucket is a copy into a fresh tensor, as every all-reduce of the runner makes, so it
 is in the all-reduce's fitted cost (`hap profile` times `runner.collectives.all_reduce_copy`)."""
+
+_FIT = {"all_gather.padded": "all_gather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
+        RESPLIT: "all_to_all"}
+"""The cluster's fitted collective that prices each collective key (all-reduce and the grouped
+all-gather, priced from `all_reduce` and `broadcast`, are spelled out in `CostModel.comm_terms`)."""
 
 DUAL = {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
         "all_gather.grouped": "reduce_scatter", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT}
@@ -155,6 +180,26 @@ class Stage:
     """Segments whose largest ratio bounds the payload (two for a resplit across a boundary)."""
 
 
+@dataclass(frozen=True)
+class BucketRecord:
+    """One gradient bucket of the overlap modes: which Full parameters, and when it runs."""
+
+    params: tuple[int, ...]
+    """Parameter node ids, in the slot's order."""
+    bytes: float
+    duration_s: float
+    """latency + bytes * seconds per byte (`CostModel.grad_bucket_terms`)."""
+    ready_s: float
+    """When its last gradient is ready (ddp), or when both duplex halves have ended."""
+    start_s: float
+    end_s: float
+    stage: int = -1
+    """Index (in `Breakdown.stages`) of the backward stage whose computation readies it (ddp)."""
+    stage_left_s: tuple[float, ...] = ()
+    """Per device, that stage's computation from the bucket's earliest-used parameter on: backward
+    reaches the parameter's gradient that long after the stage starts (ddp)."""
+
+
 @dataclass
 class Breakdown:
     """Predicted time of a program under given ratios, per stage and per device."""
@@ -168,13 +213,29 @@ class Breakdown:
     """Predicted peak memory per GPU of every device."""
     ratios: list[list[float]]
     """The ratios evaluated, one row per segment."""
+    overlap: str = "none"
+    buckets: list[BucketRecord] = field(default_factory=list)
+    """The gradient buckets in launch order (ddp, duplex; mode none lists its one bucket as a stage)."""
+    tail_s: float = 0.0
+    """The per-parameter-byte work after the last all-reduce, slowest device (ddp, duplex)."""
+    tail_device_s: list[float] = field(default_factory=list)
+    """That work on every device."""
+    stage_half_comm_s: list[float] = field(default_factory=list)
+    """Per stage, the collective's time for one duplex half (duplex only)."""
+    devices: list[str] = field(default_factory=list)
+    """The devices' names, in the order of every per-device list."""
 
 
 class CostModel:
     """Costs of instructions on a given cluster under given ratios B (one ratio per device)."""
 
     def __init__(self, graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]], optimizer: str = "adam",
-                 segmentation: Segmentation | None = None) -> None:
+                 segmentation: Segmentation | None = None, overlap: str = "none") -> None:
+        if overlap not in OVERLAP_MODES:
+            raise PlanError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
+        if overlap == "duplex" and (why := duplex_problem(graph)):
+            raise PlanError(why)
+        self.overlap = overlap
         self.graph, self.cluster = graph, cluster
         self.segmentation = segmentation or Segmentation.single(graph)
         self.ratios = ratio_rows(ratios, self.segmentation.count, cluster.num_devices)
@@ -195,6 +256,16 @@ class CostModel:
         self.hierarchy_s_per_byte = 2.0 / min(intra) if intra else 0.0  # gather to / broadcast from GPU 0 (§6)
         self.nbytes = [n.nbytes for n in graph.nodes]
         self._comm_cache: dict[tuple[str, int], float] = {}
+        self.batch_derived = batch_derived(graph) if overlap == "duplex" else []
+        """Duplex: whether each tensor splits with the batch (each half moves half of it)."""
+        self._slots: list[list[int]] | None = None
+
+    @property
+    def slots(self) -> list[list[int]]:
+        """DDP's bucket slots of the graph (`engine.overlap.bucket_slots`), computed once."""
+        if self._slots is None:
+            self._slots = bucket_slots(self.graph)
+        return self._slots
 
     # --- communication ---------------------------------------------------------------------
     def comm_terms(self, key: str, node: int) -> tuple[float, float]:
@@ -211,12 +282,26 @@ class CostModel:
         if key == "all_gather.grouped":
             fit = c["broadcast"]
             return m * fit.latency_s + nbytes / fit.bandwidth_Bps + nbytes * h / m, 0.0
-        fit = c[{"all_gather.padded": "all_gather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
-                 RESPLIT: "all_to_all"}[key]]
+        fit = c[_FIT[key]]
         return fit.latency_s, nbytes / fit.bandwidth_Bps + nbytes * h
 
+    def half_comm_terms(self, key: str, node: int) -> tuple[float, float]:
+        """(constant, per max-ratio) seconds of collective `key` on `node` for one duplex half: the
+        latency and half the payload of a batch-derived tensor, all of a parameter-only one's
+        (`engine.overlap.batch_derived`)."""
+        if not key or node < 0:
+            return 0.0, 0.0
+        const, per = self.comm_terms(key, node)
+        if not self.batch_derived[node] or key == "slice" or self.cluster.num_devices == 1:
+            return const, per
+        fits = self.cluster.collectives
+        latency = self.cluster.num_devices * fits["broadcast"].latency_s if key == "all_gather.grouped" \
+            else fits[_FIT.get(key, key)].latency_s
+        return latency + (const - latency) / 2, per / 2
+
     def grad_bucket_terms(self) -> tuple[float, float]:
-        """(latency, seconds per byte) of the one all-reduce of all Full parameters' gradients."""
+        """(latency, seconds per byte) of an all-reduce of Full parameters' gradients (mode none: the one
+        bucket of them all; ddp and duplex: each bucket)."""
         if self.cluster.num_devices == 1:
             return 0.0, 0.0
         fit = self.cluster.collectives["all_reduce"]
@@ -344,26 +429,56 @@ def is_sharded(ins: Instruction) -> bool:
     return ins.post >= 0 or any(f >= 0 for _, f in ins.pre)
 
 
+@dataclass
+class Replayed:
+    """A program's linear terms: its stages, memory per segment, and in the overlap modes its tail
+    work per segment and its gradient buckets."""
+
+    stages: list[Stage]
+    mems: list[Mem]
+    tails: list[Acc]
+    """Per segment, the per-parameter-byte work run after the last all-reduce (ddp, duplex; zero in none)."""
+    buckets: list[tuple[tuple[int, ...], float, int, Acc]]
+    """(parameters, bytes, index in `stages` of the backward stage that readies it, that stage's work
+    before the bucket's earliest-used parameter) per bucket, in launch order (ddp, duplex; empty in
+    none, which lists its one bucket as a stage). Backward runs the stage's work in reverse, so the
+    bucket is ready once the stage's work *from* that parameter's first consumer on is done."""
+
+
 def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage], list[Mem]]:
     """Split a program into forward and backward stages with linear work terms, and sum its memory
-    terms per segment.
+    terms per segment (`replay_terms` for the overlap modes' tail and buckets)."""
+    r = replay_terms(program, cm)
+    return r.stages, r.mems
 
-    Backward stages are listed mirroring the forward ones (they run in reverse order); the gradient
-    bucket, which runs last, is listed first among them. A segment boundary ends both open stages.
+
+def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
+    """The stages, memory, tail and buckets of a program under `cm.overlap`.
+
+    Backward stages are listed mirroring the forward ones (they run in reverse order). In mode none
+    the gradient bucket, which runs last, is listed first among them and the per-parameter-byte
+    work is in the stage that loads the parameter; in ddp and duplex that work is the tail and the
+    buckets are listed apart. A segment boundary ends both open stages.
     """
+    overlapped = cm.overlap != "none"
     segs = instruction_segments(program, cm.segmentation)
     sources = source_segments(program, cm.segmentation)
     stages: list[Stage] = []
     fwd, bwd = ZERO, ZERO
     mems = [MEM_ZERO] * cm.segmentation.count
+    tails = [ZERO] * cm.segmentation.count
     none = ("", -1, 0.0, 0.0, (0,))
     fwd_open = bwd_open = none
     bucket_bytes, cur = 0.0, segs[0] if segs else 0
+    n_bwd = 0  # backward stages closed so far: the open one's ordinal
+    program_position: dict[int, int] = {}
+    anchor: dict[int, tuple[int, Acc]] = {}  # Full parameter -> (ordinal of the backward stage that loads it, its work so far)
     for i, ins in enumerate(program):
         k = segs[i]
         if k != cur:  # a boundary: every stage lies inside one segment (§5.2)
             stages += [Stage("forward", *fwd_open[:4], fwd, cur, fwd_open[4]), Stage("backward", *bwd_open[:4], bwd, cur, bwd_open[4])]
             fwd_open, bwd_open, fwd, bwd, cur = none, none, ZERO, ZERO, k
+            n_bwd += 1
         if ins.kind == COMPUTE:
             f, b, a = cm.compute_delta(ins.node, is_sharded(ins))
             fwd, bwd, mems[k] = add(fwd, f), add(bwd, b), add(mems[k], a)
@@ -372,32 +487,80 @@ def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage]
             mems[k] = add(mems[k], m)
             if cm.graph[ins.node].op == "parameter" and ins.post == FULL:
                 bucket_bytes += cm.nbytes[ins.node]
-            bwd = add(bwd, sync)
+                program_position[ins.node] = i
+                anchor[ins.node] = (n_bwd, bwd)
+            if overlapped:
+                tails[k] = add(tails[k], sync)
+            else:
+                bwd = add(bwd, sync)
         elif ins.kind == COMM and ins.rule != "slice":
             over = (sources[i], k) if ins.rule == RESPLIT else (k,)
             stages.append(Stage("forward", *fwd_open[:4], fwd, k, fwd_open[4]))
             fwd_open, fwd = (ins.rule, ins.node, *cm.comm_terms(ins.rule, ins.node), over), ZERO
             if cm.requires_grad[ins.node]:
                 stages.append(Stage("backward", *bwd_open[:4], bwd, k, bwd_open[4]))
+                n_bwd += 1
                 dual = DUAL[ins.rule]
                 bwd_open, bwd = (dual, ins.node, *cm.comm_terms(dual, ins.node), over), ZERO
     stages += [Stage("forward", *fwd_open[:4], fwd, cur, fwd_open[4]), Stage("backward", *bwd_open[:4], bwd, cur, bwd_open[4])]
-    if bucket_bytes:
-        latency, per_byte = cm.grad_bucket_terms()
-        first_bwd = next(i for i, s in enumerate(stages) if s.direction == "backward")
-        stages.insert(first_bwd, Stage("backward", "grad_all_reduce", -1, latency + bucket_bytes * per_byte, 0.0, ZERO))
-    return [s for s in stages if s.comm or any(s.work)], mems
+    if not overlapped:
+        if bucket_bytes:
+            latency, per_byte = cm.grad_bucket_terms()
+            first_bwd = next(i for i, s in enumerate(stages) if s.direction == "backward")
+            stages.insert(first_bwd, Stage("backward", "grad_all_reduce", -1, latency + bucket_bytes * per_byte, 0.0, ZERO))
+        return Replayed([s for s in stages if s.comm or any(s.work)], mems, tails, [])
+    buckets = [tuple(p for p in slot if p in anchor) for slot in cm.slots]
+    buckets = [b for b in buckets if b]
+    # the earliest-used member (the first loaded) completes its gradient last
+    ready = [anchor[min(b, key=lambda p: program_position[p])] for b in buckets]
+    kept: list[Stage] = []
+    position: dict[int, int] = {}  # backward ordinal -> index in `kept`
+    ordinal = 0
+    anchors = {r for r, _ in ready} if cm.overlap == "ddp" else set()  # ddp keeps an empty stage that readies a bucket
+    for s in stages:
+        keep = bool(s.comm or any(s.work))
+        if s.direction == "backward":
+            if ordinal in anchors:
+                keep, position[ordinal] = True, len(kept)
+            ordinal += 1
+        if keep:
+            kept.append(s)
+    return Replayed(kept, mems, tails, [(b, float(sum(cm.nbytes[p] for p in b)), position.get(r, -1), pre)
+                                        for b, (r, pre) in zip(buckets, ready)])
 
 
 def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
-    """t(Q, B) with its breakdown per stage and device, and memory per device."""
-    stages, mems = replay(program, cm)
+    """t(Q, B) with its breakdown per stage and device, and memory per device, priced in `cm.overlap`."""
+    r = replay_terms(program, cm)
+    stages = r.stages
     comm = [s.comm_const + s.comm_per_max_ratio * max(cm.max_ratios[k] for k in s.comm_segments) for s in stages]
     comp = [cm.device_times(s.work, s.segment) for s in stages]
-    total = sum(comm) + sum(max(c) for c in comp)
-    per_class = cm.class_memory(mems)
+    per_class = cm.class_memory(r.mems)
+    names = [d.name for d in cm.cluster.devices]
     memory = [0.0] * cm.cluster.num_devices
     for c, b in zip(cm.classes, per_class):
         for j in c.devices:
             memory[j] = b
-    return Breakdown(total, stages, comm, comp, memory, cm.ratios)
+    if cm.overlap == "none":
+        return overlap_price(Breakdown(0.0, stages, comm, comp, memory, cm.ratios, devices=names))
+    tail = [0.0] * cm.cluster.num_devices
+    for c in cm.classes:
+        t = sum(class_work(acc, c, c.ratios[k]) for k, acc in enumerate(r.tails))
+        for j in c.devices:
+            tail[j] = t
+    latency, per_byte = cm.grad_bucket_terms()
+    half = []
+    if cm.overlap == "duplex":
+        for s in stages:
+            const, per = cm.half_comm_terms(s.comm, s.comm_node)
+            half.append(const + per * max(cm.max_ratios[k] for k in s.comm_segments))
+    records = [BucketRecord(params, nbytes, latency + nbytes * per_byte, 0.0, 0.0, 0.0, at,
+                            tuple(_left(stages, at, pre, cm)) if cm.overlap == "ddp" else ())
+               for params, nbytes, at, pre in r.buckets]
+    out = Breakdown(0.0, stages, comm, comp, memory, cm.ratios, cm.overlap, records, max(tail), tail, half, names)
+    return overlap_price(out)
+
+
+def _left(stages: list[Stage], at: int, pre: Acc, cm: CostModel) -> list[float]:
+    """Per device, stage `at`'s work after `pre` (what backward runs of it before reaching `pre`'s end)."""
+    return cm.device_times(tuple(x - y for x, y in zip(stages[at].work, pre)), stages[at].segment)

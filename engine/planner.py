@@ -9,6 +9,12 @@ baselines are programs of the same search space (parameters Full, inputs sharded
 dim, no other communication), so they seed the search as incumbents: a HAP plan is never
 predicted slower than them.
 
+Overlap (`engine.overlap`): the loop runs with the cost model and the LP of one overlap mode.
+`overlap="auto"` runs it in `ddp` (gradient buckets during backward) and in `duplex` (HiDup's two
+half-batches), each with its share of the time budget, and keeps the faster prediction; duplex
+wins only where it predicts a gain. The baselines (`ddp`, `dp-even`, `dp-proportional`) are
+priced as PyTorch DDP runs: gradient buckets overlapped with backward.
+
 With `segments=g > 1` (§5.2) the model is cut into g segments at layer boundaries, B becomes one
 ratio vector per segment, and tensors crossing a boundary are re-split by all-to-alls. The
 one-segment baselines stay candidates, so segments are used only where they pay.
@@ -21,10 +27,11 @@ from typing import Any, Callable
 
 from .balance import balance, gib
 from .cluster import Cluster, load_cluster
-from .cost import CostModel, evaluate as evaluate_program
+from .cost import Breakdown, CostModel, evaluate as evaluate_program
 from . import limits
 from .errors import InfeasibleError, PlanError
 from .graph import Graph, Node
+from .overlap import OVERLAP_MODES, duplex_problem
 from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
 from .segments import Segmentation, segment_graph, with_resplits
 from .program import Instruction
@@ -32,7 +39,17 @@ from .synthesis import SearchProgress, SearchResult, SearchSpace, synthesize
 from .theory.core import FULL
 
 DEFAULT_BEAM_WIDTH = 16
-BASELINES = ("dp-even", "dp-proportional")
+BASELINES = ("ddp", "dp-even", "dp-proportional")
+"""`ddp`: data parallelism as PyTorch DDP runs it (even shares, 25 MiB gradient buckets overlapped
+with backward); `dp-even` / `dp-proportional`: even / flops-proportional shares, priced the same way.
+`ddp` and `dp-even` are the same program at the same shares: `ddp` is the name users look for."""
+BASELINE_OVERLAP = "ddp"
+"""How every baseline is priced: what users compare against is DDP as it runs."""
+PLAN_OVERLAPS = ("auto", *OVERLAP_MODES)
+"""What `plan(..., overlap=)` accepts: `auto` plans in ddp and in duplex and keeps the faster."""
+OVERLAP_MEANING = {"none": "gradients all-reduced after backward", "ddp": "gradient buckets all-reduced during backward",
+                   "duplex": "two half-batches, one's communication overlapped with the other's computation (HiDup)"}
+"""One line per overlap mode, for reports."""
 
 
 @dataclass
@@ -42,6 +59,8 @@ class Candidate:
     """One row per segment."""
     cost: float
     segmentation: Segmentation
+    overlap: str = "none"
+    """The overlap mode `cost` is priced in."""
 
 
 def proportional_ratios(cluster: Cluster) -> list[float]:
@@ -107,7 +126,8 @@ def _coerce(model: Any, cluster: Any) -> tuple[Graph, Cluster]:
 
 
 def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam") -> Plan:
-    """A baseline plan (`dp-even` or `dp-proportional`) under the same cost model as HAP."""
+    """A baseline plan (`ddp`, `dp-even` or `dp-proportional`) under the same cost model as HAP,
+    gradient buckets overlapped with backward as DDP runs them."""
     _check_arguments(None, optimizer)
     graph, cluster = _coerce(model, cluster)
     if strategy not in BASELINES:
@@ -117,44 +137,56 @@ def evaluate(model: Any, cluster: Any, strategy: str, *, optimizer: str = "adam"
         raise InfeasibleError(f"{strategy} splits every input on dim 0, but input '{unsplittable.name}' has shape "
                               f"{tuple(unsplittable.shape)}: data parallelism needs a batch of at least 2 "
                               "(engine.plan may still shard other dims)")
-    ratios = even_ratios(cluster) if strategy == "dp-even" else proportional_ratios(cluster)
-    cm = CostModel(graph, cluster, ratios, optimizer)
+    ratios = baseline_ratios(cluster, strategy)
+    cm = CostModel(graph, cluster, ratios, optimizer, overlap=BASELINE_OVERLAP)
     try:
         res = data_parallel(graph, cm)
     except InfeasibleError:
         raise InfeasibleError(_oom_message(graph, cluster, optimizer, strategy, ratios)) from None
-    return _make_plan(strategy, graph, cluster, Candidate(res.program, [ratios], res.cost, Segmentation.single(graph)),
-                      optimizer, [], {"expanded": res.expanded, "elapsed_s": res.elapsed_s})
+    cand = Candidate(res.program, [ratios], res.cost, Segmentation.single(graph), BASELINE_OVERLAP)
+    return _make_plan(strategy, graph, cluster, cand, optimizer, [], {"expanded": res.expanded, "elapsed_s": res.elapsed_s})
+
+
+def baseline_ratios(cluster: Cluster, strategy: str) -> list[float]:
+    """The shares of a baseline: even for `ddp` and `dp-even`, proportional to flops for `dp-proportional`."""
+    return proportional_ratios(cluster) if strategy == "dp-proportional" else even_ratios(cluster)
 
 
 def _baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], optimizer: str,
                         deadline: float | None = None) -> Candidate | None:
-    """A data-parallel baseline at `ratios`; None when it does not fit or no input can be split on
-    the batch (the everything-replicated program is no data parallelism: the memory-fitted seed
-    still offers it to the search)."""
+    """A data-parallel baseline at `ratios`, priced as DDP runs (`BASELINE_OVERLAP`); None when it
+    does not fit or no input can be split on the batch (the everything-replicated program is no
+    data parallelism: the memory-fitted seed still offers it to the search)."""
     if unsplittable_input(graph) is not None:
         return None
-    cm = CostModel(graph, cluster, ratios, optimizer)
+    cm = CostModel(graph, cluster, ratios, optimizer, overlap=BASELINE_OVERLAP)
     try:
         res = data_parallel(graph, cm, deadline)
     except InfeasibleError:
         return None
-    return Candidate(res.program, [ratios], res.cost, Segmentation.single(graph))
+    return Candidate(res.program, [ratios], res.cost, Segmentation.single(graph), BASELINE_OVERLAP)
 
 
-def _memory_fitted_baseline(graph: Graph, cluster: Cluster, optimizer: str,
+def _memory_fitted_baseline(graph: Graph, cluster: Cluster, optimizer: str, overlap: str,
                             deadline: float | None = None) -> Candidate | None:
     """Data parallelism at the LP's ratios, which respect every device's memory: the plan that
     exists whenever the model fits data-parallel at all, e.g. when even and proportional splits
     overflow a small device. None when no ratios fit."""
     try:
-        cm = CostModel(graph, _unlimited(cluster), proportional_ratios(cluster), optimizer)
+        cm = CostModel(graph, _unlimited(cluster), proportional_ratios(cluster), optimizer, overlap=overlap)
         program = data_parallel(graph, cm, deadline).program
-        ratios = balance(program, graph, cluster, optimizer=optimizer, time_limit_s=_left(deadline) or 30.0).by_segment
+        ratios = balance(program, graph, cluster, optimizer=optimizer, time_limit_s=_left(deadline) or 30.0,
+                         overlap=overlap).by_segment
     except InfeasibleError:
         return None
-    cost = evaluate_program(program, CostModel(graph, cluster, ratios, optimizer)).total_s
-    return Candidate(program, ratios, cost, Segmentation.single(graph))
+    cost = evaluate_program(program, CostModel(graph, cluster, ratios, optimizer, overlap=overlap)).total_s
+    return Candidate(program, ratios, cost, Segmentation.single(graph), overlap)
+
+
+def _priced_in(cand: Candidate, graph: Graph, cluster: Cluster, optimizer: str, overlap: str) -> Candidate:
+    """The same program and ratios priced in another overlap mode (a baseline seeding that mode's search)."""
+    cm = CostModel(graph, cluster, cand.ratios, optimizer, cand.segmentation, overlap=overlap)
+    return Candidate(cand.program, cand.ratios, evaluate_program(cand.program, cm).total_s, cand.segmentation, overlap)
 
 
 def _unlimited(cluster: Cluster) -> Cluster:
@@ -166,40 +198,84 @@ def _unlimited(cluster: Cluster) -> Cluster:
 def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
          progress: Callable[[SearchProgress], None] | None = None, *, optimizer: str = "adam",
          beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6, segments: int = 1,
-         report_every: int = 500) -> Plan:
+         report_every: int = 500, overlap: str = "auto") -> Plan:
     """Plan `model` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
 
-    `segments` > 1 then iterates again with that many runs of layers, each with its own ratios
-    (§5.2), starting from the one-segment plan; the faster of the two is returned. `progress` is
-    called every `report_every` expansions of each search (the UI's live frontier)."""
-    _check_arguments(time_budget_s, optimizer)
+    `overlap` is the overlap mode to plan in (`none`, `ddp`, `duplex`), or `auto`: plan in ddp
+    and in duplex (each with an equal share of what is left of the budget) and keep the faster;
+    the plan's search stats record every mode's predicted time (`overlap_s`) and why one was
+    skipped (`overlap_skipped`). `segments` > 1 then iterates again with that many runs of
+    layers, each with its own ratios (§5.2), starting from the one-segment plan; the faster of
+    the two is returned. `progress` is called every `report_every` expansions of each search (the
+    UI's live frontier)."""
+    _check_arguments(time_budget_s, optimizer, overlap)
     graph, cluster = _coerce(model, cluster)
+    modes, skipped = overlap_modes(graph, overlap)
     seg = segment_graph(graph, segments)
     start = time.perf_counter()
     deadline = None if time_budget_s is None else start + time_budget_s
     check_total_memory(graph, cluster, optimizer)
-    baselines = {"dp-proportional": _baseline_candidate(graph, cluster, proportional_ratios(cluster), optimizer, deadline),
-                 "dp-even": _baseline_candidate(graph, cluster, even_ratios(cluster), optimizer, deadline)}
-    seeds = [c for c in baselines.values() if c is not None]
-    if not seeds:
-        seeds = [c for c in [_memory_fitted_baseline(graph, cluster, optimizer, deadline)] if c is not None]
-    best = min(seeds, key=lambda c: c.cost, default=None)
+    baselines = _baselines(graph, cluster, optimizer, deadline)
     history: list[dict[str, Any]] = []
     stats = {"expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
-             "baselines_s": {k: None if c is None else c.cost for k, c in baselines.items()}}
-    # asked for segments, the one-segment loop gets half the budget, so the segmented one still runs
-    first = deadline if seg.count == 1 or deadline is None else start + (deadline - start) / 2
-    loop = _Loop(graph, cluster, optimizer, beam_width, max_iterations, progress, report_every, first, history, stats)
+             "baselines_s": {k: None if c is None else _realized_rank(graph, cluster, c, optimizer)[1]
+                             for k, c in baselines.items()},
+             "overlap_request": overlap, "overlap_s": {}, "overlap_skipped": skipped}
+    loop = _Loop(graph, cluster, optimizer, beam_width, max_iterations, progress, report_every, deadline, history, stats)
+    found: dict[str, Candidate] = {}
+    for k, mode in enumerate(modes):
+        share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - k)
+        cand = _plan_in(mode, loop, seg, list(baselines.values()), share)
+        if cand is not None:
+            found[mode] = cand
+            stats["overlap_s"][mode] = _realized_rank(graph, cluster, cand, optimizer)[1]
+    if not found:
+        raise InfeasibleError(_oom_message(graph, cluster, optimizer, deadline=deadline))
+    # modes in order (ddp before duplex): a tie keeps the earlier, so duplex is chosen only for a predicted gain
+    best = min(found.values(), key=lambda c: _realized_rank(graph, cluster, c, optimizer))
+    stats["elapsed_s"] = time.perf_counter() - start
+    stats["segments"] = best.segmentation.count
+    return _make_plan("hap", graph, cluster, best, optimizer, history, stats)
+
+
+def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]]:
+    """The overlap modes to plan in for `overlap`, and the modes `auto` skips with the reason
+    (duplex for a model whose half batches would not compute the same, e.g. training-mode BatchNorm)."""
+    problem = duplex_problem(graph) if overlap in ("auto", "duplex") else None
+    if overlap == "duplex" and problem:
+        raise PlanError(f"model '{graph.name}': {problem}")
+    if overlap == "auto":
+        return (["ddp"], {"duplex": problem}) if problem else (["ddp", "duplex"], {})
+    return [overlap], {}
+
+
+def _baselines(graph: Graph, cluster: Cluster, optimizer: str, deadline: float | None) -> dict[str, Candidate | None]:
+    """The data-parallel baselines priced as DDP runs; `ddp` is `dp-even` (same program, shares and pricing)."""
+    even = _baseline_candidate(graph, cluster, even_ratios(cluster), optimizer, deadline)
+    return {"ddp": even, "dp-even": even,
+            "dp-proportional": _baseline_candidate(graph, cluster, proportional_ratios(cluster), optimizer, deadline)}
+
+
+def _plan_in(mode: str, loop: "_Loop", seg: Segmentation, baselines: list[Candidate | None],
+             deadline: float | None) -> Candidate | None:
+    """The best plan of the Q<->B loop in one overlap mode, seeded with the baselines priced in it;
+    asked for segments, the one-segment loop gets half of `deadline`'s time, so the segmented one still runs."""
+    graph, cluster, optimizer = loop.graph, loop.cluster, loop.optimizer
+    unique = {id(c): c for c in baselines if c is not None}.values()
+    seeds = [_priced_in(c, graph, cluster, optimizer, mode) for c in unique]
+    if not seeds:
+        seeds = [c for c in [_memory_fitted_baseline(graph, cluster, optimizer, mode, deadline)] if c is not None]
+    best = min(seeds, key=lambda c: c.cost, default=None)
+    now = time.perf_counter()
+    loop.overlap = mode
+    loop.deadline = deadline if seg.count == 1 or deadline is None else now + (deadline - now) / 2
     best = loop.run(Segmentation.single(graph), [proportional_ratios(cluster)], best)
     if seg.count > 1 and best is not None:
         loop.deadline = deadline
         best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
     if best is None:
-        raise InfeasibleError(_oom_message(graph, cluster, optimizer, deadline=deadline))
-    best = min([best, *seeds], key=lambda c: _realized_rank(graph, cluster, c, optimizer))  # whole units may reorder them
-    stats["elapsed_s"] = time.perf_counter() - start
-    stats["segments"] = best.segmentation.count
-    return _make_plan("hap", graph, cluster, best, optimizer, history, stats)
+        return None
+    return min([best, *seeds], key=lambda c: _realized_rank(graph, cluster, c, optimizer))  # whole units may reorder them
 
 
 @dataclass
@@ -216,6 +292,8 @@ class _Loop:
     deadline: float | None
     history: list[dict[str, Any]]
     stats: dict[str, Any]
+    overlap: str = "none"
+    """The overlap mode the cost model and the LP price in."""
 
     def run(self, seg: Segmentation, ratios: list[list[float]], best: Candidate | None,
             incumbent: tuple[Instruction, ...] | None = None) -> Candidate | None:
@@ -226,9 +304,9 @@ class _Loop:
         for _ in range(self.max_iterations):
             if best is not None and self.deadline is not None and time.perf_counter() > self.deadline:
                 break  # the budget is spent: no new Q<->B iteration, keep the best found
-            it = len(self.history) // 2
+            it = self.stats["iterations"]  # searches so far, over every mode and segmentation: tags stay 0, 1, 2, ...
             left = _left(self.deadline)
-            cm = CostModel(graph, cluster, ratios, optimizer, seg)
+            cm = CostModel(graph, cluster, ratios, optimizer, seg, overlap=self.overlap)
             report = None if self.progress is None else (lambda p, it=it: self.progress(_tag(p, it)))
             try:
                 res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=self.beam_width,
@@ -241,21 +319,22 @@ class _Loop:
                 continue
             _accumulate(self.stats, res)
             self.history.append({"iteration": it, "step": "Q", "predicted_time_s": res.cost, "ratios": ratios,
-                                 "segments": seg.count})
-            best = _better(best, Candidate(res.program, ratios, res.cost, seg))
+                                 "segments": seg.count, "overlap": self.overlap})
+            best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap))
             key = tuple(res.program)
             if key in seen:
                 break
             seen.add(key)
             try:
                 bal = balance(res.program, graph, cluster, optimizer=optimizer, segmentation=seg,
-                              time_limit_s=_left(self.deadline) or 30.0)
+                              time_limit_s=_left(self.deadline) or 30.0, overlap=self.overlap)
             except InfeasibleError:
                 break  # this program cannot fit under any ratios; keep the best found
-            cost = evaluate_program(res.program, CostModel(graph, cluster, bal.by_segment, optimizer, seg)).total_s
+            cm = CostModel(graph, cluster, bal.by_segment, optimizer, seg, overlap=self.overlap)
+            cost = evaluate_program(res.program, cm).total_s
             self.history.append({"iteration": it, "step": "B", "predicted_time_s": cost, "ratios": bal.by_segment,
-                                 "segments": seg.count})
-            best = _better(best, Candidate(res.program, bal.by_segment, cost, seg))
+                                 "segments": seg.count, "overlap": self.overlap})
+            best = _better(best, Candidate(res.program, bal.by_segment, cost, seg, self.overlap))
             ratios, incumbent = bal.by_segment, res.program
         return best
 
@@ -263,13 +342,13 @@ class _Loop:
         """The LP's ratios for `program` (e.g. a baseline), which respect every device's memory; None if none do."""
         try:
             return balance(program, self.graph, self.cluster, optimizer=self.optimizer, segmentation=seg,
-                           time_limit_s=_left(self.deadline) or 30.0).by_segment
+                           time_limit_s=_left(self.deadline) or 30.0, overlap=self.overlap).by_segment
         except InfeasibleError:
             return None
 
 
-def _check_arguments(time_budget_s: Any, optimizer: Any) -> None:
-    """Refuse an unusable time budget or an unknown optimizer by name, before any work."""
+def _check_arguments(time_budget_s: Any, optimizer: Any, overlap: Any = "auto") -> None:
+    """Refuse an unusable time budget, an unknown optimizer or overlap mode by name, before any work."""
     from .cost import STATE_BYTES_PER_PARAM_BYTE
 
     problem = limits.time_budget_problem(time_budget_s, "time_budget_s")
@@ -277,6 +356,8 @@ def _check_arguments(time_budget_s: Any, optimizer: Any) -> None:
         raise PlanError(problem)
     if optimizer not in STATE_BYTES_PER_PARAM_BYTE:
         raise PlanError(f"optimizer {optimizer!r} is not known (choose one of: {', '.join(STATE_BYTES_PER_PARAM_BYTE)})")
+    if not isinstance(overlap, str) or overlap not in PLAN_OVERLAPS:
+        raise PlanError(f"overlap {overlap!r} is not known (choose one of: {', '.join(PLAN_OVERLAPS)})")
 
 
 def _left(deadline: float | None) -> float | None:
@@ -304,13 +385,22 @@ def _better(a: Candidate | None, b: Candidate) -> Candidate:
 
 
 def plan_of(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
-            *, optimizer: str = "adam", segmentation: Segmentation | None = None, strategy: str = "hap") -> Plan:
-    """The Plan of a given program and ratios (one flat list, or one row per segment): for programs
-    made by hand or by a restricted search, e.g. in tests and ablations."""
+            *, optimizer: str = "adam", segmentation: Segmentation | None = None, strategy: str = "hap",
+            overlap: str = "none") -> Plan:
+    """The Plan of a given program and ratios (one flat list, or one row per segment) priced in
+    `overlap`: for programs made by hand or by a restricted search, e.g. in tests and ablations."""
     seg = segmentation or Segmentation.single(graph)
-    cm = CostModel(graph, cluster, ratios, optimizer, seg)
-    cand = Candidate(program, cm.ratios, evaluate_program(program, cm).total_s, seg)
+    cm = CostModel(graph, cluster, ratios, optimizer, seg, overlap=overlap)
+    cand = Candidate(program, cm.ratios, evaluate_program(program, cm).total_s, seg, overlap)
     return _make_plan(strategy, graph, cluster, cand, optimizer, [], {})
+
+
+def breakdown_of(the_plan: Plan, cluster: Cluster) -> Breakdown:
+    """The cost model's breakdown of a plan on `cluster` at the plan's ratios and in its overlap
+    mode: per stage and device, the buckets and the tail (what the Timeline page draws)."""
+    cm = CostModel(the_plan.graph, cluster, the_plan.ratio_rows, the_plan.search.get("optimizer", "adam"),
+                   the_plan.segmentation, overlap=the_plan.overlap)
+    return evaluate_program(the_plan.program, cm)
 
 
 def _realized(graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str):
@@ -319,7 +409,8 @@ def _realized(graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str):
     seg = cand.segmentation
     sizes = shard_sizes(cand.program, graph, cand.ratios, seg)
     ratios = realized_ratios(graph, sizes, cand.ratios)
-    return sizes, ratios, evaluate_program(cand.program, CostModel(graph, cluster, ratios, optimizer, seg))
+    return sizes, ratios, evaluate_program(cand.program, CostModel(graph, cluster, ratios, optimizer, seg,
+                                                                   overlap=cand.overlap))
 
 
 def _realized_rank(graph: Graph, cluster: Cluster, cand: Candidate, optimizer: str) -> tuple[bool, float]:
@@ -339,7 +430,8 @@ def _make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, o
                 device_names=[d.name for d in cluster.devices], program=cand.program,
                 ratios={str(k): list(r) for k, r in enumerate(ratios)}, shard_sizes=sizes, predicted_time_s=b.total_s,
                 stages=stage_records(b, graph), memory_bytes=b.memory_bytes, history=history,
-                search={**stats, "optimizer": optimizer}, segment_of=list(seg.of_node) if seg.count > 1 else [])
+                search={**stats, "optimizer": optimizer}, segment_of=list(seg.of_node) if seg.count > 1 else [],
+                overlap=cand.overlap)
 
 
 def check_total_memory(graph: Graph, cluster: Cluster, optimizer: str) -> None:

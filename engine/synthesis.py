@@ -24,6 +24,17 @@ Dominance (Fig. 10, lines 9-14): among states with the same position and propert
 closed cost plus its open stages' excess over the other's is no larger, with no more memory on
 any device, dominates; dominated states are dropped, also from the queue. A state whose memory
 already exceeds a device's capacity is dropped (memory only grows).
+
+Overlap (`cm.overlap`, priced as `engine.cost` says). The state carries more, so the search
+optimises exactly the replayed cost (`_Ddp`, `_Duplex` below say what and why it is exact):
+per-parameter-byte work goes to a per-class tail; Full parameters' gradients fill DDP's fixed
+bucket slots, one of which at a time is open (`_SLOT` marks that it holds a Full parameter).
+- ddp: the backward chain closed so far (cb), the durations of the finished slots (D), and the
+  slots' overlap terms max_k (D_k - w_k): E for slots whose ready point lies in a closed stage, a
+  per-class vector G for those in the open stage (their ready point depends on work still to come);
+- duplex: per pass, the HiDup chain's closed sum S and its last element (Eq. 5 telescoped).
+Their scores stay admissible and their dominance tests sound: HiDup's Pareto states (Theorem 1)
+generalised to the max-plus terms that the open stages can still change.
 """
 from __future__ import annotations
 
@@ -38,6 +49,7 @@ from typing import Callable, Iterator
 from .cost import DUAL, MEM_ZERO, ZERO, Acc, CostModel, add
 from .errors import InfeasibleError
 from .graph import Graph
+from .overlap import first_use
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .segments import RESPLIT, Segmentation
 from .theory import collectives_from, leaf_forms, op_rules
@@ -47,6 +59,7 @@ _K = 16          # property code = tensor * _K + form + _OFF
 _OFF = 3         # forms -2 (P), -1 (F), 0.. (S(d)); code 0 is the "communicated" marker
 _COMMUNICATED = -3
 _BUCKET = -1     # a property-set marker (not a tensor code): the gradient bucket's latency is paid
+_SLOT = -2       # ddp, duplex: the open bucket slot holds a Full parameter (its latency is paid)
 
 
 def code(tensor: int, form: int) -> int:
@@ -93,7 +106,8 @@ class SearchResult:
 
 
 class _State:
-    __slots__ = ("p", "props", "closed", "facc", "bacc", "mem", "tf", "tb", "score", "parent", "step", "alive")
+    __slots__ = ("p", "props", "closed", "facc", "bacc", "mem", "tf", "tb", "score", "parent", "step", "alive", "ov",
+                 "aux")
 
     def __init__(self, p: int, props: frozenset, closed: float, facc: Acc, bacc: Acc, mem: tuple[float, ...],
                  parent: "_State | None", step: tuple[Instruction, ...]) -> None:
@@ -102,6 +116,10 @@ class _State:
         self.tf: tuple[float, ...] = ()
         self.tb: tuple[float, ...] = ()
         self.score = 0.0
+        self.ov: tuple = ()
+        """Overlap modes: the mode's extra state (`_Ddp`, `_Duplex`); empty in mode none."""
+        self.aux: tuple = ()
+        """Overlap modes: vectors the score computed that the dominance test compares."""
 
 
 class _Prepared:
@@ -214,6 +232,7 @@ class _Search:
         self.deltas = [{sh: self._compute_delta(k, sh) for sh in (False, True)} for k in range(n)]
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
         self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
+        self.mode = _Ddp(self) if cm.overlap == "ddp" else _Duplex(self) if cm.overlap == "duplex" else None
         self.deepest = 0
         """Furthest position any kept state reached: where a failed search got stuck."""
         self.over_memory = 0
@@ -221,7 +240,10 @@ class _Search:
 
     def root(self) -> _State:
         """The empty program."""
-        return _State(0, frozenset(), 0.0, ZERO, ZERO, (0.0,) * len(self.cm.classes), None, ())
+        s = _State(0, frozenset(), 0.0, ZERO, ZERO, (0.0,) * len(self.cm.classes), None, ())
+        if self.mode is not None:
+            s.ov = self.mode.root()
+        return s
 
     def _compute_delta(self, k: int, sharded: bool) -> tuple[Acc, Acc, tuple[float, ...]]:
         """Forward work, backward work and per-class memory bytes of computing position k."""
@@ -248,6 +270,9 @@ class _Search:
         k = self.seg[max(s.p - 1, 0)]  # the open stages hold work of the last computed position's segment
         s.tf = tuple(self.cm.class_times(s.facc, k))
         s.tb = tuple(self.cm.class_times(s.bacc, k))
+        if self.mode is not None:
+            s.score = self.mode.score(s)
+            return
         s.score = s.closed + self._bound(s.tf, self.rem_f[s.p]) + self._bound(s.tb, self.rem_b[s.p]) + self._debt(s)
 
     def _debt(self, s: _State) -> float:
@@ -296,6 +321,8 @@ class _Search:
         return best
 
     def _dominates(self, a: _State, b: _State) -> bool:
+        if self.mode is not None:
+            return self.mode.dominates(a, b) and (not self.memory_binds or all(x <= y for x, y in zip(a.mem, b.mem)))
         ef = max(0.0, max(x - y for x, y in zip(a.tf, b.tf)))
         eb = max(0.0, max(x - y for x, y in zip(a.tb, b.tb)))
         if a.closed + ef + eb > b.closed * (1 + 1e-12) + 1e-15:
@@ -505,6 +532,8 @@ class _Search:
 
     def _after_compute(self, s: _State, nid: int, r: OpRule, loads: dict[int, int],
                        comms: list[tuple[int, int, str, int]], slices: list[tuple[int, int]]) -> _State:
+        if self.mode is not None:
+            return self._after_compute_overlap(s, nid, r, loads, comms, slices)
         cm, graph = self.cm, self.graph
         closed, facc, bacc, mem = s.closed, s.facc, s.bacc, s.mem
         props = set(s.props)
@@ -549,6 +578,75 @@ class _Search:
                 closed += self._resplit(props, step, (k, self.seg[p]))
         return _State(p, frozenset(props), closed, facc, bacc, mem, s, tuple(step))
 
+    def _after_compute_overlap(self, s: _State, nid: int, r: OpRule, loads: dict[int, int],
+                               comms: list[tuple[int, int, str, int]], slices: list[tuple[int, int]]) -> _State:
+        """`_after_compute` in the overlap modes: the same instructions and properties; stages, buckets
+        and the tail go through the mode's state (`_Ddp`, `_Duplex`)."""
+        cm, graph, mode = self.cm, self.graph, self.mode
+        ov = list(s.ov)
+        closed, facc, bacc, mem = s.closed, s.facc, s.bacc, s.mem
+        props = set(s.props)
+        k = self.seg[s.p]
+        step: list[tuple] = []
+        for t, src, key, g in comms:
+            closed = mode.open_forward(ov, closed, facc, key, t, (k,), k)
+            facc = ZERO
+            if cm.requires_grad[t]:
+                closed = mode.open_backward(ov, closed, bacc, DUAL[key], t, (k,), k)
+                bacc = ZERO
+            props.add(code(t, g))
+            props.add(code(t, _COMMUNICATED))
+            if g == FULL and self.slice_ok:
+                props.difference_update(code(t, d) for d in range(graph[t].rank))
+            step.append((COMM, t, key, ((t, src),), g))
+        for t, f in loads.items():
+            sync, m = cm.load_delta(t, f)
+            mem = add(mem, cm.memory_by_class(m, k))
+            if any(sync):
+                ov[0] = tuple(a + b for a, b in zip(ov[0], cm.class_times(sync, k)))
+            props.add(code(t, f))
+            step.append((LOAD, t, graph[t].op, (), f))
+        for slot, members, finishes in self.slot_events[s.p]:
+            for t in members:
+                if loads.get(t) == FULL:
+                    nbytes = cm.nbytes[t] * self.bucket_s_per_byte
+                    if _SLOT in props:
+                        closed = mode.grow_slot(ov, closed, nbytes)
+                    else:
+                        props.add(_SLOT)
+                        closed = mode.start_slot(ov, closed, self.bucket_latency + nbytes, bacc, k)
+            if finishes and _SLOT in props:
+                props.discard(_SLOT)
+                mode.finish_slot(ov)
+        step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
+        df, db, dm = self.deltas[s.p][r.sharded]
+        facc, bacc, mem = add(facc, df), add(bacc, db), add(mem, dm)
+        step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
+        props.add(code(nid, r.output))
+        props -= self.prep.dead_codes[s.p]
+        for t in self.prep.live_inputs[s.p]:
+            if code(t, _COMMUNICATED) in props:
+                self._drop_redundant(props, t, s.p + 1)
+        p = s.p + 1
+        if p == len(self.prep.order) or self.seg[p] != k:
+            closed = mode.close(ov, closed, facc, bacc, k, last=p == len(self.prep.order))
+            facc = bacc = ZERO
+            if p < len(self.prep.order):
+                for t, d in self._live_shards(props):
+                    segments = (k, self.seg[p])
+                    closed = mode.open_forward(ov, closed, ZERO, RESPLIT, t, segments, k)
+                    if cm.requires_grad[t]:
+                        closed = mode.open_backward(ov, closed, ZERO, RESPLIT, t, segments, k)
+                    step.append((COMM, t, RESPLIT, ((t, d),), d))
+        out = _State(p, frozenset(props), closed, facc, bacc, mem, s, tuple(step))
+        out.ov = tuple(ov)
+        return out
+
+    @staticmethod
+    def _live_shards(props: set[int]) -> list[tuple[int, int]]:
+        """(tensor, dim) of every live sharded tensor, in the order `_resplit` re-splits them."""
+        return [(c // _K, c % _K - _OFF) for c in sorted(props) if c >= 0 and c % _K - _OFF >= 0]
+
     def _resplit(self, props: set[int], step: list[tuple], segments: tuple[int, int]) -> float:
         """Re-split every live sharded tensor to the next segment's sizes by an all-to-all; its cost."""
         cost = 0.0
@@ -590,3 +688,218 @@ def _worst_memory(graph: Graph, cm: CostModel) -> tuple[float, ...]:
         elif not n.is_leaf:
             mem = add(mem, cm.compute_delta(n.id, False)[2])
     return cm.memory_by_class(mem)  # Full terms do not depend on the ratios
+
+
+# --- overlap modes ---------------------------------------------------------------------------
+
+
+def _maxdiff(a: tuple[float, ...], b: tuple[float, ...]) -> float:
+    """max_c (a_c - b_c): bounds max_c(a_c + y_c) - max_c(b_c + y_c) for every y (either sign)."""
+    return max(x - y for x, y in zip(a, b))
+
+
+class _Mode:
+    """What the overlap modes share: the bucket slots' events per position and the per-class tail."""
+
+    def __init__(self, search: "_Search") -> None:
+        self.search, self.cm = search, search.cm
+        n = len(search.prep.order)
+        pos = {nid: k for k, nid in enumerate(search.prep.order)}
+        use = first_use(search.graph)
+        events: list[list[tuple[int, tuple[int, ...], bool]]] = [[] for _ in range(n + 1)]
+        for slot, members in enumerate(self.cm.slots):
+            where = {m: pos[use[m]] for m in members if use[m] >= 0}
+            if not where:
+                continue
+            last = max(where.values())
+            for p in sorted(set(where.values())):
+                events[p].append((slot, tuple(m for m in members if where.get(m) == p), p == last))
+        for row in events:  # a slot finishes before the next (in launch order, the one used earlier) starts
+            row.sort(key=lambda e: -e[0])
+        search.slot_events = events
+        self.zero = (0.0,) * len(self.cm.classes)
+
+    def half_time(self, key: str, t: int, segments: tuple[int, ...]) -> float:
+        const, per = self.cm.half_comm_terms(key, t)
+        return const + per * max(self.cm.max_ratios[k] for k in segments)
+
+
+class _Ddp(_Mode):
+    """ddp. State `ov` = (tail, cb, D, E, G, dp, pre, wp):
+    tail  per-class seconds of per-parameter-byte work (run after the buckets);
+    cb    the backward chain closed so far, the open stage's dual collective included (so the
+          chain that runs after a point of the open stage is cb + that stage's work before it);
+    D     summed durations of the finished slots (launched after every slot still to come);
+    E     max over finished slots whose ready point lies in a closed stage of D_k - w_k
+          (w_k: the backward chain after the ready point), -inf if none;
+    G     per class, max over finished slots whose ready point lies in the open stage of
+          D_k - pre_k (pre_k: the open stage's work before it), None if none;
+    dp, pre, wp  the open slot: its duration so far, and its ready point (pre while in the open
+          stage, then wp), when it holds a Full parameter (`_SLOT`).
+
+    Cost = F + W + max(0, max_k (D_k - w_k)) + U, which for every completion is the max of
+    V + max_c(b_c + Y_c + H_c), V + max_c(b_c + Y_c + P_c) and D + dp + (terms of the future),
+    with b the open stage's class times, Y, V what the future adds to it and after it,
+    H_c = max(G_c, cb + max(0, E)) and P_c the open slot's (D + dp - pre_c, or cb + D + dp - wp).
+    Hence the score (each term bounded like mode none's open stage) and the dominance test (each
+    term of one state no larger than the other's, after the forward and tail excesses)."""
+
+    def root(self) -> tuple:
+        return (self.zero, 0.0, 0.0, -math.inf, None, 0.0, None, None)
+
+    def open_forward(self, ov: list, closed: float, facc: Acc, key: str, t: int, segments: tuple[int, ...], k: int) -> float:
+        return closed + self.cm.stage_time(facc, k) + self.cm.comm_time(key, t, segments)
+
+    def open_backward(self, ov: list, closed: float, bacc: Acc, key: str, t: int, segments: tuple[int, ...], k: int) -> float:
+        top = self._close_backward(ov, bacc, k)
+        dual = self.cm.comm_time(key, t, segments)
+        ov[1] += top + dual
+        return closed + top + dual
+
+    def _close_backward(self, ov: list, bacc: Acc, k: int) -> float:
+        """Close the open backward stage: fix the ready points inside it; its slowest device's time."""
+        tot = self.cm.class_times(bacc, k)
+        top = max(tot)
+        cb = ov[1]
+        if ov[4] is not None:
+            ov[3] = max(ov[3], max(x + g for x, g in zip(tot, ov[4])) - (cb + top))
+            ov[4] = None
+        if ov[6] is not None:
+            ov[7] = cb + top - max(x - y for x, y in zip(tot, ov[6]))
+            ov[6] = None
+        return top
+
+    def start_slot(self, ov: list, closed: float, duration: float, bacc: Acc, k: int) -> float:
+        ov[5], ov[6], ov[7] = duration, tuple(self.cm.class_times(bacc, k)), None
+        return closed
+
+    def grow_slot(self, ov: list, closed: float, duration: float) -> float:
+        ov[5] += duration
+        return closed
+
+    def finish_slot(self, ov: list) -> None:
+        ov[2] += ov[5]
+        d = ov[2]
+        if ov[6] is not None:
+            g = tuple(d - y for y in ov[6])
+            ov[4] = g if ov[4] is None else tuple(max(a, b) for a, b in zip(ov[4], g))
+        else:
+            ov[3] = max(ov[3], d - ov[7])
+        ov[5], ov[6], ov[7] = 0.0, None, None
+
+    def close(self, ov: list, closed: float, facc: Acc, bacc: Acc, k: int, last: bool) -> float:
+        top = self._close_backward(ov, bacc, k)
+        ov[1] += top
+        return closed + self.cm.stage_time(facc, k) + top
+
+    def score(self, s: _State) -> float:
+        search = self.search
+        tail, cb, d, e, g, dp, pre, wp = s.ov
+        base = cb + max(0.0, e)
+        th = tuple(x + max(y, base) for x, y in zip(s.tb, g)) if g is not None else tuple(x + base for x in s.tb)
+        debt = search._debt(s)
+        term = search._bound(th, search.rem_b[s.p]) + debt
+        tp: tuple[float, ...] = ()
+        if _SLOT in s.props:
+            tp = tuple(x + d + dp - y for x, y in zip(s.tb, pre)) if pre is not None else \
+                tuple(x + cb + d + dp - wp for x in s.tb)
+            term = max(term, search._bound(tp, search.rem_b[s.p]) + debt)
+        s.aux = (th, tp)
+        return (s.closed - cb) + search._bound(s.tf, search.rem_f[s.p]) + max(term, d + dp) + max(tail)
+
+    def dominates(self, a: _State, b: _State) -> bool:
+        ta, cba, da, _, _, dpa, _, _ = a.ov
+        tb, cbb, db, _, _, dpb, _, _ = b.ov
+        tol = 1e-12 * abs(b.closed) + 1e-15
+        lead = (a.closed - cba) - (b.closed - cbb) + _maxdiff(a.tf, b.tf) + _maxdiff(ta, tb)
+        if lead + _maxdiff(a.aux[0], b.aux[0]) > tol or lead + (da + dpa) - (db + dpb) > tol:
+            return False
+        return not a.aux[1] or lead + _maxdiff(a.aux[1], b.aux[1]) <= tol
+
+
+class _Duplex(_Mode):
+    """duplex. State `ov` = (tail, Sf, lf, bf, Sb, lb, bb): per pass (forward f, backward b) the
+    HiDup chain's sum S of x_0 and the max of every adjacent pair appended so far, its last element
+    l, and whether the open stage is blank (opened by a segment boundary or the start, not by a
+    collective: its half-collective 0 joins the chain only if the stage gets work, as replay drops
+    an empty stage). A collective appends its per-half time m; closing a stage appends c = its
+    slowest device's time / 2; the end adds the last element. Buckets and their latencies are in
+    `closed` (they run after both passes).
+
+    Score: what a pass still adds is at least l + C + max(Mf, C) (blank) or C + max(l + Mf, C)
+    (opened by a collective), with C >= B/2 the halves of its remaining computation (B: mode
+    none's bound) and Mf its remaining per-half collectives; both passes' Mf sum to at least half
+    the debt. Dominance: with the open stage's time excess e, a pass costs at most
+    S_a - S_b + max(l_a - l_b, e/2) + max(0, e/2) more (collective-opened; HiDup's (psi, phi)) or
+    S_a - S_b + max(0, l_a - l_b) + max(0, e) (blank, same emptiness)."""
+
+    def root(self) -> tuple:
+        return (self.zero, 0.0, 0.0, True, 0.0, 0.0, True)
+
+    @staticmethod
+    def _append_stage(ov: list, i: int, c: float, work: bool) -> None:
+        """Close pass i's open stage (chain fields at i, i+1, i+2) with half computation c."""
+        s, last, blank = ov[i], ov[i + 1], ov[i + 2]
+        if not blank:
+            ov[i] = s + max(last, c)
+        elif work:
+            ov[i] = s + last + c  # the blank stage's 0, then c
+        else:
+            return  # an empty blank stage is no stage
+        ov[i + 1] = c
+
+    def _open(self, ov: list, i: int, acc: Acc, k: int, m: float) -> None:
+        self._append_stage(ov, i, self.cm.stage_time(acc, k) / 2, any(acc))
+        ov[i] += max(ov[i + 1], m)
+        ov[i + 1], ov[i + 2] = m, False
+
+    def open_forward(self, ov: list, closed: float, facc: Acc, key: str, t: int, segments: tuple[int, ...], k: int) -> float:
+        self._open(ov, 1, facc, k, self.half_time(key, t, segments))
+        return closed
+
+    def open_backward(self, ov: list, closed: float, bacc: Acc, key: str, t: int, segments: tuple[int, ...], k: int) -> float:
+        self._open(ov, 4, bacc, k, self.half_time(key, t, segments))
+        return closed
+
+    def start_slot(self, ov: list, closed: float, duration: float, bacc: Acc, k: int) -> float:
+        return closed + duration
+
+    def grow_slot(self, ov: list, closed: float, duration: float) -> float:
+        return closed + duration
+
+    def finish_slot(self, ov: list) -> None:
+        return None
+
+    def close(self, ov: list, closed: float, facc: Acc, bacc: Acc, k: int, last: bool) -> float:
+        for i, acc in ((1, facc), (4, bacc)):
+            self._append_stage(ov, i, self.cm.stage_time(acc, k) / 2, any(acc))
+            ov[i + 2] = True
+            if last:
+                ov[i] += ov[i + 1]
+                ov[i + 1] = 0.0
+        return closed
+
+    def score(self, s: _State) -> float:
+        search = self.search
+        tail, sf, lf, bf, sb, lb, bb = s.ov
+        low = base = 0.0
+        for last, blank, times, rem in ((lf, bf, s.tf, search.rem_f[s.p]), (lb, bb, s.tb, search.rem_b[s.p])):
+            c = search._bound(times, rem) / 2
+            low += last + 2 * c if blank else c + max(last, c)
+            base += last + c
+        return s.closed + sf + sb + max(low, base + search._debt(s) / 2) + max(tail)
+
+    def dominates(self, a: _State, b: _State) -> bool:
+        oa, ob = a.ov, b.ov
+        total = a.closed - b.closed + _maxdiff(oa[0], ob[0])
+        for i, ta, tb, acc_a, acc_b in ((1, a.tf, b.tf, a.facc, b.facc), (4, a.tb, b.tb, a.bacc, b.bacc)):
+            if oa[i + 2] != ob[i + 2]:
+                return False
+            e = _maxdiff(ta, tb)
+            if oa[i + 2]:
+                if any(acc_a) != any(acc_b):
+                    return False
+                total += oa[i] - ob[i] + max(0.0, oa[i + 1] - ob[i + 1]) + max(0.0, e)
+            else:
+                total += oa[i] - ob[i] + max(oa[i + 1] - ob[i + 1], e / 2) + max(0.0, e / 2)
+        return total <= 1e-12 * abs(b.closed + ob[1] + ob[4]) + 1e-15

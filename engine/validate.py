@@ -513,7 +513,7 @@ def check_against_cluster(plan: "Plan", cluster: "Cluster") -> list[str]:
     optimizer = plan.search.get("optimizer", "adam")
     try:
         cm = CostModel(plan.graph, cluster, plan.ratio_rows, optimizer if optimizer in ("adam", "sgd", "none") else "adam",
-                       plan.segmentation)
+                       plan.segmentation, overlap=plan.overlap)
         repriced = evaluate(plan.program, cm).total_s
     except (HapError, ValueError, KeyError, ZeroDivisionError) as e:
         return [f"the plan could not be re-priced on cluster '{cluster.name}' ({type(e).__name__}: {e})"]

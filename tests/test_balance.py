@@ -280,3 +280,49 @@ def test_shard_units_of_a_head_view_are_the_number_of_heads(small_gpt, heads_pro
         assert small_gpt[t].shape[d] % u == 0
     views = [(t, d) for (t, d) in units if small_gpt[t].op == "view" and small_gpt[t].rank == 4 and d == 2]
     assert views and all(units[v] == 4 for v in views)
+
+
+# ----------------------------------------------------------------------------- overlap modes
+
+
+def cost_in(program, graph, cluster, ratios, overlap: str) -> float:
+    return evaluate(program, CostModel(graph, cluster, list(ratios), overlap=overlap)).total_s
+
+
+@pytest.mark.parametrize("overlap", ["ddp", "duplex"])
+@pytest.mark.parametrize("flops,steps,mem_bw", [([2e10, 1e10], 200, None), ([2e10, 1e10, 5e9], 50, [1e10, 2e9, 1e9])],
+                         ids=["2-devices", "3-devices-tail"])
+@pytest.mark.parametrize("model", ["mlp1", "small_gpt"])
+def test_lp_objective_equals_a_fine_grid_search_in_the_overlap_modes(request, model, flops, steps, mem_bw, overlap):
+    """Buckets overlapped with backward (ddp) or the duplex chains, and a per-class tail whose shape
+    differs from the computation's (memory bandwidths not proportional to flops)."""
+    graph = request.getfixturevalue(model)
+    d = cluster_dict(flops, latency_s=1e-4, bandwidth_Bps=5e8)
+    for dev, bw in zip(d["devices"], mem_bw or []):
+        dev["memory_bandwidth_Bps"] = bw
+    cluster = engine.load_cluster(d)
+    program = optimal_program(graph, cluster, beam_width=16)
+    result = balance(program, graph, cluster, overlap=overlap)
+    assert cost_in(program, graph, cluster, result.ratios, overlap) == pytest.approx(result.objective_s, rel=1e-6)
+    grid = {r: cost_in(program, graph, cluster, r, overlap) for r in simplex_grid(len(flops), steps)}
+    assert result.objective_s <= min(grid.values()) * (1 + 1e-6)
+    neighbours = grid_neighbours(result.ratios, steps)
+    tolerance = max(grid[r] for r in neighbours) - result.objective_s
+    assert result.objective_s >= min(grid.values()) - tolerance
+
+
+def test_lp_in_ddp_mode_overlaps_the_buckets_it_prices(mlp1):
+    """The same program balanced for ddp is predicted no slower than balanced for none, and ddp's
+    objective is what evaluate says at its ratios (with several buckets)."""
+    from engine.planner import data_parallel_space
+
+    cluster = engine.load_cluster(cluster_dict([2e12, 1e12, 5e11], latency_s=1e-5, bandwidth_Bps=1e9))
+    big = engine.load_model("zoo:mlp", layers=3, in_features=512, hidden=1024, classes=16, batch=4096)
+    cm = CostModel(big, cluster, [1 / 3] * 3)
+    program = synthesize(big, cm, space=data_parallel_space(big)).program
+    ddp = balance(program, big, cluster, overlap="ddp")
+    b = evaluate(program, CostModel(big, cluster, ddp.ratios, overlap="ddp"))
+    assert len(b.buckets) >= 2
+    assert b.total_s == pytest.approx(ddp.objective_s, rel=1e-6)
+    none = balance(program, big, cluster)
+    assert ddp.objective_s <= none.objective_s

@@ -57,18 +57,59 @@ def test_plan_report_compares_hap_with_both_baselines_and_a_speed_up(mlp_report)
     rc, out, _, path = mlp_report
     rows = {}
     for line in out.splitlines():
-        m = re.match(r"^(hap|dp-even|dp-proportional)\s+([\d.]+) ms\s*(?:([\d.]+)x)?\s*$", line)
+        m = re.match(r"^(hap|ddp|dp-even|dp-proportional)\s+([\d.]+) ms\s*(?:([\d.]+)x)?\s*$", line)
         if m:
             rows[m.group(1)] = (float(m.group(2)), m.group(3))
-    assert set(rows) == {"hap", "dp-even", "dp-proportional"}, out
-    assert "speed-up" in out
+    assert set(rows) == {"hap", "ddp", "dp-even", "dp-proportional"}, out
     plan = Plan.from_json(str(path))
     assert rows["hap"][0] == pytest.approx(plan.predicted_time_s * 1e3, abs=0.006)
-    for name in ("dp-even", "dp-proportional"):
+    for name in ("ddp", "dp-even", "dp-proportional"):
         t, speed_up = rows[name]
         assert speed_up is not None
         assert float(speed_up) == pytest.approx(t / rows["hap"][0], abs=0.011)
         assert float(speed_up) >= 1.0
+    best = min(rows[n][0] for n in ("ddp", "dp-even", "dp-proportional"))
+    m = re.search(r"^speed-up over the best baseline \((ddp|dp-even|dp-proportional)\): ([\d.]+)x", out, re.M)
+    assert m and rows[m.group(1)][0] == best, out
+    assert float(m.group(2)) == pytest.approx(best / rows["hap"][0], abs=0.011)
+
+
+def test_plan_report_says_which_overlap_mode_won(mlp_report):
+    _, out, _, path = mlp_report
+    plan = Plan.from_json(str(path))
+    times = plan.search["overlap_s"]
+    assert set(times) == {"ddp", "duplex"} and plan.overlap == min(times, key=times.get)
+    line = next(x for x in out.splitlines() if x.startswith("overlap: "))
+    assert line.startswith(f"overlap: {plan.overlap} (") and "predicted ddp" in line and "duplex" in line
+
+
+def test_plan_overlap_duplex_writes_a_duplex_plan_of_bert_moe(capsys, tmp_path):
+    """The issue's acceptance command, with a small time budget."""
+    out_path = tmp_path / "p.json"
+    rc = main(["plan", "--model", "zoo:bert_moe", "--cluster", str(ROOT / "sample_clusters" / "hap_paper_testbed_machines.json"),
+               "--overlap", "duplex", "--out", str(out_path), "--time-budget", "3"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads(out_path.read_text())["overlap"] == "duplex"
+    assert Plan.from_json(str(out_path)).overlap == "duplex"
+    assert re.search(r"^overlap: duplex \(", out, re.M), out
+
+
+@pytest.mark.parametrize("mode", ["none", "ddp"])
+def test_plan_overlap_flag_reaches_the_plan(capsys, tmp_path, mode):
+    rc = main(["plan", "--model", "zoo:mlp", *SMALL_MLP, "--cluster", sample_path("cpu_2"), "--overlap", mode, "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert json.loads(out)["overlap"] == mode
+
+
+def test_plan_overlap_duplex_with_batch_norm_exits_2_with_one_line(capsys):
+    rc = main(["plan", "--model", "zoo:vgg19", "--set", "batch=4", "--set", "image_size=32", "--set", "width=0.125",
+               "--set", "hidden=32", "--set", "pool_size=1", "--set", "classes=4", "--set", "batch_norm=true",
+               "--cluster", sample_path("cpu_2"), "--overlap", "duplex"])
+    out, err = capsys.readouterr()
+    line = assert_one_line_error(rc, out, err)
+    assert "duplex" in line and "overlap 'ddp'" in line
 
 
 def test_plan_report_lists_ratio_and_memory_of_every_device(mlp_report):

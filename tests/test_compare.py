@@ -23,27 +23,70 @@ def setting():
 
 def test_predict_reproduces_the_plan(setting):
     graph, cluster, plan = setting
-    assert compare.predict(plan.program, graph, cluster, plan.ratios["0"]) == pytest.approx(plan.predicted_time_s, rel=1e-12)
+    predicted = compare.predict(plan.program, graph, cluster, plan.ratios["0"], overlap=plan.overlap)
+    assert predicted == pytest.approx(plan.predicted_time_s, rel=1e-12)
 
 
 def test_comparison_rows_and_their_order(setting):
     graph, cluster, plan = setting
     result = compare.compare(plan, cluster)
     rows = {r.name: r for r in result.rows}
-    assert list(rows) == ["dp-even", "dp-proportional", "Q", "Q+B", "Q+B+C"]
-    assert rows["Q+B+C"].predicted_time_s == plan.predicted_time_s
-    assert rows["dp-even"].predicted_time_s == pytest.approx(plan.search["baselines_s"]["dp-even"], rel=1e-12)
-    assert rows["Q+B"].predicted_time_s <= rows["Q"].predicted_time_s * (1 + 1e-12)  # the LP only improves on B(0)
-    for name in ("dp-even", "dp-proportional"):
+    assert list(rows) == ["ddp", "dp-even", "dp-proportional", "Q", "Q+B", "Q+B+C", "Q+B+C+D"]
+    mine = compare.PLAN_ROWS[plan.overlap]
+    assert [r.name for r in result.rows if r.is_plan] == [mine]
+    assert rows[mine].predicted_time_s == plan.predicted_time_s
+    for mode, name in compare.PLAN_ROWS.items():  # the plan's auto search priced both modes
+        assert rows[name].predicted_time_s == pytest.approx(plan.search["overlap_s"][mode], rel=1e-12)
+    for name in ("ddp", "dp-even", "dp-proportional"):
+        assert rows[name].predicted_time_s == pytest.approx(plan.search["baselines_s"][name], rel=1e-12)
         assert result.speedup(rows[name]) >= 1 - 1e-9
-    assert [t["strategy"] for t in result.table()] == list(rows)
+    assert rows["Q+B"].predicted_time_s <= rows["Q"].predicted_time_s * (1 + 1e-12)  # the LP only improves on B(0)
+    best = result.best_baseline
+    assert best.predicted_time_s == min(rows[n].predicted_time_s for n in ("ddp", "dp-even", "dp-proportional"))
+    table = result.table()
+    assert [t["strategy"] for t in table] == list(rows) and [t["plan"] for t in table].count(True) == 1
+
+
+def test_without_duplex_is_the_same_search_forced_to_ddp(setting):
+    """A plan made in one mode gets the other mode's row from a search forced to it."""
+    graph, cluster, _ = setting
+    duplex = engine.plan(graph, cluster, time_budget_s=5, overlap="duplex")
+    rows = {r.name: r for r in compare.compare(duplex, cluster, time_budget_s=6).rows}
+    assert rows["Q+B+C+D"].is_plan and rows["Q+B+C+D"].predicted_time_s == duplex.predicted_time_s
+    ddp = engine.plan(graph, cluster, time_budget_s=2, overlap="ddp")
+    assert rows["Q+B+C"].predicted_time_s == pytest.approx(ddp.predicted_time_s, rel=1e-9)
+    none = engine.plan(graph, cluster, time_budget_s=2, overlap="none")
+    rows = {r.name: r for r in compare.compare(none, cluster, time_budget_s=6).rows}
+    assert rows["plan"].is_plan and rows["plan"].predicted_time_s == none.predicted_time_s
+
+
+def test_lane_figures_measure_busy_time_and_overlap():
+    spans = [("a", "compute", 0.0, 4.0), ("a", "network", 3.0, 6.0), ("a", "network", 5.0, 7.0),  # network 3..7
+             ("b", "compute", 0.0, 2.0), ("b", "compute", 1.0, 3.0), ("b", "network", 8.0, 10.0)]
+    a, b = compare.lane_figures(spans)
+    assert (a.device, a.compute_s, a.network_s, a.overlapped_s, a.span_s) == ("a", 4.0, 4.0, 1.0, 10.0)
+    assert a.idle_s == 3.0 and a.hidden_share == 0.25 and a.overlap_ratio == 0.25
+    assert (b.compute_s, b.network_s, b.overlapped_s, b.idle_s) == (3.0, 2.0, 0.0, 5.0)
+    with pytest.raises(engine.PlanError, match="timeline lane 'disk'"):
+        compare.lane_figures([("a", "disk", 0.0, 1.0)])
+
+
+def test_predicted_schedule_draws_the_plan_in_two_lanes_per_device(setting):
+    graph, cluster, plan = setting
+    schedule = compare.predicted_schedule(plan, cluster)
+    assert schedule.makespan_s == pytest.approx(plan.predicted_time_s, rel=1e-9)
+    spans = compare.schedule_spans(schedule)
+    assert {(d, lane) for d, lane, _, _ in spans} == {(d, lane) for d in plan.device_names for lane in compare.LANES}
+    for f in compare.lane_figures(spans):
+        assert f.compute_s > 0 and f.network_s > 0 and f.idle_s >= -1e-12
 
 
 def test_ablation_space_has_no_communication_optimisation(setting):
     graph, cluster, _ = setting
     space = compare.without_comm_optimisation(graph)
     assert "all_gather.grouped" not in space.collectives and "all_gather.padded" in space.collectives
-    res = synthesize(graph, CostModel(graph, cluster, proportional_ratios(cluster)), space=space, beam_width=DEFAULT_BEAM_WIDTH)
+    cm = CostModel(graph, cluster, proportional_ratios(cluster), overlap="ddp")
+    res = synthesize(graph, cm, space=space, beam_width=DEFAULT_BEAM_WIDTH)
     for ins in res.program:
         assert ins.rule != "all_gather.grouped"
         assert not (graph[ins.node].op in compare.MATMUL_OPS and ins.kind == "compute" and ins.rule == "replicate")
@@ -79,3 +122,4 @@ def test_what_if_predicts_and_replans(setting):
     assert w.before_s == plan.predicted_time_s and w.same_plan_s > plan.predicted_time_s
     assert w.replanned_s <= w.same_plan_s * (1 + 1e-9)
     assert w.replanned.cluster_fingerprint == w.cluster.fingerprint() != cluster.fingerprint()
+    assert w.replanned.search["overlap_request"] == plan.search["overlap_request"] == "auto"

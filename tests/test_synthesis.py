@@ -409,3 +409,109 @@ def test_captured_x_w1_relu_w2_mse_model_matches_brute_force(load_sample):
     result = synthesize(graph, cm)
     assert result.optimal is True
     assert result.cost == pytest.approx(best, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- overlap modes
+
+OVERLAP_SETTINGS = [("cpu_4_uneven", (0.7, 0.1, 0.1, 0.1)), ("cpu_2", (0.8, 0.2)), ("a100x2_p100x2", "flops"),
+                    ("a100_v100_mixed", "even")]
+
+
+def overlap_model(graph: Graph, cluster, how, mode: str, caps: tuple[int, int] | None = None) -> CostModel:
+    """A cost model in `mode`; with `caps`, bucket slots of those (first, other) caps so small graphs get many."""
+    from engine.overlap import bucket_slots
+
+    cm = CostModel(graph, cluster, ratios_for(cluster, how), overlap=mode)
+    if caps is not None:
+        cm._slots = bucket_slots(graph, first_cap=caps[0], cap=caps[1])
+    return cm
+
+
+def brute_force_each(graph: Graph, cms: list[CostModel]) -> list[float]:
+    """`brute_force`'s minimum under each cost model, enumerating the programs once (the successor
+    function does not depend on the overlap mode or the ratios)."""
+    programs = list(enumerate_programs(graph, cms[0]))
+    assert len(programs) > 1
+    return [min(evaluate(p, cm).total_s for p in programs) for cm in cms]
+
+
+OVERLAP_CASES = [("hand_residual", "cpu_4_uneven", (0.7, 0.1, 0.1, 0.1)), ("hand_residual", "cpu_2", (0.8, 0.2)),
+                 ("hand_residual", "a100x2_p100x2", "flops"), ("hand_residual", "a100_v100_mixed", "even"),
+                 ("hand_ce", "cpu_4_uneven", "flops"), ("hand_ce", "a100_v100_mixed", "even"),
+                 ("tiny_mlp", "cpu_4_uneven", (0.4, 0.3, 0.2, 0.1))]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "duplex"])
+@pytest.mark.parametrize("graph_name,cluster_name,how", OVERLAP_CASES, ids=[f"{g}-{c}" for g, c, _ in OVERLAP_CASES])
+def test_exact_astar_equals_brute_force_in_the_overlap_modes(graphs, load_sample, graph_name, cluster_name, how, mode):
+    graph = graphs[graph_name]
+    cluster = load_sample(cluster_name)
+    # DDP's own buckets (one or two on these graphs), then one bucket per parameter (the tiny MLP: just that)
+    caps = [(1, 1)] if graph_name == "tiny_mlp" else [None, (1, 1)]
+    cms = [overlap_model(graph, cluster, how, mode, c) for c in caps]
+    for cm, best in zip(cms, brute_force_each(graph, cms)):
+        result = synthesize(graph, cm)
+        assert result.optimal is True
+        assert result.cost == pytest.approx(best, rel=1e-9)
+        assert evaluate(result.program, cm).total_s == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "duplex"])
+@pytest.mark.parametrize("latency_s,bandwidth_Bps,mem_bw", [(0.0, 1e11, None), (1e-3, 1e8, 1e10), (1e-5, 1e9, 1e11)],
+                         ids=["fast-net", "slow-net-tail", "mid-net-tail"])
+def test_exact_astar_equals_brute_force_in_the_overlap_modes_on_uneven_devices(graphs, mode, latency_s, bandwidth_Bps,
+                                                                              mem_bw):
+    d = cluster_dict([3e10, 1e10, 1e9], latency_s=latency_s, bandwidth_Bps=bandwidth_Bps)
+    if mem_bw:
+        for dev, bw in zip(d["devices"], [mem_bw, mem_bw / 3, mem_bw / 10]):
+            dev["memory_bandwidth_Bps"] = bw  # a per-class tail that differs from the computation's shape
+    cluster = engine.load_cluster(d)
+    for graph_name in ("hand_ce", "hand_residual"):
+        graph = graphs[graph_name]
+        cm = overlap_model(graph, cluster, (0.6, 0.3, 0.1), mode, (1, 1))
+        [best] = brute_force_each(graph, [cm])
+        result = synthesize(graph, cm)
+        assert result.optimal is True
+        assert result.cost == pytest.approx(best, rel=1e-9), graph_name
+
+
+@pytest.mark.parametrize("mode", ["none", "ddp", "duplex"])
+def test_every_partial_programs_score_is_at_most_the_cost_of_each_completion(graphs, load_sample, mode):
+    """Admissibility, state by state: along every enumerated program, no prefix scores above the
+    program's replayed cost."""
+    graph = graphs["hand_residual"]
+    cluster = load_sample("cpu_4_uneven")
+    cm = overlap_model(graph, cluster, (0.4, 0.3, 0.2, 0.1), mode, (1, 1) if mode != "none" else None)
+    search = _Search(graph, cm, SearchSpace(), None, None, 500, None)
+    end = len(search.prep.order)
+    stack = [search.root()]
+    checked = 0
+    while stack:
+        s = stack.pop()
+        search._finish(s)
+        if s.p < end:
+            stack.extend(search._children(s))
+            continue
+        program = search._program(s)
+        if loss_form(program, graph) not in (PARTIAL, FULL):
+            continue
+        cost = evaluate(program, cm).total_s
+        assert s.score == pytest.approx(cost, rel=1e-9), "a complete program scores its cost"
+        a = s.parent
+        while a is not None:
+            assert a.score <= cost * (1 + 1e-9)
+            a = a.parent
+        checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize("mode", ["ddp", "duplex"])
+def test_reported_cost_equals_replayed_cost_for_small_gpt_in_the_overlap_modes(small_gpt, load_sample, mode):
+    for cluster_name, beam in (("cpu_4_uneven", None), ("hap_paper_testbed_machines", 16)):
+        cluster = load_sample(cluster_name)
+        cm = CostModel(small_gpt, cluster, ratios_for(cluster, "flops"), overlap=mode)
+        result = synthesize(small_gpt, cm, beam_width=beam)
+        assert result.cost == pytest.approx(evaluate(result.program, cm).total_s, rel=1e-9)
+        assert_well_formed(result.program, small_gpt)
+        if beam is None:
+            assert result.optimal is True

@@ -520,7 +520,7 @@ def test_an_unknown_overlap_mode_is_refused_by_name():
     import engine
     from engine.plan import Plan
 
-    d = engine.plan("zoo:mlp", "sample_clusters/cpu_4_uneven.json", time_budget_s=5).to_dict()
+    d = engine.plan("zoo:mlp", "sample_clusters/cpu_4_uneven.json", time_budget_s=5, overlap="none").to_dict()
     assert d["overlap"] == "none" and Plan.from_dict({**d, "overlap": "duplex"}).overlap == "duplex"
     with pytest.raises(PlanError, match='overlap: "bogus" is not an overlap mode'):
         Plan.from_dict({**d, "overlap": "bogus"})

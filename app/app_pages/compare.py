@@ -1,4 +1,5 @@
-"""Compare: the plan against data parallelism and the ablations of HAP Fig. 15, and what-if clusters."""
+"""Compare: the plan against data parallelism (ddp), the ablations of HAP Fig. 15, the plan with and
+without duplex, and what-if clusters."""
 import pandas as pd
 import streamlit as st
 
@@ -12,12 +13,19 @@ if plan is None or not services.plan_matches(plan, graph, cluster):
     st.info("No plan for this model and cluster yet: run the search on the Search page.")
     st.stop()
 budget = float(st.session_state[services.Keys.BUDGET])
-st.markdown("All rows are predicted by the same cost model. Ablations (§7.4): **Q** program synthesis alone with "
-            "flops-proportional ratios; **Q+B** with the load balancer's LP ratios; **Q+B+C** adds communication "
-            "optimisation (grouped-broadcast all-gather, sufficient-factor broadcasting): the plan.")
+st.markdown("All rows are predicted by the same cost model. Baselines (**ddp**, **dp-even**, **dp-proportional**) are "
+            "priced as PyTorch DDP runs: gradient buckets all-reduced during backward. Ablations (§7.4): **Q** "
+            "program synthesis alone with flops-proportional ratios; **Q+B** with the load balancer's LP ratios; "
+            "**Q+B+C** adds communication optimisation (grouped-broadcast all-gather, sufficient-factor "
+            "broadcasting): HAP without duplex; **Q+B+C+D** the same search with duplex (HiDup's two half-batches).")
 try:
     result = services.comparison(services.plan_key(plan), cluster.fingerprint(), budget, plan, cluster)
     table = result.table()
+    best = result.best_baseline
+    if best is not None:
+        st.metric(f"Plan vs the best baseline ({best.name})", f"{result.speedup(best):.2f}x faster",
+                  help=f"{best.name}: {ui.ms(best.predicted_time_s)}; the plan: {ui.ms(plan.predicted_time_s)} "
+                       f"(overlap {plan.overlap})")
     st.altair_chart(ui.compare_chart(table), width="stretch")
     st.dataframe(pd.DataFrame(table), hide_index=True, width="stretch",
                  column_config={"predicted_ms": st.column_config.NumberColumn("predicted ms", format="%.2f"),

@@ -13,11 +13,16 @@ if plan is None:
 if not services.plan_matches(plan, graph, cluster):
     st.warning("This plan was made for another model or cluster: run the Search page again to update it.")
 base = {k: v for k, v in plan.search.get("baselines_s", {}).items() if v is not None}
-c = st.columns(2 + len(base))
+c = st.columns(4)
 c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
 c[1].metric("Devices", plan.world_size)
-for k, (name, t) in enumerate(base.items()):
-    c[2 + k].metric(f"vs {name}", f"{t / plan.predicted_time_s:.2f}x faster", help=f"{name}: {ui.ms(t)}")
+c[2].metric("Overlap", plan.overlap, help=ui.OVERLAP_MEANING[plan.overlap])
+if base:
+    name = min(base, key=base.get)
+    c[3].metric(f"vs best baseline ({name})", f"{base[name] / plan.predicted_time_s:.2f}x faster",
+                help="baselines priced as PyTorch DDP runs: " + ", ".join(f"{k} {ui.ms(t)}" for k, t in base.items()))
+for mode, why in plan.search.get("overlap_skipped", {}).items():
+    st.caption(f"overlap {mode} not tried: {why}")
 
 left, right = st.columns(2)
 left.altair_chart(ui.ratios_chart(ui.ratio_rows(plan)), width="stretch")

@@ -6,6 +6,7 @@ import streamlit as st
 
 from app import components as ui
 from app import services
+import engine
 from engine import HapError
 
 st.title("Search")
@@ -17,6 +18,11 @@ budget = st.slider("Time budget (s): the search returns the best plan found when
 st.session_state[services.Keys.BUDGET] = budget
 segments = st.number_input("Segments: runs of layers with their own sharding ratios (HAP §5.2; 1 = one set of ratios)",
                            min_value=1, max_value=max(1, graph.num_segments), value=1, step=1, key="search.segments")
+modes = ["auto", *engine.OVERLAP_MODES]
+overlap = st.selectbox("Overlap: 'auto' plans with DDP's gradient buckets (ddp) and with HiDup's two half-batches "
+                       "(duplex) and keeps the faster", modes, index=modes.index(st.session_state[services.Keys.OVERLAP]),
+                       key="search.overlap_mode")
+st.session_state[services.Keys.OVERLAP] = overlap
 go = st.button("Run search", type="primary", key="search.run")
 status, bar, live = st.empty(), st.empty(), st.empty()
 
@@ -39,7 +45,7 @@ if go:
 
     try:
         with st.spinner("Searching ..."):
-            plan = services.run_plan(graph, cluster, budget, progress, int(segments))
+            plan = services.run_plan(graph, cluster, budget, progress, int(segments), overlap)
         st.session_state[services.Keys.PLAN] = plan
         st.session_state[services.Keys.FRONTIER] = points or None
         st.rerun()  # redraw the page (and the sidebar) around the new plan
@@ -53,12 +59,14 @@ if plan is None or not services.plan_matches(plan, graph, cluster):
     st.info("No plan for this model and cluster yet: run the search.")
     st.stop()
 s = plan.search
-c = st.columns(5)
+c = st.columns(6)
 c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
 c[1].metric("States expanded", s.get("expanded", 0))
 c[2].metric("Q<->B iterations", s.get("iterations", 0))
 c[3].metric("Search time", f"{s.get('elapsed_s', 0.0):.2f} s")
 c[4].metric("Segments", len(plan.ratios))
+c[5].metric("Overlap", plan.overlap, help="predicted per mode: " + ", ".join(
+    f"{m} {ui.ms(t)}" for m, t in s.get("overlap_s", {}).items()))
 st.caption("proven optimal for its rule set" if s.get("optimal") else
            "beam-limited or stopped by the budget: the best plan found, not proven optimal")
 points = st.session_state.get(services.Keys.FRONTIER) or s.get("frontier", [])

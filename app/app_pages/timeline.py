@@ -1,24 +1,33 @@
-"""Timeline: the predicted iteration as a Gantt chart per device and stage, beside a measured one."""
+"""Timeline: the predicted iteration as a compute lane and a network lane per device, beside a measured one."""
+import pandas as pd
 import streamlit as st
 
 from app import components as ui
 from app import services
+from engine import HapError
 
 st.title("Timeline")
 graph, cluster, plan = services.current()
 if plan is None:
     st.info("No plan yet: run the search on the Search page.")
     st.stop()
-st.markdown("Each stage opens with a collective (forward) or ends with one (backward, which runs the stages in "
-            "reverse); every device computes its share, then **idles** until the slowest device is done (HAP §3.2).")
+if plan.cluster_fingerprint != cluster.fingerprint():
+    st.info("This plan was made for another cluster: run the search again on the Search page.")
+    st.stop()
+st.markdown(f"Overlap mode **{plan.overlap}**: {ui.OVERLAP_MEANING[plan.overlap]}. Every device has a **compute** lane "
+            "and a **network** lane; where both are busy at once, communication is hidden behind computation. A "
+            "forward stage opens with its collective, a backward stage ends with its dual (HAP §3.2); a device "
+            "idles until the slowest one is done.")
 group = st.toggle("Group devices with identical timelines", value=plan.world_size > 16, key="timeline.group")
-rows = ui.timeline_rows(plan, group=group)
-st.altair_chart(ui.gantt_chart(rows, f"Predicted: {ui.ms(plan.predicted_time_s)} per iteration",
-                               ["device", "stage_label", "kind", "start_ms", "end_ms"]), width="stretch")
-busy = {}
-for r in rows:
-    busy.setdefault(r["device"], {"compute": 0.0, "communication": 0.0, "idle": 0.0})[r["kind"]] += r["end_ms"] - r["start_ms"]
-st.dataframe([{"device": d, **{f"{k}_ms": v for k, v in t.items()}} for d, t in busy.items()], hide_index=True)
+try:
+    rows = services.predicted_lanes(services.plan_key(plan), cluster.fingerprint(), group, plan, cluster)
+except HapError as e:
+    services.show_error(e)
+    st.stop()
+tooltip = ["device", "lane", "kind", "name", "stage", "half", "start_ms", "end_ms"]
+st.altair_chart(ui.gantt_chart(rows, f"Predicted: {ui.ms(plan.predicted_time_s)} per iteration", tooltip), width="stretch")
+st.dataframe(pd.DataFrame(ui.lane_summary(rows)), hide_index=True,
+             column_config={"hidden_%": st.column_config.NumberColumn("communication hidden", format="%.0f%%")})
 
 st.subheader("Measured timeline")
 upload = st.file_uploader("Runner metrics (JSON lines from `hap run PLAN --timing --metrics FILE`)", type=["jsonl", "json", "txt"],
@@ -30,8 +39,9 @@ if upload is not None:
         step = st.selectbox("Step", steps, index=len(steps) - 1, key="timeline.step") if steps else None
         measured = ui.measured_rows(records, step)
         left, right = st.columns(2)
-        left.altair_chart(ui.gantt_chart(rows, "Predicted", ["device", "stage_label", "kind"]), width="stretch")
-        right.altair_chart(ui.gantt_chart(measured, f"Measured, step {step}", ["device", "phase", "name", "kind", "start_ms", "end_ms"]),
-                           width="stretch")
+        left.altair_chart(ui.gantt_chart(rows, "Predicted", ["device", "lane", "kind", "name"]), width="stretch")
+        right.altair_chart(ui.gantt_chart(measured, f"Measured, step {step}", ["device", "lane", "phase", "name", "kind",
+                                                                             "start_ms", "end_ms"]), width="stretch")
+        st.dataframe(pd.DataFrame(ui.lane_summary(measured)), hide_index=True)
     except ValueError as e:
         st.error(str(e))

@@ -7,18 +7,23 @@ from app import components as ui
 from engine import compare
 
 
-def test_compare_table_lists_baselines_and_ablations_with_times(app, tiny_plan):
+def test_compare_table_lists_baselines_ablations_and_duplex_with_times(app, tiny_plan):
     at = open_page(app, "compare")
     no_exception(at)
     table = at.dataframe[0].value
-    assert list(table["strategy"]) == ["dp-even", "dp-proportional", "Q", "Q+B", "Q+B+C"]
+    assert list(table["strategy"]) == ["ddp", "dp-even", "dp-proportional", "Q", "Q+B", "Q+B+C", "Q+B+C+D"]
     assert table["predicted_ms"].notna().all() and (table["predicted_ms"] > 0).all()
     plan_ms = tiny_plan.predicted_time_s * 1e3
-    assert table["predicted_ms"].iloc[-1] == plan_ms
+    mine = table[table["plan"]]
+    assert list(mine["strategy"]) == [compare.PLAN_ROWS[tiny_plan.overlap]] and mine["predicted_ms"].iloc[0] == plan_ms
     base = tiny_plan.search["baselines_s"]
-    assert abs(table["predicted_ms"].iloc[0] - base["dp-even"] * 1e3) < 1e-9 * plan_ms
-    assert (table["predicted_ms"].iloc[:2] >= plan_ms * (1 - 1e-9)).all()  # the plan never loses to DP
+    assert abs(table["predicted_ms"].iloc[0] - base["ddp"] * 1e3) < 1e-9 * plan_ms
+    assert (table["predicted_ms"].iloc[:3] >= plan_ms * (1 - 1e-9)).all()  # the plan never loses to DP
     assert "Predicted iteration time" in at.get("vega_lite_chart")[0].proto.spec
+    best = min(base, key=lambda k: base[k])
+    metric = at.metric[0]
+    assert metric.label == f"Plan vs the best baseline ({best})"
+    assert metric.value == f"{base[best] / tiny_plan.predicted_time_s:.2f}x faster"
 
 
 def test_what_if_replans_on_a_changed_cluster(app, tiny_plan, cpu_cluster):

@@ -13,6 +13,11 @@ def test_plan_page_shows_the_plan(app, tiny_plan):
     at = open_page(app, "plan")
     no_exception(at)
     assert at.metric[0].value == ui.ms(tiny_plan.predicted_time_s)
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["Overlap"] == tiny_plan.overlap
+    base = tiny_plan.search["baselines_s"]
+    best = min(base, key=lambda k: base[k])
+    assert metrics[f"vs best baseline ({best})"] == f"{base[best] / tiny_plan.predicted_time_s:.2f}x faster"
     assert at.code[0].value == tiny_plan.listing()
     dot = at.get("graphviz_chart")[0].proto.spec
     forms = ui.plan_forms(tiny_plan)

@@ -58,3 +58,15 @@ def test_history_rows_follow_plan_history(tiny_plan):
     rows = ui.history_rows(tiny_plan)
     assert [r["predicted_ms"] for r in rows] == [h["predicted_time_s"] * 1e3 for h in tiny_plan.history]
     assert rows[0]["step"] == "0:Q"
+
+
+def test_search_asks_the_engine_for_the_chosen_overlap_mode(app):
+    app.session_state[Keys.PLAN] = None
+    at = open_page(app, "search")
+    assert at.selectbox(key="search.overlap_mode").value == "auto"
+    at.selectbox(key="search.overlap_mode").set_value("ddp")
+    at.button(key="search.run").click().run()
+    no_exception(at)
+    plan = at.session_state[Keys.PLAN]
+    assert plan.overlap == "ddp" and plan.search["overlap_request"] == "ddp"
+    assert {m.label: m.value for m in at.metric}["Overlap"] == "ddp"
