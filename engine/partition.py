@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -473,6 +474,15 @@ class PipelinePlan:
     schedules: dict[str, ScheduleResult]
     """The same partition under every schedule of `engine.schedule.SCHEDULES`."""
     planning_s: float
+    search: dict[str, Any] = field(default_factory=dict, compare=False)
+    """What the planner records beside the plan (`engine.plan`: the SPMD plan's time in `parallelism_s`)."""
+    parallelism: ClassVar[str] = "pipeline"
+    """The kind of plan (`engine.plan.Plan` says "spmd"): the one attribute callers branch on."""
+
+    @property
+    def predicted_time_s(self) -> float:
+        """The predicted iteration time, by the name `Plan` uses (the plans' shared protocol)."""
+        return self.predicted_s
 
 
 def batch_of(graph) -> int:
