@@ -20,7 +20,7 @@ from .graph import Graph, Node
 from .plan import Plan
 from .partition import PipelinePlan
 from .overlap import OVERLAP_MODES
-from .planner import BASELINES, evaluate, plan
+from .planner import BASELINES, PARALLELISMS, evaluate, plan
 from .synthesis import SearchProgress
 from .validate import validate_plan
 
@@ -35,5 +35,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["load_model", "load_cluster", "plan", "evaluate", "validate_plan", "BASELINES", "OVERLAP_MODES", "Plan", "PipelinePlan", "Graph",
+__all__ = ["load_model", "load_cluster", "plan", "evaluate", "validate_plan", "BASELINES", "PARALLELISMS", "OVERLAP_MODES", "Plan", "PipelinePlan", "Graph",
            "Node", "Cluster", "SearchProgress", "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError", "UnsupportedOpError"]

@@ -229,9 +229,9 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     start = time.perf_counter()
     if parallelism == "pipeline":
         pipe = best_pipeline(graph, cluster, microbatches, optimizer=optimizer)
-        return replace(pipe, search={"parallelism_request": parallelism, "parallelism_s": {"pipeline": pipe.predicted_s},
-                                     "parallelism_skipped": {"spmd": "not planned (parallelism='pipeline')"},
-                                     "optimizer": optimizer})
+        return _with_search(pipe, graph, cluster, optimizer, {
+            "parallelism_request": parallelism, "parallelism_s": {"pipeline": pipe.predicted_s},
+            "parallelism_skipped": {"spmd": "not planned (parallelism='pipeline')"}})
     return _plan_auto(graph, cluster, time_budget_s, start, microbatches, spmd_args)
 
 
@@ -258,7 +258,17 @@ def _plan_auto(graph: Graph, cluster: Cluster, time_budget_s: float | None, star
     if spmd is not None and (pipe is None or spmd.predicted_time_s <= pipe.predicted_s):
         spmd.search.update(stats)
         return spmd
-    return replace(pipe, search={**stats, "optimizer": spmd_args["optimizer"]})
+    return _with_search(pipe, graph, cluster, spmd_args["optimizer"], stats)
+
+
+def _with_search(pipe: PipelinePlan, graph: Graph, cluster: Cluster, optimizer: str,
+                 stats: dict[str, Any]) -> PipelinePlan:
+    """The pipeline plan with the planner's records, and the model and cluster it was made for
+    (fingerprints, as `Plan` holds them: the app tells a stale plan by them)."""
+    return replace(pipe, search={**stats, "optimizer": optimizer, "model_name": graph.name,
+                                 "model_fingerprint": graph.fingerprint(), "cluster_name": cluster.name,
+                                 "cluster_fingerprint": cluster.fingerprint(),
+                                 "device_names": [d.name for d in cluster.devices]})
 
 
 def _check_parallelism(parallelism: Any, microbatches: Any) -> None:
