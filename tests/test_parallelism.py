@@ -92,3 +92,19 @@ def test_cli_microbatches_with_spmd_exits_2(capsys):
     rc = main(["plan", "--model", "zoo:mlp", "--set", "layers=1", "--cluster", sample_path("cpu_2"), "--microbatches", "4"])
     err = capsys.readouterr().err
     assert rc == 2 and "microbatches applies to pipeline plans" in err
+
+
+def test_an_spmd_plan_kept_by_auto_round_trips_with_the_pipeline_time(gpt4):
+    p = engine.plan(gpt4, sample_path("cpu_4_uneven"), time_budget_s=1, parallelism="auto")
+    assert p.parallelism == "spmd"
+    back = Plan.from_json(p.to_json())
+    assert back.to_json() == p.to_json()
+    assert back.search["parallelism_s"]["pipeline"] == pytest.approx(p.search["parallelism_s"]["pipeline"])
+
+
+def test_cli_report_of_an_spmd_plan_kept_by_auto_names_the_pipeline_time(capsys):
+    rc = main(["plan", "--model", "zoo:gpt", "--set", "layers=4", "--set", "hidden=128", "--set", "heads=4",
+               "--set", "ffn=256", "--set", "vocab=1024", "--set", "seq_len=32", "--set", "batch=32",
+               "--cluster", sample_path("cpu_4_uneven"), "--parallelism", "auto", "--time-budget", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and re.search(r"parallelism: spmd kept; the best pipeline predicts [\d.]+ ms", out)
