@@ -45,6 +45,8 @@ if base:
                 help="baselines priced as PyTorch DDP runs: " + ", ".join(f"{k} {ui.ms(t)}" for k, t in base.items()))
 for mode, why in plan.search.get("overlap_skipped", {}).items():
     st.caption(f"overlap {mode} not tried: {why}")
+if "pipeline" in plan.search.get("parallelism_s", {}):
+    st.caption(f"parallelism: spmd kept; the best pipeline predicts {ui.ms(plan.search['parallelism_s']['pipeline'])}")
 
 left, right = st.columns(2)
 left.altair_chart(ui.ratios_chart(ui.ratio_rows(plan)), width="stretch")
