@@ -188,7 +188,7 @@ def _pipeline_report(pipe, graph, cluster) -> str:
     if "spmd" in times:
         rows.append(["spmd (best HAP plan)", f"{times['spmd'] * 1e3:.2f} ms", f"{times['spmd'] / pipe.predicted_s:.2f}x"])
     lines += [_table(rows), ""]
-    lines += [f"spmd not planned: {why}" for k, why in pipe.search.get("parallelism_skipped", {}).items() if k == "spmd"]
+    lines += [f"spmd: {why}" for k, why in pipe.search.get("parallelism_skipped", {}).items() if k == "spmd"]
     lines.append(f"parallelism: pipeline ({PARALLELISM_MEANING['pipeline']}); schedule {pipe.schedule}, "
                  f"B = {pipe.microbatches} microbatches, t_max {pipe.t_max_s * 1e3:.3f} ms per microbatch")
     stage_rows = [["stage", "devices", "layers", "warm-up", "forward", "backward", "sync", "peak memory / GPU"]]

@@ -231,7 +231,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
         pipe = best_pipeline(graph, cluster, microbatches, optimizer=optimizer)
         return _with_search(pipe, graph, cluster, optimizer, {
             "parallelism_request": parallelism, "parallelism_s": {"pipeline": pipe.predicted_s},
-            "parallelism_skipped": {"spmd": "not planned (parallelism='pipeline')"}})
+            "parallelism_skipped": {"spmd": "parallelism='pipeline' plans a pipeline only; 'auto' compares it with SPMD"}})
     return _plan_auto(graph, cluster, time_budget_s, start, microbatches, spmd_args)
 
 

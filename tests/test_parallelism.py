@@ -108,3 +108,13 @@ def test_cli_report_of_an_spmd_plan_kept_by_auto_names_the_pipeline_time(capsys)
                "--cluster", sample_path("cpu_4_uneven"), "--parallelism", "auto", "--time-budget", "1"])
     out = capsys.readouterr().out
     assert rc == 0 and re.search(r"parallelism: spmd kept; the best pipeline predicts [\d.]+ ms", out)
+
+
+def test_cli_pipeline_report_lists_stages_and_says_spmd_was_not_planned(capsys):
+    rc = main(["plan", "--model", "zoo:gpt", "--set", "layers=4", "--set", "hidden=128", "--set", "heads=4",
+               "--set", "ffn=256", "--set", "vocab=1024", "--set", "seq_len=32", "--set", "batch=32",
+               "--cluster", sample_path("a100x2_p100x2"), "--parallelism", "pipeline", "--microbatches", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "B = 4 microbatches" in out
+    assert "spmd: parallelism='pipeline' plans a pipeline only; 'auto' compares it with SPMD" in out
+    assert "spmd (best HAP plan)" not in out
