@@ -77,8 +77,8 @@ def content_digest(data: bytes) -> str:
 
 
 def plan_key(plan: Plan | PipelinePlan) -> str:
-    """Content hash of a plan: its JSON for an SPMD plan; a pipeline plan (no JSON format yet) by its fields."""
-    text = plan.to_json(indent=None) if plan.parallelism == "spmd" else repr(plan) + repr(sorted(plan.search.items()))
+    """Content hash of a plan's JSON (either kind)."""
+    text = plan.to_json(indent=None) if plan.parallelism == "spmd" else json.dumps(plan.to_dict(), sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -232,6 +232,11 @@ def run_plan(graph: Graph, cluster: Cluster, budget_s: float,
     with _store_lock:
         _plan_store()[(graph_key(graph), cluster.fingerprint(), budget_s, segments, overlap, parallelism)] = result
     return result
+
+
+def plan_json(plan: Plan | PipelinePlan) -> str:
+    """The plan file of either kind ("hap.plan" or "hap.pipeline_plan")."""
+    return plan.to_json() if plan.parallelism == "spmd" else json.dumps(plan.to_dict(), indent=1)
 
 
 def plan_matches(plan: Plan | PipelinePlan, graph: Graph, cluster: Cluster) -> bool:

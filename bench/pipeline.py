@@ -15,6 +15,15 @@ Run from the repository root (captures take a while; the 64-GPU SPMD plans domin
     PYTHONPATH=. python bench/pipeline.py --layers 12 --budget 5
     PYTHONPATH=. python bench/pipeline.py --layers 24 --clusters a100x8_v100x8_5gbps --epsilon 0.05
 
+With `--run`, instead: a 2-stage pipeline plan of a small GPT on `sample_clusters/cpu_4_uneven.json`
+(2 ranks per stage, the cluster's link slowed to `--link-gbps` so transfers matter) is run by
+`hap run --emulate-links` on 4 local CPU ranks, and the measured iteration time (median of the
+steps after the first) is printed beside the predicted one. The prediction prices compute from
+the cluster file's FLOP/s figures, not from this machine: profile the box (`hap profile`) for a
+fair comparison.
+
+    PYTHONPATH=. python bench/pipeline.py --run --link-gbps 0.05
+
 It reports; it never asserts. Stage times are per microbatch; "sync" is a stage's gradient
 all-reduce in its group plus its optimizer step, after the pipeline drains.
 """
@@ -41,7 +50,12 @@ def main() -> None:
     ap.add_argument("--epsilon", type=float, default=0.0,
                     help="HAPT Eq. 2: a transfer under epsilon x t_max adds one warm-up forward, not two")
     ap.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=CLUSTERS)
+    ap.add_argument("--run", action="store_true", help="run a 2-stage plan on 4 CPU ranks: measured vs predicted")
+    ap.add_argument("--link-gbps", type=float, default=0.05, help="--run: the emulated link between stages, Gbit/s")
     args = ap.parse_args()
+    if args.run:
+        _measured_vs_predicted(args.link_gbps)
+        return
     graphs = {n: _capture(n) for n in args.layers}
     deepest = None
     for name in args.clusters:
@@ -96,6 +110,45 @@ def _fig10(layers: int, pipe: PipelinePlan, cluster) -> None:
         times = [run_schedule(p, s).iteration_s for s in SCHEDULES]
         ratio = max(c, default=0.0) / p.t_max
         print(f"   {gbps:>4} " + "".join(f"{t * 1e3:9.1f} ms" for t in times) + f"   {ratio:6.2f}")
+
+
+def _measured_vs_predicted(link_gbps: float, steps: int = 6) -> None:
+    """Run a 2 x 2 pipeline plan through `hap run --emulate-links`; print measured and predicted step times."""
+    import json
+    import os
+    import re
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    from engine.cluster import Cluster
+    from engine.partition import fixed_pipeline
+    from engine.stages import StageGraph
+
+    d = json.loads((ROOT / "sample_clusters" / "cpu_4_uneven.json").read_text())
+    d["network"]["bandwidth_Bps"] = {"intra_machine": link_gbps * 1.25e8}
+    cluster = Cluster.from_dict(d)
+    graph = engine.load_model("zoo:gpt", layers=4, hidden=64, heads=4, ffn=128, vocab=256, seq_len=32, batch=16)
+    L = StageGraph(graph).num_layers
+    plan = fixed_pipeline(graph, cluster, [(0, L // 2, (0, 1)), (L // 2, L, (2, 3))], 4, "h-1f1b")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "pipeline.json"
+        path.write_text(json.dumps(plan.to_dict()))
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(path), "--steps", str(steps),
+                            "--emulate-links"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        print(r.stdout + r.stderr)
+        return
+    times = [float(t) for t in re.findall(r"time ([0-9.]+) ms", r.stdout)]
+    measured = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    print(f"gpt (4 layers, hidden 64) on 4 CPU ranks, 2 stages x 2 ranks, B = {plan.microbatches}, "
+          f"link {link_gbps} Gbit/s emulated")
+    for b in plan.boundaries:
+        print(f"    cut {b.cut}: {b.transfer_s * 1e3:.2f} ms per microbatch each way")
+    print(f"    predicted {plan.predicted_s * 1e3:8.2f} ms per step   measured {measured:8.2f} ms "
+          f"(median of steps 1..{len(times) - 1})   measured / predicted {measured / (plan.predicted_s * 1e3):.2f}")
 
 
 if __name__ == "__main__":

@@ -168,13 +168,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _pipeline_output(pipe, graph, cluster, args: argparse.Namespace) -> int:
-    """Print a pipeline plan's report; its JSON (`--out`, `--json`) has no format yet, so those are refused."""
-    from .errors import PlanError
+    """Write (`--out`) and print (`--json`, else the report) a pipeline plan ("hap.pipeline_plan", `engine.pipeline_plan`)."""
+    from .pipeline_plan import save_pipeline_plan
 
-    if args.out or args.json:
-        raise PlanError("pipeline plans cannot be saved yet (no pipeline plan JSON format); drop --out/--json to "
-                        "see the report, or use --parallelism spmd for a plan file")
+    if args.out:
+        save_pipeline_plan(pipe, args.out)
+    if args.json:
+        print(json.dumps(pipe.to_dict(), indent=1))
+        return 0
     print(_pipeline_report(pipe, graph, cluster))
+    if args.out:
+        print(f"\npipeline plan written to {args.out} (run it with `hap run {args.out}`)")
     return 0
 
 

@@ -38,18 +38,20 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
 
 from .cluster import Cluster
 from .errors import InfeasibleError, PlanError
+from .graph import Graph
 from .schedule import SCHEDULES, Pipeline, PipelineRun, StageTimes, closed_form_s, h1f1b_delta, run_schedule, \
     warmup_counts
 from .stage_cost import (DataParallelPricer, StagePrice, StagePricer, SubCluster, device_signature, sub_clusters,
                          transfer_level, transfer_s)
 from .stages import StageGraph
+from .timeline import Schedule
 
 INF = math.inf
 
@@ -432,6 +434,8 @@ class PipelineStage:
     sync_s: float
     peak_memory_bytes: float
     """Per GPU on the fullest device, under the plan's schedule."""
+    ratios: tuple[float, ...] = ()
+    """Each device's share of every microbatch (data parallelism inside the stage: ~ its FLOP/s)."""
 
 
 @dataclass(frozen=True)
@@ -459,6 +463,27 @@ class ScheduleResult:
 
 
 @dataclass(frozen=True)
+class TimelineBox:
+    """One task of the simulated iteration, as the plan records it."""
+
+    name: str
+    resource: str
+    kind: str
+    """forward, backward, transfer or grad_sync."""
+    stage: int
+    microbatch: int
+    """-1 for a stage's gradient sync."""
+    start_s: float
+    end_s: float
+
+
+def timeline_boxes(schedule: Schedule) -> tuple[TimelineBox, ...]:
+    """The boxes of a simulated schedule (`engine.timeline.Schedule`)."""
+    return tuple(TimelineBox(s.task.name, s.task.resource, s.task.kind, int(s.task.info.get("stage", 0)),
+                             int(s.task.info.get("microbatch", -1)), s.start_s, s.end_s) for s in schedule.spans)
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     """A pipeline plan: stages on device groups, boundaries, schedule and microbatches (HAPT)."""
 
@@ -474,10 +499,33 @@ class PipelinePlan:
     schedules: dict[str, ScheduleResult]
     """The same partition under every schedule of `engine.schedule.SCHEDULES`."""
     planning_s: float
+    graph: Graph | None = None
+    """The captured model the plan was made for (embedded in the plan JSON, as in `engine.plan.Plan`)."""
+    cluster_name: str = ""
+    cluster_fingerprint: str = ""
+    device_names: tuple[str, ...] = ()
+    """Every device of the cluster, in rank order (stage devices index it)."""
+    timeline: tuple[TimelineBox, ...] = ()
+    """The simulated iteration under `schedule`: one box per forward, backward, transfer and sync."""
     search: dict[str, Any] = field(default_factory=dict, compare=False)
     """What the planner records beside the plan (`engine.plan`: the SPMD plan's time in `parallelism_s`)."""
     parallelism: ClassVar[str] = "pipeline"
     """The kind of plan (`engine.plan.Plan` says "spmd"): the one attribute callers branch on."""
+
+    def to_dict(self) -> dict:
+        """The plan JSON (kind "hap.pipeline_plan"; `engine.pipeline_plan`)."""
+        from .pipeline_plan import pipeline_plan_dict
+        return pipeline_plan_dict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "PipelinePlan":
+        """Parse and validate a pipeline plan dict; PlanError naming the first bad field and the fix."""
+        from .pipeline_plan import pipeline_plan_from_dict
+        return pipeline_plan_from_dict(d)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.device_names)
 
     @property
     def predicted_time_s(self) -> float:
@@ -518,15 +566,52 @@ def best_pipeline(graph, cluster: Cluster, microbatches: int | None = None, *, p
         raise InfeasibleError(f"no pipeline of {graph.name} fits {cluster.name}: every stage on every device group "
                               "runs out of memory or a boundary transfer is slower than the slowest stage; "
                               "add devices, use fewer microbatches, or shrink the model")
-    return _plan(part, best[1], best[2], time.perf_counter() - start)
+    plan = _plan(part, best[1], best[2], time.perf_counter() - start)
+    return replace(plan, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
+                   device_names=tuple(d.name for d in cluster.devices), timeline=timeline_boxes(best[2].timeline))
 
 
-def _pipeline_of(p: Partition, epsilon: float = 0.0) -> tuple[Pipeline, tuple[int, ...]]:
+def fixed_pipeline(graph, cluster: Cluster, stages: list[tuple[int, int, tuple[int, ...]]], microbatches: int,
+                   schedule: str = "h-1f1b", *, optimizer: str = "adam") -> PipelinePlan:
+    """The plan of a partition given by hand: `stages` as (first layer, end layer, device ranks), priced
+    and simulated as `best_pipeline` prices its own (for tests, benches and users who fix the cuts).
+    A group may mix sub-clusters (its transfers are priced from its first device's sub-cluster)."""
+    start = time.perf_counter()
+    sg = StageGraph(graph)
+    part = Partitioner(sg, cluster, None, optimizer)
+    if schedule not in SCHEDULES:
+        raise PlanError(f"unknown pipeline schedule {schedule!r} (choose one of: {', '.join(SCHEDULES)})")
+    bounds = [k for k, _, _ in stages] + [stages[-1][1] if stages else 0]
+    if not stages or bounds[0] != 0 or bounds[-1] != sg.num_layers or any(e != k2 for (_, e, _), k2 in zip(stages, bounds[1:]))\
+            or any(k >= e for k, e, _ in stages):
+        raise PlanError(f"stages {[(k, e) for k, e, _ in stages]} must be consecutive non-empty runs of layers covering "
+                        f"0..{sg.num_layers} (the graph has {sg.num_layers} layers)")
+    choices = []
+    for k, e, devices in stages:
+        sub = next((a for a, s in enumerate(part.subs) if devices and devices[0] in s.devices), None)
+        if sub is None or len(set(devices)) != len(devices) or not all(0 <= j < cluster.num_devices for j in devices):
+            raise PlanError(f"stage [{k}, {e}) on devices {devices}: give distinct ranks of the cluster's "
+                            f"{cluster.num_devices} devices")
+        price = part.pricer(sg, k, e, tuple(devices), microbatches)
+        choices.append(StageChoice(k, e, sub, part.subs[sub].devices.index(devices[0]), len(devices),
+                                   tuple(devices), price))
+    transfers = tuple(part.transfer(s.end, s.sub, n.sub, microbatches) for s, n in zip(choices, choices[1:]))
+    p = Partition(tuple(choices), microbatches, INF, 0.0, transfers, ())
+    pipe, _ = _pipeline_of(p, 0.0, fixed=True)
+    run = run_schedule(pipe, schedule)
+    plan = _plan(part, p, run, time.perf_counter() - start)
+    return replace(plan, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
+                   device_names=tuple(d.name for d in cluster.devices), timeline=timeline_boxes(run.timeline))
+
+
+def _pipeline_of(p: Partition, epsilon: float = 0.0, fixed: bool = False) -> tuple[Pipeline, tuple[int, ...]]:
     """The schedule's view of a partition, and its H-1F1B counts: for its own t_max when they fit
     memory, else those the DP checked (for the DP's larger t_max bound, so fewer)."""
     pipe = Pipeline(tuple(StageTimes(s.price.forward_s, s.price.backward_s, max(s.price.activation_bytes),
                                      s.price.sync_s) for s in p.stages), p.transfers_s, p.microbatches)
     exact = warmup_counts("h-1f1b", pipe, epsilon)
+    if fixed:
+        return pipe, exact
     fits = all(n <= s.price.max_held for n, s in zip(exact, p.stages))
     return pipe, exact if fits else p.warmup
 
@@ -536,20 +621,26 @@ def _plan(part: Partitioner, p: Partition, run: PipelineRun, planning_s: float) 
     pipe, _ = _pipeline_of(p, part.epsilon)
     results = {}
     for name in SCHEDULES:
-        r = run if name == "h-1f1b" else run_schedule(pipe, name)
+        r = run if name == run.schedule else run_schedule(pipe, name)
         peaks = tuple(s.price.memory_bytes(h) for s, h in zip(p.stages, r.in_flight))
         results[name] = ScheduleResult(r.iteration_s, r.warmup, peaks,
                                        all(h <= s.price.max_held for s, h in zip(p.stages, r.in_flight)))
     sg = part.stages
     stages = tuple(PipelineStage(s.devices, part.subs[s.sub].name, (s.start, s.end),
                                  (sg.layers[s.start][0], sg.layers[s.end - 1][-1]), w, s.price.forward_s,
-                                 s.price.backward_s, s.price.sync_s, m)
+                                 s.price.backward_s, s.price.sync_s, m, _shares(part.cluster, s.devices))
                    for s, w, m in zip(p.stages, run.warmup, results["h-1f1b"].peak_memory_bytes))
     bounds = tuple(Boundary(s.end, sg.cut(s.end).tensors, sg.cut(s.end).forward_bytes, sg.cut(s.end).backward_bytes,
                             part.levels[s.sub][n.sub], c) for s, n, c in zip(p.stages, p.stages[1:], p.transfers_s))
     closed = closed_form_s(pipe) if all(c <= pipe.t_max for c in pipe.transfer_s) else None
-    return PipelinePlan(stages, bounds, "h-1f1b", p.microbatches, run.iteration_s, pipe.t_max, closed, results,
+    return PipelinePlan(stages, bounds, run.schedule, p.microbatches, run.iteration_s, pipe.t_max, closed, results,
                         planning_s)
+
+
+def _shares(cluster: Cluster, devices: tuple[int, ...]) -> tuple[float, ...]:
+    """Shares proportional to the devices' FLOP/s (as `engine.stage_cost.DataParallelPricer` prices them)."""
+    flops = [cluster.flops[j] for j in devices]
+    return tuple(f / sum(flops) for f in flops)
 
 
 def plan_pipeline(plan: PipelinePlan, transfers_s: tuple[float, ...] | None = None) -> Pipeline:

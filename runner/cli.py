@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.errors import HapError
-from engine.plan import Plan
+from engine.partition import PipelinePlan
+from engine.pipeline_plan import load_any
 from engine.validate import validate_plan
 
 from . import launch
@@ -193,7 +194,9 @@ def main(argv: Sequence[str]) -> int:
     try:
         plan_path, opened, scratch = launch.open_source(cfg.plan)
         source = str(Path(plan_path).parent) if scratch else cfg.plan  # the ranks run the extracted folder
-        plan = Plan.from_json(plan_path)  # validated (engine.validate): an inconsistent plan stops here
+        plan = load_any(plan_path)  # validated (engine.validate): an inconsistent plan stops here
+        if isinstance(plan, PipelinePlan):  # its own runner (runner.pipeline), one rank per device
+            return run_torchrun(plan.world_size, with_source(argv, cfg.plan, source), module="runner.pipeline")
         world_size = plan.world_size
         warnings = validate_plan(plan, opened.cluster) if opened else []
         launch.check_inputs(dataclasses.replace(cfg, plan=source), world_size)

@@ -111,6 +111,8 @@ class RunConfig:
     """Continue from the newest complete checkpoint in checkpoint_dir (from step 0 when there is none)."""
     device_check: str = "warn"
     """Bundles: a rank on another GPU type than its plan device is reported (`warn`), fatal (`error`) or not checked (`off`)."""
+    emulate_links: bool = False
+    """Pipeline plans: each stage-to-stage transfer takes at least its predicted time (runner.pipeline)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -180,6 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest complete checkpoint in --checkpoint-dir (step 0 if none)")
     p.add_argument("--device-check", choices=list(DEVICE_CHECK), default="warn",
                    help="bundles: report (warn, default), refuse (error) or ignore (off) a rank on another GPU type than planned")
+    p.add_argument("--emulate-links", action="store_true",
+                   help="pipeline plans: sleep each transfer between stages to its predicted time (slow links on one box)")
     return p
 
 

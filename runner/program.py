@@ -76,9 +76,11 @@ def shard(plan: Plan, tensor: int, form: int, rank: int, full: torch.Tensor) -> 
     return C.local_slice(full, form, sizes, rank)
 
 
-def build_rank_program(plan: Plan, rank: int, *, probes: bool = False) -> RankProgram:
+def build_rank_program(plan: Plan, rank: int, *, probes: bool = False, piece: ProgramPiece | None = None) -> RankProgram:
     """The rank's program; `probes` adds a `runner.timing.probe` after every compute instruction
-    so forward and backward time can be measured per instruction (`--timing`)."""
+    so forward and backward time can be measured per instruction (`--timing`). With `piece`, only
+    that part of the program (a pipeline stage): its cut inputs come first among the placeholders
+    (after the dropout key) and the module returns its cut outputs, or the loss for the last piece."""
     g = fx.Graph()
     env: dict[tuple[int, int], fx.Node] = {}
     leaves: list[tuple[int, int]] = []
@@ -86,7 +88,11 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False) -> RankPr
     segs = instruction_segments(plan.program, plan.segmentation)
     sources = source_segments(plan.program, plan.segmentation)
     rng = g.placeholder("rng") if has_dropout_sites(graph) else None
-    for ins, seg, src in zip(plan.program, segs, sources):
+    for t, f in piece.inputs if piece else ():
+        env[(t, f)] = g.placeholder(f"cut_{_safe(graph[t].name)}")
+    for k, (ins, seg, src) in enumerate(zip(plan.program, segs, sources)):
+        if piece and k not in piece.instructions:
+            continue
         if ins.kind == LOAD:
             env[(ins.node, ins.post)] = g.placeholder(_safe(graph[ins.node].name))
             leaves.append((ins.node, ins.post))
@@ -99,9 +105,23 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False) -> RankPr
             env[(ins.node, ins.post)] = out
     loss = graph.loss
     form = PARTIAL if (loss, PARTIAL) in env else FULL
-    g.output(env[(loss, form)])
+    if piece and piece.outputs:
+        g.output(tuple(env[o] for o in piece.outputs))
+    else:
+        g.output(env[(loss, form)])
     gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Rank{rank}Program")
     return RankProgram(gm, leaves, form, {n: graph[n].op == "parameter" for n, _ in leaves}, rng is not None)
+
+
+@dataclass(frozen=True)
+class ProgramPiece:
+    """Part of a plan's program (a pipeline stage): which instructions, the (tensor, form)s it takes
+    from earlier pieces and those it hands to later ones (none for the piece ending in the loss)."""
+
+    instructions: frozenset[int]
+    """Indices into `plan.program`."""
+    inputs: tuple[tuple[int, int], ...]
+    outputs: tuple[tuple[int, int], ...]
 
 
 def _safe(name: str) -> str:

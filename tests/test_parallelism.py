@@ -78,14 +78,29 @@ def test_cli_auto_chooses_a_pipeline_for_gpt24_on_the_5gbps_cluster(capsys):
         assert re.search(rf"^{name}\s+[\d.]+ ms", out, re.M), name
 
 
-def test_cli_pipeline_out_is_refused_with_one_line(capsys, tmp_path):
+def test_cli_pipeline_out_writes_a_loadable_pipeline_plan(capsys, tmp_path):
+    from engine.pipeline_plan import load_any
+
+    path = tmp_path / "p.json"
     rc = main(["plan", "--model", "zoo:gpt", "--set", "layers=2", "--set", "hidden=64", "--set", "heads=4",
                "--set", "ffn=128", "--set", "vocab=256", "--set", "seq_len=16", "--set", "batch=8",
                "--cluster", sample_path(SLOW_LINK), "--parallelism", "pipeline", "--microbatches", "2",
-               "--out", str(tmp_path / "p.json")])
-    err = capsys.readouterr().err
-    assert rc == 2 and err.count("\n") == 1 and "pipeline plans cannot be saved yet" in err
-    assert not (tmp_path / "p.json").exists()
+               "--out", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"pipeline plan written to {path}" in out
+    plan = load_any(str(path))
+    assert isinstance(plan, PipelinePlan) and plan.microbatches == 2
+    assert f"{plan.predicted_time_s * 1e3:.2f} ms" in out
+
+
+def test_cli_pipeline_json_prints_the_pipeline_plan(capsys):
+    import json
+
+    rc = main(["plan", "--model", "zoo:gpt", "--set", "layers=2", "--set", "hidden=64", "--set", "heads=4",
+               "--set", "ffn=128", "--set", "vocab=256", "--set", "seq_len=16", "--set", "batch=8",
+               "--cluster", sample_path(SLOW_LINK), "--parallelism", "pipeline", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert rc == 0 and d["kind"] == "hap.pipeline_plan" and PipelinePlan.from_dict(d).stages
 
 
 def test_cli_microbatches_with_spmd_exits_2(capsys):

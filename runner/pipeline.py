@@ -1,0 +1,463 @@
+"""Run a pipeline plan (`engine.partition.PipelinePlan`): stages on device groups, microbatches in the planned order.
+
+Every rank builds the single-device model from the seed and keeps the parameters of its stage.
+A stage runs the piece of the graph's data-parallel program (`data_parallel_program`)
+between its cuts (`runner.program.ProgramPiece`). Data parallelism inside a stage is expressed with
+*virtual ranks*: the stage's plan splits the batch over B x g virtual ranks, microbatch m's rows
+going to virtual ranks m g .. m g + g - 1 in the stage's ratios, so stage rank r runs microbatch m
+as virtual rank m g + r, with shapes localised by the plan's integer sizes. The program's mean
+losses divide by the whole batch's count, so each microbatch's loss addend is already scaled and
+the summed gradients equal the full batch's; after the pipeline drains each stage all-reduces its
+gradients inside its own process group and steps its optimizer.
+
+Between stages the cut tensors go by `isend`/`irecv`, tagged by microbatch and direction: a tensor
+split over the batch is re-sliced so each receiver gets exactly the rows it needs from each sender
+(`row_pieces`); a replicated one comes whole from one sender, and its gradient addend goes back to
+that sender. `link_s` emulates slow links: each transfer also carries its send time, and the
+receiver waits until send time (or the link's previous arrival) plus the boundary's transfer time.
+
+Limits (issue 15): CPU and gloo only (no NCCL path yet); no dropout; a weight used by two stages
+(tied embeddings) is refused, not summed; stages run data parallelism inside, not HAP's sharding.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.cluster import Cluster
+from engine.cost import CostModel
+from engine.errors import HapError, InfeasibleError, PlanError
+from engine.graph import Graph
+from engine.partition import PipelinePlan
+from engine.plan import Plan, shard_key, shard_units, split_sizes
+from engine.program import LOAD, Instruction
+from engine.schedule import stage_order
+from engine.segments import Segmentation
+from engine.synthesis import SearchSpace, synthesize
+from engine.theory.core import FULL, PARTIAL
+
+from .program import ProgramPiece, RankProgram, build_rank_program, shard
+from .train import build_module, make_batch, make_optimizer
+
+
+def data_parallel_program(graph: Graph) -> tuple[Instruction, ...]:
+    """The graph's data-parallel program with no collective at all: parameters Full, each input split
+    on the batch or loaded whole, only the loss Partial (a sum over the batch such as the count of
+    kept targets is computed whole from whole inputs instead of all-reduced, which a pipeline stage,
+    seeing one microbatch at a time, could not do). Its forms do not depend on the number of devices,
+    so two made-up equal devices find it."""
+    devices = [{"name": f"d{j}", "gpu_model": "any", "machine": "m", "flops_per_gpu": 1e12,
+                "memory_bytes_per_gpu": 1 << 40} for j in range(2)]
+    cluster = Cluster.from_dict({"schema_version": 1, "name": "pipeline-stage", "description": "runner", "sources": [],
+                                 "devices": devices, "network": {"latency_s": 0.0, "bandwidth_Bps": {"intra_machine": 1e12}}})
+    loss = graph.loss
+    space = SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f in (FULL, 0),
+                        collectives=frozenset({"slice"}),
+                        rule_filter=lambda n, r: (r.output >= FULL or n == loss) and all(f >= FULL for f in r.inputs))
+    try:
+        return synthesize(graph, CostModel(graph, cluster, [0.5, 0.5], "sgd"), space=space).program
+    except InfeasibleError:
+        raise PlanError(f"pipeline: {graph.name} has no data-parallel program without collectives (an operator "
+                        "with no batch rule); it cannot run as a pipeline yet") from None
+
+
+def stage_plan(plan: PipelinePlan, program: tuple[Instruction, ...], stage: int) -> Plan:
+    """The plan a stage's ranks run: `program` over B x g virtual ranks (see the module docstring)."""
+    graph, B = plan.graph, plan.microbatches
+    ratios = plan.stages[stage].ratios or tuple(1 / len(plan.stages[stage].devices) for _ in plan.stages[stage].devices)
+    seg = Segmentation.single(graph)
+    sizes = {}
+    for (t, d, k), units in shard_units(program, graph, seg).items():
+        if units % B:
+            raise PlanError(f"pipeline: {B} microbatches do not split {graph[t].name} dim {d} ({units} units) evenly; "
+                            "choose a microbatch count that divides the batch")
+        step = graph[t].shape[d] // units
+        sizes[shard_key(graph, seg, t, d, k)] = [x * step for _ in range(B) for x in split_sizes(units // B, list(ratios))]
+    W = B * len(ratios)
+    return Plan("pipeline-stage", graph, plan.cluster_name, plan.cluster_fingerprint, [f"v{v}" for v in range(W)],
+                program, {"0": [r / B for _ in range(B) for r in ratios]}, sizes, 0.0, [], [0.0] * W)
+
+
+def program_pieces(plan: PipelinePlan, program: tuple[Instruction, ...]) -> list[ProgramPiece]:
+    """Each stage's instructions, the (tensor, form)s it receives and those it sends on."""
+    graph, S = plan.graph, len(plan.stages)
+    stage_of = {}
+    for i, s in enumerate(plan.stages):
+        for n in graph.nodes:
+            if not n.is_leaf and s.nodes[0] <= n.id <= s.nodes[1]:
+                stage_of[n.id] = i
+    produced: dict[tuple[int, int], int] = {}
+    used: dict[tuple[int, int], set[int]] = {}
+    own: list[set[int]] = [set() for _ in range(S)]
+    for k, ins in enumerate(program):
+        if graph[ins.node].is_leaf:
+            continue
+        i = stage_of[ins.node]
+        own[i].add(k)
+        produced[(ins.node, ins.post)] = i
+        for pair in ins.pre:
+            used.setdefault(pair, set()).add(i)
+    for k in reversed(range(len(program))):  # loads (and slices of loaded leaves) go where they are used
+        ins = program[k]
+        if not graph[ins.node].is_leaf:
+            continue
+        stages = used.get((ins.node, ins.post), set())
+        if ins.kind == LOAD and graph[ins.node].op == "parameter" and len(stages) > 1:
+            raise PlanError(f"pipeline: parameter {graph[ins.node].name} is used by stages {sorted(stages)} (a tied "
+                            "weight); the runner does not sum a tied weight's gradients across stages yet: cut elsewhere")
+        for i in stages:
+            own[i].add(k)
+        for pair in ins.pre:
+            used.setdefault(pair, set()).update(stages)
+    after = [tuple(sorted(p for p, i in produced.items() if i <= b and any(j > b for j in used.get(p, ()))))
+             for b in range(S - 1)]
+    return [ProgramPiece(frozenset(own[i]), after[i - 1] if i else (), after[i] if i < S - 1 else ())
+            for i in range(S)]
+
+
+def row_pieces(send: list[int], recv: list[int], m: int, g_send: int, g_recv: int) -> list[tuple[int, int, int, int]]:
+    """(sender, receiver, first row, end row) in the global tensor for microbatch m: the overlaps of
+    the senders' and receivers' row ranges (the sizes are over virtual ranks m g + r)."""
+    def ranges(sizes: list[int], g: int) -> list[tuple[int, int]]:
+        start = sum(sizes[:m * g])
+        out = []
+        for r in range(g):
+            out.append((start, start + sizes[m * g + r]))
+            start += sizes[m * g + r]
+        return out
+    pieces = []
+    for b, (lo_b, hi_b) in enumerate(ranges(recv, g_recv)):
+        for a, (lo_a, hi_a) in enumerate(ranges(send, g_send)):
+            lo, hi = max(lo_a, lo_b), min(hi_a, hi_b)
+            if lo < hi:
+                pieces.append((a, b, lo, hi))
+    return pieces
+
+
+@dataclass
+class Route:
+    """How one cut (tensor, form) goes from stage s's ranks to stage s+1's for one microbatch."""
+
+    pair: tuple[int, int]
+    pieces: list[tuple[int, int, int, int]]
+    """(sender, receiver, global first row, end row); rows -1 for a whole (replicated) tensor."""
+    send_starts: list[int]
+    """Each sender's first global row (to narrow its local tensor)."""
+    recv_starts: list[int]
+
+
+@dataclass
+class StageRank:
+    """What one rank holds: its stage, its program per microbatch, parameters and optimizer."""
+
+    stage: int
+    index: int
+    """This rank's position in its stage's group."""
+    plans: list[Plan]
+    pieces: list[ProgramPiece]
+    programs: list[RankProgram]
+    """One per microbatch (virtual rank m g + index)."""
+    params: list[torch.nn.Parameter]
+    buffers: dict[int, torch.Tensor]
+    optimizer: torch.optim.Optimizer
+    groups: list[Any]
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+
+
+def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = "sgd", lr: float = 0.05) -> StageRank:
+    """Every rank calls this (process groups are made collectively): its stage's programs and parameters."""
+    program = data_parallel_program(plan.graph)
+    plans = [stage_plan(plan, program, i) for i in range(len(plan.stages))]
+    pieces = program_pieces(plan, program)
+    groups = [dist.new_group(list(s.devices)) for s in plan.stages]
+    stage = next((i for i, s in enumerate(plan.stages) if rank in s.devices), None)
+    if stage is None:
+        raise PlanError(f"pipeline: rank {rank} is in no stage; give every rank of the cluster a stage")
+    index = plan.stages[stage].devices.index(rank)
+    g = len(plan.stages[stage].devices)
+    programs = [build_rank_program(plans[stage], m * g + index, piece=pieces[stage]) for m in range(plan.microbatches)]
+    module = build_module(plans[stage], seed)
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named_buffers = dict(module.named_buffers(remove_duplicate=False))
+    graph, first = plan.graph, programs[0]
+    params = [torch.nn.Parameter(named[graph[n].attrs["target"]].detach().clone()) for n, _ in first.params]
+    buffers = {n: named_buffers[graph[n].attrs["target"]].detach().clone() for n, f in first.leaves
+               if graph[n].op == "buffer"}
+    return StageRank(stage, index, plans, pieces, programs, params, buffers, make_optimizer(params, optimizer, lr),
+                     groups)
+
+
+def routes(plan: PipelinePlan, sr: StageRank, boundary: int, m: int) -> list[Route]:
+    """The routes of every cut tensor between stages `boundary` and `boundary` + 1 for microbatch m."""
+    gs, gr = len(plan.stages[boundary].devices), len(plan.stages[boundary + 1].devices)
+    out = []
+    for t, f in sr.pieces[boundary].outputs:
+        if f == PARTIAL:
+            raise PlanError(f"pipeline: {plan.graph[t].name} crosses a cut as a Partial sum; cut elsewhere")
+        if f == FULL:
+            out.append(Route((t, f), [(b % gs, b, -1, -1) for b in range(gr)], [0] * gs, [0] * gr))
+            continue
+        send, recv = sr.plans[boundary].sizes(t, f), sr.plans[boundary + 1].sizes(t, f)
+        pieces = row_pieces(send, recv, m, gs, gr)
+        out.append(Route((t, f), pieces, [sum(send[:m * gs + a]) for a in range(gs)],
+                         [sum(recv[:m * gr + b]) for b in range(gr)]))
+    return out
+
+
+def _tag(m: int, direction: int, k: int) -> int:
+    return (m * 2 + direction) * 4096 + k
+
+
+class Links:
+    """Sends and receives of one step, with emulated link times (`link_s[boundary]`, 0: none)."""
+
+    def __init__(self, plan: PipelinePlan, sr: StageRank, link_s: Sequence[float] | None) -> None:
+        self.plan, self.sr = plan, sr
+        self.link_s = list(link_s) if link_s else [0.0] * (len(plan.stages) - 1)
+        self.pending: list[Any] = []
+        self.free_at: dict[tuple[int, int], float] = {}
+
+    def send(self, boundary: int, m: int, direction: int, tensors: dict[tuple[int, int], torch.Tensor]) -> None:
+        """Forward (direction 0): this stage's outputs to stage boundary+1; backward (1): input grads to stage boundary."""
+        plan, me = self.plan, self.sr.index
+        dst_stage = boundary + 1 if direction == 0 else boundary
+        peers = set()
+        for k, route in enumerate(routes(plan, self.sr, boundary, m)):
+            x = tensors[route.pair]
+            for a, b, lo, hi in route.pieces:
+                mine, peer = (a, b) if direction == 0 else (b, a)
+                if mine != me:
+                    continue
+                piece = x
+                if lo >= 0:
+                    start = route.send_starts[a] if direction == 0 else route.recv_starts[b]
+                    piece = x.narrow(route.pair[1], lo - start, hi - lo)
+                dst = plan.stages[dst_stage].devices[peer]
+                self.pending.append(dist.isend(piece.detach().contiguous(), dst, tag=_tag(m, direction, k)))
+                peers.add(dst)
+        stamp = torch.tensor([time.time()], dtype=torch.float64)
+        for dst in sorted(peers):
+            self.pending.append(dist.isend(stamp, dst, tag=_tag(m, direction, 4095)))
+
+    def recv(self, boundary: int, m: int, direction: int) -> dict[tuple[int, int], torch.Tensor]:
+        """The whole local tensors this rank needs (forward: cut inputs; backward: output grads)."""
+        plan, me, graph = self.plan, self.sr.index, self.plan.graph
+        src_stage = boundary if direction == 0 else boundary + 1
+        out: dict[tuple[int, int], torch.Tensor] = {}
+        waits: list[tuple[Any, torch.Tensor]] = []
+        peers = set()
+        assembled: dict[tuple[int, int], list[torch.Tensor]] = {}
+        for k, route in enumerate(routes(plan, self.sr, boundary, m)):
+            t, f = route.pair
+            dtype = getattr(torch, graph[t].dtype)
+            for a, b, lo, hi in route.pieces:
+                mine, peer = (b, a) if direction == 0 else (a, b)
+                if mine != me:
+                    continue
+                shape = list(graph[t].shape)
+                if lo >= 0:
+                    shape[f] = hi - lo
+                buf = torch.empty(shape, dtype=dtype)
+                src = plan.stages[src_stage].devices[peer]
+                waits.append((dist.irecv(buf, src, tag=_tag(m, direction, k)), buf))
+                assembled.setdefault(route.pair, []).append(buf)
+                peers.add(src)
+        stamps = []
+        for src in sorted(peers):
+            s = torch.empty(1, dtype=torch.float64)
+            waits.append((dist.irecv(s, src, tag=_tag(m, direction, 4095)), s))
+            stamps.append(s)
+        for w, _ in waits:
+            w.wait()
+        self._emulate(boundary, direction, max((float(s) for s in stamps), default=time.time()))
+        for pair, parts in assembled.items():
+            if pair[1] == FULL and direction == 1:
+                out[pair] = torch.stack(parts).sum(0)  # gradient addends of a replicated tensor
+            else:
+                out[pair] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=pair[1])
+        return out
+
+    def _emulate(self, boundary: int, direction: int, sent_at: float) -> None:
+        c = self.link_s[boundary]
+        if c <= 0:
+            return
+        arrival = max(sent_at, self.free_at.get((boundary, direction), 0.0)) + c
+        self.free_at[(boundary, direction)] = arrival
+        delay = arrival - time.time()
+        if delay > 0:
+            time.sleep(delay)
+
+    def drain(self) -> None:
+        for w in self.pending:
+            w.wait()
+        self.pending.clear()
+
+
+def microbatch_args(plan: PipelinePlan, sr: StageRank, m: int, batch: tuple[torch.Tensor, ...],
+                    cut: dict[tuple[int, int], torch.Tensor]) -> list:
+    """Arguments of the stage program for microbatch m: cut inputs, then parameters, buffers and input rows."""
+    prog, sp = sr.programs[m], sr.plans[sr.stage]
+    v = m * len(plan.stages[sr.stage].devices) + sr.index
+    params = iter(sr.params)
+    if prog.uses_rng:
+        raise PlanError("pipeline: models with dropout are not run as pipelines yet; capture with dropout off")
+    leaves = [next(params) if prog.is_param[n] else sr.buffers[n] if n in sr.buffers
+              else shard(sp, n, f, v, batch[plan.graph[n].attrs["index"]]) for n, f in prog.leaves]
+    return [cut[p] for p in sr.pieces[sr.stage].inputs] + leaves
+
+
+def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, ...],
+                  link_s: Sequence[float] | None = None) -> float:
+    """One step in the planned order (this stage's warm-up count); returns the global loss."""
+    start = time.perf_counter()
+    S, B, i = len(plan.stages), plan.microbatches, sr.stage
+    links, piece = Links(plan, sr, link_s), sr.pieces[i]
+    g = len(plan.stages[i].devices)
+    sr.optimizer.zero_grad(set_to_none=True)
+    held: dict[int, tuple[dict, Any]] = {}
+    loss_sum = torch.zeros(1, dtype=torch.float64)
+    for kind, m in stage_order(plan.stages[i].warmup, B):
+        if kind == "F":
+            cut = links.recv(i - 1, m, 0) if i > 0 else {}
+            for x in cut.values():
+                if x.is_floating_point():
+                    x.requires_grad_(True)
+            out = sr.programs[m].module(*microbatch_args(plan, sr, m, batch, cut))
+            if i == S - 1:
+                loss = out if sr.programs[m].loss_form == PARTIAL else out / (B * g)
+                loss_sum += float(loss.detach())
+                held[m] = (cut, loss)
+            else:
+                outs = dict(zip(piece.outputs, out))
+                links.send(i, m, 0, outs)
+                held[m] = (cut, outs)
+        else:
+            cut, out = held.pop(m)
+            if i == S - 1:
+                out.backward()
+            else:
+                grads = links.recv(i, m, 1)
+                pairs = [p for p in piece.outputs if out[p].requires_grad]
+                torch.autograd.backward([out[p] for p in pairs], [grads.get(p, torch.zeros_like(out[p])) for p in pairs])
+            if i > 0:
+                links.send(i - 1, m, 1, {p: (x.grad if x.grad is not None else torch.zeros_like(x))
+                                         for p, x in cut.items()})
+    links.drain()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in sr.params]
+    for p, gr in zip(sr.params, grads):
+        p.grad = gr
+    if g > 1 and grads:
+        flat = torch.cat([x.reshape(-1) for x in grads])
+        dist.all_reduce(flat, group=sr.groups[i])
+        for x, part in zip(grads, torch.split(flat, [x.numel() for x in grads])):
+            x.copy_(part.view_as(x))
+    sr.optimizer.step()
+    dist.all_reduce(loss_sum)  # only the last stage's ranks hold addends
+    sr.losses.append(float(loss_sum))
+    sr.step_times.append(time.perf_counter() - start)
+    return sr.losses[-1]
+
+
+def stage_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor]:
+    """This rank's parameters by model name (every rank of a stage holds the same)."""
+    return {plan.graph[n].attrs["target"]: p.detach().clone() for (n, _), p in zip(sr.programs[0].params, sr.params)}
+
+
+def gathered_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor]:
+    """Every parameter of the model, from the first rank of each stage (all ranks take part)."""
+    mine = stage_params(plan, sr) if sr.index == 0 else {}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05):
+    """Single-device training that accumulates the plan's microbatches in order (loss / B each)."""
+    module = build_module(plan, seed)  # type: ignore[arg-type]  # reads plan.graph.origin only
+    opt = make_optimizer(list(module.parameters()), optimizer, lr)
+    B, losses = plan.microbatches, []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        batch = make_batch(plan, step, seed)  # type: ignore[arg-type]
+        total = 0.0
+        for m in range(B):
+            loss = module(*(x.chunk(B, 0)[m] for x in batch)) / B
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        losses.append(total)
+    return losses, {k: v.detach() for k, v in module.named_parameters(remove_duplicate=False)}
+
+
+# ----------------------------------------------------------------------------- `hap run` on a pipeline plan
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """`hap run`'s options (runner.launch), of which a pipeline run uses plan, steps, seed, optimizer,
+    lr, verify, timeout and emulate-links."""
+    from .launch import build_parser as run_parser
+
+    return run_parser()
+
+
+def run_rank(plan: PipelinePlan, rank: int, args: argparse.Namespace) -> int:
+    """One rank of `hap run PIPELINE_PLAN`: train, print losses and times on rank 0, verify if asked."""
+    from .verify import compare
+
+    torch.set_num_threads(1)
+    sr = setup_stage_rank(plan, rank, args.seed, args.optimizer, args.lr)
+    link_s = [b.transfer_s for b in plan.boundaries] if args.emulate_links else None
+    for step in range(args.steps):
+        loss = pipeline_step(plan, sr, make_batch(plan, step, args.seed), link_s)  # type: ignore[arg-type]
+        if rank == 0:
+            print(f"step {step}: loss {loss:.6f}  time {sr.step_times[-1] * 1e3:.1f} ms", flush=True)
+    params = gathered_params(plan, sr)
+    if rank == 0:
+        print(f"pipeline: {len(plan.stages)} stages, {plan.schedule}, {plan.microbatches} microbatches; "
+              f"predicted {plan.predicted_s * 1e3:.3f} ms per step", flush=True)
+    if not args.verify or rank != 0:
+        return 0
+    ref_losses, ref_params = microbatch_reference(plan, args.steps, args.seed, args.optimizer, args.lr)
+    result = compare(sr.losses, params, ref_losses, ref_params)
+    print(result.render(), flush=True)
+    return 0 if result.ok() else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry of each torchrun rank (`python -m runner.pipeline PLAN ...`)."""
+    import os
+
+    from engine.pipeline_plan import load_any
+
+    args = build_parser().parse_args(argv)
+    try:
+        plan = load_any(args.plan)
+        if not isinstance(plan, PipelinePlan):
+            raise PlanError("runner.pipeline runs pipeline plans; run a plain plan with `hap run`")
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        if world != plan.world_size:
+            raise PlanError(f"the plan needs {plan.world_size} ranks, torchrun started {world}")
+        if torch.cuda.is_available() and rank == 0:
+            print("hap run: pipeline plans run on the CPU over gloo so far (the GPUs are not used)", file=sys.stderr)
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
+        status = run_rank(plan, rank, args)
+    except HapError as e:
+        print(f"hap run: error: {e}", file=sys.stderr)
+        status = 2
+    sys.stdout.flush()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return status
+
+
+
+if __name__ == "__main__":
+    sys.exit(main())
