@@ -12,7 +12,7 @@ from typing import Any, Iterable
 import altair as alt
 import pandas as pd
 
-from engine import Cluster, Graph, Plan
+from engine import Cluster, Graph, PipelinePlan, Plan
 from engine.compare import LANES, lane_figures
 from engine.planner import OVERLAP_MEANING  # noqa: F401 (pages show it)
 from engine.program import COMM, COMPUTE, LOAD
@@ -385,6 +385,98 @@ def lane_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "idle_ms": f.idle_s, "hidden_%": 100 * f.hidden_share} for f in lane_figures(spans)]
 
 
+# ----------------------------------------------------------------------------- pipelines
+
+PIPELINE_KINDS = {"forward": "forward", "backward": "backward", "transfer": "transfer", "grad_sync": "gradient sync",
+                  "bubble": "bubble (idle)"}
+"""How the tasks of `engine.schedule.pipeline_tasks` are shown, and the idle gaps of a stage's lane."""
+PIPELINE_COLORS = {"forward": "#4c78a8", "backward": "#72b7b2", "transfer": "#e45756", "gradient sync": "#54a24b",
+                   "bubble (idle)": "#eeeeee"}
+
+
+def pipeline_rows(schedule_rows: list[dict[str, Any]], num_stages: int) -> list[dict[str, Any]]:
+    """Gantt bars of a simulated pipeline iteration (`run_schedule(...).timeline.rows()`): a lane per
+    stage (one box per microbatch forward and backward, the gradient sync, and the idle gaps as
+    bubbles) and a lane per link direction (one box per microbatch transfer), in stage order."""
+    end = max((r["end_s"] for r in schedule_rows), default=0.0)
+    rows, order = [], {}
+    for s in range(num_stages):
+        order[f"stage{s}"] = (s, 0)
+        order[f"link{s}>{s + 1}"], order[f"link{s + 1}>{s}"] = (s, 1), (s, 2)
+    for r in schedule_rows:
+        if r["end_s"] <= r["start_s"] or r["resource"] not in order:
+            continue
+        rows.append(_pipeline_bar(r["resource"], PIPELINE_KINDS.get(r["kind"], r["kind"]), r["name"],
+                                  r.get("microbatch"), r["start_s"], r["end_s"]))
+    for s in range(num_stages):
+        busy = sorted((r["start_s"], r["end_s"]) for r in schedule_rows if r["resource"] == f"stage{s}")
+        t = 0.0
+        for a, b in [*busy, (end, end)]:
+            if a > t + 1e-12:
+                rows.append(_pipeline_bar(f"stage{s}", PIPELINE_KINDS["bubble"], "idle", None, t, a))
+            t = max(t, b)
+    return sorted(rows, key=lambda r: (order[r["resource"]], r["start_ms"]))
+
+
+def _pipeline_bar(resource: str, kind: str, name: str, microbatch: int | None, start_s: float, end_s: float) -> dict:
+    if resource.startswith("stage"):
+        lane = f"stage {resource[5:]}"
+    else:
+        a, b = resource[4:].split(">")
+        lane = f"link {a}→{b}" if int(a) < int(b) else f"link {b}←{a}"
+    return {"row": lane, "resource": resource, "kind": kind, "name": name,
+            "microbatch": "" if microbatch is None else str(microbatch),
+            "start_ms": start_s * 1e3, "end_ms": end_s * 1e3}
+
+
+def bubble_share(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per stage lane: ms busy and ms idle (bubbles) over the iteration."""
+    out = []
+    for lane in dict.fromkeys(r["row"] for r in rows if r["resource"].startswith("stage")):
+        mine = [r for r in rows if r["row"] == lane]
+        idle = sum(r["end_ms"] - r["start_ms"] for r in mine if r["kind"] == PIPELINE_KINDS["bubble"])
+        busy = sum(r["end_ms"] - r["start_ms"] for r in mine if r["kind"] != PIPELINE_KINDS["bubble"])
+        out.append({"stage": lane, "busy_ms": busy, "bubble_ms": idle, "bubble_%": 100 * idle / max(busy + idle, 1e-12)})
+    return out
+
+
+def pipeline_stage_rows(plan: PipelinePlan, cluster: Cluster) -> list[dict[str, Any]]:
+    """One row per stage: its devices, layers, warm-up count, per-microbatch times and peak memory."""
+    rows = []
+    for i, s in enumerate(plan.stages):
+        devs = [cluster.devices[j] for j in s.devices]
+        rows.append({"stage": i, "devices": ", ".join(d.name for d in devs),
+                     "gpus": ", ".join(sorted({d.gpu_model for d in devs})), "sub_cluster": s.sub_cluster,
+                     "layers": f"{s.layers[0]}-{s.layers[1] - 1}", "warmup": s.warmup,
+                     "forward_ms": s.forward_s * 1e3, "backward_ms": s.backward_s * 1e3, "sync_ms": s.sync_s * 1e3,
+                     "peak_gib": s.peak_memory_bytes / GIB,
+                     "capacity_gib": min(d.memory_bytes_per_gpu for d in devs) / GIB})
+    return rows
+
+
+def pipeline_boundary_rows(plan: PipelinePlan) -> list[dict[str, Any]]:
+    """One row per boundary: the cut layer, bytes each way, the link level and the transfer per microbatch."""
+    return [{"between": f"{i} → {i + 1}", "cut_at_layer": b.cut, "forward_mib": b.forward_bytes / 2**20,
+             "backward_mib": b.backward_bytes / 2**20, "link": b.link, "transfer_ms": b.transfer_s * 1e3}
+            for i, b in enumerate(plan.boundaries)]
+
+
+def pipeline_schedule_rows(plan: PipelinePlan) -> list[dict[str, Any]]:
+    """The plan's partition under every schedule (time, warm-up and peak memory per stage, fits),
+    and the SPMD plan's predicted time when the planner made one (`parallelism="auto"`)."""
+    rows = []
+    for name, r in plan.schedules.items():
+        row = {"strategy": f"pipeline, {name}", "predicted_ms": r.iteration_s * 1e3,
+               "warmup": " ".join(map(str, r.warmup)), "fits": r.fits, "plan": name == plan.schedule}
+        row.update({f"stage {i} peak GiB": m / GIB for i, m in enumerate(r.peak_memory_bytes)})
+        rows.append(row)
+    spmd = plan.search.get("parallelism_s", {}).get("spmd")
+    if spmd is not None:
+        rows.append({"strategy": "spmd (best HAP plan)", "predicted_ms": spmd * 1e3, "warmup": "", "fits": True,
+                     "plan": False})
+    return rows
+
+
 # ----------------------------------------------------------------------------- charts
 
 
@@ -479,3 +571,26 @@ def replan_traffic_chart(rows: list[dict[str, Any]]) -> alt.Chart:
     return alt.Chart(pd.DataFrame(long)).mark_bar().encode(
         x=alt.X("device:N", sort=None), xOffset="direction:N", y="bytes:Q", color="direction:N",
         tooltip=["device", "direction", "bytes"]).properties(title="Bytes to move per device")
+
+
+def pipeline_gantt_chart(rows: list[dict[str, Any]], title: str) -> alt.LayerChart:
+    """One lane per stage and link direction, a box per microbatch forward/backward/transfer labelled
+    with its microbatch, idle gaps of a stage drawn as bubbles."""
+    df = pd.DataFrame(rows)
+    base = alt.Chart(df).encode(
+        x=alt.X("start_ms:Q", title="time (ms)"), y=alt.Y("row:N", sort=None, title=None))
+    bars = base.mark_bar(stroke="white", strokeWidth=0.5).encode(
+        x2="end_ms:Q", color=alt.Color("kind:N", title=None, scale=alt.Scale(domain=list(PIPELINE_COLORS),
+                                                                           range=list(PIPELINE_COLORS.values()))),
+        tooltip=["row", "kind", "name", "microbatch", "start_ms", "end_ms"])
+    labels = base.transform_calculate(mid="(datum.start_ms + datum.end_ms) / 2").mark_text(
+        fontSize=9, color="white").encode(x="mid:Q", text="microbatch:N")
+    return (bars + labels).properties(title=title, height=max(160, 30 * len(set(df["row"])) if len(df) else 160))
+
+
+def pipeline_schedule_chart(rows: list[dict[str, Any]]) -> alt.Chart:
+    """Predicted iteration time of the pipeline under each schedule beside the SPMD plan."""
+    return alt.Chart(pd.DataFrame(rows), title="Pipeline schedules and the SPMD plan").mark_bar().encode(
+        x=alt.X("predicted_ms:Q", title="ms"), y=alt.Y("strategy:N", sort=None, title=None),
+        color=alt.condition(alt.datum.plan, alt.value("#e45756"), alt.value("#4c78a8")),
+        tooltip=["strategy", "predicted_ms", "warmup", "fits"]).properties(height=60 + 36 * len(rows))

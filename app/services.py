@@ -20,8 +20,10 @@ from typing import Any, Callable
 import streamlit as st
 
 import engine
-from engine import Cluster, Graph, HapError, ModelError, Plan
+from engine import Cluster, Graph, HapError, ModelError, PipelinePlan, Plan
 from engine import compare as engine_compare
+from engine import partition as engine_partition
+from engine import schedule as engine_schedule
 from engine import source as engine_source
 from engine.zoo import ZOO
 
@@ -53,6 +55,8 @@ class Keys:
     BUDGET = "search.budget"
     OVERLAP = "search.overlap"
     """The overlap mode asked of the planner (`auto`, `none`, `ddp`, `duplex`)."""
+    PARALLELISM = "search.parallelism"
+    """The kind of plan asked of the planner (`spmd`, `pipeline`, `auto`)."""
     FRONTIER = "search.frontier"
     PYTHON_TRUST = "model.trust"
     EDITOR = "cluster.editor"
@@ -72,8 +76,10 @@ def content_digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def plan_key(plan: Plan) -> str:
-    return hashlib.sha256(plan.to_json(indent=None).encode()).hexdigest()
+def plan_key(plan: Plan | PipelinePlan) -> str:
+    """Content hash of a plan's JSON (either kind)."""
+    text = plan.to_json(indent=None) if plan.parallelism == "spmd" else json.dumps(plan.to_dict(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 # ----------------------------------------------------------------------------- models
@@ -206,29 +212,51 @@ def _plan_store() -> dict[tuple, Plan]:
 _store_lock = threading.Lock()
 
 
-def stored_plan(graph: Graph, cluster: Cluster, budget_s: float, segments: int = 1, overlap: str = "auto") -> Plan | None:
+def stored_plan(graph: Graph, cluster: Cluster, budget_s: float, segments: int = 1, overlap: str = "auto",
+                parallelism: str = "spmd") -> Plan | PipelinePlan | None:
     with _store_lock:
-        return _plan_store().get((graph_key(graph), cluster.fingerprint(), budget_s, segments, overlap))
+        return _plan_store().get((graph_key(graph), cluster.fingerprint(), budget_s, segments, overlap, parallelism))
 
 
 def run_plan(graph: Graph, cluster: Cluster, budget_s: float,
              progress: Callable[[engine.SearchProgress], None] | None = None, segments: int = 1,
-             overlap: str = "auto") -> Plan:
+             overlap: str = "auto", parallelism: str = "spmd") -> Plan | PipelinePlan:
     """Plan with the engine (the Q<->B loop, A* + LP; `segments` > 1 also tries per-segment ratios;
-    `overlap` the overlap mode, `auto` the faster of ddp and duplex) and keep it in the store."""
-    found = stored_plan(graph, cluster, budget_s, segments, overlap)
+    `overlap` the overlap mode, `auto` the faster of ddp and duplex; `parallelism` spmd, pipeline
+    (HAPT) or auto, the faster of both) and keep it in the store."""
+    found = stored_plan(graph, cluster, budget_s, segments, overlap, parallelism)
     if found is not None:
         return found
     result = engine.plan(graph, cluster, time_budget_s=budget_s, progress=progress, report_every=REPORT_EVERY,
-                         segments=segments, overlap=overlap)
+                         segments=segments, overlap=overlap, parallelism=parallelism)
     with _store_lock:
-        _plan_store()[(graph_key(graph), cluster.fingerprint(), budget_s, segments, overlap)] = result
+        _plan_store()[(graph_key(graph), cluster.fingerprint(), budget_s, segments, overlap, parallelism)] = result
     return result
 
 
-def plan_matches(plan: Plan, graph: Graph, cluster: Cluster) -> bool:
+def plan_json(plan: Plan | PipelinePlan) -> str:
+    """The plan file of either kind ("hap.plan" or "hap.pipeline_plan")."""
+    return plan.to_json() if plan.parallelism == "spmd" else json.dumps(plan.to_dict(), indent=1)
+
+
+def plan_matches(plan: Plan | PipelinePlan, graph: Graph, cluster: Cluster) -> bool:
     """Whether the plan was made for this model and cluster."""
-    return plan.model_fingerprint == graph.fingerprint() and plan.cluster_fingerprint == cluster.fingerprint()
+    if plan.parallelism == "pipeline":
+        model_fp, cluster_fp = plan.search.get("model_fingerprint"), plan.search.get("cluster_fingerprint")
+    else:
+        model_fp, cluster_fp = plan.model_fingerprint, plan.cluster_fingerprint
+    return model_fp == graph.fingerprint() and cluster_fp == cluster.fingerprint()
+
+
+@st.cache_data(max_entries=16)
+def pipeline_gantt(key: str, schedule: str, _plan: PipelinePlan) -> list[dict[str, Any]]:
+    """Gantt rows of a pipeline plan's iteration under `schedule` (`engine.schedule.run_schedule`
+    on the plan's stages: one box per microbatch forward/backward per stage, transfers per link).
+    The plan's own schedule uses its warm-up counts (those checked against memory)."""
+    pipe = engine_partition.plan_pipeline(_plan)
+    warmup = tuple(s.warmup for s in _plan.stages) if schedule == _plan.schedule else None
+    run = engine_schedule.run_schedule(pipe, schedule, warmup=warmup)
+    return ui.pipeline_rows(run.timeline.rows(), len(_plan.stages))
 
 
 @st.cache_data(show_spinner="Comparing with the baselines and the ablations ...", max_entries=16)
@@ -301,6 +329,7 @@ def init_state() -> None:
         ss[Keys.CLUSTER_SOURCE] = f"sample_clusters/{DEFAULT_CLUSTER}"
     ss.setdefault(Keys.BUDGET, DEFAULT_BUDGET_S)
     ss.setdefault(Keys.OVERLAP, "auto")
+    ss.setdefault(Keys.PARALLELISM, "spmd")
     if Keys.PLAN not in ss:
         with st.spinner("Planning the default model on the default cluster ..."):
             ss[Keys.PLAN] = run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], DEFAULT_BUDGET_S)
@@ -326,7 +355,7 @@ def set_cluster(cluster: Cluster, source: str) -> None:
         st.rerun()
 
 
-def current() -> tuple[Graph, Cluster, Plan | None]:
+def current() -> tuple[Graph, Cluster, Plan | PipelinePlan | None]:
     ss = st.session_state
     return ss[Keys.GRAPH], ss[Keys.CLUSTER], ss.get(Keys.PLAN)
 

@@ -6,6 +6,8 @@ Public surface (scripts rely on these names):
     engine.load_model("path/model.py") | engine.load_model("hf:LlamaForCausalLM", config="cfg.json", hidden_size=256)
     engine.load_cluster(path_or_dict)
     engine.plan(model, cluster, time_budget_s=None, progress=None, overlap="auto"|"none"|"ddp"|"duplex") -> Plan
+    engine.plan(..., parallelism="spmd"|"pipeline"|"auto", microbatches=None) -> Plan | PipelinePlan
+                                       (both: .parallelism "spmd"/"pipeline", .predicted_time_s, .search)
     engine.evaluate(model, cluster, "ddp" | "dp-even" | "dp-proportional") -> Plan    (priced as DDP runs)
     engine.Plan.from_json(text_or_path)                       (validated: PlanError naming the first problem)
     engine.validate_plan(plan_or_dict, cluster=None) -> warnings
@@ -17,8 +19,9 @@ from .cluster import Cluster, load_cluster
 from .errors import ClusterError, HapError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
 from .graph import Graph, Node
 from .plan import Plan
+from .partition import PipelinePlan
 from .overlap import OVERLAP_MODES
-from .planner import BASELINES, evaluate, plan
+from .planner import BASELINES, PARALLELISMS, evaluate, plan
 from .replan import replan
 from .synthesis import SearchProgress
 from .validate import validate_plan
@@ -34,6 +37,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["load_model", "load_cluster", "plan", "evaluate", "replan", "validate_plan", "BASELINES", "OVERLAP_MODES", "Plan",
-           "Graph", "Node", "Cluster", "SearchProgress", "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError",
-           "UnsupportedOpError"]
+__all__ = ["load_model", "load_cluster", "plan", "evaluate", "replan", "validate_plan", "BASELINES", "PARALLELISMS",
+           "OVERLAP_MODES", "Plan", "PipelinePlan", "Graph", "Node", "Cluster", "SearchProgress", "HapError", "ClusterError",
+           "ModelError", "PlanError", "InfeasibleError", "UnsupportedOpError"]

@@ -1,7 +1,8 @@
 """The `hap` command line: headless planning from a shell.
 
     hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S]
-             [--segments N] [--overlap auto|none|ddp|duplex] [--json]
+             [--segments N] [--overlap auto|none|ddp|duplex] [--parallelism spmd|pipeline|auto]
+             [--microbatches N] [--json]
     hap plan --model path/to/model.py --cluster FILE ...         (a file defining build_model() and example_inputs())
     hap plan --model hf:LlamaForCausalLM [--config cfg.json] [--set hidden_size=256 --set batch=8 --set seq_len=128] ...
     hap capture --model zoo:gpt --set layers=2 --out graph.json
@@ -29,7 +30,7 @@ from typing import Any, Sequence
 
 from . import limits
 from .errors import HapError
-from .planner import BASELINES, OVERLAP_MEANING, PLAN_OVERLAPS
+from .planner import BASELINES, OVERLAP_MEANING, PARALLELISM_MEANING, PARALLELISMS, PLAN_OVERLAPS
 
 GIB = 2**30
 
@@ -102,7 +103,7 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
             rows.append([name, why, ""])
         else:
             rows.append([name, f"{t * 1e3:.2f} ms", f"{t / plan.predicted_time_s:.2f}x"])
-    lines += [_table(rows), "", *_overlap_lines(plan, baselines), ""]
+    lines += [_table(rows), "", *_overlap_lines(plan, baselines), *_parallelism_lines(plan), ""]
     dev = [["device", "gpu", "ratio" if len(plan.ratios) == 1 else "ratio per segment", "memory / GPU", "capacity"]]
     for first, last, cells in _device_runs(plan, cluster):
         name = first if first == last else f"{first} .. {last}"
@@ -132,6 +133,13 @@ def _overlap_lines(plan, baselines: dict[str, float | None]) -> list[str]:
     return lines
 
 
+def _parallelism_lines(plan) -> list[str]:
+    """When `--parallelism auto` kept the SPMD plan: the pipeline's predicted time, or why there was none."""
+    times, skipped = plan.search.get("parallelism_s", {}), plan.search.get("parallelism_skipped", {})
+    if "pipeline" in times:
+        return [f"parallelism: spmd kept; the best pipeline predicts {times['pipeline'] * 1e3:.2f} ms"]
+    return [f"parallelism: spmd kept; no pipeline: {skipped['pipeline']}"] if "pipeline" in skipped else []
+
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from . import load_cluster, plan
@@ -140,9 +148,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     graph = _load_graph(args)
     result = plan(graph, cluster, time_budget_s=args.time_budget, progress=_progress_printer(), optimizer=args.optimizer,
-                  segments=args.segments, overlap=args.overlap)
+                  segments=args.segments, overlap=args.overlap, parallelism=args.parallelism,
+                  microbatches=args.microbatches)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
+    if result.parallelism == "pipeline":
+        return _pipeline_output(result, graph, cluster, args)
     if args.out:
         result.save(args.out)
     if args.json:
@@ -169,6 +180,61 @@ def cmd_replan(args: argparse.Namespace) -> int:
     if args.out:
         print(f"\nplan written to {args.out}")
     return 0
+
+
+def _pipeline_output(pipe, graph, cluster, args: argparse.Namespace) -> int:
+    """Write (`--out`) and print (`--json`, else the report) a pipeline plan ("hap.pipeline_plan", `engine.pipeline_plan`)."""
+    from .pipeline_plan import save_pipeline_plan
+
+    if args.out:
+        save_pipeline_plan(pipe, args.out)
+    if args.json:
+        print(json.dumps(pipe.to_dict(), indent=1))
+        return 0
+    print(_pipeline_report(pipe, graph, cluster))
+    if args.out:
+        print(f"\npipeline plan written to {args.out} (run it with `hap run {args.out}`)")
+    return 0
+
+
+def _pipeline_report(pipe, graph, cluster) -> str:
+    """Stages (devices, layers, warm-up), boundaries, every schedule's time and peak memory, and the SPMD time."""
+    lines = [f"model {graph.name}: {graph.num_parameters / 1e6:.1f}M parameters, {len(graph)} nodes; "
+             f"cluster {cluster.name}: {cluster.num_devices} devices", ""]
+    times = pipe.search.get("parallelism_s", {})
+    rows = [["parallelism", "predicted iteration", "speed-up of the pipeline"],
+            ["pipeline", f"{pipe.predicted_s * 1e3:.2f} ms", ""]]
+    if "spmd" in times:
+        rows.append(["spmd (best HAP plan)", f"{times['spmd'] * 1e3:.2f} ms", f"{times['spmd'] / pipe.predicted_s:.2f}x"])
+    lines += [_table(rows), ""]
+    lines += [f"spmd: {why}" for k, why in pipe.search.get("parallelism_skipped", {}).items() if k == "spmd"]
+    lines.append(f"parallelism: pipeline ({PARALLELISM_MEANING['pipeline']}); schedule {pipe.schedule}, "
+                 f"B = {pipe.microbatches} microbatches, t_max {pipe.t_max_s * 1e3:.3f} ms per microbatch")
+    stage_rows = [["stage", "devices", "layers", "warm-up", "forward", "backward", "sync", "peak memory / GPU"]]
+    for i, s in enumerate(pipe.stages):
+        stage_rows.append([str(i), _device_names(cluster, s.devices), f"{s.layers[0]}-{s.layers[1] - 1}", str(s.warmup),
+                           f"{s.forward_s * 1e3:.3f} ms", f"{s.backward_s * 1e3:.3f} ms", f"{s.sync_s * 1e3:.2f} ms",
+                           f"{s.peak_memory_bytes / GIB:.2f} GiB"])
+    lines += ["", _table(stage_rows)]
+    if pipe.boundaries:
+        lines.append("")
+        lines += [f"boundary {i}|{i + 1} at layer {b.cut}: {b.forward_bytes / 2**20:.1f} MiB per iteration over "
+                  f"{b.link}, {b.transfer_s * 1e3:.3f} ms per microbatch each way" for i, b in enumerate(pipe.boundaries)]
+    sched = [["schedule", "predicted iteration", "warm-up per stage", "peak memory / GPU per stage", "fits"]]
+    for name, r in pipe.schedules.items():
+        sched.append([name, f"{r.iteration_s * 1e3:.2f} ms", " ".join(map(str, r.warmup)),
+                      " ".join(f"{m / GIB:.2f}" for m in r.peak_memory_bytes) + " GiB", "yes" if r.fits else "no"])
+    lines += ["", _table(sched), "", f"planning: {pipe.planning_s:.2f} s for the pipeline DP"]
+    return "\n".join(lines)
+
+
+def _device_names(cluster, devices: tuple[int, ...]) -> str:
+    """'4 x A100-40GB (a100-4 .. a100-7)' for a group of one GPU model, else the names joined."""
+    names = [cluster.devices[j].name for j in devices]
+    models = {cluster.devices[j].gpu_model for j in devices}
+    if len(models) > 1:
+        return ", ".join(names)
+    return f"{len(names)} x {models.pop()} ({names[0]}" + (f" .. {names[-1]})" if len(names) > 1 else ")")
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
@@ -297,6 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlap of communication with computation: 'ddp' gradient buckets during backward, 'duplex' "
                         "two half-batches (HiDup), 'none' nothing; 'auto' (default) plans in ddp and duplex and keeps "
                         "the faster")
+    p.add_argument("--parallelism", choices=PARALLELISMS, default="spmd",
+                   help="'spmd' (default) every device runs every layer (HAP); 'pipeline' layers in stages on device "
+                        "groups (HAPT); 'auto' plans both and keeps the faster (helps across slow links)")
+    p.add_argument("--microbatches", type=limits.bounded_int(1, 4096, "a microbatch count"), default=None, metavar="N",
+                   help="pipeline plans: fix the number of microbatches B (default: searched)")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     p.add_argument("--fallback", choices=["auto", "replicate", "strict"], default=None,
                    help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "

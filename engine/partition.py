@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -506,6 +507,10 @@ class PipelinePlan:
     """Every device of the cluster, in rank order (stage devices index it)."""
     timeline: tuple[TimelineBox, ...] = ()
     """The simulated iteration under `schedule`: one box per forward, backward, transfer and sync."""
+    search: dict[str, Any] = field(default_factory=dict, compare=False)
+    """What the planner records beside the plan (`engine.plan`: the SPMD plan's time in `parallelism_s`)."""
+    parallelism: ClassVar[str] = "pipeline"
+    """The kind of plan (`engine.plan.Plan` says "spmd"): the one attribute callers branch on."""
 
     def to_dict(self) -> dict:
         """The plan JSON (kind "hap.pipeline_plan"; `engine.pipeline_plan`)."""
@@ -521,6 +526,11 @@ class PipelinePlan:
     @property
     def world_size(self) -> int:
         return len(self.device_names)
+
+    @property
+    def predicted_time_s(self) -> float:
+        """The predicted iteration time, by the name `Plan` uses (the plans' shared protocol)."""
+        return self.predicted_s
 
 
 def batch_of(graph) -> int:

@@ -9,7 +9,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from .cost import Breakdown
 from .errors import ModelError, PlanError
@@ -130,6 +130,8 @@ class StageRecord:
 class Plan:
     """Program Q + ratios B + predictions. `to_json`/`from_json` round-trip exactly."""
 
+    parallelism: ClassVar[str] = "spmd"
+    """The kind of plan (`engine.partition.PipelinePlan` says "pipeline"): the one attribute callers branch on."""
     strategy: str
     """`hap`, `dp-even` or `dp-proportional`."""
     graph: Graph

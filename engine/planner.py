@@ -17,6 +17,12 @@ wins only where it predicts a gain. The ddp plan is also priced with one bucket 
 overlapping is faster, and auto keeps that. The baselines (`ddp`, `dp-even`, `dp-proportional`) are
 priced as PyTorch DDP runs: gradient buckets overlapped with backward.
 
+Parallelism (`plan(..., parallelism=)`): `spmd` (default) is the loop above; `pipeline` is HAPT's
+stage partitioning (`engine.partition.best_pipeline`: stages on device groups, H-1F1B schedule);
+`auto` plans both and keeps the faster prediction (SPMD on a tie). `plan` then returns a `Plan` or
+an `engine.partition.PipelinePlan`; both have `parallelism` ("spmd" / "pipeline"),
+`predicted_time_s` and `search` (with `parallelism_s`: every kind planned and its predicted time).
+
 With `segments=g > 1` (§5.2) the model is cut into g segments at layer boundaries, B becomes one
 ratio vector per segment, and tensors crossing a boundary are re-split by all-to-alls. The
 one-segment baselines stay candidates, so segments are used only where they pay.
@@ -24,7 +30,7 @@ one-segment baselines stay candidates, so segments are used only where they pay.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from .balance import balance, gib
@@ -34,6 +40,7 @@ from . import limits
 from .errors import InfeasibleError, PlanError
 from .graph import Graph, Node
 from .overlap import OVERLAP_MODES, duplex_run_problem
+from .partition import PipelinePlan, best_pipeline
 from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
 from .segments import Segmentation, segment_graph, with_resplits
 from .program import Instruction
@@ -47,6 +54,11 @@ with backward); `dp-even` / `dp-proportional`: even / flops-proportional shares,
 `ddp` and `dp-even` are the same program at the same shares: `ddp` is the name users look for."""
 BASELINE_OVERLAP = "ddp"
 """How every baseline is priced: what users compare against is DDP as it runs."""
+PARALLELISMS = ("spmd", "pipeline", "auto")
+"""What `plan(..., parallelism=)` accepts: `auto` plans an SPMD and a pipeline plan and keeps the faster."""
+PARALLELISM_MEANING = {"spmd": "every device runs every layer on its share of the batch (HAP)",
+                       "pipeline": "layers in stages on device groups, microbatches through them (HAPT)"}
+"""One line per kind of plan, for reports."""
 PLAN_OVERLAPS = ("auto", *OVERLAP_MODES)
 """What `plan(..., overlap=)` accepts: `auto` plans in ddp and in duplex and keeps the faster."""
 OVERLAP_MEANING = {"none": "gradients all-reduced after backward", "ddp": "gradient buckets all-reduced during backward",
@@ -200,7 +212,84 @@ def _unlimited(cluster: Cluster) -> Cluster:
 def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
          progress: Callable[[SearchProgress], None] | None = None, *, optimizer: str = "adam",
          beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6, segments: int = 1,
-         report_every: int = 500, overlap: str = "auto") -> Plan:
+         report_every: int = 500, overlap: str = "auto", parallelism: str = "spmd",
+         microbatches: int | None = None) -> "Plan | PipelinePlan":
+    """Plan `model` on `cluster` as `parallelism` says: `spmd` (default) returns the SPMD `Plan` of
+    `plan_spmd`; `pipeline` the `PipelinePlan` of `best_pipeline` (`microbatches` fixes B, else it
+    is searched); `auto` both, returning the faster prediction (SPMD on a tie). The pipeline DP has
+    no deadline: under `auto` it runs first and the SPMD search gets what is left of
+    `time_budget_s` (at least 0.05 s), so a DP slower than the budget overruns it by its own time.
+    The returned plan's `search["parallelism_s"]` holds every kind planned and its predicted time;
+    `search["parallelism_skipped"]` why a kind has no plan (e.g. no pipeline fits memory)."""
+    _check_parallelism(parallelism, microbatches)
+    spmd_args = dict(progress=progress, optimizer=optimizer, beam_width=beam_width, max_iterations=max_iterations,
+                     segments=segments, report_every=report_every, overlap=overlap)
+    if parallelism == "spmd":
+        return plan_spmd(model, cluster, time_budget_s, **spmd_args)
+    _check_arguments(time_budget_s, optimizer, overlap)
+    graph, cluster = _coerce(model, cluster)
+    start = time.perf_counter()
+    if parallelism == "pipeline":
+        pipe = best_pipeline(graph, cluster, microbatches, optimizer=optimizer)
+        return _with_search(pipe, graph, cluster, optimizer, {
+            "parallelism_request": parallelism, "parallelism_s": {"pipeline": pipe.predicted_s},
+            "parallelism_skipped": {"spmd": "parallelism='pipeline' plans a pipeline only; 'auto' compares it with SPMD"}})
+    return _plan_auto(graph, cluster, time_budget_s, start, microbatches, spmd_args)
+
+
+def _plan_auto(graph: Graph, cluster: Cluster, time_budget_s: float | None, start: float, microbatches: int | None,
+               spmd_args: dict[str, Any]) -> "Plan | PipelinePlan":
+    """The faster of the best pipeline and the best SPMD plan; the pipeline DP first (no deadline),
+    then the SPMD search in what is left of the budget. Either kind may have no plan (InfeasibleError):
+    the other is returned with the reason recorded; with neither, the SPMD error is raised."""
+    skipped: dict[str, str] = {}
+    try:
+        pipe = best_pipeline(graph, cluster, microbatches, optimizer=spmd_args["optimizer"])
+    except InfeasibleError as e:
+        pipe, skipped["pipeline"] = None, str(e)
+    left = None if time_budget_s is None else max(0.05, time_budget_s - (time.perf_counter() - start))
+    try:
+        spmd = plan_spmd(graph, cluster, left, **spmd_args)
+    except InfeasibleError as e:
+        if pipe is None:
+            raise
+        spmd, skipped["spmd"] = None, str(e)
+    times = {k: p.predicted_time_s for k, p in (("spmd", spmd), ("pipeline", pipe)) if p is not None}
+    stats = {"parallelism_request": "auto", "parallelism_s": times, "parallelism_skipped": skipped,
+             "parallelism_elapsed_s": time.perf_counter() - start}
+    if spmd is not None and (pipe is None or spmd.predicted_time_s <= pipe.predicted_s):
+        spmd.search.update(stats)
+        return spmd
+    return _with_search(pipe, graph, cluster, spmd_args["optimizer"], stats)
+
+
+def _with_search(pipe: PipelinePlan, graph: Graph, cluster: Cluster, optimizer: str,
+                 stats: dict[str, Any]) -> PipelinePlan:
+    """The pipeline plan with the planner's records, and the model and cluster it was made for
+    (fingerprints, as `Plan` holds them: the app tells a stale plan by them)."""
+    return replace(pipe, search={**stats, "optimizer": optimizer, "model_name": graph.name,
+                                 "model_fingerprint": graph.fingerprint(), "cluster_name": cluster.name,
+                                 "cluster_fingerprint": cluster.fingerprint(),
+                                 "device_names": [d.name for d in cluster.devices]})
+
+
+def _check_parallelism(parallelism: Any, microbatches: Any) -> None:
+    """Refuse an unknown parallelism, a bad microbatch count, or a count where no pipeline is planned."""
+    if not isinstance(parallelism, str) or parallelism not in PARALLELISMS:
+        raise PlanError(f"parallelism {parallelism!r} is not known (choose one of: {', '.join(PARALLELISMS)})")
+    if microbatches is None:
+        return
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanError(f"microbatches = {microbatches!r}; give a positive integer (or None to search)")
+    if parallelism == "spmd":
+        raise PlanError("microbatches applies to pipeline plans; use parallelism='pipeline' or 'auto' "
+                        "(an SPMD plan runs the whole batch at once)")
+
+
+def plan_spmd(model: Any, cluster: Any, time_budget_s: float | None = None,
+              progress: Callable[[SearchProgress], None] | None = None, *, optimizer: str = "adam",
+              beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6, segments: int = 1,
+              report_every: int = 500, overlap: str = "auto") -> Plan:
     """Plan `model` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
 
     `overlap` is the overlap mode to plan in (`none`, `ddp`, `duplex`), or `auto`: plan in ddp

@@ -13,6 +13,19 @@ if plan is None or not services.plan_matches(plan, graph, cluster):
     st.info("No plan for this model and cluster yet: run the search on the Search page.")
     st.stop()
 budget = float(st.session_state[services.Keys.BUDGET])
+if plan.parallelism == "pipeline":
+    rows = ui.pipeline_schedule_rows(plan)
+    st.markdown("The pipeline plan's stages under each schedule (HAPT §4), simulated on the same stage and transfer "
+                "times: **GPipe** all forwards then all backwards; **1F1B** warm-up S - i + 1; **Eager-1F1B** "
+                "2(S - i) + 1; **H-1F1B** sized by each boundary's transfer time. More warm-up hides transfers but "
+                "holds more microbatches' activations: peak memory per stage is per GPU on its fullest device. "
+                "The SPMD row is the best SPMD (HAP) plan of the same search (`auto`).")
+    st.altair_chart(ui.pipeline_schedule_chart(rows), width="stretch")
+    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
+                 column_config={"predicted_ms": st.column_config.NumberColumn("predicted ms", format="%.3f")})
+    if "spmd" not in plan.search.get("parallelism_s", {}):
+        st.caption("No SPMD plan to compare with: plan with parallelism 'auto' on the Search page.")
+    st.stop()
 st.markdown("All rows are predicted by the same cost model. Baselines (**ddp**, **dp-even**, **dp-proportional**) are "
             "priced as PyTorch DDP runs: gradient buckets all-reduced during backward. Ablations (§7.4): **Q** "
             "program synthesis alone with flops-proportional ratios; **Q+B** with the load balancer's LP ratios; "

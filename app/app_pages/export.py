@@ -10,6 +10,14 @@ graph, cluster, plan = services.current()
 if plan is None:
     st.info("No plan yet: run the search on the Search page.")
     st.stop()
+if plan.parallelism == "pipeline":
+    st.download_button("Download plan.json (pipeline)", services.plan_json(plan), file_name="plan.json",
+                       mime="application/json", type="primary", key="export.pipeline_plan")
+    st.download_button("Download cluster.json", services.cluster_json(cluster), file_name="cluster.json",
+                       mime="application/json", key="export.cluster")
+    st.info("Launch bundles of pipeline plans are not part of this build yet: run the plan file with `hap run`.")
+    st.code(f"hap run plan.json --steps 5 --verify      # {plan.world_size} ranks, one per device", language="bash")
+    st.stop()
 st.download_button("Download plan.json", plan.to_json(), file_name="plan.json", mime="application/json",
                    type="primary", key="export.plan")
 st.download_button("Download cluster.json", services.cluster_json(cluster), file_name="cluster.json",

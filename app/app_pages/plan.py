@@ -12,6 +12,28 @@ if plan is None:
     st.stop()
 if not services.plan_matches(plan, graph, cluster):
     st.warning("This plan was made for another model or cluster: run the Search page again to update it.")
+if plan.parallelism == "pipeline":
+    times = plan.search.get("parallelism_s", {})
+    c = st.columns(4)
+    c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
+    c[1].metric("Stages", len(plan.stages))
+    c[2].metric("Schedule, microbatches", f"{plan.schedule}, B = {plan.microbatches}")
+    if "spmd" in times:
+        c[3].metric("vs best SPMD plan", f"{times['spmd'] / plan.predicted_time_s:.2f}x faster",
+                    help=f"the best SPMD (HAP) plan: {ui.ms(times['spmd'])}")
+    st.markdown("A **pipeline** plan (HAPT): each stage runs a run of layers on its own group of devices, data-parallel "
+                "inside the group; microbatches flow through the stages and their activations (forward) and "
+                "gradients (backward) cross each boundary point to point. The **warm-up** count is how many "
+                "forwards a stage runs before its first backward (H-1F1B sizes it to hide slow transfers).")
+    st.dataframe(pd.DataFrame(ui.pipeline_stage_rows(plan, cluster)), hide_index=True, width="stretch",
+                 column_config={k: st.column_config.NumberColumn(format="%.3f") for k in
+                                ("forward_ms", "backward_ms", "sync_ms", "peak_gib", "capacity_gib")})
+    if plan.boundaries:
+        st.subheader("Boundaries")
+        st.dataframe(pd.DataFrame(ui.pipeline_boundary_rows(plan)), hide_index=True, width="stretch")
+    st.caption(f"t_max (slowest stage, forward + backward per microbatch) {ui.ms(plan.t_max_s)}; "
+               f"pipeline planned in {plan.planning_s:.2f} s. The Timeline page draws the schedule.")
+    st.stop()
 base = {k: v for k, v in plan.search.get("baselines_s", {}).items() if v is not None}
 c = st.columns(4)
 c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
@@ -23,6 +45,8 @@ if base:
                 help="baselines priced as PyTorch DDP runs: " + ", ".join(f"{k} {ui.ms(t)}" for k, t in base.items()))
 for mode, why in plan.search.get("overlap_skipped", {}).items():
     st.caption(f"overlap {mode} not tried: {why}")
+if "pipeline" in plan.search.get("parallelism_s", {}):
+    st.caption(f"parallelism: spmd kept; the best pipeline predicts {ui.ms(plan.search['parallelism_s']['pipeline'])}")
 
 left, right = st.columns(2)
 left.altair_chart(ui.ratios_chart(ui.ratio_rows(plan)), width="stretch")

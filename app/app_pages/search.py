@@ -23,6 +23,12 @@ overlap = st.selectbox("Overlap: 'auto' plans with DDP's gradient buckets (ddp) 
                        "(duplex) and keeps the faster", modes, index=modes.index(st.session_state[services.Keys.OVERLAP]),
                        key="search.overlap_mode")
 st.session_state[services.Keys.OVERLAP] = overlap
+kinds = list(engine.PARALLELISMS)
+parallelism = st.selectbox("Parallelism: 'spmd' every device runs every layer (HAP); 'pipeline' layers in stages on "
+                           "device groups (HAPT, helps across slow links); 'auto' plans both and keeps the faster",
+                           kinds, index=kinds.index(st.session_state[services.Keys.PARALLELISM]),
+                           key="search.parallelism_kind")
+st.session_state[services.Keys.PARALLELISM] = parallelism
 go = st.button("Run search", type="primary", key="search.run")
 status, bar, live = st.empty(), st.empty(), st.empty()
 
@@ -45,7 +51,7 @@ if go:
 
     try:
         with st.spinner("Searching ..."):
-            plan = services.run_plan(graph, cluster, budget, progress, int(segments), overlap)
+            plan = services.run_plan(graph, cluster, budget, progress, int(segments), overlap, parallelism)
         st.session_state[services.Keys.PLAN] = plan
         st.session_state[services.Keys.FRONTIER] = points or None
         st.rerun()  # redraw the page (and the sidebar) around the new plan
@@ -59,6 +65,17 @@ if plan is None or not services.plan_matches(plan, graph, cluster):
     st.info("No plan for this model and cluster yet: run the search.")
     st.stop()
 s = plan.search
+if plan.parallelism == "pipeline":
+    c = st.columns(4)
+    c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
+    c[1].metric("Parallelism", "pipeline", help="predicted per kind: " + ", ".join(
+        f"{k} {ui.ms(t)}" for k, t in s.get("parallelism_s", {}).items()))
+    c[2].metric("Stages", len(plan.stages))
+    c[3].metric("Pipeline planning time", f"{plan.planning_s:.2f} s")
+    for kind, why in s.get("parallelism_skipped", {}).items():
+        st.caption(f"{kind}: {why}")
+    st.caption("The Plan page lists the stages; the Timeline page draws the schedule.")
+    st.stop()
 c = st.columns(6)
 c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
 c[1].metric("States expanded", s.get("expanded", 0))
@@ -67,6 +84,10 @@ c[3].metric("Search time", f"{s.get('elapsed_s', 0.0):.2f} s")
 c[4].metric("Segments", len(plan.ratios))
 c[5].metric("Overlap", plan.overlap, help="predicted per mode: " + ", ".join(
     f"{m} {ui.ms(t)}" for m, t in s.get("overlap_s", {}).items()))
+if "pipeline" in s.get("parallelism_s", {}):
+    st.caption(f"parallelism: spmd kept; the best pipeline predicts {ui.ms(s['parallelism_s']['pipeline'])}")
+for kind, why in s.get("parallelism_skipped", {}).items():
+    st.caption(f"{kind}: {why}")
 st.caption("proven optimal for its rule set" if s.get("optimal") else
            "beam-limited or stopped by the budget: the best plan found, not proven optimal")
 points = st.session_state.get(services.Keys.FRONTIER) or s.get("frontier", [])

@@ -11,8 +11,28 @@ graph, cluster, plan = services.current()
 if plan is None:
     st.info("No plan yet: run the search on the Search page.")
     st.stop()
-if plan.cluster_fingerprint != cluster.fingerprint():
+if not services.plan_matches(plan, graph, cluster) and (
+        plan.parallelism == "pipeline" or plan.cluster_fingerprint != cluster.fingerprint()):
     st.info("This plan was made for another cluster: run the search again on the Search page.")
+    st.stop()
+if plan.parallelism == "pipeline":
+    from engine.schedule import SCHEDULES
+
+    st.markdown("A **pipeline** plan: a lane per stage with one box per microbatch forward and backward (labelled with "
+                "its microbatch), a lane per link direction with the transfers, and each stage's gradient sync after "
+                "the pipeline drains. Grey boxes are **bubbles**: the stage idles, waiting for a microbatch.")
+    schedule = st.selectbox("Schedule", SCHEDULES, index=SCHEDULES.index(plan.schedule), key="timeline.schedule")
+    try:
+        rows = services.pipeline_gantt(services.plan_key(plan), schedule, plan)
+    except HapError as e:
+        services.show_error(e)
+        st.stop()
+    span = max((r["end_ms"] for r in rows), default=0.0)
+    st.altair_chart(ui.pipeline_gantt_chart(rows, f"Predicted, {schedule}: {span:.3f} ms per iteration"),
+                    width="stretch")
+    st.dataframe(pd.DataFrame(ui.bubble_share(rows)), hide_index=True,
+                 column_config={"bubble_%": st.column_config.NumberColumn("bubbles", format="%.0f%%")})
+    st.caption("Measured pipeline timelines are not drawn yet: the runner does not execute pipeline plans in this build.")
     st.stop()
 st.markdown(f"Overlap mode **{plan.overlap}**: {ui.OVERLAP_MEANING[plan.overlap]}. Every device has a **compute** lane "
             "and a **network** lane; where both are busy at once, communication is hidden behind computation. A "
