@@ -166,10 +166,15 @@ class StageRank:
     """One per microbatch (virtual rank m g + index)."""
     params: list[torch.nn.Parameter]
     buffers: dict[int, torch.Tensor]
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
+    """None on an idle rank (`IDLE`), which holds no parameters."""
     groups: list[Any]
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+
+
+IDLE = -1
+"""The stage (and index) of a rank the partition left without a stage."""
 
 
 def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = "sgd", lr: float = 0.05) -> StageRank:
@@ -179,8 +184,8 @@ def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = 
     pieces = program_pieces(plan, program)
     groups = [dist.new_group(list(s.devices)) for s in plan.stages]
     stage = next((i for i, s in enumerate(plan.stages) if rank in s.devices), None)
-    if stage is None:
-        raise PlanError(f"pipeline: rank {rank} is in no stage; give every rank of the cluster a stage")
+    if stage is None:  # a device the partition left idle: it only joins the step's loss sum and the final gather
+        return StageRank(IDLE, IDLE, plans, pieces, [], [], {}, None, groups)
     index = plan.stages[stage].devices.index(rank)
     g = len(plan.stages[stage].devices)
     programs = [build_rank_program(plans[stage], m * g + index, piece=pieces[stage]) for m in range(plan.microbatches)]
@@ -318,6 +323,8 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
                   link_s: Sequence[float] | None = None) -> float:
     """One step in the planned order (this stage's warm-up count); returns the global loss."""
     start = time.perf_counter()
+    if sr.stage == IDLE:
+        return _idle_step(sr, start)
     S, B, i = len(plan.stages), plan.microbatches, sr.stage
     links, piece = Links(plan, sr, link_s), sr.pieces[i]
     g = len(plan.stages[i].devices)
@@ -361,6 +368,16 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
             x.copy_(part.view_as(x))
     sr.optimizer.step()
     dist.all_reduce(loss_sum)  # only the last stage's ranks hold addends
+    sr.losses.append(float(loss_sum))
+    sr.step_times.append(time.perf_counter() - start)
+    return sr.losses[-1]
+
+
+def _idle_step(sr: StageRank, start: float) -> float:
+    """A step of a rank in no stage (the partition found the model faster without its device):
+    it adds nothing to the loss sum every rank takes part in."""
+    loss_sum = torch.zeros(1, dtype=torch.float64)
+    dist.all_reduce(loss_sum)
     sr.losses.append(float(loss_sum))
     sr.step_times.append(time.perf_counter() - start)
     return sr.losses[-1]

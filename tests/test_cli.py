@@ -78,9 +78,9 @@ def test_plan_report_says_which_overlap_mode_won(mlp_report):
     _, out, _, path = mlp_report
     plan = Plan.from_json(str(path))
     times = plan.search["overlap_s"]
-    assert set(times) == {"ddp", "duplex"} and plan.overlap == min(times, key=times.get)
+    assert set(times) == {"ddp", "duplex", "none"} and plan.overlap == min(times, key=times.get)
     line = next(x for x in out.splitlines() if x.startswith("overlap: "))
-    assert line.startswith(f"overlap: {plan.overlap} (") and "predicted ddp" in line and "duplex" in line
+    assert line.startswith(f"overlap: {plan.overlap} (") and "predicted ddp" in line and "duplex" in line and "none" in line
 
 
 def test_plan_overlap_duplex_writes_a_duplex_plan_of_bert_moe(capsys, tmp_path):

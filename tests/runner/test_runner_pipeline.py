@@ -132,6 +132,16 @@ def test_groups_of_different_sizes_re_slice_the_rows(tmp_path):
     assert result.ok(1e-5), result.render()
 
 
+def test_a_rank_the_partition_left_idle_still_takes_part_and_reports(tmp_path):
+    """The partition may leave a device out (it is faster without it): that rank, rank 0 here, joins
+    the process groups, the loss sum and the final gather, so `hap run` can run the plan as made."""
+    plan = two_stage_plan("mlp", 3, ((1,), (2,)), 2, "1f1b")
+    results = run_ranks(_train, 3, tmp_path, json.dumps(plan.to_dict()))
+    result = _compare(plan, results)
+    assert not result.missing
+    assert result.loss_rel <= 1e-6 and result.param_rel <= 1e-6, result.render()
+
+
 def test_row_pieces_send_each_receiver_exactly_its_rows():
     from runner.pipeline import row_pieces
 
