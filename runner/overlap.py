@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from engine.errors import PlanError
 from engine.overlap import grad_buckets
 from engine.plan import Plan
 from engine.theory.core import FULL
@@ -67,7 +68,7 @@ class GradBuckets:
         buckets = [b for b in buckets if b.members]
         missing = set(index.values()) - {i for b in buckets for i in b.members}
         if missing:  # a Full parameter outside every slot would never be summed: refuse loudly
-            raise AssertionError(f"Full parameters {sorted(missing)} are in no gradient bucket")
+            raise PlanError(f"Full parameters {sorted(missing)} are in no gradient bucket; regenerate the plan with `hap plan`")
         out = GradBuckets(params, buckets, group)
         if hooks:
             owner = {i: k for k, b in enumerate(buckets) for i in b.members}
