@@ -240,9 +240,9 @@ def crossing_tensors(graph: Graph, last: int) -> tuple[int, ...]:
 def load_any(source: str | Path | dict[str, Any]):
     """A plan of either kind from a path, JSON text or a dict: `Plan` ("hap.plan") or `PipelinePlan`
     ("hap.pipeline_plan"), by its "kind"."""
-    from .plan import Plan
+    from .plan import Plan, read_plan_json
 
-    d = source if isinstance(source, dict) else _read_json(source)
+    d = source if isinstance(source, dict) else read_plan_json(source)
     kind = d.get("kind") if isinstance(d, dict) else None
     if kind == PIPELINE_PLAN_KIND:
         return pipeline_plan_from_dict(d)
@@ -250,24 +250,6 @@ def load_any(source: str | Path | dict[str, Any]):
         return Plan.from_dict(d)
     raise PlanError(f"not a plan: \"kind\" is {_shown(kind)}, expected \"hap.plan\" or \"{PIPELINE_PLAN_KIND}\" "
                     "(make one with `hap plan`)")
-
-
-def _read_json(source: str | Path) -> Any:
-    text = str(source)
-    if not text.strip():
-        raise PlanError("plan is empty: give a plan file path or the plan's JSON text")
-    if not text.lstrip().startswith(("{", "[")):
-        p = Path(text)
-        if not p.is_file():
-            raise PlanError(f"plan file '{p}' not found" if not p.exists() else f"'{p}' is not a plan file")
-        try:
-            text = p.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise PlanError(f"plan file '{p}' cannot be read: {e}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanError(f"plan is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
 
 
 def save_pipeline_plan(plan: PipelinePlan, path: str | Path) -> None:

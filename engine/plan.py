@@ -243,23 +243,29 @@ class Plan:
     @staticmethod
     def from_json(text_or_path: str | Path) -> "Plan":
         """Parse a plan from JSON text or a file path."""
-        text = str(text_or_path)
-        if not text.strip():
-            raise PlanError("plan is empty: give a plan file path or the plan's JSON text")
-        if not text.lstrip().startswith(("{", "[")):
-            p = Path(text)
-            if not p.is_file():
-                raise PlanError(f"plan file '{p}' not found" if not p.exists() else f"'{p}' is not a plan file")
-            try:
-                text = p.read_text()
-            except (OSError, UnicodeDecodeError) as e:
-                raise PlanError(f"plan file '{p}' cannot be read: {e}") from None
-        try:
-            return Plan.from_dict(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise PlanError(f"plan is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+        return Plan.from_dict(read_plan_json(text_or_path))
 
 
 def stage_records(b: Breakdown, graph: Graph) -> list[StageRecord]:
     return [StageRecord(s.direction, s.comm, graph[s.comm_node].name if s.comm_node >= 0 else "", c, comp, s.segment)
             for s, c, comp in zip(b.stages, b.stage_comm_s, b.stage_comp_s)]
+
+
+def read_plan_json(text_or_path: str | Path) -> Any:
+    """The JSON value of a plan file (a path) or of a plan's JSON text, refused in one line when
+    empty, missing, unreadable or not JSON (both kinds of plan are read this way)."""
+    text = str(text_or_path)
+    if not text.strip():
+        raise PlanError("plan is empty: give a plan file path or the plan's JSON text")
+    if not text.lstrip().startswith(("{", "[")):
+        p = Path(text)
+        if not p.is_file():
+            raise PlanError(f"plan file '{p}' not found" if not p.exists() else f"'{p}' is not a plan file")
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PlanError(f"plan file '{p}' cannot be read: {e}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"plan is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
