@@ -562,15 +562,7 @@ class _Search:
             bacc = add(bacc, sync)
             props.add(code(t, f))
             step.append((LOAD, t, graph[t].op, (), f))
-        step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
-        df, db, dm = self.deltas[s.p][r.sharded]
-        facc, bacc, mem = add(facc, df), add(bacc, db), add(mem, dm)
-        step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
-        props.add(code(nid, r.output))
-        props -= self.prep.dead_codes[s.p]
-        for t in self.prep.live_inputs[s.p]:
-            if code(t, _COMMUNICATED) in props:
-                self._drop_redundant(props, t, s.p + 1)
+        facc, bacc, mem = self._compute_step(s, nid, r, slices, props, step, facc, bacc, mem)
         p = s.p + 1
         if p == len(self.prep.order) or self.seg[p] != k:  # the program is whole, or a segment ends (§5.2)
             closed += cm.stage_time(facc, k) + cm.stage_time(bacc, k)
@@ -578,6 +570,21 @@ class _Search:
             if p < len(self.prep.order):
                 closed += self._resplit(props, step, (k, self.seg[p]))
         return _State(p, frozenset(props), closed, facc, bacc, mem, s, tuple(step))
+
+    def _compute_step(self, s: _State, nid: int, r: OpRule, slices: list[tuple[int, int]], props: set[int],
+                      step: list[tuple], facc: Acc, bacc: Acc, mem: tuple[float, ...]) -> tuple[Acc, Acc, tuple[float, ...]]:
+        """Node p's own instructions once its operands are in place (free slices, then the compute),
+        its work and memory added, and the forms no later consumer wants dropped from `props`."""
+        graph = self.graph
+        step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
+        df, db, dm = self.deltas[s.p][r.sharded]
+        step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
+        props.add(code(nid, r.output))
+        props -= self.prep.dead_codes[s.p]
+        for t in self.prep.live_inputs[s.p]:
+            if code(t, _COMMUNICATED) in props:
+                self._drop_redundant(props, t, s.p + 1)
+        return add(facc, df), add(bacc, db), add(mem, dm)
 
     def _after_compute_overlap(self, s: _State, nid: int, r: OpRule, loads: dict[int, int],
                                comms: list[tuple[int, int, str, int]], slices: list[tuple[int, int]]) -> _State:
@@ -619,15 +626,7 @@ class _Search:
             if finishes and _SLOT in props:
                 props.discard(_SLOT)
                 mode.finish_slot(ov)
-        step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
-        df, db, dm = self.deltas[s.p][r.sharded]
-        facc, bacc, mem = add(facc, df), add(bacc, db), add(mem, dm)
-        step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
-        props.add(code(nid, r.output))
-        props -= self.prep.dead_codes[s.p]
-        for t in self.prep.live_inputs[s.p]:
-            if code(t, _COMMUNICATED) in props:
-                self._drop_redundant(props, t, s.p + 1)
+        facc, bacc, mem = self._compute_step(s, nid, r, slices, props, step, facc, bacc, mem)
         p = s.p + 1
         if p == len(self.prep.order) or self.seg[p] != k:
             closed = mode.close(ov, closed, facc, bacc, k, last=p == len(self.prep.order))
