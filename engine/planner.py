@@ -39,6 +39,7 @@ from .cost import Breakdown, CostModel, evaluate as evaluate_program
 from . import limits
 from .errors import InfeasibleError, PlanError
 from .graph import Graph, Node
+from .halves import halves_problem
 from .overlap import OVERLAP_MODES, duplex_run_problem
 from .partition import PipelinePlan, best_pipeline
 from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
@@ -327,10 +328,18 @@ def plan_spmd(model: Any, cluster: Any, time_budget_s: float | None = None,
         found["none"] = _priced_in(found["ddp"], graph, cluster, optimizer, "none")
         stats["overlap_s"]["none"] = _realized_rank(graph, cluster, found["none"], optimizer)[1]
     # modes in order (ddp, duplex, none): a tie keeps the earlier, so duplex or none is chosen only for a predicted gain
-    best = min(found.values(), key=lambda c: _realized_rank(graph, cluster, c, optimizer))
-    stats["elapsed_s"] = time.perf_counter() - start
-    stats["segments"] = best.segmentation.count
-    return _make_plan("hap", graph, cluster, best, optimizer, history, stats)
+    while True:
+        best = min(found.values(), key=lambda c: _realized_rank(graph, cluster, c, optimizer))
+        stats["elapsed_s"] = time.perf_counter() - start
+        stats["segments"] = best.segmentation.count
+        made = _make_plan("hap", graph, cluster, best, optimizer, history, stats)
+        problem = halves_problem(made) if made.overlap == "duplex" else None
+        if problem is None:
+            return made
+        if overlap == "duplex" or len(found) == 1:
+            raise PlanError(f"model '{graph.name}': {problem}")
+        del found["duplex"]  # its halves cannot run this program: keep the best of the other modes
+        stats["overlap_skipped"]["duplex"] = problem
 
 
 def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]]:

@@ -27,12 +27,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-import engine
-from engine.errors import ModelError, PlanError
-from engine.graph import Graph
-from engine.plan import Plan, shard_key, shard_sizes
+from engine.errors import PlanError
+from engine.plan import Plan
+from engine.halves import batch_of, capture_at, half_plan
 from engine.overlap import duplex_run_problem
-from engine.program import LOAD
 
 from .collectives import stream
 from .program import BatchWindow, RankProgram, build_rank_program, shard
@@ -51,47 +49,6 @@ def check_duplex(plan: Plan) -> None:
         raise PlanError(f"duplex refused: the program runs the hierarchical collective '{hier.rule}' on "
                         f"'{plan.graph[hier.node].name}', whose sub-groups both half-batch streams would share; "
                         "plan with --overlap ddp")
-
-
-def batch_of(graph: Graph) -> int:
-    origin = graph.origin
-    return int(origin["config"].get("batch", 0) if "zoo" in origin else origin["inputs"].get("batch", 0))
-
-
-def capture_at(graph: Graph, batch: int) -> Graph:
-    """The plan's model captured at another batch size; it must be the same graph but for sizes."""
-    origin = graph.origin
-    try:
-        if "zoo" in origin:
-            other = engine.load_model(f"zoo:{origin['zoo']}", **{**origin["config"], "batch": batch})
-        else:
-            from engine.source import capture_hf, spec_of
-
-            spec = spec_of(origin)
-            other = capture_hf(type(spec)(spec.cls, spec.config, spec.task, {**spec.inputs, "batch": batch}))
-    except ModelError as e:
-        raise PlanError(f"duplex refused: the model cannot be captured at batch {batch}: {e}") from None
-    same = len(other) == len(graph) and all(
-        (a.name, a.op, a.inputs) == (b.name, b.op, b.inputs) for a, b in zip(graph.nodes, other.nodes))
-    if not same:
-        raise PlanError(f"duplex refused: the model's graph changes with the batch size (captured at {batch}); "
-                        "use --overlap ddp")
-    return other
-
-
-def half_plan(plan: Plan, graph: Graph) -> Plan:
-    """The plan's program and ratios on `graph` (the model at a half's batch size)."""
-    seg = plan.segmentation
-    sizes = shard_sizes(plan.program, graph, plan.ratio_rows, seg)
-    keyed = {shard_key(graph, seg, t, d, k): v for (t, d, k), v in sizes.items()}
-    for node, form in ((ins.node, ins.post) for ins in plan.program if ins.kind == LOAD and ins.post >= 0
-                                           and graph[ins.node].op == "parameter"):
-        if keyed[shard_key(graph, seg, node, form, seg.of_node[node])] != plan.sizes(node, form):
-            raise PlanError(f"duplex refused: the shard of '{graph[node].name}' is linked to the batch, so half "
-                            "batches would change it; use --overlap ddp")
-    return Plan(plan.strategy, graph, plan.cluster_name, plan.cluster_fingerprint, plan.device_names, plan.program,
-                plan.ratios, keyed, plan.predicted_time_s, plan.stages, plan.memory_bytes, segment_of=plan.segment_of,
-                overlap=plan.overlap)
 
 
 @dataclass

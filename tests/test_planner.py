@@ -510,3 +510,24 @@ def test_auto_keeps_no_overlap_where_bucket_latencies_cost_more_than_they_hide(l
     times = p.search["overlap_s"]
     assert times["none"] <= times["ddp"] * (1 + 1e-12)
     assert p.predicted_time_s == pytest.approx(min(times.values()), rel=1e-9)
+
+
+def test_a_duplex_plan_whose_halves_cannot_run_is_not_kept(monkeypatch):
+    """A parameter's shard can be linked to the batch (its size would change with the half): the
+    runner refuses such a duplex plan, so the planner keeps the best other mode (auto) or says why
+    (forced), instead of handing out a plan `hap run` refuses."""
+    from engine import planner
+    from engine.halves import halves_problem
+
+    graph = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=8)
+    forced = engine.plan(graph, sample_path("cpu_2"), time_budget_s=3, overlap="duplex")
+    assert halves_problem(forced) is None  # the real check passes on a runnable plan
+    monkeypatch.setattr(planner, "halves_problem", lambda plan: "duplex refused: the shard of 'w' is linked to the batch")
+    with pytest.raises(PlanError, match="linked to the batch"):
+        engine.plan(graph, sample_path("cpu_2"), time_budget_s=3, overlap="duplex")
+    mlp = engine.load_model("zoo:mlp")  # duplex is its fastest prediction on cpu_2
+    p = engine.plan(mlp, sample_path("cpu_2"), time_budget_s=3)
+    times = p.search["overlap_s"]
+    assert times["duplex"] < min(times["ddp"], times["none"])
+    assert p.overlap == min(("ddp", "none"), key=times.get)
+    assert "linked to the batch" in p.search["overlap_skipped"]["duplex"]
