@@ -3,8 +3,9 @@
 `replan(old_plan, new_cluster)` plans the model embedded in the old plan on the new cluster twice
 and keeps the faster: a fresh search (engine.planner.plan), and the old program Q re-balanced on
 the new devices (the LP, engine.balance) then used as the incumbent of a search at those ratios
-(engine.synthesis.synthesize(incumbent=Q)), re-balanced again. A program Q names no device, so it
-is valid on any world size: only its ratios change. The report says what changed (devices added
+(engine.synthesis.synthesize(incumbent=Q)), re-balanced again, both priced in the fresh plan's
+overlap mode. A program Q names no device, so it is valid on any world size (only its ratios
+change), unless it runs hierarchical collectives and the new cluster has no machines of equal size. The report says what changed (devices added
 and removed, ratios, the sharding of every parameter, predicted time before and after) and what the
 switch moves: the bytes every device sends and receives under the resharding table
 (engine.reshard), parameters and optimizer state alike, a device keeping its name counting as local.
@@ -18,8 +19,9 @@ from typing import Any
 
 from .balance import balance
 from .cluster import Cluster, load_cluster
-from .cost import CostModel
+from .cost import CostModel, evaluate
 from .errors import InfeasibleError, PlanError
+from .halves import halves_problem
 from .plan import Plan
 from .planner import DEFAULT_BEAM_WIDTH, plan as plan_model, plan_of
 from .program import LOAD
@@ -104,7 +106,7 @@ def replan(old: Plan, cluster: Any, *, time_budget_s: float | None = None, optim
     optimizer = optimizer or old.search.get("optimizer", "adam")
     graph, seg = old.graph, old.segmentation
     fresh = plan_model(graph, cluster, time_budget_s, optimizer=optimizer, beam_width=beam_width, segments=seg.count)
-    seeded, old_q_s = _seeded(old, cluster, optimizer, time_budget_s, beam_width)
+    seeded, old_q_s = _seeded(old, cluster, optimizer, time_budget_s, beam_width, fresh.overlap)
     chosen, new = ("old program Q as incumbent", seeded) if seeded is not None and \
         seeded.predicted_time_s < fresh.predicted_time_s * (1 - 1e-12) else ("fresh search", fresh)
     new = dataclasses.replace(new, search={**new.search, "optimizer": optimizer, "replan": {
@@ -124,24 +126,36 @@ def replan(old: Plan, cluster: Any, *, time_budget_s: float | None = None, optim
 
 
 def _seeded(old: Plan, cluster: Cluster, optimizer: str, time_budget_s: float | None,
-            beam_width: int | None) -> tuple[Plan | None, float | None]:
-    """(the search seeded with the old Q at its re-balanced ratios, the old Q's own time there);
-    None where nothing fits."""
+            beam_width: int | None, overlap: str) -> tuple[Plan | None, float | None]:
+    """(the search seeded with the old Q at its re-balanced ratios, the old Q's own time there),
+    priced in `overlap` (the fresh plan's mode, so the two compare like for like); None where
+    nothing fits, or where Q cannot run here at all (a hierarchical collective on a cluster
+    without machines of equal size prices as infinite)."""
     graph, seg = old.graph, old.segmentation
+    even = [1.0 / cluster.num_devices] * cluster.num_devices
+    if not math.isfinite(evaluate(old.program, CostModel(graph, cluster, even, optimizer, seg, overlap)).total_s):
+        return None, None
     try:
-        ratios = balance(old.program, graph, cluster, optimizer=optimizer, segmentation=seg).by_segment
+        ratios = balance(old.program, graph, cluster, optimizer=optimizer, segmentation=seg, overlap=overlap).by_segment
     except InfeasibleError:
         return None, None
-    old_q = plan_of(old.program, graph, cluster, ratios, optimizer=optimizer, segmentation=seg)
+    old_q = plan_of(old.program, graph, cluster, ratios, optimizer=optimizer, segmentation=seg, overlap=overlap)
     try:
-        res = synthesize(graph, CostModel(graph, cluster, ratios, optimizer, seg), time_budget_s=time_budget_s,
+        res = synthesize(graph, CostModel(graph, cluster, ratios, optimizer, seg, overlap), time_budget_s=time_budget_s,
                          beam_width=beam_width, incumbent=old.program)
-        ratios = balance(res.program, graph, cluster, optimizer=optimizer, segmentation=seg).by_segment
+        ratios = balance(res.program, graph, cluster, optimizer=optimizer, segmentation=seg, overlap=overlap).by_segment
     except InfeasibleError:
-        return _fits(old_q, cluster), old_q.predicted_time_s
-    best = min([old_q, plan_of(res.program, graph, cluster, ratios, optimizer=optimizer, segmentation=seg)],
-               key=lambda p: p.predicted_time_s)
-    return _fits(best, cluster), old_q.predicted_time_s
+        return _runnable(old_q, cluster), old_q.predicted_time_s
+    best = min([old_q, plan_of(res.program, graph, cluster, ratios, optimizer=optimizer, segmentation=seg,
+                               overlap=overlap)], key=lambda p: p.predicted_time_s)
+    return _runnable(best, cluster), old_q.predicted_time_s
+
+
+def _runnable(p: Plan, cluster: Cluster) -> Plan | None:
+    """`p` if it fits in memory at whole units and, in duplex, its halves can run (engine.halves)."""
+    if p.overlap == "duplex" and halves_problem(p) is not None:
+        return None
+    return _fits(p, cluster)
 
 
 def _fits(p: Plan, cluster: Cluster) -> Plan | None:

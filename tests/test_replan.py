@@ -83,3 +83,22 @@ def test_a_cluster_less_a_device_or_plus_one_is_validated_again():
     assert [d.name for d in grown.devices] == ["a", "b", "c", "d"] and grown.devices[3].machine == "m1"
     with pytest.raises(engine.HapError, match="duplicate device name 'a'"):
         with_device(c, c.devices[0].to_dict())  # a second device named 'a'
+
+
+def test_a_plan_with_hierarchical_collectives_replans_onto_machines_of_unequal_size():
+    """On 2 machines of 2 the plan runs a hierarchical collective; without one device the machines
+    differ in size, where none is offered: the old Q cannot run there, so only the fresh search
+    counts (it used to reach the LP with an infinite price and fail with a PlanError)."""
+    from conftest import sample_path
+    from engine.hierarchy import HIER_KEYS
+    from engine.replan import without_devices
+
+    graph = engine.load_model("zoo:mlp", layers=2, in_features=64, hidden=128, batch=32)
+    cluster = engine.load_cluster(sample_path("cpu_2x2"))
+    old = engine.plan(graph, cluster, time_budget_s=5)
+    assert {ins.rule for ins in old.program} & set(HIER_KEYS)
+    smaller = without_devices(cluster, [cluster.devices[-1].name])
+    result = engine.replan(old, smaller, time_budget_s=5)
+    assert result.report.chosen == "fresh search" and result.report.old_program_s is None
+    assert result.plan.world_size == 3 and not {ins.rule for ins in result.plan.program} & set(HIER_KEYS)
+    assert math.isfinite(result.plan.predicted_time_s)
