@@ -93,12 +93,13 @@ def profile(cluster: str, family: str, out: Path, count: int) -> Path:
 
 def combine_profiles(specs: list[Path]) -> dict:
     """One spec from several profiles: per device the best FLOP/s (and the activation bandwidth refitted
-    on the fastest model step), per collective the fastest median per payload, refitted."""
+    on the fastest model step) and the overlap slowdowns over every profile's repeats, per collective
+    the fastest median per payload, refitted."""
     import pyarrow.parquet as pq
 
     from engine.cluster import fit_collective
     from runner.profile import (COLLECTIVES, collective_points, compute_fields, device_flops, model_step,
-                                rank_rates)
+                                overlap_slowdowns, rank_rates)
 
     docs = [json.loads(s.read_text()) for s in specs]
     out = json.loads(json.dumps(docs[0]))
@@ -108,9 +109,13 @@ def combine_profiles(specs: list[Path]) -> dict:
     best = [max(d["devices"][j]["flops_per_gpu"] for d in docs) if split else None for j in ranks]
     steps = [min((model_step(rows, j) for rows in tables), key=lambda s: s[0]) if split else None for j in ranks]
     one_rate = [max(device_flops(rank_rates(rows, j)) for rows in tables) for j in ranks]
-    for dev, fields in zip(out["devices"], compute_fields(best, steps, one_rate)):
+    every = [r for rows in tables for r in rows]
+    for j, (dev, fields) in enumerate(zip(out["devices"], compute_fields(best, steps, one_rate))):
         dev.pop("activation_bandwidth_Bps", None)
         dev.update(fields)
+        dev.pop("overlap_slowdown", None)
+        if slow := overlap_slowdowns(every, j):  # medians over every profile's repeats
+            dev["overlap_slowdown"] = slow
     for name in COLLECTIVES:
         points = [collective_points(rows, name) for rows in tables]
         sizes = points[0][0]

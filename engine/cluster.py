@@ -57,11 +57,13 @@ COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "a
 LINK_LEVELS: tuple[str, ...] = ("intra_machine", "inter_machine", "inter_group")
 FREE_BANDWIDTH_BPS = 1e30
 DEFAULT_INTRA_BANDWIDTH_BPS = 1e11
+SLOWDOWN_MODES: tuple[str, ...] = ("ddp", "duplex")
+"""The overlap modes a device's `overlap_slowdown` may name (`engine.overlap.OVERLAP_MODES` less `none`)."""
 
 _TOP_KEYS = ("schema_version", "name", "description", "sources", "devices", "network")
 _DEVICE_KEYS = ("name", "gpu_model", "machine", "group", "num_gpus", "flops_per_gpu",
                 "memory_bytes_per_gpu", "memory_bandwidth_Bps", "activation_bandwidth_Bps", "intra_bandwidth_Bps",
-                "count")
+                "overlap_slowdown", "count")
 _NETWORK_KEYS = ("latency_s", "bandwidth_Bps", "collectives")
 _FIT_KEYS = ("latency_s", "bandwidth_Bps")
 
@@ -75,6 +77,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "intra_bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
     "bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
     "latency_s": (0.0, limits.MAX_LATENCY_S),
+    "overlap_slowdown": (0.5, 20.0),
 }
 """Sane bounds of each numeric field (see `engine.limits`): checked before a device is expanded or a cost computed."""
 
@@ -89,6 +92,8 @@ _HINTS: dict[str, str] = {
     "memory_bandwidth_Bps": "bytes/s one GPU reads and writes its own memory, e.g. 1.555e12 for an A100-40GB",
     "activation_bandwidth_Bps": "bytes/s of the memory-bound operators on one GPU, e.g. 1.2e12 (as hap profile measures)",
     "intra_bandwidth_Bps": "bytes/s between the GPUs inside the virtual device, e.g. 1.5e11",
+    "overlap_slowdown": "per overlap mode, how much slower computation runs in it, e.g. {\"ddp\": 1.05, \"duplex\": 1.3} "
+                        "(as hap profile measures)",
     "count": "how many identical devices this entry expands to, e.g. 8",
     "latency_s": "seconds of latency, e.g. 2e-05",
     "bandwidth_Bps": "bytes per second, e.g. 1.25e9 for 10 Gbps",
@@ -129,6 +134,14 @@ class Device:
     is priced by its flops at `flops_per_gpu`. Set it on every device or on none."""
     intra_bandwidth_Bps: float = DEFAULT_INTRA_BANDWIDTH_BPS
     """Bytes/s between the GPUs inside this virtual device; used only when num_gpus > 1."""
+    overlap_slowdown: tuple[tuple[str, float], ...] = ()
+    """(mode, factor) pairs: computation in that overlap mode takes `factor` times as long, e.g. the
+    communication's own work competing for the cores (ddp) or two half-batches running smaller
+    kernels (duplex). Absent modes run at full speed. `hap profile` measures both."""
+
+    def slowdown(self, overlap: str) -> float:
+        """How much slower this device computes in overlap mode `overlap` (1.0 when not given)."""
+        return dict(self.overlap_slowdown).get(overlap, 1.0)
 
     @property
     def flops(self) -> float:
@@ -145,6 +158,7 @@ class Device:
             **({"activation_bandwidth_Bps": self.activation_bandwidth_Bps}
                if self.activation_bandwidth_Bps is not None else {}),
             "intra_bandwidth_Bps": self.intra_bandwidth_Bps,
+            **({"overlap_slowdown": dict(self.overlap_slowdown)} if self.overlap_slowdown else {}),
         }
 
 
@@ -548,6 +562,7 @@ def _parse_device_entry(entry: Any, path: str, room: int) -> list[Device]:
                                             "activation_bandwidth_Bps")),
         intra_bandwidth_Bps=_positive(entry.get("intra_bandwidth_Bps", DEFAULT_INTRA_BANDWIDTH_BPS),
                                       field_path("intra_bandwidth_Bps"), "intra_bandwidth_Bps"),
+        overlap_slowdown=_parse_slowdown(entry.get("overlap_slowdown"), field_path("overlap_slowdown")),
     )
     if "count" not in entry:
         return [base]
@@ -556,6 +571,20 @@ def _parse_device_entry(entry: Any, path: str, room: int) -> list[Device]:
         raise ClusterError(f"{field_path('count')}: {count} devices here bring the cluster above the limit of "
                            f"{limits.MAX_DEVICES} devices; use virtual devices (num_gpus) for large machines")
     return [replace(base, name=f"{name}-{k}") for k in range(count)]
+
+
+def _parse_slowdown(value: Any, path: str) -> tuple[tuple[str, float], ...]:
+    """`overlap_slowdown` as sorted (mode, factor) pairs; absent or null is none."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ClusterError(f"{path}: must be an object of mode: factor, got {_type_name(value)}{_hint('overlap_slowdown')}")
+    out = []
+    for mode, factor in value.items():
+        if mode not in SLOWDOWN_MODES:
+            raise ClusterError(f"{path}: unknown overlap mode {mode!r} (choose from: {', '.join(SLOWDOWN_MODES)})")
+        out.append((mode, _positive(factor, f"{path}.{mode}", "overlap_slowdown")))
+    return tuple(sorted(out))
 
 
 def _check_activation_bandwidth(devices: list[Device]) -> None:

@@ -137,13 +137,16 @@ class DeviceClass:
     """The ratio of each of its devices in every segment (empty when grouping by hardware only)."""
 
 
-def device_classes(cluster: Cluster, ratios: list[list[float]] | None, optimizer: str = "adam") -> tuple[DeviceClass, ...]:
-    """Group devices with equal hardware (and equal ratios per segment, when `ratios[segment][device]` are given)."""
+def device_classes(cluster: Cluster, ratios: list[list[float]] | None, optimizer: str = "adam",
+                   overlap: str = "none") -> tuple[DeviceClass, ...]:
+    """Group devices with equal hardware (and equal ratios per segment, when `ratios[segment][device]` are given).
+    Their compute rates are those of overlap mode `overlap` (`Device.overlap_slowdown`)."""
     groups: dict[tuple, list[int]] = {}
     for j, d in enumerate(cluster.devices):
         mine = () if ratios is None else tuple(round(row[j], 12) for row in ratios)
-        key = (d.flops, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps, d.memory_bandwidth_Bps,
-               d.activation_bandwidth_Bps, mine)
+        key = (d.flops / d.slowdown(overlap), d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps,
+               d.memory_bandwidth_Bps, d.activation_bandwidth_Bps and d.activation_bandwidth_Bps / d.slowdown(overlap),
+               mine)
         groups.setdefault(key, []).append(j)
     out = []
     for (flops, mem, k, intra, mem_bw, act_bw, _), members in groups.items():
@@ -243,7 +246,7 @@ class CostModel:
         self.graph, self.cluster = graph, cluster
         self.segmentation = segmentation or Segmentation.single(graph)
         self.ratios = ratio_rows(ratios, self.segmentation.count, cluster.num_devices)
-        self.classes = device_classes(cluster, self.ratios, optimizer)
+        self.classes = device_classes(cluster, self.ratios, optimizer, overlap)
         self.max_ratios = [max(r) for r in self.ratios]
         self.state_factor = STATE_BYTES_PER_PARAM_BYTE[optimizer]
         self.requires_grad = _requires_grad(graph)

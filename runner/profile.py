@@ -371,27 +371,102 @@ def measure_model(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, syn
     """Forward + backward of the zoo model at each batch, as the runner runs it: the rank program
     (`runner.program`) of the model's one-device plan, so the generated program's own overhead is
     in the measurement. Flops are filled in by rank 0 (`fill_model_flops`)."""
-    from .train import factory_device, make_batch, program_args, setup_rank
-
     spec = model_config(cfg)
     if spec is None:
         return
     name, knobs = spec
     for batch in model_batches(knobs):
-        plan = one_device_plan(name, {**knobs, **({"batch": batch} if batch else {})})
-        st = setup_rank(plan, 0, seed=0, device=device)
-        inputs = make_batch(plan, 0, 0, device)
-
-        def fn() -> None:
-            with factory_device(st.device):
-                loss = st.program.module(*program_args(plan, st, 0, inputs))
-            loss.backward()
-            for p in st.params:
-                p.grad = None
-
+        fn = _model_step_fn(name, knobs, batch, device)
         times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
         rec.add("compute", f"zoo:{name}", "forward+backward", batch or 0, times)
         progress.step(f"zoo:{name} batch {batch}")
+
+
+def measure_overlap(cfg: ProfileConfig, rec: Recorder, device, barrier, sync, progress: Progress) -> None:
+    """The model step's computation in each overlap mode, against the same step alone (rows
+    `overlap`/`none`): `duplex`, its two half-batches on two threads taking turns on the device as
+    `runner.duplex` runs them; `ddp`, the step while an all-reduce of its parameters' bytes runs
+    on a process group of its own (the communication's work competing for the device). Unpaced:
+    the spec keeps only the ratios (`overlap_slowdowns`)."""
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    spec = model_config(cfg)
+    if spec is None:
+        return
+    name, knobs = spec
+    batch = model_batches(knobs)[0]
+    full = _model_step_fn(name, knobs, batch, device)
+    group = dist.new_group()
+    nbytes = sum(p.numel() * p.element_size() for p in full.params)
+    grads = torch.zeros(max(1, nbytes // 4), device=device)
+    step_s: list[float] = []
+
+    def with_all_reduce() -> None:
+        work = dist.all_reduce(grads, group=group, async_op=True)
+        start = time.perf_counter()
+        full()
+        sync()
+        step_s.append(time.perf_counter() - start)
+        work.wait()
+
+    rec.add("overlap", "none", f"zoo:{name}", batch or 0, time_repeats(full, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync))
+    time_repeats(with_all_reduce, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync)
+    rec.add("overlap", "ddp", f"zoo:{name}", batch or 0, step_s[-cfg.repeats:], payload_bytes=nbytes)
+    if batch and batch >= 2:
+        halves = [_model_step_fn(name, knobs, batch // 2, device) for _ in range(2)]
+        turn = threading.Lock()
+        intra_op = torch.get_num_threads()
+
+        def half(fn) -> None:
+            torch.set_num_threads(intra_op)  # as runner.duplex: a new thread gets OpenMP's default
+            with turn:
+                fn()
+                sync()
+
+        def both() -> None:
+            threads = [threading.Thread(target=half, args=(h,)) for h in halves]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+
+        rec.add("overlap", "duplex", f"zoo:{name}", batch, time_repeats(both, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync))
+    progress.step(f"zoo:{name} in the overlap modes")
+
+
+def _model_step_fn(name: str, knobs: dict[str, Any], batch: int | None, device) -> Callable[[], None]:
+    """Forward + backward of the zoo model's one-device program at `batch` (`params`: its parameters)."""
+    from .train import factory_device, make_batch, program_args, setup_rank
+
+    plan = one_device_plan(name, {**knobs, **({"batch": batch} if batch else {})})
+    st = setup_rank(plan, 0, seed=0, device=device)
+    inputs = make_batch(plan, 0, 0, device)
+
+    def fn() -> None:
+        with factory_device(st.device):
+            loss = st.program.module(*program_args(plan, st, 0, inputs))
+        loss.backward()
+        for p in st.params:
+            p.grad = None
+
+    fn.params = st.params  # type: ignore[attr-defined]
+    return fn
+
+
+def overlap_slowdowns(rows: list[dict[str, Any]], rank: int) -> dict[str, float]:
+    """Per overlap mode, the rank's median step in that mode over its median step alone (the spec's
+    `overlap_slowdown`), within the range a cluster spec accepts."""
+    mine = [r for r in rows if r["kind"] == "overlap" and r["rank"] == rank]
+    alone = [r["seconds"] for r in mine if r["op"] == "none"]
+    out = {}
+    for mode in ("ddp", "duplex"):
+        times = [r["seconds"] for r in mine if r["op"] == mode]
+        if alone and times:
+            out[mode] = round(min(20.0, max(0.5, statistics.median(times) / statistics.median(alone))), 3)
+    return out
 
 
 def one_device_cluster(activation_bandwidth: bool = False) -> dict[str, Any]:
@@ -627,7 +702,8 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
     for info, compute in zip(infos, device_compute(rows, [info["rank"] for info in infos])):
         devices.append({"name": f"rank-{info['rank']}", "gpu_model": info["gpu_model"], "machine": info["host"],
                         **compute, "memory_bytes_per_gpu": info["memory_bytes"],
-                        "memory_bandwidth_Bps": memory_bandwidth(rows, info["rank"])})
+                        "memory_bandwidth_Bps": memory_bandwidth(rows, info["rank"]),
+                        **({"overlap_slowdown": slow} if (slow := overlap_slowdowns(rows, info["rank"])) else {})})
     layout = tuple(Device(name=d["name"], gpu_model="", machine=d["machine"], flops_per_gpu=1.0,
                           memory_bytes_per_gpu=1) for d in devices)
     bcast = fits["broadcast"]
@@ -645,7 +721,10 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
                     f"{'model' if cfg.model != 'none' else 'synthetic'} parameters, per second (median of {cfg.repeats} repeats)",
                     f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
                     "per payload the median over repeats of the time from the last rank's arrival",
-                    "network: latency and bandwidth of the broadcast fit (point to point)"],
+                    "network: latency and bandwidth of the broadcast fit (point to point)",
+                    "overlap_slowdown: the model step with an all-reduce of its parameters' bytes running beside it "
+                    "(ddp), and as two half-batches on two threads taking turns (duplex), over the step alone "
+                    f"(median of {cfg.repeats} repeats, unpaced)"],
         "devices": devices,
         "network": {"latency_s": bcast.latency_s,
                     "bandwidth_Bps": {level: bcast.bandwidth_Bps for level in required_link_levels(layout)},
@@ -730,11 +809,12 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
         pacer = Pacer(speed, sync=sync if device.type == "cuda" else None)
         rec = Recorder(env.rank, speed, backend, env.world_size)
         spec = model_config(cfg)
-        total = len(cfg.matmul) + (len(model_batches(spec[1])) if spec else 0) + 1 + len(COLLECTIVES) * len(cfg.sizes)
+        total = len(cfg.matmul) + (len(model_batches(spec[1])) + 1 if spec else 0) + 1 + len(COLLECTIVES) * len(cfg.sizes)
         progress = Progress(total, enabled=env.rank == 0)
         measure_matmuls(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_model(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_update(cfg, rec, pacer, device, dist.barrier, sync, progress)
+        measure_overlap(cfg, rec, device, dist.barrier, sync, progress)
         measure_collectives(cfg, rec, device, dist.barrier, sync, progress)
         progress.close()
         gathered: list[Any] = [None] * env.world_size

@@ -269,6 +269,13 @@ def test_invalid_json_error_gives_line_and_column(tmp_path: Path) -> None:
          r"^network\.collectives\.broadcast\.bandwidth_Bps: missing"),
         (lambda s: s.pop("network"), r"^network: missing"),
         (lambda s: s["devices"][2].update(count=0), r"^devices\[2\]\.count: must be a positive integer"),
+        (lambda s: s["devices"][1].update(overlap_slowdown={"ddpp": 1.1}),
+         r"^devices\[1\]\.overlap_slowdown: unknown overlap mode 'ddpp' \(choose from: ddp, duplex\)"),
+        (lambda s: s["devices"][1].update(overlap_slowdown={"duplex": 0}),
+         r"^devices\[1\]\.overlap_slowdown\.duplex: must be a positive number, got 0 \(per overlap mode"),
+        (lambda s: s["devices"][1].update(overlap_slowdown={"duplex": 50}),
+         r"^devices\[1\]\.overlap_slowdown\.duplex: 50 is outside the sane range \[0\.5, 20\]"),
+        (lambda s: s["devices"][1].update(overlap_slowdown=1.2), r"^devices\[1\]\.overlap_slowdown: must be an object"),
         (lambda s: s["devices"][2].update(group="x"), r"^devices\[3\]\.group: machine 'm1' is in group 'x'"),
     ],
 )
@@ -317,3 +324,20 @@ def test_activation_bandwidth_must_be_on_every_device_or_none():
     c = Cluster.from_dict(d)
     assert [x.activation_bandwidth_Bps for x in c.devices] == [1e12, 5e11]
     assert Cluster.from_dict(c.to_dict()) == c
+
+
+def test_overlap_slowdown_round_trips_and_defaults_to_full_speed():
+    spec = cluster_dict([1e12, 1e12])
+    spec["devices"][0]["overlap_slowdown"] = {"duplex": 1.5, "ddp": 1.1}
+    cluster = load_cluster(spec)
+    first, second = cluster.devices
+    assert (first.slowdown("ddp"), first.slowdown("duplex"), first.slowdown("none")) == (1.1, 1.5, 1.0)
+    assert second.slowdown("duplex") == 1.0 and "overlap_slowdown" not in second.to_dict()
+    assert load_cluster(cluster.to_dict()) == cluster
+
+
+def test_slowdown_modes_are_the_overlap_modes_that_overlap():
+    from engine.cluster import SLOWDOWN_MODES
+    from engine.overlap import OVERLAP_MODES
+
+    assert set(SLOWDOWN_MODES) == set(OVERLAP_MODES) - {"none"}

@@ -57,6 +57,29 @@ def test_with_a_free_network_every_mode_costs_what_none_costs(mode):
 
 
 @pytest.mark.parametrize("mode", ["ddp", "duplex"])
+def test_a_devices_overlap_slowdown_stretches_its_computation_in_that_mode_only(mode):
+    """`overlap_slowdown` (measured by hap profile) scales every stage's computation of that device in
+    that mode, and nothing else: not its communication, not another mode's price."""
+    graph = ce_graph()
+    spec = cluster_dict([1e12, 1e12, 5e11], latency_s=1e-4, bandwidth_Bps=1e9)
+    ratios = [0.4, 0.4, 0.2]
+    program = synthesize(graph, CostModel(graph, Cluster.from_dict(spec), ratios)).program
+    plain = evaluate(program, CostModel(graph, Cluster.from_dict(spec), ratios, overlap=mode))
+    spec["devices"][2]["overlap_slowdown"] = {mode: 3.0}
+    slowed = Cluster.from_dict(spec)
+    other = "duplex" if mode == "ddp" else "ddp"
+    b = evaluate(program, CostModel(graph, slowed, ratios, overlap=mode))
+    assert [t[2] for t in b.stage_comp_s] == pytest.approx([3.0 * t[2] for t in plain.stage_comp_s], rel=1e-12)
+    assert [t[j] for t in b.stage_comp_s for j in (0, 1)] == pytest.approx(
+        [t[j] for t in plain.stage_comp_s for j in (0, 1)], rel=1e-12)
+    assert b.stage_comm_s == pytest.approx(plain.stage_comm_s) and b.total_s > plain.total_s
+    for m in ("none", other):
+        assert (evaluate(program, CostModel(graph, slowed, ratios, overlap=m)).total_s
+                == pytest.approx(evaluate(program, CostModel(graph, Cluster.from_dict(
+                    cluster_dict([1e12, 1e12, 5e11], latency_s=1e-4, bandwidth_Bps=1e9)), ratios, overlap=m)).total_s))
+
+
+@pytest.mark.parametrize("mode", ["ddp", "duplex"])
 def test_buckets_are_the_plans_full_parameters_by_slot_each_paying_one_latency(slow, mode):
     graph = engine.load_model("zoo:mlp", layers=2, in_features=256, hidden=1024, classes=16, batch=64)
     program = dp_program(graph, slow)

@@ -531,3 +531,19 @@ def test_a_duplex_plan_whose_halves_cannot_run_is_not_kept(monkeypatch):
     assert times["duplex"] < min(times["ddp"], times["none"])
     assert p.overlap == min(("ddp", "none"), key=times.get)
     assert "linked to the batch" in p.search["overlap_skipped"]["duplex"]
+
+
+def test_auto_does_not_pick_duplex_where_the_cluster_measured_it_slow():
+    """zoo:mlp is predicted fastest in duplex on cpu_2; with duplex measured 3x slower to compute
+    (hap profile's `overlap_slowdown`), auto keeps another mode, and a forced duplex is priced slower."""
+    from engine.cluster import load_cluster
+
+    mlp = engine.load_model("zoo:mlp")
+    spec = load_cluster(sample_path("cpu_2")).to_dict()
+    fast = engine.plan(mlp, spec, time_budget_s=3)
+    assert fast.overlap == "duplex"
+    for d in spec["devices"]:
+        d["overlap_slowdown"] = {"duplex": 3.0}
+    slowed = engine.plan(mlp, spec, time_budget_s=3)
+    assert slowed.overlap != "duplex"
+    assert slowed.search["overlap_s"]["duplex"] > fast.search["overlap_s"]["duplex"]

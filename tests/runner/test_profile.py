@@ -161,6 +161,18 @@ def test_the_profiled_model_step_is_the_runner_program_of_a_one_device_plan(samp
     assert sorted(g.norm().item() for g in grads) == pytest.approx(sorted(p.grad.norm().item() for p in st.params))
 
 
+def test_overlap_slowdowns_are_each_modes_median_over_the_steps_alone():
+    from runner.profile import overlap_slowdowns
+
+    def row(op, rank, seconds):
+        return {"kind": "overlap", "op": op, "rank": rank, "seconds": seconds}
+
+    rows = [row("none", 0, s) for s in (1.0, 2.0, 9.0)] + [row("ddp", 0, s) for s in (2.2, 2.4, 2.6)]
+    rows += [row("duplex", 0, 100.0), row("none", 1, 1.0), {"kind": "compute", "op": "zoo:mlp", "rank": 0, "seconds": 5}]
+    assert overlap_slowdowns(rows, 0) == {"ddp": 1.2, "duplex": 20.0}  # clipped to the spec's sane range
+    assert overlap_slowdowns(rows, 1) == {} and overlap_slowdowns([], 0) == {}
+
+
 def test_options_parse_units_and_reject_bad_values():
     cfg = parse_args(["--out", "c.json", "--sizes", "64K,4096,1M", "--matmul", "64,128", "--repeats", "3"])
     assert cfg.sizes == (4096, 65536, 2**20) and cfg.matmul == (64, 128) and cfg.repeats == 3
@@ -201,7 +213,10 @@ def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(
     assert set(written) == set(COLLECTIVES)  # every fit measured, none nominal
     for name, fit in cluster.collectives.items():
         assert fit.latency_s >= 0 and fit.bandwidth_Bps > 0 and fit.time(4096) > 0, (name, fit)
-    assert "20/20" in stderr  # progress: 2 matmuls + 2 model batches + the update + 5 collectives x 3 payloads
+    assert "21/21" in stderr  # progress: 2 matmuls + 2 model batches + the overlap modes + the update + 5 x 3 payloads
+    for d in cluster.devices:  # the step beside an all-reduce, and as two half-batches taking turns, over the step alone
+        assert {m for m, _ in d.overlap_slowdown} == {"ddp", "duplex"}
+        assert all(0.5 <= f <= 20 for _, f in d.overlap_slowdown)
 
 
 def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
@@ -211,7 +226,12 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     table = pq.read_table(raw)
     assert tuple(table.column_names) == PARQUET_COLUMNS
     rows = table.to_pylist()
-    assert len(rows) == 2 * 3 * (2 + 2 + 1 + 5 * 3)  # ranks x repeats x (matmuls + model batches + update + payloads)
+    # ranks x repeats x (matmuls + model batches + update + the step alone, beside an all-reduce, in halves + payloads)
+    assert len(rows) == 2 * 3 * (2 + 2 + 1 + 3 + 5 * 3)
+    overlap = [r for r in rows if r["kind"] == "overlap"]
+    assert {(r["op"], r["impl"], r["size"]) for r in overlap} == {
+        ("none", "zoo:mlp", 16), ("ddp", "zoo:mlp", 16), ("duplex", "zoo:mlp", 16)}
+    assert all(r["payload_bytes"] > 0 for r in overlap if r["op"] == "ddp")
     assert {r["op"] for r in rows if r["kind"] == "collective"} == set(COLLECTIVES)
     assert {(r["op"], r["size"]) for r in rows if r["kind"] == "compute"} == {
         ("matmul", 64), ("matmul", 128), ("zoo:mlp", 16), ("zoo:mlp", 8)}
