@@ -2,7 +2,8 @@
 
 A bundle is a folder (optionally also a zip of it) holding
 
-    plan.json        the plan (it embeds the graph IR)
+    plan.json        the plan (it embeds the graph IR): an SPMD plan ("hap.plan") or a pipeline plan
+                     ("hap.pipeline_plan"); both bundle alike (`BundlePlan` is what a bundle needs of either)
     cluster.json     the cluster spec the plan was made for (GPU type of every rank)
     model.json       the model source: zoo name + config, hf class + config, or the user's model file
     model/FILE       the user's model file (plans of `--model FILE.py`), checked against the plan's sha256
@@ -37,15 +38,19 @@ import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, Sequence
 
 from . import limits
 from .cluster import Cluster, load_cluster
 from .errors import HapError, PlanError
 from .launch_files import (DEFAULT_IMAGE, DEFAULT_RDZV_PORT, LaunchNode, LaunchSettings, job_name, launch_node_script,
                            pytorchjob_yaml, rank_table, readme_text, slurm_script, trainjob_yaml)
-from .plan import Plan
-from .validate import validate_plan
+from .pipeline_plan import PIPELINE_PLAN_KIND, check_pipeline_plan, load_any
+from .plan import read_plan_json
+from .validate import check_devices, validate_plan
+
+if TYPE_CHECKING:
+    from .graph import Graph
 
 BUNDLE_SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
@@ -60,10 +65,40 @@ class BundleError(HapError, ValueError):
     """A bundle cannot be made (the plan does not fit the runner) or is invalid (changed, unsafe)."""
 
 
+class BundlePlan(Protocol):
+    """What a bundle needs of a plan, of either kind: `engine.plan.Plan` (parallelism "spmd") or
+    `engine.partition.PipelinePlan` ("pipeline"). The kind-specific parts are in `validated`,
+    `check_on_cluster` and `read_plan`; everything else reads only these."""
+
+    parallelism: ClassVar[str]
+    graph: "Graph"
+    cluster_name: str
+    cluster_fingerprint: str
+    device_names: Sequence[str]
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def predicted_time_s(self) -> float: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def read_plan(source: str | Path | dict[str, Any]) -> BundlePlan:
+    """A plan of either kind from a path, JSON text or a dict, validated (`engine.pipeline_plan.load_any`)."""
+    return load_any(source)
+
+
+def plan_text(plan: BundlePlan) -> str:
+    """plan.json: the plan's JSON as `Plan.save` and `save_pipeline_plan` write it."""
+    return json.dumps(plan.to_dict(), indent=1)
+
+
 # ----------------------------------------------------------------------------- nodes and ranks
 
 
-def launch_nodes(plan: Plan, cluster: Cluster) -> list[LaunchNode]:
+def launch_nodes(plan: BundlePlan, cluster: Cluster) -> list[LaunchNode]:
     """The plan's devices grouped by machine into nodes; refuses a plan the runner cannot launch."""
     check_runnable(plan, cluster)
     nodes: list[LaunchNode] = []
@@ -80,7 +115,7 @@ def launch_nodes(plan: Plan, cluster: Cluster) -> list[LaunchNode]:
     return nodes
 
 
-def check_nodes(plan: Plan, cluster: Cluster, nodes: Sequence[LaunchNode]) -> list[LaunchNode]:
+def check_nodes(plan: BundlePlan, cluster: Cluster, nodes: Sequence[LaunchNode]) -> list[LaunchNode]:
     """Nodes given by hand: numbered 0.., holding ranks 0..world-1 in order (torchrun's numbering)."""
     check_runnable(plan, cluster)
     ranks = [r for n in nodes for r in n.ranks]
@@ -90,10 +125,10 @@ def check_nodes(plan: Plan, cluster: Cluster, nodes: Sequence[LaunchNode]) -> li
     return list(nodes)
 
 
-def check_runnable(plan: Plan, cluster: Cluster) -> None:
+def check_runnable(plan: BundlePlan, cluster: Cluster) -> None:
     """The runner runs one process per plan device: the cluster must be the plan's, one GPU per device."""
     names = [d.name for d in cluster.devices]
-    if names != plan.device_names:
+    if names != list(plan.device_names):
         raise BundleError(f"cluster '{cluster.name}' has devices {_short(names)} but the plan was made for "
                           f"{_short(plan.device_names)} (cluster '{plan.cluster_name}'); give --cluster the spec the plan was made for")
     virtual = [d for d in cluster.devices if d.num_gpus > 1]
@@ -135,12 +170,12 @@ def gpu_type_check(rank: int, device: str, planned: str, actual: str | None) -> 
 # ----------------------------------------------------------------------------- model source
 
 
-def model_source(plan: Plan, model_file: str | Path | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
+def model_source(plan: BundlePlan, model_file: str | Path | None = None) -> tuple[dict[str, Any], dict[str, bytes]]:
     """model.json's content and the extra files of the bundle: the plan's model file (from the path
     its origin names, or `model_file`), checked against the sha256 the plan recorded."""
     origin = plan.graph.origin
     src: dict[str, Any] = {"kind": "hap.model_source", "name": plan.graph.name,
-                           "fingerprint": plan.model_fingerprint}
+                           "fingerprint": plan.graph.fingerprint()}
     files: dict[str, bytes] = {}
     if model_file is not None or "file" in origin:
         path = Path(model_file if model_file is not None else origin["file"])
@@ -164,7 +199,7 @@ def model_source(plan: Plan, model_file: str | Path | None = None) -> tuple[dict
     return src, files
 
 
-def bundled_model_file(files: dict[str, bytes], plan: Plan) -> tuple[str | None, list[str]]:
+def bundled_model_file(files: dict[str, bytes], plan: BundlePlan) -> tuple[str | None, list[str]]:
     """(path in the bundle of the plan's model file, problems): model.json must name a file of the bundle
     whose sha256 is the one the plan recorded, before anything imports it."""
     origin = plan.graph.origin
@@ -198,7 +233,7 @@ def package_versions() -> dict[str, str]:
     return versions
 
 
-def bundle_files(plan: Plan, cluster: Cluster, *, model_file: str | Path | None = None,
+def bundle_files(plan: BundlePlan, cluster: Cluster, *, model_file: str | Path | None = None,
                  nodes: Sequence[LaunchNode] | None = None, rdzv_endpoint: str | None = None,
                  image: str = DEFAULT_IMAGE, run_args: Sequence[str] = (), created: str | None = None,
                  annotations: bool = False) -> dict[str, bytes]:
@@ -209,7 +244,7 @@ def bundle_files(plan: Plan, cluster: Cluster, *, model_file: str | Path | None 
     gpus = any(d.gpu_model.strip().lower() != "cpu" for d in cluster.devices)
     s = LaunchSettings(job=job_name(plan), rdzv_endpoint=endpoint, image=image, gpus=gpus, run_args=tuple(run_args))
     source, extra = model_source(plan, model_file)
-    files: dict[str, bytes] = {"plan.json": plan.to_json().encode(),
+    files: dict[str, bytes] = {"plan.json": plan_text(plan).encode(),
                                "cluster.json": (json.dumps(cluster.to_dict(), indent=1) + "\n").encode(),
                                "model.json": (json.dumps(source, indent=1) + "\n").encode(), **extra}
     skipped: dict[str, str] = {}
@@ -222,6 +257,9 @@ def bundle_files(plan: Plan, cluster: Cluster, *, model_file: str | Path | None 
         else:
             files[name] = text.encode()
     if annotations:
+        if plan.parallelism != "spmd":
+            raise BundleError("--annotations: HSPMD annotations describe an SPMD plan's sharded tensors, and a "
+                              f"{plan.parallelism} plan has none; export it without --annotations")
         from .annotations import annotations_json
 
         files[ANNOTATIONS] = (json.dumps(annotations_json(plan), indent=1) + "\n").encode()
@@ -230,11 +268,11 @@ def bundle_files(plan: Plan, cluster: Cluster, *, model_file: str | Path | None 
     return files
 
 
-def manifest_json(files: dict[str, bytes], plan: Plan, cluster: Cluster, nodes: Sequence[LaunchNode],
+def manifest_json(files: dict[str, bytes], plan: BundlePlan, cluster: Cluster, nodes: Sequence[LaunchNode],
                   created: str | None, source: dict[str, Any]) -> str:
     manifest = {"kind": "hap.bundle", "schema_version": BUNDLE_SCHEMA_VERSION,
                 "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "packages": package_versions(), "world_size": plan.world_size,
+                "packages": package_versions(), "parallelism": plan.parallelism, "world_size": plan.world_size,
                 "model": {k: source[k] for k in ("name", "zoo", "hf", "file") if k in source},
                 "nodes": [{"node_rank": n.node_rank, "machine": n.machine, "nproc": n.nproc, "ranks": list(n.ranks)}
                           for n in nodes],
@@ -243,7 +281,7 @@ def manifest_json(files: dict[str, bytes], plan: Plan, cluster: Cluster, nodes: 
     return json.dumps(manifest, indent=1) + "\n"
 
 
-def find_cluster(plan: Plan, cluster: str | Path | Cluster | None) -> Cluster:
+def find_cluster(plan: BundlePlan, cluster: str | Path | Cluster | None) -> Cluster:
     """The given cluster spec, else the sample cluster of the plan's name when its fingerprint matches."""
     if cluster is not None:
         return load_cluster(cluster)
@@ -256,18 +294,37 @@ def find_cluster(plan: Plan, cluster: str | Path | Cluster | None) -> Cluster:
                       "pass --cluster with its spec JSON")
 
 
-def validated(plan: Plan) -> Plan:
-    """`plan` after the validator's checks (a Plan made in code has not been through Plan.from_json)."""
-    validate_plan(plan)
+def validated(plan: BundlePlan) -> BundlePlan:
+    """`plan` after the validator's checks (a plan made in code has not been through `read_plan`)."""
+    if plan.parallelism == "spmd":
+        validate_plan(plan)  # type: ignore[arg-type]
+    elif plan.graph is None:
+        plan.to_dict()  # PlanError: a pipeline plan has no graph to embed
+    else:
+        check_pipeline_plan(plan)  # type: ignore[arg-type]
     return plan
 
 
-def plan_warnings(plan: Plan, cluster: Cluster | str | Path | None) -> list[str]:
-    """The validator's warnings for `plan` on the cluster a bundle ships (the plan's predicted time re-priced)."""
-    return validate_plan(plan, find_cluster(plan, cluster))
+def check_on_cluster(plan: BundlePlan, cluster: Cluster) -> list[str]:
+    """PlanError unless `plan` runs on `cluster`'s devices; the warnings: an SPMD plan re-priced on it
+    (engine.validate), a pipeline plan whose cluster spec changed (its fingerprint) since it was made."""
+    if plan.parallelism == "spmd":
+        return validate_plan(plan, cluster)  # type: ignore[arg-type]
+    check_devices(plan, cluster)
+    if cluster.fingerprint() != plan.cluster_fingerprint:
+        return [f"the pipeline plan was made for cluster '{plan.cluster_name}' (fingerprint "
+                f"{plan.cluster_fingerprint[:12]}...) but cluster '{cluster.name}' has fingerprint "
+                f"{cluster.fingerprint()[:12]}...: the cluster spec changed since the plan was made (re-profiled?); "
+                "plan again to use the new figures"]
+    return []
 
 
-def export_bundle(plan: Plan | str | Path, cluster: Cluster | str | Path | None, out_dir: str | Path, *,
+def plan_warnings(plan: BundlePlan, cluster: Cluster | str | Path | None) -> list[str]:
+    """The validator's warnings for `plan` on the cluster a bundle ships (see `check_on_cluster`)."""
+    return check_on_cluster(plan, find_cluster(plan, cluster))
+
+
+def export_bundle(plan: BundlePlan | str | Path, cluster: Cluster | str | Path | None, out_dir: str | Path, *,
                   zip: bool = False, model_source: str | Path | None = None,
                   nodes: Sequence[LaunchNode] | None = None, rdzv_endpoint: str | None = None,
                   image: str = DEFAULT_IMAGE, run_args: Sequence[str] = (), annotations: bool = False) -> Path:
@@ -277,7 +334,7 @@ def export_bundle(plan: Plan | str | Path, cluster: Cluster | str | Path | None,
     `nodes` overrides the grouping of devices into nodes (default: by the cluster's machines);
     `run_args` are runner options for the Kubernetes files (the scripts take them on their command line).
     """
-    plan = validated(plan) if isinstance(plan, Plan) else Plan.from_json(plan)
+    plan = read_plan(plan) if isinstance(plan, (str, Path)) else validated(plan)
     cl = find_cluster(plan, cluster)
     files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, rdzv_endpoint=rdzv_endpoint, image=image,
                          run_args=run_args, annotations=annotations)
@@ -319,6 +376,8 @@ class BundleReport:
     path: str
     problems: list[str] = field(default_factory=list)
     world_size: int | None = None
+    parallelism: str | None = None
+    """The plan's kind: "spmd" or "pipeline"."""
     files: int = 0
     warnings: list[str] = field(default_factory=list)
     """Not fatal: e.g. the plan's predicted time re-priced differently on cluster.json (engine.validate)."""
@@ -330,7 +389,9 @@ class BundleReport:
     def render(self) -> str:
         warned = [f"warning: {w}" for w in self.warnings]
         if self.ok:
-            return "\n".join(warned + [f"bundle {self.path}: OK ({self.files} files checked, world size {self.world_size})"])
+            kind = "" if self.parallelism == "spmd" else f", {self.parallelism} plan"
+            return "\n".join(warned + [f"bundle {self.path}: OK ({self.files} files checked, world size "
+                                        f"{self.world_size}{kind})"])
         return "\n".join(warned + [f"bundle {self.path}: INVALID"] + [f"  {p}" for p in self.problems])
 
 
@@ -411,16 +472,19 @@ def check_files(files: dict[str, bytes], label: str) -> BundleReport:
         report.problems.append("plan.json missing")
         return report
     try:
-        plan = Plan.from_json(files["plan.json"].decode())
+        plan = read_plan(files["plan.json"].decode())
     except (PlanError, UnicodeDecodeError) as e:
         report.problems.append(f"plan.json: {e}")
         return report
-    report.world_size = plan.world_size
+    report.world_size, report.parallelism = plan.world_size, plan.parallelism
+    if manifest.get("parallelism", "spmd") != plan.parallelism:
+        report.problems.append(f"{MANIFEST}: parallelism {json.dumps(manifest.get('parallelism'))} but plan.json "
+                               f"is a {plan.parallelism} plan")
     report.problems += bundled_model_file(files, plan)[1]
     report.problems += _size_problems(files, manifest, plan)
     if not report.problems:
-        try:  # the plan against the bundle's cluster: devices, and the predicted time re-priced
-            report.warnings += validate_plan(plan, load_cluster(json.loads(files["cluster.json"])))
+        try:  # the plan against the bundle's cluster: devices, and the predicted time re-priced or the fingerprint
+            report.warnings += check_on_cluster(plan, load_cluster(json.loads(files["cluster.json"])))
         except PlanError as e:
             report.problems.append(f"plan.json: {e}")
     return report
@@ -442,7 +506,7 @@ _NNODES = re.compile(r"--nnodes=(\d+)")
 _NPROC = re.compile(r"--nproc-per-node=(\d+)")
 
 
-def _size_problems(files: dict[str, bytes], manifest: dict[str, Any], plan: Plan) -> list[str]:
+def _size_problems(files: dict[str, bytes], manifest: dict[str, Any], plan: BundlePlan) -> list[str]:
     """World size of the plan against the manifest, the cluster and every launch script."""
     w = plan.world_size
     out = []
@@ -455,7 +519,7 @@ def _size_problems(files: dict[str, bytes], manifest: dict[str, Any], plan: Plan
         nodes = ()
     try:
         cluster = load_cluster(json.loads(files.get("cluster.json", b"null")))
-        if [d.name for d in cluster.devices] != plan.device_names:
+        if [d.name for d in cluster.devices] != list(plan.device_names):
             out.append(f"cluster.json: devices {_short([d.name for d in cluster.devices])} are not the plan's {_short(plan.device_names)}")
     except (HapError, ValueError) as e:
         out.append(f"cluster.json: {e}")
@@ -543,14 +607,29 @@ def open_bundle(folder: str | Path) -> OpenedBundle:
         raise BundleError(f"bundle {folder} is invalid: " + "; ".join(report.problems))
     f = Path(folder)
     manifest = json.loads((f / MANIFEST).read_text())
-    nodes = manifest_nodes(manifest, len(Plan.from_json(f / "plan.json").device_names))
+    nodes = manifest_nodes(manifest, read_plan(f / "plan.json").world_size)
     return OpenedBundle(f, f / "plan.json", load_cluster(f / "cluster.json"), nodes)
+
+
+def plan_parallelism(path: str | Path) -> str | None:
+    """"spmd" or "pipeline" by the "kind" of a plan file or of a bundle's plan.json (folder or zip),
+    read without checks (a rank picks its entry by it, which then checks everything); None when unreadable."""
+    p = Path(path)
+    try:
+        if is_bundle(p):
+            d = json.loads((p / "plan.json").read_bytes() if p.is_dir() else read_zip(p)["plan.json"])
+        else:
+            d = read_plan_json(str(p))
+    except (HapError, KeyError, ValueError, OSError):
+        return None
+    kind = d.get("kind") if isinstance(d, dict) else None
+    return {"hap.plan": "spmd", PIPELINE_PLAN_KIND: "pipeline"}.get(kind)  # type: ignore[arg-type]
 
 
 def model_file_of(opened: OpenedBundle) -> Path | None:
     """The bundle's copy of its plan's model file (None for zoo and hf: plans); BundleError unless its
     sha256 is the plan's, so nothing imports another file."""
-    rel, problems = bundled_model_file(read_folder(opened.folder), Plan.from_json(opened.plan_path))
+    rel, problems = bundled_model_file(read_folder(opened.folder), read_plan(opened.plan_path))
     if problems:
         raise BundleError(f"bundle {opened.folder} is invalid: " + "; ".join(problems))
     return opened.folder / rel if rel else None

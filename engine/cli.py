@@ -257,21 +257,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .bundle import export_bundle, plan_warnings
-    from .plan import Plan
+    from .bundle import export_bundle, plan_warnings, read_plan
 
     try:
         run_args = shlex.split(args.run_args or "")
     except ValueError as e:  # e.g. an unclosed quotation mark
         raise _UsageError(f"--run-args {args.run_args!r}: {e}; quote it as one shell string") from None
-    plan = Plan.from_json(args.plan)  # validated: an inconsistent plan is refused here
+    plan = read_plan(args.plan)  # either kind, validated: an inconsistent plan is refused here
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
                         rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args,
                         annotations=args.annotations)
     for warning in plan_warnings(plan, args.cluster):
         print(f"warning: {warning}", file=sys.stderr)
     manifest = json.loads((out / "manifest.json").read_text())
-    print(f"bundle {out}: {plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
+    kind = "" if plan.parallelism == "spmd" else f"{plan.parallelism} plan, "
+    print(f"bundle {out}: {kind}{plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
           f"{len(manifest['files'])} files" + (f"; zip {out.with_name(out.name + '.zip')}" if args.zip else ""))
     print(f"check it with `hap bundle check {out}`; run it with `hap run {out}` or see {out / 'README.md'}")
     return 0
@@ -397,7 +397,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
     r.set_defaults(func=cmd_run)
     e = sub.add_parser("export", help="write a launch bundle (plan, cluster, model, torchrun/Slurm/Kubernetes files)")
-    e.add_argument("plan", help="plan JSON from `hap plan --out`")
+    e.add_argument("plan", help="plan JSON from `hap plan --out` (SPMD or pipeline)")
     e.add_argument("--out", required=True, metavar="DIR", help="bundle folder to create (new or empty)")
     e.add_argument("--zip", action="store_true", help="also write DIR.zip")
     e.add_argument("--cluster", metavar="FILE", help="cluster spec the plan was made for (default: the sample cluster of its name)")

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .cluster import Cluster
-from .plan import Plan
+
+if TYPE_CHECKING:
+    from .bundle import BundlePlan
 
 DEFAULT_RDZV_PORT = 29500
 DEFAULT_IMAGE = "hap-workbench:latest"
@@ -62,7 +64,7 @@ class LaunchSettings:
     """Runner options written into the Kubernetes files (e.g. --steps 100), where nobody types them."""
 
 
-def job_name(plan: Plan) -> str:
+def job_name(plan: BundlePlan) -> str:
     raw = f"hap-{plan.graph.name}-{plan.cluster_name}"
     return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw.lower())).strip("-")[:52]
 
@@ -212,9 +214,33 @@ def trainjob_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | None:
     return "\n".join(header + _yaml(doc) + [""])
 
 
-def readme_text(plan: Plan, cluster: Cluster, nodes: Sequence[LaunchNode], s: LaunchSettings,
+def plan_summary(plan: BundlePlan) -> str:
+    """What the plan is, in a few words: its strategy, or a pipeline's stages, schedule and microbatches."""
+    if plan.parallelism == "pipeline":
+        return (f"Pipeline plan ({len(plan.stages)} stages, schedule `{plan.schedule}`, "  # type: ignore[attr-defined]
+                f"{plan.microbatches} microbatches)")  # type: ignore[attr-defined]
+    return f"Plan `{plan.strategy}`"  # type: ignore[attr-defined]
+
+
+SPMD_RUN_OPTIONS = """Runner options go after the bundle or the script, the same on every node: `--steps N`, `--verify`, `--metrics FILE`,
+`--checkpoint-dir DIR --checkpoint-every N` (on a file system every rank sees) and `--resume`
+(continue from the last complete checkpoint; starts at step 0 when there is none, so a
+restarted job can always pass it)."""
+
+PIPELINE_RUN_OPTIONS = """Runner options go after the bundle or the script, the same on every node: `--steps N`, `--verify`,
+`--seed S`, `--optimizer sgd|adam`, `--lr LR`, `--timeout S` and `--emulate-links` (each stage-to-stage
+transfer takes at least its predicted time). A pipeline plan runs on the CPU over gloo so far (the
+GPUs are not used); it neither checkpoints nor writes metrics yet, and refuses those options."""
+
+SPMD_DEVICE_CHECK = """At start every rank
+compares its GPU (`torch.cuda.get_device_name`) with the planned type and reports a mismatch
+naming the rank and both types (`--device-check error` makes it fatal)."""
+
+
+def readme_text(plan: BundlePlan, cluster: Cluster, nodes: Sequence[LaunchNode], s: LaunchSettings,
                 skipped: dict[str, str]) -> str:
     """The bundle's README: which command to run where, and the rank -> device map."""
+    pipeline = plan.parallelism == "pipeline"
     rows = "\n".join(f"| {r['rank']} | {r['node_rank']} | {r['local_rank']} | {r['machine']} | {r['device']} | {r['gpu_model']} |"
                      for r in rank_table(cluster, nodes))
     node_lines = "\n".join(f"    bash launch_node.sh {n.node_rank}   # on machine {n.machine} ({n.nproc} ranks: {_span(n.ranks)})"
@@ -222,7 +248,7 @@ def readme_text(plan: Plan, cluster: Cluster, nodes: Sequence[LaunchNode], s: La
     not_made = "".join(f"\n- `{f}` was not generated: {why}." for f, why in skipped.items())
     return f"""# Launch bundle: {plan.graph.name} on {cluster.name}
 
-Plan `{plan.strategy}` for {plan.world_size} ranks on {len(nodes)} node(s), predicted iteration
+{plan_summary(plan)} for {plan.world_size} ranks on {len(nodes)} node(s), predicted iteration
 {plan.predicted_time_s * 1e3:.2f} ms. Every node needs `hap-workbench` installed (it provides
 `torchrun` and `runner.launch`) and this folder at the same path (or on a shared file system).
 
@@ -246,18 +272,13 @@ Check the bundle first (exit 0 valid, 1 invalid: a changed, extra or missing fil
   Their runner options come from `hap export --run-args '...'` (append more to the container
   args).{not_made}
 
-Runner options go after the bundle or the script, the same on every node: `--steps N`, `--verify`, `--metrics FILE`,
-`--checkpoint-dir DIR --checkpoint-every N` (on a file system every rank sees) and `--resume`
-(continue from the last complete checkpoint; starts at step 0 when there is none, so a
-restarted job can always pass it).
+{PIPELINE_RUN_OPTIONS if pipeline else SPMD_RUN_OPTIONS}
 
 ## Ranks and devices
 
 Rank r runs plan device r; node k runs a consecutive block of ranks. torchrun's c10d rendezvous
 orders the nodes itself, so `launch_node.sh` and `slurm.sbatch` pass the node number
-(`HAP_NODE_RANK`) and every rank joins as the rank this table gives it. At start every rank
-compares its GPU (`torch.cuda.get_device_name`) with the planned type and reports a mismatch
-naming the rank and both types (`--device-check error` makes it fatal).
+(`HAP_NODE_RANK`) and every rank joins as the rank this table gives it.{"" if pipeline else " " + SPMD_DEVICE_CHECK}
 
 | rank | node | local rank | machine | device | GPU type |
 |---|---|---|---|---|---|

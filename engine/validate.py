@@ -509,18 +509,24 @@ def _key(plan: "Plan", m: tuple[int, int, int]) -> str:
 # ----------------------------------------------------------------------------- 5. against a cluster
 
 
-def check_against_cluster(plan: "Plan", cluster: "Cluster") -> list[str]:
-    """Check 5: the plan's devices are the cluster's; returns a warning when the cost model re-prices it differently."""
-    from .cost import CostModel, evaluate
-
+def check_devices(plan: Any, cluster: "Cluster") -> None:
+    """The plan's devices (of either kind of plan: `device_names`, `world_size`) are the cluster's, in order."""
     names = [d.name for d in cluster.devices]
     if cluster.num_devices != plan.world_size:
         raise _fail("cluster.devices", f"the plan has {plan.world_size} devices but cluster '{cluster.name}' has "
                     f"{cluster.num_devices}", "plan again for this cluster (hap plan --cluster FILE)")
-    if names != plan.device_names:
+    if names != list(plan.device_names):
         j = next(j for j, (a, b) in enumerate(zip(names, plan.device_names)) if a != b)
         raise _fail(f"cluster.devices[{j}]", f"device '{plan.device_names[j]}' but cluster '{cluster.name}' has "
                     f"'{names[j]}' there", "plan again for this cluster (hap plan --cluster FILE)")
+
+
+def check_against_cluster(plan: "Plan", cluster: "Cluster") -> list[str]:
+    """Check 5: the plan's devices are the cluster's; returns a warning when the cost model re-prices it differently."""
+    from .cost import CostModel, evaluate
+
+    check_devices(plan, cluster)
+    names = [d.name for d in cluster.devices]
     machines = [d.machine for d in cluster.devices]
     if plan.machines and plan.machines != machines:
         j = next(j for j, (a, b) in enumerate(zip(machines, plan.machines)) if a != b)

@@ -38,10 +38,11 @@ from typing import Any, Sequence
 from engine.errors import HapError
 from engine.partition import PipelinePlan
 from engine.pipeline_plan import load_any
-from engine.validate import validate_plan
+from engine.bundle import check_on_cluster, model_file_of
 
 from . import launch
 from .failure import ERRORS_ENV, read_failures, write_log
+from .pipeline import check_pipeline_options, load_pipeline_plan
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _ROOT_CAUSE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
@@ -213,11 +214,15 @@ def main(argv: Sequence[str]) -> int:
         plan_path, opened, scratch = launch.open_source(cfg.plan)
         source = str(Path(plan_path).parent) if scratch else cfg.plan  # the ranks run the extracted folder
         plan = load_any(plan_path)  # validated (engine.validate): an inconsistent plan stops here
-        if isinstance(plan, PipelinePlan):  # its own runner (runner.pipeline), one rank per device
-            return run_torchrun(plan.world_size, with_source(argv, cfg.plan, source), module="runner.pipeline")
         world_size = plan.world_size
-        warnings = validate_plan(plan, opened.cluster) if opened else []
-        launch.check_inputs(dataclasses.replace(cfg, plan=source), world_size)
+        warnings = check_on_cluster(plan, opened.cluster) if opened else []
+        if isinstance(plan, PipelinePlan):  # its own runner (runner.pipeline), one rank per device
+            module = "runner.pipeline"
+            check_pipeline_options(cfg)
+            load_pipeline_plan(plan_path, world_size, model_file_of(opened) if opened else None)
+        else:
+            module = "runner.launch"
+            launch.check_inputs(dataclasses.replace(cfg, plan=source), world_size)
     except (HapError, ValueError, OSError) as e:
         print(f"hap run: error: {e}", file=sys.stderr)
         if scratch:
@@ -227,7 +232,7 @@ def main(argv: Sequence[str]) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     sys.stdout.flush()
     try:
-        return run_torchrun(world_size, with_source(argv, cfg.plan, source))
+        return run_torchrun(world_size, with_source(argv, cfg.plan, source), module=module)
     finally:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -531,6 +531,10 @@ def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str |
 
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
+    if bundle.plan_parallelism(cfg.plan) == "pipeline":  # a pipeline plan or bundle has its own rank entry
+        from .pipeline import main as pipeline_main
+
+        return pipeline_main(argv)
     try:
         env = DistEnv.from_environ()
     except ValueError as e:

@@ -21,10 +21,11 @@ Limits (issue 15): CPU and gloo only (no NCCL path yet); no dropout; a weight us
 """
 from __future__ import annotations
 
-import argparse
+import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
 from datetime import timedelta
 from typing import Any, Sequence
 
@@ -417,15 +418,37 @@ def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: s
 # ----------------------------------------------------------------------------- `hap run` on a pipeline plan
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """`hap run`'s options (runner.launch), of which a pipeline run uses plan, steps, seed, optimizer,
-    lr, verify, timeout and emulate-links."""
-    from .launch import build_parser as run_parser
-
-    return run_parser()
+PIPELINE_OPTIONS = ("plan", "steps", "verify", "seed", "optimizer", "lr", "timeout_s", "emulate_links")
+"""The `hap run` options (runner.launch.RunConfig fields) a pipeline run uses; it refuses the others."""
 
 
-def run_rank(plan: PipelinePlan, rank: int, args: argparse.Namespace) -> int:
+def check_pipeline_options(cfg: Any) -> None:
+    """PlanError naming the first `hap run` option a pipeline run would ignore (checkpoints, metrics, ...)."""
+    for f in fields(cfg):
+        if f.name not in PIPELINE_OPTIONS and getattr(cfg, f.name) != f.default:
+            raise PlanError(f"--{f.name.replace('_', '-')} is not supported for pipeline plans yet (they take --steps, "
+                            "--verify, --seed, --optimizer, --lr, --timeout and --emulate-links); leave it out")
+
+
+def load_pipeline_plan(path: str | Path, world_size: int, model_file: str | Path | None = None) -> PipelinePlan:
+    """The pipeline plan of a plan file or a bundle's plan.json, refused unless made for `world_size` ranks;
+    `model_file` is a bundle's copy of the plan's model file (its origin is pointed at it)."""
+    from engine import source
+    from engine.pipeline_plan import load_any
+
+    plan = load_any(str(path))
+    if not isinstance(plan, PipelinePlan):
+        raise PlanError("runner.pipeline runs pipeline plans; run a plain plan with `hap run`")
+    if plan.world_size != world_size:
+        raise PlanError(f"the plan needs {plan.world_size} ranks, torchrun started {world_size}")
+    if model_file is not None:
+        origin = source.with_model_file(plan.graph.origin, model_file)  # type: ignore[union-attr]
+        plan = replace(plan, graph=replace(plan.graph, origin=origin))  # type: ignore[arg-type]
+    source.check_rebuildable(plan.graph.origin)  # type: ignore[union-attr]
+    return plan
+
+
+def run_rank(plan: PipelinePlan, rank: int, args: Any) -> int:
     """One rank of `hap run PIPELINE_PLAN`: train, print losses and times on rank 0, verify if asked."""
     from .verify import compare
 
@@ -448,27 +471,50 @@ def run_rank(plan: PipelinePlan, rank: int, args: argparse.Namespace) -> int:
     return 0 if result.ok() else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry of each torchrun rank (`python -m runner.pipeline PLAN ...`)."""
-    import os
+def pipeline_inputs(cfg: Any) -> tuple[PipelinePlan, Any, str | None]:
+    """(plan, this rank's DistEnv, scratch folder of an extracted zip) of a plan file or a bundle, checked
+    before any process group starts: the options, the bundle against its manifest, the rank the bundle
+    node gives this process (HAP_NODE_RANK), the plan's world size and its model file."""
+    from engine import bundle
 
-    from engine.pipeline_plan import load_any
+    from .launch import DistEnv, bundle_rank, open_source
 
-    args = build_parser().parse_args(argv)
+    check_pipeline_options(cfg)
+    plan_path, opened, scratch = open_source(cfg.plan, "hap-pipeline-")
     try:
-        plan = load_any(args.plan)
-        if not isinstance(plan, PipelinePlan):
-            raise PlanError("runner.pipeline runs pipeline plans; run a plain plan with `hap run`")
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        if world != plan.world_size:
-            raise PlanError(f"the plan needs {plan.world_size} ranks, torchrun started {world}")
-        if torch.cuda.is_available() and rank == 0:
+        env = bundle_rank(DistEnv.from_environ(), opened)
+        plan = load_pipeline_plan(plan_path, env.world_size, bundle.model_file_of(opened) if opened else None)
+    except BaseException:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return plan, env, scratch
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry of each torchrun rank (`python -m runner.pipeline PLAN|BUNDLE ...`; runner.launch hands
+    pipeline plans here). A bundle is checked against its manifest on every rank (a zip extracted
+    to the rank's own scratch folder) and the rank joins as the plan device its bundle node gives it."""
+    from .launch import parse_args
+
+    cfg = parse_args(argv)
+    try:
+        plan, env, scratch = pipeline_inputs(cfg)
+    except (HapError, ValueError) as e:
+        print(f"hap run: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        if torch.cuda.is_available() and env.rank == 0:
             print("hap run: pipeline plans run on the CPU over gloo so far (the GPUs are not used)", file=sys.stderr)
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout_s))
-        status = run_rank(plan, rank, args)
+        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size,
+                                timeout=timedelta(seconds=cfg.timeout_s))
+        status = run_rank(plan, env.rank, cfg)
     except HapError as e:
         print(f"hap run: error: {e}", file=sys.stderr)
         status = 2
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
     sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -10,20 +10,14 @@ graph, cluster, plan = services.current()
 if plan is None:
     st.info("No plan yet: run the search on the Search page.")
     st.stop()
-if plan.parallelism == "pipeline":
-    st.download_button("Download plan.json (pipeline)", services.plan_json(plan), file_name="plan.json",
-                       mime="application/json", type="primary", key="export.pipeline_plan")
-    st.download_button("Download cluster.json", services.cluster_json(cluster), file_name="cluster.json",
-                       mime="application/json", key="export.cluster")
-    st.info("Launch bundles of pipeline plans are not part of this build yet: run the plan file with `hap run`.")
-    st.code(f"hap run plan.json --steps 5 --verify      # {plan.world_size} ranks, one per device", language="bash")
-    st.stop()
-st.download_button("Download plan.json", plan.to_json(), file_name="plan.json", mime="application/json",
-                   type="primary", key="export.plan")
+pipeline = plan.parallelism == "pipeline"
+st.download_button("Download plan.json (pipeline)" if pipeline else "Download plan.json", services.plan_json(plan),
+                   file_name="plan.json", mime="application/json", type="primary", key="export.plan")
 st.download_button("Download cluster.json", services.cluster_json(cluster), file_name="cluster.json",
                    mime="application/json", key="export.cluster")
 if importlib.util.find_spec("engine.bundle") is not None:
-    bundle, message = services.bundle_zip(plan.to_json(), services.cluster_json(cluster), services.model_file_of(plan))
+    bundle, message = services.bundle_zip(services.plan_json(plan), services.cluster_json(cluster),
+                                          services.model_file_of(plan))
     if bundle is not None:
         st.download_button("Download launch bundle (zip)", bundle, file_name="hap_bundle.zip", mime="application/zip",
                            key="export.bundle")
@@ -32,6 +26,11 @@ if importlib.util.find_spec("engine.bundle") is not None:
 else:
     st.caption("Launch bundles (`hap export`) are not part of this build yet: the plan alone runs with `hap run`.")
 st.subheader("Run it")
+if pipeline:
+    st.markdown("On one machine, one process per device (pipeline plans run on the CPU over gloo so far):")
+    st.code(f"hap run plan.json --steps 5 --verify      # {plan.world_size} ranks, one per device\n"
+            "hap run hap_bundle.zip --steps 5 --verify  # the same through the launch bundle", language="bash")
+    st.stop()
 st.markdown("On one machine with as many processes as the plan has devices (gloo on CPU, NCCL on GPUs):")
 st.code(f"hap run plan.json --steps 5 --verify\n"
         f"torchrun --standalone --nproc-per-node={plan.world_size} -m runner.launch plan.json --steps 100 "

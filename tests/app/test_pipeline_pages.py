@@ -1,5 +1,5 @@
 """Pipeline plans in the workbench: Search (parallelism option), Plan (stages), Timeline (Gantt per
-stage with bubbles), Compare (every schedule beside the SPMD plan), Export (the pipeline plan file)."""
+stage with bubbles), Compare (every schedule beside the SPMD plan), Export (the pipeline plan file and its bundle)."""
 from __future__ import annotations
 
 import functools
@@ -107,17 +107,19 @@ def test_compare_page_shows_every_schedule_beside_spmd_with_peak_memory(pipe_app
     assert table["predicted_ms"].iloc[-1] == pytest.approx(pipe_plan.search["parallelism_s"]["spmd"] * 1e3)
 
 
-def test_export_page_offers_the_pipeline_plan_file(pipe_app, pipe_plan):
+def test_export_page_offers_the_pipeline_plan_file_and_its_bundle(pipe_app, pipe_plan):
     from engine.pipeline_plan import load_any
 
     at = open_page(pipe_app, "export")
     no_exception(at)
-    assert any("bundles of pipeline plans" in i.value for i in at.info)
+    assert not at.error, [e.value for e in at.error]
+    labels = [b.proto.label for b in at.get("download_button")]
+    assert labels == ["Download plan.json (pipeline)", "Download cluster.json", "Download launch bundle (zip)"]
     from app import services
 
     back = load_any(services.plan_json(pipe_plan))
     assert [s.layers for s in back.stages] == [s.layers for s in pipe_plan.stages]
-    assert "hap run plan.json" in at.code[0].value
+    assert "hap run plan.json" in at.code[0].value and "hap run hap_bundle.zip" in at.code[0].value
 
 
 def test_search_page_asks_the_engine_for_the_chosen_parallelism(pipe_app):
