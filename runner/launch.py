@@ -16,7 +16,8 @@ A launch bundle (`hap export`, a folder or a zip) runs the same way, e.g. from i
 bundle against its manifest before anything else, extracts a zip safely (its own temporary
 folder), joins as the rank the bundle gives its node and local rank (HAP_NODE_RANK, set by the
 bundle's launch files; see engine.bundle.plan_rank), and compares its GPU with the type the
-plan's device has (engine.bundle.gpu_type_check).
+plan's device has (engine.bundle.gpu_type_check). A pipeline plan, bare or in a bundle, is handed
+to its own entry, runner.pipeline (`main`, by engine.bundle.plan_parallelism).
 
 Order of work in `run`: read the launch environment, check the inputs (bundle, plan for this
 world size, options, checkpoint to resume), check the GPU type, start the process group (NCCL on

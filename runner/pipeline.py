@@ -16,8 +16,12 @@ split over the batch is re-sliced so each receiver gets exactly the rows it need
 that sender. `link_s` emulates slow links: each transfer also carries its send time, and the
 receiver waits until send time (or the link's previous arrival) plus the boundary's transfer time.
 
+A launch bundle of a pipeline plan (`hap export`) runs here too: each rank checks it against its
+manifest and joins as the rank its bundle node gives it (runner.launch hands pipeline plans here).
+
 Limits (issue 15): CPU and gloo only (no NCCL path yet); no dropout; a weight used by two stages
-(tied embeddings) is refused, not summed; stages run data parallelism inside, not HAP's sharding.
+(tied embeddings) is refused, not summed; stages run data parallelism inside, not HAP's sharding;
+no checkpoints or metrics (`hap run` options a pipeline does not take are refused, PIPELINE_OPTIONS).
 """
 from __future__ import annotations
 
