@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,11 +16,12 @@ import pytest
 import engine
 from conftest import ROOT
 from engine.bundle import export_bundle
+from engine.errors import PlanError
 from engine.partition import fixed_pipeline
 from engine.stages import StageGraph
 from runner import launch
 from runner.launch import NODE_ENV, parse_args
-from runner.pipeline import pipeline_inputs
+from runner.pipeline import load_pipeline_plan, pipeline_inputs
 
 from runner_plans import cluster
 from test_runner_bundle import TWO_MACHINES, copy_bundle, free_port
@@ -102,3 +104,24 @@ def test_launch_node_script_runs_a_pipeline_bundle_on_two_nodes_and_verifies(tmp
     assert [nodes[k].returncode for k in (0, 1)] == [0, 0], "\n".join(logs)[-4000:]
     # rank 0 (bundle node 0) prints the steps and the verification
     assert "verify: OK" in logs[0] and "step 2: loss" in logs[0], logs[0][-3000:]
+
+
+def test_a_pipeline_of_a_model_file_runs_the_bundles_copy(tmp_path):
+    """The bundle ships the plan's model file; the ranks point the plan's origin at that copy (the
+    original may be gone) and refuse a copy whose sha256 is not the plan's."""
+    pytest.importorskip("transformers")
+    model = tmp_path / "llama_tiny.py"
+    shutil.copy(ROOT / "examples" / "llama_tiny.py", model)
+    g = engine.load_model(str(model))
+    L = StageGraph(g).num_layers
+    plan = fixed_pipeline(g, cluster(4), [(0, L // 2, (0, 2)), (L // 2, L, (1, 3))], 2, "1f1b")
+    out = export_bundle(plan, cluster(4), tmp_path / "b")
+    model.unlink()
+    opened = engine.bundle.open_bundle(out)
+    got = load_pipeline_plan(opened.plan_path, 4, engine.bundle.model_file_of(opened))
+    assert got.graph.origin["file"] == str(out / "model" / "llama_tiny.py")
+    with pytest.raises(PlanError, match="the plan needs 4 ranks, torchrun started 2"):
+        load_pipeline_plan(opened.plan_path, 2)
+    (out / "model" / "llama_tiny.py").write_text("# edited\n")
+    with pytest.raises(engine.bundle.BundleError, match="changed file: model/llama_tiny.py"):
+        engine.bundle.open_bundle(out)
