@@ -67,8 +67,8 @@ class BundleError(HapError, ValueError):
 
 class BundlePlan(Protocol):
     """What a bundle needs of a plan, of either kind: `engine.plan.Plan` (parallelism "spmd") or
-    `engine.partition.PipelinePlan` ("pipeline"). The kind-specific parts are in `validated`,
-    `check_on_cluster` and `read_plan`; everything else reads only these."""
+    `engine.partition.PipelinePlan` ("pipeline"). The kind-specific parts are `read_plan`, `validated`,
+    `check_on_cluster` and the README's `launch_files.plan_summary`; everything else reads only these."""
 
     parallelism: ClassVar[str]
     graph: "Graph"
