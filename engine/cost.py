@@ -425,9 +425,12 @@ def add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
 
 
 def _requires_grad(graph: Graph) -> list[bool]:
+    """Whether each tensor needs a gradient: parameters, what depends on one, and a pipeline stage's
+    input whose gradient goes back to the previous stage (a `cut` placeholder marked `requires_grad`)."""
     out: list[bool] = []
     for n in graph.nodes:
-        out.append(n.op == "parameter" or (not n.is_leaf and any(out[i] for i in n.inputs)))
+        out.append(n.op == "parameter" or bool(n.attrs.get("requires_grad")) if n.is_leaf
+                   else any(out[i] for i in n.inputs))
     return out
 
 

@@ -46,6 +46,7 @@ import numpy as np
 from .cluster import Cluster
 from .errors import InfeasibleError, PlanError
 from .graph import Graph
+from .plan import Plan
 from .schedule import SCHEDULES, Pipeline, PipelineRun, StageTimes, closed_form_s, h1f1b_delta, run_schedule, \
     warmup_counts
 from .stage_cost import (DataParallelPricer, StagePrice, StagePricer, SubCluster, device_signature, sub_clusters,
@@ -435,7 +436,12 @@ class PipelineStage:
     peak_memory_bytes: float
     """Per GPU on the fullest device, under the plan's schedule."""
     ratios: tuple[float, ...] = ()
-    """Each device's share of every microbatch (data parallelism inside the stage: ~ its FLOP/s)."""
+    """Each device's share of every microbatch (data parallelism inside the stage: ~ its FLOP/s; with a
+    `plan`, the shares of its first segment)."""
+    plan: Plan | None = None
+    """HAP's plan of the stage on its devices (`engine.stage_plan`): its own graph (the stage at one
+    microbatch's size, from the tensors it receives to those it sends), program Q and ratios B. None:
+    the stage runs data parallelism at `ratios`."""
 
 
 @dataclass(frozen=True)

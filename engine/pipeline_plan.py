@@ -11,12 +11,13 @@ lists exactly the tensors that cross it (the runner sends those and only those).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
 from .errors import ModelError, PlanError
 from .graph import Graph
+from .plan import Plan
 from .partition import Boundary, PipelinePlan, PipelineStage, ScheduleResult, TimelineBox, batch_of
 from .schedule import SCHEDULES
 from .validate import RATIO_TOLERANCE, _check_cluster_field, _fail, _is_int, _non_negative, _shown, _typed
@@ -37,13 +38,17 @@ def pipeline_plan_dict(plan: PipelinePlan) -> dict[str, Any]:
                         "devices": list(plan.device_names)},
             "schedule": plan.schedule, "microbatches": plan.microbatches, "predicted_time_s": plan.predicted_s,
             "t_max_s": plan.t_max_s, "closed_form_s": plan.closed_form_s, "planning_s": plan.planning_s,
-            "stages": [{**asdict(s), "devices": list(s.devices), "layers": list(s.layers), "nodes": list(s.nodes),
-                        "ratios": list(s.ratios)}
-                       for s in plan.stages],
+            "stages": [_stage_dict(s) for s in plan.stages],
             "boundaries": [{**asdict(b), "tensors": list(b.tensors)} for b in plan.boundaries],
             "schedules": {k: {**asdict(r), "warmup": list(r.warmup), "peak_memory_bytes": list(r.peak_memory_bytes)}
                           for k, r in plan.schedules.items()},
             "timeline": [asdict(b) for b in plan.timeline], "graph": g.to_dict()}
+
+
+def _stage_dict(s: PipelineStage) -> dict[str, Any]:
+    out = {f.name: getattr(s, f.name) for f in fields(s) if f.name != "plan"}
+    return {**out, "devices": list(s.devices), "layers": list(s.layers), "nodes": list(s.nodes),
+            "ratios": list(s.ratios), "plan": None if s.plan is None else s.plan.to_dict()}
 
 
 def pipeline_plan_from_dict(d: Any) -> PipelinePlan:
@@ -99,14 +104,14 @@ def _check_top(d: dict[str, Any]) -> None:
         raise _fail("stages", "is empty: a pipeline has at least one stage")
 
 
-def _fields(x: Any, path: str, keys: tuple[str, ...]) -> dict[str, Any]:
-    """x as an object with exactly `keys`."""
+def _fields(x: Any, path: str, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict[str, Any]:
+    """x as an object with exactly `keys`, and any of `optional`."""
     if not isinstance(x, dict):
         raise _fail(path, f"must be an object, got {type(x).__name__}")
     missing = [k for k in keys if k not in x]
     if missing:
         raise _fail(f"{path}.{missing[0]}", "is missing")
-    extra = sorted(set(x) - set(keys))
+    extra = sorted(set(x) - set(keys) - set(optional))
     if extra:
         raise _fail(path, f"unknown field {extra[0]!r}")
     return x
@@ -131,7 +136,7 @@ def _numbers(x: Any, path: str) -> tuple[float, ...]:
 def _stage(s: Any, path: str) -> PipelineStage:
     keys = ("devices", "sub_cluster", "layers", "nodes", "warmup", "forward_s", "backward_s", "sync_s",
             "peak_memory_bytes", "ratios")
-    s = _fields(s, path, keys)
+    s = _fields(s, path, keys, ("plan",))
     devices = _ints(s["devices"], f"{path}.devices")
     if not devices:
         raise _fail(f"{path}.devices", "is empty: a stage runs on at least one device")
@@ -145,7 +150,18 @@ def _stage(s: Any, path: str) -> PipelineStage:
         raise _fail(f"{path}.ratios", f"{list(ratios)[:8]} must give one share per device ({len(devices)}) summing to 1")
     return PipelineStage(devices, s["sub_cluster"], _ints(s["layers"], f"{path}.layers", 2),
                          _ints(s["nodes"], f"{path}.nodes", 2), s["warmup"], float(s["forward_s"]),
-                         float(s["backward_s"]), float(s["sync_s"]), float(s["peak_memory_bytes"]), ratios)
+                         float(s["backward_s"]), float(s["sync_s"]), float(s["peak_memory_bytes"]), ratios,
+                         _stage_plan(s.get("plan"), f"{path}.plan"))
+
+
+def _stage_plan(d: Any, path: str) -> Plan | None:
+    """A stage's embedded HAP plan, validated as every plan is (schema, program replayed against the theory)."""
+    if d is None:
+        return None
+    try:
+        return Plan.from_dict(d)
+    except PlanError as e:
+        raise PlanError(f"plan: {path}: {e}") from None
 
 
 def _boundary(b: Any, path: str) -> Boundary:
@@ -224,11 +240,61 @@ def check_pipeline_plan(plan: PipelinePlan) -> None:
         if tuple(sorted(b.tensors)) != crossing:
             raise _fail(f"boundaries[{i}].tensors", f"{list(b.tensors)[:8]} is not what crosses after node "
                         f"{plan.stages[i].nodes[1]} ({list(crossing)[:8]})")
+    check_stage_plans(plan)
     for key, r in plan.schedules.items():
         if key not in SCHEDULES:
             raise _fail(f"schedules[{json.dumps(key)}]", f"is not a schedule (one of: {', '.join(SCHEDULES)})")
         if len(r.warmup) != S or len(r.peak_memory_bytes) != S:
             raise _fail(f"schedules[{json.dumps(key)}]", f"needs one warm-up count and one memory figure per stage ({S})")
+
+
+def check_stage_plans(plan: PipelinePlan) -> None:
+    """Every stage has a HAP plan or none does; each is the plan of its own stage: its devices, its
+    layers, the model's nodes by name and operator, receiving and sending exactly the boundary's
+    tensors, each boundary tensor sent in the form the next stage receives it in."""
+    planned = [s.plan is not None for s in plan.stages]
+    if any(planned) and not all(planned):
+        i = planned.index(False)
+        raise _fail(f"stages[{i}].plan", "is missing: either every stage has a HAP plan or none has")
+    if not any(planned):
+        return
+    graph = plan.graph
+    assert graph is not None
+    sent: dict[int, int] = {}
+    for i, s in enumerate(plan.stages):
+        sp, path = s.plan, f"stages[{i}].plan"
+        assert sp is not None
+        names = [plan.device_names[d] for d in s.devices]
+        if list(sp.device_names) != names:
+            raise _fail(f"{path}.cluster.devices", f"{list(sp.device_names)[:8]} are not the stage's devices {names[:8]}")
+        meta = sp.graph.origin.get("pipeline_stage", {})
+        if meta.get("layers") != list(s.layers) or len(meta.get("model_nodes", [])) != len(sp.graph):
+            raise _fail(f"{path}.graph.origin.pipeline_stage", f"does not describe layers {list(s.layers)} node by node")
+        received: dict[int, int] = {}
+        for node, m in zip(sp.graph.nodes, meta["model_nodes"]):
+            if m == -1 and (node.op == "stage_output" or (node.op == "identity" and "cut" in sp.graph[node.inputs[0]].attrs)):
+                continue  # what the stage's graph adds: its end, and the copy of a received tensor
+            if not _is_int(m) or not 0 <= m < len(graph) or graph[m].name != node.name or \
+                    (graph[m].op != node.op and "cut" not in node.attrs):
+                raise _fail(f"{path}.graph.nodes[{node.id}]", f"{node.name!r} ({node.op}) is not model node {m}")
+            if "cut" in node.attrs:
+                received[m] = node.attrs.get("form")
+        want_in = set(plan.boundaries[i - 1].tensors) if i else set()
+        if set(received) != want_in or any(sent.get(t) != f for t, f in received.items()):
+            raise _fail(f"{path}.graph", f"receives {sorted(received)[:8]} in forms the previous stage does not send "
+                        f"(boundary: {sorted(want_in)[:8]})")
+        sink = sp.graph[sp.graph.loss]
+        if i == len(plan.stages) - 1:
+            if sink.op == "stage_output" or meta["model_nodes"][sp.graph.loss] != graph.loss:
+                raise _fail(f"{path}.graph.loss", "the last stage's plan must end in the model's loss")
+            continue
+        if sink.op != "stage_output":
+            raise _fail(f"{path}.graph.loss", "a stage before the last must end in a stage_output node")
+        out = [meta["model_nodes"][t] for t in sink.inputs]
+        if sorted(out) != sorted(plan.boundaries[i].tensors):
+            raise _fail(f"{path}.graph", f"sends {sorted(out)[:8]}, not the boundary's tensors "
+                        f"{sorted(plan.boundaries[i].tensors)[:8]}")
+        sent = dict(zip(out, sink.attrs["forms"]))
 
 
 def crossing_tensors(graph: Graph, last: int) -> tuple[int, ...]:

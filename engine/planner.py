@@ -290,7 +290,7 @@ def _check_parallelism(parallelism: Any, microbatches: Any) -> None:
 def plan_spmd(model: Any, cluster: Any, time_budget_s: float | None = None,
               progress: Callable[[SearchProgress], None] | None = None, *, optimizer: str = "adam",
               beam_width: int | None = DEFAULT_BEAM_WIDTH, max_iterations: int = 6, segments: int = 1,
-              report_every: int = 500, overlap: str = "auto") -> Plan:
+              report_every: int = 500, overlap: str = "auto", space: SearchSpace | None = None) -> Plan:
     """Plan `model` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
 
     `overlap` is the overlap mode to plan in (`none`, `ddp`, `duplex`), or `auto`: plan in ddp
@@ -300,7 +300,8 @@ def plan_spmd(model: Any, cluster: Any, time_budget_s: float | None = None,
     skipped (`overlap_skipped`). `segments` > 1 then iterates again with that many runs of
     layers, each with its own ratios (§5.2), starting from the one-segment plan; the faster of
     the two is returned. `progress` is called every `report_every` expansions of each search (the
-    UI's live frontier)."""
+    UI's live frontier). `space` restricts the search (e.g. no hierarchical collectives inside a
+    pipeline stage); the data-parallel seeds are searched in their own spaces."""
     _check_arguments(time_budget_s, optimizer, overlap)
     graph, cluster = _coerce(model, cluster)
     modes, skipped = overlap_modes(graph, overlap)
@@ -314,7 +315,8 @@ def plan_spmd(model: Any, cluster: Any, time_budget_s: float | None = None,
              "baselines_s": {k: None if c is None else _realized_rank(graph, cluster, c, optimizer)[1]
                              for k, c in baselines.items()},
              "overlap_request": overlap, "overlap_s": {}, "overlap_skipped": skipped}
-    loop = _Loop(graph, cluster, optimizer, beam_width, max_iterations, progress, report_every, deadline, history, stats)
+    loop = _Loop(graph, cluster, optimizer, beam_width, max_iterations, progress, report_every, deadline, history, stats,
+                 space=space or SearchSpace())
     found: dict[str, Candidate] = {}
     for k, mode in enumerate(modes):
         share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - k)
@@ -398,6 +400,8 @@ class _Loop:
     stats: dict[str, Any]
     overlap: str = "none"
     """The overlap mode the cost model and the LP price in."""
+    space: SearchSpace = SearchSpace()
+    """What the search may use (all of the theory, unless a caller restricts it)."""
 
     def run(self, seg: Segmentation, ratios: list[list[float]], best: Candidate | None,
             incumbent: tuple[Instruction, ...] | None = None) -> Candidate | None:
@@ -413,7 +417,7 @@ class _Loop:
             cm = CostModel(graph, cluster, ratios, optimizer, seg, overlap=self.overlap)
             report = None if self.progress is None else (lambda p, it=it: self.progress(_tag(p, it)))
             try:
-                res = synthesize(graph, cm, time_budget_s=left, progress=report, beam_width=self.beam_width,
+                res = synthesize(graph, cm, space=self.space, time_budget_s=left, progress=report, beam_width=self.beam_width,
                                  incumbent=incumbent, report_every=self.report_every)
             except InfeasibleError:  # nothing fits under these ratios: let the LP (memory constraints) move them once
                 moved = None if incumbent is None or rebalanced else self.memory_feasible_ratios(incumbent, seg)

@@ -159,7 +159,7 @@ class DataParallelPricer:
         key = (id(stages), device_signature(self.cluster, devices))
         table = self._tables.get(key)
         if table is None:
-            table = self._tables[key] = _GroupTable(stages, _group_cluster(self.cluster, devices), self.optimizer)
+            table = self._tables[key] = _GroupTable(stages, group_cluster(self.cluster, devices), self.optimizer)
         return table.price(start, end, microbatches)
 
 
@@ -176,7 +176,7 @@ def _hardware(d) -> tuple:
             d.memory_bandwidth_Bps, d.activation_bandwidth_Bps, d.overlap_slowdown)
 
 
-def _group_cluster(cluster: Cluster, devices: tuple[int, ...]) -> Cluster:
+def group_cluster(cluster: Cluster, devices: tuple[int, ...]) -> Cluster:
     """The cluster of `devices` alone (nominal collective fits for their own layout)."""
     d = cluster.to_dict()
     d["devices"] = [d["devices"][j] for j in devices]

@@ -17,12 +17,12 @@ forward flops as captured, and about one forward per operand that needs a gradie
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from .cost import _attention_probs_bytes, _backward_flops, _requires_grad
 from .errors import PlanError
-from .graph import Graph
+from .graph import Graph, Node
 from .segments import _layer_cuts
 
 NO_ACTIVATION_OPS = frozenset({"view", "permute", "identity"})
@@ -105,6 +105,52 @@ class StageGraph:
         params = sum(self.graph[i].nbytes for i in used)
         return Stage(start, end, nodes, tuple(used), fwd, bwd, params, act,
                      cut_in.forward_bytes if cut_in else 0, cut_out.forward_bytes if cut_out else 0)
+
+    def subgraph(self, start: int, end: int, forms: dict[int, int]) -> Graph:
+        """Layers [start, end) as a graph of their own, for HAP's search on the stage (`engine.stage_plan`).
+
+        Its nodes, in the model's order: the stage's computed nodes, the leaves they use, and for every
+        tensor received at cut `start` a placeholder (attrs `cut`: the model's node id, `form`: the one
+        form it arrives in, `requires_grad`: whether its gradient goes back) followed by an `identity`
+        node named `<name>.received` that the stage's nodes use: leaves are never communicated, the
+        identity's result may be (e.g. all-gathered rows before a column-parallel linear). A stage
+        other than the last ends in a `stage_output` node over the tensors sent at cut `end`, in their
+        `forms` (`engine/theory/stage.py`): held so, the search's goal is met. Node names are the
+        model's; segments are renumbered from 0; `origin["pipeline_stage"]["model_nodes"]` gives the
+        model node of every node (-1 for the identities and the stage_output)."""
+        self.stage(start, end)  # checks the range
+        g = self.graph
+        cut_in, cut_out = self.cut(start), self.cut(end)
+        received = set(cut_in.tensors) if cut_in else set()
+        computed = {i for k in range(start, end) for i in self.layers[k]}
+        leaves = {i for n in computed for i in g[n].inputs if g[i].is_leaf}
+        segments = {s: k for k, s in enumerate(sorted({g[i].segment for i in computed | leaves | received}))}
+        nodes: list[Node] = []
+        model_nodes: list[int] = []
+        use: dict[int, int] = {}  # model id -> the subgraph node the stage's nodes read it from
+
+        def add(n: Node, model: int) -> int:
+            nodes.append(replace(n, id=len(nodes)))
+            model_nodes.append(model)
+            return len(nodes) - 1
+
+        for old in sorted(computed | leaves | received):
+            n, seg = g[old], segments[g[old].segment]
+            if old in received:
+                attrs = {"cut": old, "form": forms[old], "requires_grad": bool(self.requires_grad[old])}
+                leaf = add(Node(0, n.name, "placeholder", (), n.shape, n.dtype, attrs, 0.0, seg, n.source), old)
+                use[old] = add(Node(0, f"{n.name}.received", "identity", (leaf,), n.shape, n.dtype, {}, 0.0, seg,
+                                    n.source), -1)
+            else:
+                use[old] = add(replace(n, inputs=tuple(use[i] for i in n.inputs), segment=seg), old)
+        if cut_out is None:
+            loss = use[g.loss]
+        else:
+            sent = cut_out.tensors
+            loss = add(Node(0, "stage_output", "stage_output", tuple(use[t] for t in sent), (), "float32",
+                            {"forms": [forms[t] for t in sent]}, 0.0, nodes[-1].segment), -1)
+        origin = {**g.origin, "pipeline_stage": {"layers": [start, end], "model_nodes": model_nodes}}
+        return Graph(tuple(nodes), loss, f"{g.name}[{start}:{end}]", origin)
 
     def _cut(self, index: int) -> Cut:
         before = {n.id for n in self.order[:self.positions[index]]}

@@ -79,6 +79,12 @@ def current_group():
     return getattr(_stream, "group", None)
 
 
+def group_rank() -> int:
+    """This rank's index in the current group: shard sizes list the group's ranks in order (a
+    pipeline stage's group numbers its ranks from 0; on the default group it is the global rank)."""
+    return dist.get_rank(current_group())
+
+
 def run_collective(name: str, tag: str, fn, *args):
     observer = getattr(_stream, "observer", None) or _observer
     if observer is None:
@@ -115,14 +121,14 @@ def gather_padded(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
 
 def gather_grouped(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
     """Concatenate uneven shards with one broadcast per rank (no padding; HAP §2.5.1)."""
-    rank = dist.get_rank()
+    rank = group_rank()
     parts = []
     for j, s in enumerate(sizes):
         shape = list(x.shape)
         shape[dim] = s
         buf = x.contiguous() if j == rank else x.new_empty(shape)
         if s > 0:
-            dist.broadcast(buf, src=j, group=current_group())
+            dist.broadcast(buf, group=current_group(), group_src=j)
         parts.append(buf)
     return torch.cat(parts, dim=dim)
 
@@ -130,14 +136,14 @@ def gather_grouped(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
 def reduce_scatter_uneven(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
     """Sum `x` over ranks and keep this rank's slice along `dim` (list reduce_scatter takes uneven sizes)."""
     chunks = [c.contiguous() for c in torch.split(x, list(sizes), dim=dim)]
-    out = torch.empty_like(chunks[dist.get_rank()])
+    out = torch.empty_like(chunks[group_rank()])
     dist.reduce_scatter(out, chunks, group=current_group())
     return out
 
 
 def all_to_all_uneven(x: Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence[int], dst_sizes: Sequence[int]) -> Tensor:
     """Re-shard from `src_dim` to `dst_dim` with one all_to_all_single over flattened pieces."""
-    rank = dist.get_rank()
+    rank = group_rank()
     send = [c.contiguous() for c in torch.split(x, list(dst_sizes), dim=dst_dim)]
     recv_shapes = []
     for j in range(len(src_sizes)):
@@ -156,7 +162,7 @@ def all_to_all_uneven(x: Tensor, src_dim: int, dst_dim: int, src_sizes: Sequence
 def resplit_uneven(x: Tensor, dim: int, src_sizes: Sequence[int], dst_sizes: Sequence[int]) -> Tensor:
     """Move a Shard(dim) tensor from one segment's sizes to another's (HAP §5.2): every rank sends
     each other rank the rows where its old range meets their new one, in one all_to_all_single."""
-    rank = dist.get_rank()
+    rank = group_rank()
     src_off, dst_off = _offsets(src_sizes), _offsets(dst_sizes)
 
     def overlap(i: int, j: int) -> int:  # rows of old shard i that belong to new shard j
@@ -450,6 +456,6 @@ def all_reduce_coalesced(tensors: list[Tensor], tag: str = "gradients") -> None:
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    run_collective("all_reduce", tag, dist.all_reduce, flat)
+    run_collective("all_reduce", tag, dist.all_reduce, flat, dist.ReduceOp.SUM, current_group())
     for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
         t.copy_(piece.view_as(t))

@@ -36,8 +36,6 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.cluster import Cluster
-from engine.cost import CostModel
 from engine.errors import HapError, InfeasibleError, PlanError
 from engine.graph import Graph
 from engine.partition import PipelinePlan
@@ -45,32 +43,15 @@ from engine.plan import Plan, shard_key, shard_units, split_sizes
 from engine.program import LOAD, Instruction
 from engine.schedule import stage_order
 from engine.segments import Segmentation
-from engine.synthesis import SearchSpace, synthesize
+from engine.stage_plan import data_parallel_program
 from engine.theory.core import FULL, PARTIAL
 
+from . import collectives as C
 from .program import ProgramPiece, RankProgram, build_rank_program, shard
+from .stage_program import (StageParams, boundary_rows, gathered_stage_params, has_stage_plans, loss_weights,
+                            microbatch_leaves, stage_inputs, stage_outputs, stage_params, stage_rank_program,
+                            sync_stage_gradients)
 from .train import build_module, make_batch, make_optimizer
-
-
-def data_parallel_program(graph: Graph) -> tuple[Instruction, ...]:
-    """The graph's data-parallel program with no collective at all: parameters Full, each input split
-    on the batch or loaded whole, only the loss Partial (a sum over the batch such as the count of
-    kept targets is computed whole from whole inputs instead of all-reduced, which a pipeline stage,
-    seeing one microbatch at a time, could not do). Its forms do not depend on the number of devices,
-    so two made-up equal devices find it."""
-    devices = [{"name": f"d{j}", "gpu_model": "any", "machine": "m", "flops_per_gpu": 1e12,
-                "memory_bytes_per_gpu": 1 << 40} for j in range(2)]
-    cluster = Cluster.from_dict({"schema_version": 1, "name": "pipeline-stage", "description": "runner", "sources": [],
-                                 "devices": devices, "network": {"latency_s": 0.0, "bandwidth_Bps": {"intra_machine": 1e12}}})
-    loss = graph.loss
-    space = SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f in (FULL, 0),
-                        collectives=frozenset({"slice"}),
-                        rule_filter=lambda n, r: (r.output >= FULL or n == loss) and all(f >= FULL for f in r.inputs))
-    try:
-        return synthesize(graph, CostModel(graph, cluster, [0.5, 0.5], "sgd"), space=space).program
-    except InfeasibleError:
-        raise PlanError(f"pipeline: {graph.name} has no data-parallel program without collectives (an operator "
-                        "with no batch rule); it cannot run as a pipeline yet") from None
 
 
 def stage_plan(plan: PipelinePlan, program: tuple[Instruction, ...], stage: int) -> Plan:
@@ -130,16 +111,23 @@ def program_pieces(plan: PipelinePlan, program: tuple[Instruction, ...]) -> list
 def row_pieces(send: list[int], recv: list[int], m: int, g_send: int, g_recv: int) -> list[tuple[int, int, int, int]]:
     """(sender, receiver, first row, end row) in the global tensor for microbatch m: the overlaps of
     the senders' and receivers' row ranges (the sizes are over virtual ranks m g + r)."""
-    def ranges(sizes: list[int], g: int) -> list[tuple[int, int]]:
-        start = sum(sizes[:m * g])
-        out = []
-        for r in range(g):
-            out.append((start, start + sizes[m * g + r]))
-            start += sizes[m * g + r]
-        return out
+    return overlaps(virtual_rows(send, m, g_send), virtual_rows(recv, m, g_recv))
+
+
+def virtual_rows(sizes: list[int], m: int, g: int) -> list[tuple[int, int]]:
+    """[first, end) rows of each of a stage's g ranks in microbatch m, from sizes over virtual ranks m g + r."""
+    start, out = sum(sizes[:m * g]), []
+    for r in range(g):
+        out.append((start, start + sizes[m * g + r]))
+        start += sizes[m * g + r]
+    return out
+
+
+def overlaps(send: list[tuple[int, int]], recv: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """(sender, receiver, first row, end row) wherever a sender's rows meet a receiver's."""
     pieces = []
-    for b, (lo_b, hi_b) in enumerate(ranges(recv, g_recv)):
-        for a, (lo_a, hi_a) in enumerate(ranges(send, g_send)):
+    for b, (lo_b, hi_b) in enumerate(recv):
+        for a, (lo_a, hi_a) in enumerate(send):
             lo, hi = max(lo_a, lo_b), min(hi_a, hi_b)
             if lo < hi:
                 pieces.append((a, b, lo, hi))
@@ -176,6 +164,13 @@ class StageRank:
     groups: list[Any]
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    held: StageParams | None = None
+    """With stage plans (runner.stage_program): the parameters as the stage's program loads them;
+    `plans` are then the stages' own plans and every microbatch runs the same program."""
+
+    @property
+    def hap(self) -> bool:
+        return self.held is not None
 
 
 IDLE = -1
@@ -184,6 +179,8 @@ IDLE = -1
 
 def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = "sgd", lr: float = 0.05) -> StageRank:
     """Every rank calls this (process groups are made collectively): its stage's programs and parameters."""
+    if has_stage_plans(plan):
+        return setup_planned_stage_rank(plan, rank, seed, optimizer, lr)
     program = data_parallel_program(plan.graph)
     plans = [stage_plan(plan, program, i) for i in range(len(plan.stages))]
     pieces = program_pieces(plan, program)
@@ -205,6 +202,30 @@ def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = 
                      groups)
 
 
+def setup_planned_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str, lr: float) -> StageRank:
+    """`setup_stage_rank` for stages with their own HAP plans (runner.stage_program)."""
+    plans = [s.plan for s in plan.stages]
+    pieces = [ProgramPiece(frozenset(), stage_inputs(sp), stage_outputs(sp)) for sp in plans]
+    groups = [dist.new_group(list(s.devices)) for s in plan.stages]
+    stage = next((i for i, s in enumerate(plan.stages) if rank in s.devices), None)
+    if stage is None:
+        return StageRank(IDLE, IDLE, plans, pieces, [], [], {}, None, groups)
+    index = plan.stages[stage].devices.index(rank)
+    program = stage_rank_program(plans[stage], index)
+    held = stage_params(plans[stage], program, index, build_module(plan, seed))  # type: ignore[arg-type]
+    return StageRank(stage, index, plans, pieces, [program] * plan.microbatches, held.params, held.buffers,
+                     make_optimizer(held.params, optimizer, lr), groups, held=held)
+
+
+def boundary_ranges(plan: PipelinePlan, sr: StageRank, stage: int, pair: tuple[int, int], m: int) -> list[tuple[int, int]]:
+    """Each rank of `stage`: its [first, end) rows of boundary tensor `pair` in microbatch m's rows of the
+    whole batch (data-parallel stages, virtual ranks) or in the microbatch itself (stage plans)."""
+    t, f = pair
+    if sr.hap:
+        return boundary_rows(sr.plans[stage], t, f)
+    return virtual_rows(sr.plans[stage].sizes(t, f), m, len(plan.stages[stage].devices))
+
+
 def routes(plan: PipelinePlan, sr: StageRank, boundary: int, m: int) -> list[Route]:
     """The routes of every cut tensor between stages `boundary` and `boundary` + 1 for microbatch m."""
     gs, gr = len(plan.stages[boundary].devices), len(plan.stages[boundary + 1].devices)
@@ -215,10 +236,8 @@ def routes(plan: PipelinePlan, sr: StageRank, boundary: int, m: int) -> list[Rou
         if f == FULL:
             out.append(Route((t, f), [(b % gs, b, -1, -1) for b in range(gr)], [0] * gs, [0] * gr))
             continue
-        send, recv = sr.plans[boundary].sizes(t, f), sr.plans[boundary + 1].sizes(t, f)
-        pieces = row_pieces(send, recv, m, gs, gr)
-        out.append(Route((t, f), pieces, [sum(send[:m * gs + a]) for a in range(gs)],
-                         [sum(recv[:m * gr + b]) for b in range(gr)]))
+        send, recv = boundary_ranges(plan, sr, boundary, (t, f), m), boundary_ranges(plan, sr, boundary + 1, (t, f), m)
+        out.append(Route((t, f), overlaps(send, recv), [lo for lo, _ in send], [lo for lo, _ in recv]))
     return out
 
 
@@ -313,8 +332,11 @@ class Links:
 
 def microbatch_args(plan: PipelinePlan, sr: StageRank, m: int, batch: tuple[torch.Tensor, ...],
                     cut: dict[tuple[int, int], torch.Tensor]) -> list:
-    """Arguments of the stage program for microbatch m: cut inputs, then parameters, buffers and input rows."""
+    """Arguments of the stage program for microbatch m: cut inputs, then parameters, buffers and input rows
+    (with a stage plan: its leaves in its order, the cut inputs among them)."""
     prog, sp = sr.programs[m], sr.plans[sr.stage]
+    if sr.hap:
+        return microbatch_leaves(sp, prog, sr.index, sr.held, m, plan.microbatches, batch, cut)  # type: ignore[arg-type]
     v = m * len(plan.stages[sr.stage].devices) + sr.index
     params = iter(sr.params)
     if prog.uses_rng:
@@ -336,15 +358,18 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
     sr.optimizer.zero_grad(set_to_none=True)
     held: dict[int, tuple[dict, Any]] = {}
     loss_sum = torch.zeros(1, dtype=torch.float64)
+    weights = loss_scales(plan, sr, batch)
+    stage_group = sr.groups[i] if sr.hap else None  # a stage plan's collectives go on the stage's group
     for kind, m in stage_order(plan.stages[i].warmup, B):
         if kind == "F":
             cut = links.recv(i - 1, m, 0) if i > 0 else {}
             for x in cut.values():
                 if x.is_floating_point():
                     x.requires_grad_(True)
-            out = sr.programs[m].module(*microbatch_args(plan, sr, m, batch, cut))
+            with C.stream(stage_group):
+                out = sr.programs[m].module(*microbatch_args(plan, sr, m, batch, cut))
             if i == S - 1:
-                loss = out if sr.programs[m].loss_form == PARTIAL else out / (B * g)
+                loss = out * weights[m]
                 loss_sum += float(loss.detach())
                 held[m] = (cut, loss)
             else:
@@ -354,28 +379,54 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
         else:
             cut, out = held.pop(m)
             if i == S - 1:
-                out.backward()
+                with C.stream(stage_group):
+                    out.backward()
             else:
                 grads = links.recv(i, m, 1)
                 pairs = [p for p in piece.outputs if out[p].requires_grad]
-                torch.autograd.backward([out[p] for p in pairs], [grads.get(p, torch.zeros_like(out[p])) for p in pairs])
+                with C.stream(stage_group):
+                    torch.autograd.backward([out[p] for p in pairs],
+                                            [grads.get(p, torch.zeros_like(out[p])) for p in pairs])
             if i > 0:
                 links.send(i - 1, m, 1, {p: (x.grad if x.grad is not None else torch.zeros_like(x))
                                          for p, x in cut.items()})
     links.drain()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in sr.params]
-    for p, gr in zip(sr.params, grads):
-        p.grad = gr
-    if g > 1 and grads:
-        flat = torch.cat([x.reshape(-1) for x in grads])
-        dist.all_reduce(flat, group=sr.groups[i])
-        for x, part in zip(grads, torch.split(flat, [x.numel() for x in grads])):
-            x.copy_(part.view_as(x))
+    sync_stage(sr, g)
     sr.optimizer.step()
     dist.all_reduce(loss_sum)  # only the last stage's ranks hold addends
     sr.losses.append(float(loss_sum))
     sr.step_times.append(time.perf_counter() - start)
     return sr.losses[-1]
+
+
+def loss_scales(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, ...]) -> list[float]:
+    """What the last stage multiplies each microbatch's loss by so their sum is the batch's loss on every
+    rank summed: data-parallel stages already divide by the whole batch's count (a Full loss by the
+    B x g virtual ranks holding it); a stage plan's loss is its microbatch's mean, weighed by its share
+    of the batch (`loss_weights`), a Full one split over the g ranks holding it."""
+    B, g = plan.microbatches, len(plan.stages[sr.stage].devices)
+    full = sr.programs[0].loss_form != PARTIAL
+    if not sr.hap:
+        return [1.0 / (B * g) if full else 1.0] * B
+    if sr.stage != len(plan.stages) - 1:
+        return [1.0] * B
+    return [w / g if full else w for w in loss_weights(sr.plans[sr.stage], batch, B)]
+
+
+def sync_stage(sr: StageRank, g: int) -> None:
+    """After the drain, every gradient complete on every rank of the stage: a stage plan all-reduces its
+    Full parameters' addends; data parallelism inside a stage all-reduces every gradient."""
+    if sr.hap:
+        sync_stage_gradients(sr.held, sr.groups[sr.stage])  # type: ignore[arg-type]
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in sr.params]
+    for p, gr in zip(sr.params, grads):
+        p.grad = gr
+    if g > 1 and grads:
+        flat = torch.cat([x.reshape(-1) for x in grads])
+        dist.all_reduce(flat, group=sr.groups[sr.stage])
+        for x, part in zip(grads, torch.split(flat, [x.numel() for x in grads])):
+            x.copy_(part.view_as(x))
 
 
 def _idle_step(sr: StageRank, start: float) -> float:
@@ -388,14 +439,18 @@ def _idle_step(sr: StageRank, start: float) -> float:
     return sr.losses[-1]
 
 
-def stage_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor]:
+def held_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor]:
     """This rank's parameters by model name (every rank of a stage holds the same)."""
     return {plan.graph[n].attrs["target"]: p.detach().clone() for (n, _), p in zip(sr.programs[0].params, sr.params)}
 
 
 def gathered_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor]:
     """Every parameter of the model, from the first rank of each stage (all ranks take part)."""
-    mine = stage_params(plan, sr) if sr.index == 0 else {}
+    if sr.hap and sr.stage != IDLE:  # shards of the stage's program: reassembled inside the stage first
+        whole = gathered_stage_params(sr.plans[sr.stage], sr.programs[0], sr.held, sr.groups[sr.stage])  # type: ignore[arg-type]
+        mine = whole if sr.index == 0 else {}
+    else:
+        mine = held_params(plan, sr) if sr.index == 0 else {}
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, mine)
     return {k: v for part in parts for k, v in part.items()}

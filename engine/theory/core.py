@@ -126,7 +126,10 @@ def missing_rules(graph: Graph) -> list[Node]:
 
 
 def leaf_forms(node: Node) -> list[Form]:
-    """Forms a leaf can be loaded in: Full, or sharded on any dim of size >= 2 (Placeholder-Shard, Parameter-Shard)."""
+    """Forms a leaf can be loaded in: Full, or sharded on any dim of size >= 2 (Placeholder-Shard, Parameter-Shard).
+    A pipeline stage's input from the previous stage (`cut` placeholder) arrives in one form, its `form`."""
+    if "form" in node.attrs:
+        return [int(node.attrs["form"])]
     return [FULL] + [d for d, s in enumerate(node.shape) if s >= 2]
 
 

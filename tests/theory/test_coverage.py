@@ -126,6 +126,7 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "dropout": ([(3, 4)], {"p": 0.1, "train": False}),
     **{op: ([(3, 4), (4,)], {}) for op in ("add", "sub", "mul", "div")},
     "linear": ([(2, 3, 4), (5, 4)], {}),
+    "stage_output": ([(4, 3), (4,)], {"forms": [0, -1]}),
     "matmul": ([(2, 3, 4), (4, 5)], {}),
     "view": ([(2, 6)], {"shape": [3, 4]}),
     "permute": ([(2, 3, 4)], {"dims": [2, 0, 1]}),

@@ -1,0 +1,182 @@
+"""HAP inside every pipeline stage (HAPT §5 with HAP §3-5 per stage): each stage's program and ratios.
+
+The partitioner (`engine.partition`) chooses the stages, their device groups and the microbatch
+count B pricing every stage as data parallelism on its group. This module then plans each chosen
+stage as HAP plans a whole model: program synthesis (A*) and the LP, iterated, on the stage's own
+graph at one microbatch's size, over the stage's devices only (which may differ in speed: the LP
+gives them uneven shares). A stage's graph (`StageGraph.subgraph`) starts from the tensors the
+previous stage sends and ends in the tensors it sends on, each in its *boundary form*: the form the
+collective-free data-parallel program computes it in (rows of the batch, or whole). Fixing those
+forms is what lets stages be planned one by one, and lets the runner re-slice a boundary tensor
+between two groups with different shares by sending each receiver exactly its rows.
+
+The stage times, gradient syncs and memory then come from the stage plans (`stage_price`) and the
+schedules are simulated again. A stage's search is seeded with its data-parallel programs, so its
+plan is never predicted slower than data parallelism at the same whole-sample shares; it may be
+predicted slower than the partitioner's estimate, which splits a microbatch at fractional shares
+(`search["data_parallel_stages_s"]` keeps that estimate).
+
+The microbatch graph is the model captured again at batch / B (`engine.halves.capture_at`): a
+model file or graph JSON fixes its batch, so its stages stay data-parallel
+(`PipelinePlan.search["hap_stages_skipped"]` says why).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Callable
+
+from .cluster import Cluster
+from .cost import CostModel, evaluate, replay_terms
+from .errors import InfeasibleError, PlanError
+from .graph import Graph
+from .halves import capture_at
+from .partition import PipelinePlan, PipelineStage, ScheduleResult, batch_of, timeline_boxes
+from .plan import Plan
+from .program import COMPUTE, Instruction
+from .schedule import SCHEDULES, Pipeline, StageTimes, closed_form_s, run_schedule
+from .stage_cost import StagePrice, group_cluster
+from .stages import StageGraph
+from .synthesis import SearchSpace, synthesize
+from .theory.core import FULL
+
+
+def data_parallel_program(graph: Graph) -> tuple[Instruction, ...]:
+    """The graph's data-parallel program with no collective at all: parameters Full, each input split
+    on the batch or loaded whole, only the loss Partial (a sum over the batch such as the count of
+    kept targets is computed whole from whole inputs instead of all-reduced, which a pipeline stage,
+    seeing one microbatch at a time, could not do). Its forms do not depend on the number of devices,
+    so two made-up equal devices find it."""
+    devices = [{"name": f"d{j}", "gpu_model": "any", "machine": "m", "flops_per_gpu": 1e12,
+                "memory_bytes_per_gpu": 1 << 40} for j in range(2)]
+    cluster = Cluster.from_dict({"schema_version": 1, "name": "pipeline-stage", "description": "runner", "sources": [],
+                                 "devices": devices, "network": {"latency_s": 0.0, "bandwidth_Bps": {"intra_machine": 1e12}}})
+    loss = graph.loss
+    space = SearchSpace(param_forms=lambda n, f: f == FULL, placeholder_forms=lambda n, f: f in (FULL, 0),
+                        collectives=frozenset({"slice"}),
+                        rule_filter=lambda n, r: (r.output >= FULL or n == loss) and all(f >= FULL for f in r.inputs))
+    try:
+        return synthesize(graph, CostModel(graph, cluster, [0.5, 0.5], "sgd"), space=space).program
+    except InfeasibleError:
+        raise PlanError(f"pipeline: {graph.name} has no data-parallel program without collectives (an operator "
+                        "with no batch rule); it cannot run as a pipeline yet") from None
+
+
+def boundary_forms(graph: Graph) -> dict[int, int]:
+    """The form every computed tensor crosses a cut in: the one the collective-free data-parallel
+    program computes it in (Shard(d) on the batch dim, or Full)."""
+    forms: dict[int, int] = {}
+    for ins in data_parallel_program(graph):
+        if ins.kind == COMPUTE:
+            forms.setdefault(ins.node, ins.post)
+    return forms
+
+
+def microbatch_graph(graph: Graph, microbatches: int) -> Graph:
+    """The model captured at one microbatch's batch size; PlanError when it cannot be (a model file or a
+    graph JSON fixes its batch) or its graph changes with the batch."""
+    batch = batch_of(graph)
+    if microbatches < 1 or batch % microbatches:
+        raise PlanError(f"{microbatches} microbatches do not divide the batch of {batch}")
+    if microbatches == 1:
+        return graph
+    origin = graph.origin
+    if "zoo" not in origin and "hf" not in origin:
+        raise PlanError("the model's batch is fixed by its file or graph JSON, so it cannot be captured at a "
+                        "microbatch's size; its stages run data-parallel")
+    return capture_at(graph, batch // microbatches)
+
+
+STAGE_SPACE = SearchSpace(collectives=frozenset(c for c in SearchSpace().collectives if not c.endswith(".hier")))
+"""A stage's search: the whole theory but hierarchical collectives, whose machine sub-groups the runner
+makes over the whole world, not inside one stage's process group."""
+
+StagePlanner = Callable[[Graph, Cluster, str, "float | None"], Plan]
+"""Plans one stage: (its graph, the cluster of its devices alone, optimizer, time budget) -> its Plan."""
+
+
+def plan_stage(sub: Graph, group: Cluster, optimizer: str, time_budget_s: float | None) -> Plan:
+    """HAP's plan of one stage's graph on its devices (no overlap: a stage's gradient sync runs after the
+    pipeline drains, priced as the stage's sync; no hierarchical collectives, `STAGE_SPACE`)."""
+    from .planner import plan_spmd  # the planner imports the partitioner; this module sits beside both
+
+    return plan_spmd(sub, group, time_budget_s, optimizer=optimizer, overlap="none", space=STAGE_SPACE)
+
+
+def stage_price(plan: Plan, cluster: Cluster, devices: tuple[int, ...], optimizer: str) -> StagePrice:
+    """Per-microbatch forward and backward, the sync after the drain (the gradient all-reduce stage
+    and the optimizer step), and per-device state and activation bytes, from the stage's plan."""
+    group = group_cluster(cluster, devices)
+    cm = CostModel(plan.graph, group, plan.ratio_rows, optimizer, plan.segmentation, overlap="none")
+    b = evaluate(plan.program, cm)
+    times = {"forward": 0.0, "backward": 0.0, "sync": 0.0}
+    for stage, comm, comp in zip(b.stages, b.stage_comm_s, b.stage_comp_s):
+        key = "sync" if stage.comm == "grad_all_reduce" else stage.direction
+        times[key] += comm + max(comp)
+    mems = replay_terms(plan.program, cm).mems
+    state = cm.class_memory([(m[0], m[1], 0.0, 0.0) for m in mems])
+    acts = cm.class_memory([(0.0, 0.0, m[2], m[3]) for m in mems])
+    by_device = {j: k for k, c in enumerate(cm.classes) for j in c.devices}
+    order = [by_device[j] for j in range(group.num_devices)]
+    return StagePrice(times["forward"], times["backward"], times["sync"], tuple(state[k] for k in order),
+                      tuple(acts[k] for k in order), tuple(float(cm.classes[k].memory_bytes) for k in order))
+
+
+def with_hap_stages(pipe: PipelinePlan, cluster: Cluster, optimizer: str = "adam",
+                    time_budget_s: float | None = None, plan_one: StagePlanner = plan_stage) -> PipelinePlan:
+    """`pipe` with every stage planned by HAP (`PipelineStage.plan`), re-priced and simulated again;
+    `pipe` itself, with the reason in `search["hap_stages_skipped"]`, when its model cannot be captured
+    at a microbatch's size or the stage plans do not fit memory under the schedule."""
+    start = time.perf_counter()
+    try:
+        stages, prices = hap_stage_plans(pipe, cluster, optimizer, time_budget_s, plan_one)
+    except (PlanError, InfeasibleError) as e:
+        return replace(pipe, search={**pipe.search, "hap_stages_skipped": str(e)})
+    hap = repriced(pipe, stages, prices, pipe.planning_s + time.perf_counter() - start)
+    if not hap.schedules[hap.schedule].fits:
+        return replace(pipe, search={**pipe.search, "hap_stages_skipped": "the stages' HAP plans do not fit memory "
+                                     "with the schedule's microbatches in flight"})
+    return replace(hap, search={**pipe.search, "data_parallel_stages_s": pipe.predicted_s})
+
+
+def hap_stage_plans(pipe: PipelinePlan, cluster: Cluster, optimizer: str, time_budget_s: float | None,
+                    plan_one: StagePlanner = plan_stage) -> tuple[list[PipelineStage], list[StagePrice]]:
+    """Each stage of `pipe` with its plan by `plan_one` (HAP's, by default), and that plan's price (the
+    time budget split evenly)."""
+    assert pipe.graph is not None, "a pipeline plan made by best_pipeline or fixed_pipeline embeds its graph"
+    mb = microbatch_graph(pipe.graph, pipe.microbatches)
+    sg, forms = StageGraph(mb), boundary_forms(mb)
+    if sg.num_layers != StageGraph(pipe.graph).num_layers:
+        raise PlanError("the model's layers change with the batch size; its stages run data-parallel")
+    stages, prices = [], []
+    for i, s in enumerate(pipe.stages):
+        budget = None if time_budget_s is None else time_budget_s / len(pipe.stages)
+        sub = sg.subgraph(s.layers[0], s.layers[1], forms)
+        plan = plan_one(sub, group_cluster(cluster, s.devices), optimizer, budget)
+        plan = replace(plan, history=[], search={k: plan.search[k] for k in ("optimizer", "expanded", "optimal")
+                                                 if k in plan.search})  # keep the pipeline plan's JSON small
+        prices.append(stage_price(plan, cluster, s.devices, optimizer))
+        stages.append(replace(s, ratios=tuple(plan.ratio_rows[0]), plan=plan))
+    return stages, prices
+
+
+def repriced(pipe: PipelinePlan, stages: list[PipelineStage], prices: list[StagePrice],
+             planning_s: float) -> PipelinePlan:
+    """The pipeline with other stage prices: every schedule simulated again, H-1F1B's warm-up for the new
+    t_max, peak memory per stage."""
+    transfers = tuple(b.transfer_s for b in pipe.boundaries)
+    view = Pipeline(tuple(StageTimes(p.forward_s, p.backward_s, max(p.activation_bytes), p.sync_s) for p in prices),
+                    transfers, pipe.microbatches)
+    results, runs = {}, {}
+    for name in SCHEDULES:
+        run = runs[name] = run_schedule(view, name)
+        peaks = tuple(p.memory_bytes(h) for p, h in zip(prices, run.in_flight))
+        results[name] = ScheduleResult(run.iteration_s, run.warmup, peaks,
+                                       all(h <= p.max_held for p, h in zip(prices, run.in_flight)))
+    run = runs[pipe.schedule]
+    new_stages = tuple(replace(s, warmup=w, forward_s=p.forward_s, backward_s=p.backward_s, sync_s=p.sync_s,
+                               peak_memory_bytes=m)
+                       for s, p, w, m in zip(stages, prices, run.warmup, results[pipe.schedule].peak_memory_bytes))
+    closed = closed_form_s(view) if all(c <= view.t_max for c in transfers) else None
+    return replace(pipe, stages=new_stages, predicted_s=run.iteration_s, t_max_s=view.t_max, closed_form_s=closed,
+                   schedules=results, planning_s=planning_s, timeline=timeline_boxes(run.timeline))
