@@ -198,7 +198,9 @@ def _pipeline_output(pipe, graph, cluster, args: argparse.Namespace) -> int:
 
 
 def _pipeline_report(pipe, graph, cluster) -> str:
-    """Stages (devices, layers, warm-up), boundaries, every schedule's time and peak memory, and the SPMD time."""
+    """Stages (devices, layers, warm-up, program), boundaries, every schedule's time and peak memory, and the SPMD time."""
+    from .stage_plan import stage_program_summary
+
     lines = [f"model {graph.name}: {graph.num_parameters / 1e6:.1f}M parameters, {len(graph)} nodes; "
              f"cluster {cluster.name}: {cluster.num_devices} devices", ""]
     times = pipe.search.get("parallelism_s", {})
@@ -210,12 +212,15 @@ def _pipeline_report(pipe, graph, cluster) -> str:
     lines += [f"spmd: {why}" for k, why in pipe.search.get("parallelism_skipped", {}).items() if k == "spmd"]
     lines.append(f"parallelism: pipeline ({PARALLELISM_MEANING['pipeline']}); schedule {pipe.schedule}, "
                  f"B = {pipe.microbatches} microbatches, t_max {pipe.t_max_s * 1e3:.3f} ms per microbatch")
-    stage_rows = [["stage", "devices", "layers", "warm-up", "forward", "backward", "sync", "peak memory / GPU"]]
+    stage_rows = [["stage", "devices", "layers", "warm-up", "forward", "backward", "sync", "peak memory / GPU",
+                   "program"]]
     for i, s in enumerate(pipe.stages):
         stage_rows.append([str(i), _device_names(cluster, s.devices), f"{s.layers[0]}-{s.layers[1] - 1}", str(s.warmup),
                            f"{s.forward_s * 1e3:.3f} ms", f"{s.backward_s * 1e3:.3f} ms", f"{s.sync_s * 1e3:.2f} ms",
-                           f"{s.peak_memory_bytes / GIB:.2f} GiB"])
+                           f"{s.peak_memory_bytes / GIB:.2f} GiB", stage_program_summary(s)])
     lines += ["", _table(stage_rows)]
+    if "hap_stages_skipped" in pipe.search:
+        lines.append(f"stages run data parallelism, not HAP plans: {pipe.search['hap_stages_skipped']}")
     if pipe.boundaries:
         lines.append("")
         lines += [f"boundary {i}|{i + 1} at layer {b.cut}: {b.forward_bytes / 2**20:.1f} MiB per iteration over "
@@ -224,7 +229,7 @@ def _pipeline_report(pipe, graph, cluster) -> str:
     for name, r in pipe.schedules.items():
         sched.append([name, f"{r.iteration_s * 1e3:.2f} ms", " ".join(map(str, r.warmup)),
                       " ".join(f"{m / GIB:.2f}" for m in r.peak_memory_bytes) + " GiB", "yes" if r.fits else "no"])
-    lines += ["", _table(sched), "", f"planning: {pipe.planning_s:.2f} s for the pipeline DP"]
+    lines += ["", _table(sched), "", f"planning: {pipe.planning_s:.2f} s for the pipeline DP and the stages' plans"]
     return "\n".join(lines)
 
 

@@ -111,9 +111,12 @@ MEM_ZERO: Mem = (0.0,) * 4
 FLOPS_BOUND_OPS = frozenset({"linear", "matmul", "einsum", "conv", "sdpa", "opaque"})
 """Operators priced by their flops at flops_per_gpu even under the roofline split (matmul-class;
 `opaque` ops, whose bytes are unknown, keep their flops estimate)."""
-ZERO_COPY_OPS = frozenset({"view", "permute", "expand", "narrow", "select", "identity"})
+ZERO_COPY_OPS = frozenset({"view", "permute", "expand", "narrow", "select", "identity", "stage_output"})
 """Operators that return a view: no bytes moved under the roofline split. (The memory estimate
 still counts the outputs of narrow, select and expand as activations, as it always has.)"""
+NO_ACTIVATION_OPS = frozenset({"view", "permute", "identity", "stage_output"})
+"""Operators that keep nothing for backward: views alias their input; a pipeline stage's end marker
+(`stage_output`, engine/theory/stage.py) computes nothing."""
 GATHER_OPS = frozenset({"embedding", "gather"})
 """Operators that read only the rows they return from their table (not the whole table)."""
 
@@ -366,7 +369,7 @@ class CostModel:
         f, b = self.fwd_flops[node], self.bwd_flops[node]
         tf, tb = self.traffic[node], self.bwd_traffic[node]
         act = float(self.nbytes[node]) + _attention_probs_bytes(self.graph, node) \
-            if self.requires_grad[node] and n.op not in ("view", "permute", "identity") else 0.0
+            if self.requires_grad[node] and n.op not in NO_ACTIVATION_OPS else 0.0
         if sharded:
             return (f, 0.0, 0.0, 0.0, tf, 0.0), (b, 0.0, 0.0, 0.0, tb, 0.0), (0.0, 0.0, act, 0.0)
         return (0.0, f, 0.0, 0.0, 0.0, tf), (0.0, b, 0.0, 0.0, 0.0, tb), (0.0, 0.0, 0.0, act)

@@ -18,7 +18,8 @@ overlapping is faster, and auto keeps that. The baselines (`ddp`, `dp-even`, `dp
 priced as PyTorch DDP runs: gradient buckets overlapped with backward.
 
 Parallelism (`plan(..., parallelism=)`): `spmd` (default) is the loop above; `pipeline` is HAPT's
-stage partitioning (`engine.partition.best_pipeline`: stages on device groups, H-1F1B schedule);
+stage partitioning (`engine.partition.best_pipeline`: stages on device groups, H-1F1B schedule)
+with this loop inside every stage (`engine.stage_plan`);
 `auto` plans both and keeps the faster prediction (SPMD on a tie). `plan` then returns a `Plan` or
 an `engine.partition.PipelinePlan`; both have `parallelism` ("spmd" / "pipeline"),
 `predicted_time_s` and `search` (with `parallelism_s`: every kind planned and its predicted time).
@@ -44,6 +45,7 @@ from .overlap import OVERLAP_MODES, duplex_run_problem
 from .partition import PipelinePlan, best_pipeline
 from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
 from .segments import Segmentation, segment_graph, with_resplits
+from .stage_plan import with_hap_stages
 from .program import Instruction
 from .synthesis import SearchProgress, SearchResult, SearchSpace, synthesize
 from .theory.core import FULL
@@ -217,9 +219,10 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
          microbatches: int | None = None) -> "Plan | PipelinePlan":
     """Plan `model` on `cluster` as `parallelism` says: `spmd` (default) returns the SPMD `Plan` of
     `plan_spmd`; `pipeline` the `PipelinePlan` of `best_pipeline` (`microbatches` fixes B, else it
-    is searched); `auto` both, returning the faster prediction (SPMD on a tie). The pipeline DP has
-    no deadline: under `auto` it runs first and the SPMD search gets what is left of
-    `time_budget_s` (at least 0.05 s), so a DP slower than the budget overruns it by its own time.
+    is searched) with HAP's plan inside every stage; `auto` both, returning the faster prediction
+    (SPMD on a tie). The pipeline DP has no deadline; the stages' searches share `time_budget_s`
+    (half of it under `auto`, which runs the pipeline first and gives the SPMD search what is left,
+    at least 0.05 s), so a DP slower than the budget overruns it by its own time.
     The returned plan's `search["parallelism_s"]` holds every kind planned and its predicted time;
     `search["parallelism_skipped"]` why a kind has no plan (e.g. no pipeline fits memory)."""
     _check_parallelism(parallelism, microbatches)
@@ -231,7 +234,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None,
     graph, cluster = _coerce(model, cluster)
     start = time.perf_counter()
     if parallelism == "pipeline":
-        pipe = best_pipeline(graph, cluster, microbatches, optimizer=optimizer)
+        pipe = _pipeline(graph, cluster, microbatches, optimizer, time_budget_s)
         return _with_search(pipe, graph, cluster, optimizer, {
             "parallelism_request": parallelism, "parallelism_s": {"pipeline": pipe.predicted_s},
             "parallelism_skipped": {"spmd": "parallelism='pipeline' plans a pipeline only; 'auto' compares it with SPMD"}})
@@ -245,7 +248,8 @@ def _plan_auto(graph: Graph, cluster: Cluster, time_budget_s: float | None, star
     the other is returned with the reason recorded; with neither, the SPMD error is raised."""
     skipped: dict[str, str] = {}
     try:
-        pipe = best_pipeline(graph, cluster, microbatches, optimizer=spmd_args["optimizer"])
+        pipe = _pipeline(graph, cluster, microbatches, spmd_args["optimizer"],
+                         None if time_budget_s is None else time_budget_s / 2)
     except InfeasibleError as e:
         pipe, skipped["pipeline"] = None, str(e)
     left = None if time_budget_s is None else max(0.05, time_budget_s - (time.perf_counter() - start))
@@ -264,11 +268,19 @@ def _plan_auto(graph: Graph, cluster: Cluster, time_budget_s: float | None, star
     return _with_search(pipe, graph, cluster, spmd_args["optimizer"], stats)
 
 
+def _pipeline(graph: Graph, cluster: Cluster, microbatches: int | None, optimizer: str,
+              time_budget_s: float | None) -> PipelinePlan:
+    """HAPT's best partition (`best_pipeline`), then HAP's plan inside every stage
+    (`engine.stage_plan.with_hap_stages`, within `time_budget_s`)."""
+    pipe = best_pipeline(graph, cluster, microbatches, optimizer=optimizer)
+    return with_hap_stages(pipe, cluster, optimizer, time_budget_s)
+
+
 def _with_search(pipe: PipelinePlan, graph: Graph, cluster: Cluster, optimizer: str,
                  stats: dict[str, Any]) -> PipelinePlan:
     """The pipeline plan with the planner's records, and the model and cluster it was made for
     (fingerprints, as `Plan` holds them: the app tells a stale plan by them)."""
-    return replace(pipe, search={**stats, "optimizer": optimizer, "model_name": graph.name,
+    return replace(pipe, search={**pipe.search, **stats, "optimizer": optimizer, "model_name": graph.name,
                                  "model_fingerprint": graph.fingerprint(), "cluster_name": cluster.name,
                                  "cluster_fingerprint": cluster.fingerprint(),
                                  "device_names": [d.name for d in cluster.devices]})

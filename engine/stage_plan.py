@@ -33,7 +33,7 @@ from .graph import Graph
 from .halves import capture_at
 from .partition import PipelinePlan, PipelineStage, ScheduleResult, batch_of, timeline_boxes
 from .plan import Plan
-from .program import COMPUTE, Instruction
+from .program import COMM, COMPUTE, LOAD, Instruction
 from .schedule import SCHEDULES, Pipeline, StageTimes, closed_form_s, run_schedule
 from .stage_cost import StagePrice, group_cluster
 from .stages import StageGraph
@@ -91,28 +91,45 @@ STAGE_SPACE = SearchSpace(collectives=frozenset(c for c in SearchSpace().collect
 """A stage's search: the whole theory but hierarchical collectives, whose machine sub-groups the runner
 makes over the whole world, not inside one stage's process group."""
 
-StagePlanner = Callable[[Graph, Cluster, str, "float | None"], Plan]
-"""Plans one stage: (its graph, the cluster of its devices alone, optimizer, time budget) -> its Plan."""
+StagePlanner = Callable[[Graph, Cluster, str, "float | None", int], Plan]
+"""Plans one stage: (its graph, the cluster of its devices alone, optimizer, time budget, microbatches) -> its Plan."""
 
 
-def plan_stage(sub: Graph, group: Cluster, optimizer: str, time_budget_s: float | None) -> Plan:
+def plan_stage(sub: Graph, group: Cluster, optimizer: str, time_budget_s: float | None, microbatches: int) -> Plan:
     """HAP's plan of one stage's graph on its devices (no overlap: a stage's gradient sync runs after the
-    pipeline drains, priced as the stage's sync; no hierarchical collectives, `STAGE_SPACE`)."""
-    from .planner import plan_spmd  # the planner imports the partitioner; this module sits beside both
+    pipeline drains; no hierarchical collectives, `STAGE_SPACE`), or its data-parallel program at
+    FLOP/s-proportional shares when that costs the pipeline less (`pipeline_cost`). HAP's search
+    prices one microbatch with its once-an-iteration work (the gradient sync, the optimizer update),
+    so with many microbatches it may trade microbatch time for sync time the pipeline pays B times."""
+    from .planner import plan_of, plan_spmd, proportional_ratios  # the planner imports this module
 
-    return plan_spmd(sub, group, time_budget_s, optimizer=optimizer, overlap="none", space=STAGE_SPACE)
+    hap = plan_spmd(sub, group, time_budget_s, optimizer=optimizer, overlap="none", space=STAGE_SPACE)
+    dp = plan_of(data_parallel_program(sub), sub, group, proportional_ratios(group), optimizer=optimizer)
+    return min((hap, dp), key=lambda p: pipeline_cost(stage_price(p, group, optimizer), microbatches))
 
 
-def stage_price(plan: Plan, cluster: Cluster, devices: tuple[int, ...], optimizer: str) -> StagePrice:
-    """Per-microbatch forward and backward, the sync after the drain (the gradient all-reduce stage
-    and the optimizer step), and per-device state and activation bytes, from the stage's plan."""
-    group = group_cluster(cluster, devices)
+def pipeline_cost(price: StagePrice, microbatches: int) -> float:
+    """What a stage adds to an iteration of B microbatches, roughly (HAPT Eq. 13 with the sync): B (t_f + t_b) + u."""
+    return microbatches * price.total_s + price.sync_s
+
+
+def stage_price(plan: Plan, group: Cluster, optimizer: str) -> StagePrice:
+    """Per-microbatch forward and backward, the sync after the drain, and per-device state and activation
+    bytes, from the stage's plan. The sync is what runs once an iteration, not once a microbatch: the
+    gradient all-reduce stage and every stage's per-parameter-byte work (the optimizer update and
+    the gradient copies, `engine.cost.class_work`), as `engine.stage_cost.DataParallelPricer` has it."""
     cm = CostModel(plan.graph, group, plan.ratio_rows, optimizer, plan.segmentation, overlap="none")
     b = evaluate(plan.program, cm)
     times = {"forward": 0.0, "backward": 0.0, "sync": 0.0}
-    for stage, comm, comp in zip(b.stages, b.stage_comm_s, b.stage_comp_s):
-        key = "sync" if stage.comm == "grad_all_reduce" else stage.direction
-        times[key] += comm + max(comp)
+    for stage, comm in zip(b.stages, b.stage_comm_s):
+        s, r, ss, rs, ts, tr = stage.work
+        per_microbatch = max(cm.device_times((s, r, 0.0, 0.0, ts, tr), stage.segment))
+        per_iteration = max(cm.device_times((0.0, 0.0, ss, rs, 0.0, 0.0), stage.segment))
+        if stage.comm == "grad_all_reduce":
+            times["sync"] += comm + per_microbatch + per_iteration
+        else:
+            times[stage.direction] += comm + per_microbatch
+            times["sync"] += per_iteration
     mems = replay_terms(plan.program, cm).mems
     state = cm.class_memory([(m[0], m[1], 0.0, 0.0) for m in mems])
     acts = cm.class_memory([(0.0, 0.0, m[2], m[3]) for m in mems])
@@ -152,10 +169,11 @@ def hap_stage_plans(pipe: PipelinePlan, cluster: Cluster, optimizer: str, time_b
     for i, s in enumerate(pipe.stages):
         budget = None if time_budget_s is None else time_budget_s / len(pipe.stages)
         sub = sg.subgraph(s.layers[0], s.layers[1], forms)
-        plan = plan_one(sub, group_cluster(cluster, s.devices), optimizer, budget)
+        group = group_cluster(cluster, s.devices)
+        plan = plan_one(sub, group, optimizer, budget, pipe.microbatches)
         plan = replace(plan, history=[], search={k: plan.search[k] for k in ("optimizer", "expanded", "optimal")
                                                  if k in plan.search})  # keep the pipeline plan's JSON small
-        prices.append(stage_price(plan, cluster, s.devices, optimizer))
+        prices.append(stage_price(plan, group, optimizer))
         stages.append(replace(s, ratios=tuple(plan.ratio_rows[0]), plan=plan))
     return stages, prices
 
@@ -180,3 +198,17 @@ def repriced(pipe: PipelinePlan, stages: list[PipelineStage], prices: list[Stage
     closed = closed_form_s(view) if all(c <= view.t_max for c in transfers) else None
     return replace(pipe, stages=new_stages, predicted_s=run.iteration_s, t_max_s=view.t_max, closed_form_s=closed,
                    schedules=results, planning_s=planning_s, timeline=timeline_boxes(run.timeline))
+
+
+def stage_program_summary(stage: PipelineStage) -> str:
+    """One line on what a stage runs: data parallelism, or its HAP plan (weights sharded, collectives)."""
+    plan = stage.plan
+    if plan is None:
+        return "data parallel"
+    weights = [ins for ins in plan.program if ins.kind == LOAD and plan.graph[ins.node].op == "parameter"]
+    sharded = sum(1 for ins in weights if ins.post >= 0)
+    comms = sum(1 for ins in plan.program if ins.kind == COMM and ins.rule != "slice")
+    collectives = f", {comms} collective{'s' if comms != 1 else ''}" if comms else ""
+    if not sharded:
+        return f"HAP: data parallel{collectives}"
+    return f"HAP: {sharded} of {len(weights)} weights sharded{collectives}"

@@ -20,13 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from .cost import _attention_probs_bytes, _backward_flops, _requires_grad
+from .cost import NO_ACTIVATION_OPS, _attention_probs_bytes, _backward_flops, _requires_grad
 from .errors import PlanError
 from .graph import Graph, Node
 from .segments import _layer_cuts
 
-NO_ACTIVATION_OPS = frozenset({"view", "permute", "identity"})
-"""Operators whose output aliases its input: they keep nothing for backward (as `engine.cost` counts)."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Plans for the runner tests: the engine's own, dp-even, and programs forced to use one collective."""
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import lru_cache
 
 import engine
@@ -9,8 +10,9 @@ from engine.cost import CostModel
 from engine.errors import InfeasibleError
 from engine.graph import Graph
 from engine.plan import Plan
-from engine.planner import data_parallel_space, plan_of
+from engine.planner import data_parallel_space, plan_of, proportional_ratios
 from engine.segments import segment_graph
+from engine.stage_plan import STAGE_SPACE, with_hap_stages
 from engine.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
 
@@ -93,3 +95,20 @@ def segmented_plan(model: str, world: int, data_parallel: bool, **knobs) -> Plan
 
 def collectives_of(plan: Plan) -> set[str]:
     return {ins.rule for ins in plan.program if ins.kind == "comm"}
+
+
+def sharded_stage_planner(sub: Graph, group: Cluster, optimizer: str, budget, microbatches: int) -> Plan:
+    """A pipeline stage's plan (engine.stage_plan.StagePlanner) that keeps every weight matrix from being
+    Full, at the group's FLOP/s shares: tensor parallelism inside the stage, which plain HAP would not
+    choose on these small models."""
+    space = replace(STAGE_SPACE, param_forms=lambda n, f: f != FULL or sub[n].rank < 2)
+    ratios = proportional_ratios(group)
+    res = synthesize(sub, CostModel(sub, group, ratios, optimizer), space=space)
+    return plan_of(res.program, sub, group, ratios, optimizer=optimizer)
+
+
+def with_sharded_stages(pipe, on: Cluster):
+    """`pipe` with every stage running a `sharded_stage_planner` plan."""
+    out = with_hap_stages(pipe, on, "sgd", None, plan_one=sharded_stage_planner)
+    assert all(s.plan is not None for s in out.stages), out.search.get("hap_stages_skipped")
+    return out

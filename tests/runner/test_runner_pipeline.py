@@ -16,7 +16,7 @@ from runner.train import make_batch
 from runner.verify import compare
 
 from dist_harness import init_gloo, run_ranks
-from runner_plans import MODELS, cluster
+from runner_plans import MODELS, cluster, with_sharded_stages
 import engine
 
 STEPS = 3
@@ -59,10 +59,32 @@ def test_one_rank_per_stage_matches_microbatch_accumulation(model, schedule, tmp
     assert result.loss_rel <= 1e-6 and result.param_rel <= 1e-6, result.render()
 
 
-@pytest.mark.parametrize("model", ["mlp", "gpt"])
-def test_two_stages_of_two_ranks_with_uneven_ratios(model, tmp_path):
-    plan = two_stage_plan(model, 4, ((0, 2), (1, 3)), 2, "gpipe")
+def test_two_stages_of_two_ranks_with_uneven_ratios(tmp_path):
+    """Data parallelism inside each stage (what a model file's pipeline runs), shares ~ FLOP/s."""
+    plan = two_stage_plan("mlp", 4, ((0, 2), (1, 3)), 2, "gpipe")
     assert len(set(plan.stages[0].ratios)) == 2  # the stage's devices take uneven shares
+    results = run_ranks(_train, 4, tmp_path, json.dumps(plan.to_dict()))
+    result = _compare(plan, results)
+    assert result.ok(1e-4), result.render()
+
+
+def hap_stage_plan(model: str, schedule: str = "1f1b"):
+    """Two stages of two uneven ranks, each running a stage plan with its weights sharded."""
+    plan = with_sharded_stages(two_stage_plan(model, 4, ((0, 2), (1, 3)), 2, schedule), cluster(4))
+    for s in plan.stages:
+        assert any(ins.kind == "comm" and ins.rule != "slice" for ins in s.plan.program)
+        assert any(ins.kind == "load" and ins.post >= 0 and s.plan.graph[ins.node].op == "parameter"
+                   for ins in s.plan.program)
+    return plan
+
+
+@pytest.mark.parametrize("model,schedule", [("mlp", "gpipe"), ("gpt", "1f1b")])
+def test_two_stages_of_two_ranks_with_hap_sharding_inside(model, schedule, tmp_path):
+    """Each stage is a 2-rank SPMD program of its own (column/row-parallel weights, all-gathers and
+    reduce-scatters on the stage's process group) at uneven shares; the boundary rows are re-sliced
+    between the two stages' shares."""
+    plan = hap_stage_plan(model, schedule)
+    assert plan.stages[0].ratios != plan.stages[1].ratios
     results = run_ranks(_train, 4, tmp_path, json.dumps(plan.to_dict()))
     result = _compare(plan, results)
     assert result.ok(1e-4), result.render()
@@ -71,7 +93,7 @@ def test_two_stages_of_two_ranks_with_uneven_ratios(model, tmp_path):
 def test_hap_run_pipeline_plan_verify_end_to_end(tmp_path):
     from test_runner_cli import hap
 
-    plan = two_stage_plan("mlp", 4, ((0, 2), (1, 3)), 2, "1f1b")
+    plan = hap_stage_plan("mlp")
     path = tmp_path / "pipeline.json"
     path.write_text(json.dumps(plan.to_dict()))
     r = hap("run", str(path), "--steps", "5", "--verify", "--emulate-links", timeout=240)

@@ -26,13 +26,14 @@ from runner.pipeline import load_pipeline_plan, pipeline_inputs
 from runner_plans import cluster
 from test_runner_bundle import TWO_MACHINES, copy_bundle, free_port
 from test_runner_cli import hap
-from test_runner_pipeline import graph, two_stage_plan
+from test_runner_pipeline import graph, hap_stage_plan
 
 
 @pytest.fixture(scope="module")
 def pipe_bundle(tmp_path_factory) -> Path:
-    """A bundle (folder + zip) of a 2-stage MLP pipeline, two uneven ranks per stage, on 4 CPU devices."""
-    plan = two_stage_plan("mlp", 4, ((0, 2), (1, 3)), 2, "1f1b")
+    """A bundle (folder + zip) of a 2-stage MLP pipeline, two uneven ranks per stage running a stage plan
+    with sharded weights, on 4 CPU devices."""
+    plan = hap_stage_plan("mlp")
     return export_bundle(plan, cluster(4), tmp_path_factory.mktemp("pipe") / "mlp4", zip=True)
 
 
