@@ -42,10 +42,10 @@ from .errors import InfeasibleError, PlanError
 from .graph import Graph, Node
 from .halves import halves_problem
 from .overlap import OVERLAP_MODES, duplex_run_problem
-from .partition import PipelinePlan, best_pipeline
+from .partition import PipelinePlan, best_pipeline, microbatch_candidates
 from .plan import Plan, realized_ratios, shard_key, shard_sizes, stage_records
 from .segments import Segmentation, segment_graph, with_resplits
-from .stage_plan import with_hap_stages
+from .stage_plan import HapLayerPricer, with_hap_stages
 from .program import Instruction
 from .synthesis import SearchProgress, SearchResult, SearchSpace, synthesize
 from .theory.core import FULL
@@ -58,6 +58,9 @@ with backward); `dp-even` / `dp-proportional`: even / flops-proportional shares,
 BASELINE_OVERLAP = "ddp"
 """How every baseline is priced: what users compare against is DDP as it runs."""
 PARALLELISMS = ("spmd", "pipeline", "auto")
+PIPELINE_BUDGET_S = 30.0
+"""Seconds the pipeline planner's HAP searches (of layers and of stages, `_pipeline`) take at most when
+no time budget is given."""
 """What `plan(..., parallelism=)` accepts: `auto` plans an SPMD and a pipeline plan and keeps the faster."""
 PARALLELISM_MEANING = {"spmd": "every device runs every layer on its share of the batch (HAP)",
                        "pipeline": "layers in stages on device groups, microbatches through them (HAPT)"}
@@ -270,10 +273,35 @@ def _plan_auto(graph: Graph, cluster: Cluster, time_budget_s: float | None, star
 
 def _pipeline(graph: Graph, cluster: Cluster, microbatches: int | None, optimizer: str,
               time_budget_s: float | None) -> PipelinePlan:
-    """HAPT's best partition (`best_pipeline`), then HAP's plan inside every stage
-    (`engine.stage_plan.with_hap_stages`, within `time_budget_s`)."""
+    """HAPT's best partition (`best_pipeline`) with stages priced data-parallel; the best partitions
+    again with stages priced by their layers' HAP plans (`HapLayerPricer`: it finds the groups that
+    sharding inside a stage pays for), at that partition's microbatch count B and the smaller ones
+    (more samples per microbatch allow larger groups), while a quarter of `time_budget_s` lasts
+    (`PIPELINE_BUDGET_S` without a budget); HAP's plan inside every stage of the two best; the faster.
+    The stages' searches share what is left of the budget."""
+    start = time.perf_counter()
+    time_budget_s = PIPELINE_BUDGET_S if time_budget_s is None else time_budget_s
+    quarter = time_budget_s / 4
     pipe = best_pipeline(graph, cluster, microbatches, optimizer=optimizer)
-    return with_hap_stages(pipe, cluster, optimizer, time_budget_s)
+    candidates = {_layout(pipe): pipe}
+    pricer = HapLayerPricer(graph, cluster, optimizer, quarter / 8)
+    counts = [microbatches] if microbatches else [b for b in microbatch_candidates(graph) if b <= pipe.microbatches]
+    for B in sorted(counts, reverse=True):
+        if time.perf_counter() - start > quarter:
+            break
+        try:
+            other = best_pipeline(graph, cluster, B, pricer=pricer, optimizer=optimizer)
+        except (PlanError, InfeasibleError):
+            continue  # nothing fits at B, or the model cannot be captured at its size: data-parallel stages
+        candidates.setdefault(_layout(other), other)
+    best = sorted(candidates.values(), key=lambda p: p.predicted_s)[:2]
+    left = max(0.05, time_budget_s - (time.perf_counter() - start))
+    return min((with_hap_stages(p, cluster, optimizer, left / len(best)) for p in best), key=lambda p: p.predicted_s)
+
+
+def _layout(pipe: PipelinePlan) -> tuple:
+    """What tells two partitions apart: the microbatch count, each stage's layers and devices."""
+    return (pipe.microbatches, *((s.layers, s.devices) for s in pipe.stages))
 
 
 def _with_search(pipe: PipelinePlan, graph: Graph, cluster: Cluster, optimizer: str,

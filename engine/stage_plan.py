@@ -35,7 +35,7 @@ from .partition import PipelinePlan, PipelineStage, ScheduleResult, batch_of, ti
 from .plan import Plan
 from .program import COMM, COMPUTE, LOAD, Instruction
 from .schedule import SCHEDULES, Pipeline, StageTimes, closed_form_s, run_schedule
-from .stage_cost import StagePrice, group_cluster
+from .stage_cost import DataParallelPricer, StagePrice, device_signature, group_cluster
 from .stages import StageGraph
 from .synthesis import SearchSpace, synthesize
 from .theory.core import FULL
@@ -137,6 +137,62 @@ def stage_price(plan: Plan, group: Cluster, optimizer: str) -> StagePrice:
     order = [by_device[j] for j in range(group.num_devices)]
     return StagePrice(times["forward"], times["backward"], times["sync"], tuple(state[k] for k in order),
                       tuple(acts[k] for k in order), tuple(float(cm.classes[k].memory_bytes) for k in order))
+
+
+class HapLayerPricer:
+    """A `StagePricer` for the partitioner that sees what HAP does inside a stage (HAPT §5.1 with HAP):
+    a stage on several devices costs the less (by `pipeline_cost`) of its data-parallel price and the
+    sum of its layers' HAP plans on those devices, each layer planned alone at one microbatch's size
+    with its boundary tensors in their boundary forms. That sum is a valid program for the whole stage,
+    so it bounds the stage's own HAP plan from above, as the data-parallel price does. Identical layers
+    on identical groups are planned once (`engine.partition._layer_signatures`). The model is captured
+    once per microbatch count asked for (PlanError when it cannot be)."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, optimizer: str = "adam",
+                 time_budget_s: float | None = None) -> None:
+        self.graph, self.cluster, self.optimizer, self.budget = graph, cluster, optimizer, time_budget_s
+        self.data_parallel = DataParallelPricer(cluster, optimizer)
+        self._graphs: dict[int, tuple[StageGraph, dict[int, int], list[int]]] = {}
+        self._layer: dict[tuple, StagePrice] = {}
+
+    def __call__(self, stages: StageGraph, start: int, end: int, devices: tuple[int, ...],
+                 microbatches: int) -> StagePrice:
+        dp = self.data_parallel(stages, start, end, devices, microbatches)
+        if len(devices) == 1:
+            return dp
+        hap = sum_prices([self.layer(k, devices, microbatches) for k in range(start, end)])
+        return min((dp, hap), key=lambda p: pipeline_cost(p, microbatches))
+
+    def layers_at(self, microbatches: int) -> tuple[StageGraph, dict[int, int], list[int]]:
+        """The model's layers at one microbatch's size, their boundary forms and layer signatures."""
+        if microbatches not in self._graphs:
+            from .partition import _layer_signatures
+
+            mb = microbatch_graph(self.graph, microbatches)
+            sg = StageGraph(mb)
+            if sg.num_layers != StageGraph(self.graph).num_layers:
+                raise PlanError("the model's layers change with the batch size; its stages are priced data-parallel")
+            self._graphs[microbatches] = (sg, boundary_forms(mb), _layer_signatures(sg))
+        return self._graphs[microbatches]
+
+    def layer(self, k: int, devices: tuple[int, ...], microbatches: int) -> StagePrice:
+        """Layer k's HAP plan on `devices`, priced (shared by identical layers on identical groups)."""
+        sg, forms, signature = self.layers_at(microbatches)
+        key = (signature[k], device_signature(self.cluster, devices), microbatches)
+        if key not in self._layer:
+            group = group_cluster(self.cluster, devices)
+            plan = plan_stage(sg.subgraph(k, k + 1, forms), group, self.optimizer, self.budget, microbatches)
+            self._layer[key] = stage_price(plan, group, self.optimizer)
+        return self._layer[key]
+
+
+def sum_prices(prices: list[StagePrice]) -> StagePrice:
+    """The price of consecutive layers run one after another on the same devices."""
+    first = prices[0]
+    add = lambda xs: tuple(map(sum, zip(*xs)))  # noqa: E731
+    return StagePrice(sum(p.forward_s for p in prices), sum(p.backward_s for p in prices),
+                      sum(p.sync_s for p in prices), add(p.state_bytes for p in prices),
+                      add(p.activation_bytes for p in prices), first.capacity_bytes)
 
 
 def with_hap_stages(pipe: PipelinePlan, cluster: Cluster, optimizer: str = "adam",

@@ -16,7 +16,7 @@ from engine.plan import Plan
 from engine.planner import plan_of, proportional_ratios
 from engine.program import COMM, LOAD
 from engine.stage_cost import DataParallelPricer, group_cluster
-from engine.stage_plan import (boundary_forms, data_parallel_program, microbatch_graph, pipeline_cost, plan_stage,
+from engine.stage_plan import (HapLayerPricer, boundary_forms, data_parallel_program, microbatch_graph, pipeline_cost, plan_stage,
                                stage_price, stage_program_summary, with_hap_stages)
 from engine.stages import StageGraph
 from engine.theory.core import FULL
@@ -190,3 +190,23 @@ def test_a_stage_plan_is_checked_against_the_theory_like_any_plan(planned):
 
     with pytest.raises(PlanError, match="stages\\[1\\].plan"):
         load_any(_edit(planned, unsound))
+
+
+def test_the_partitioner_finds_groups_that_sharding_inside_a_stage_pays_for():
+    """Priced data-parallel, a 2-GPU stage of these wide layers pays a large gradient sync, so the
+    partitioner keeps one GPU per stage; priced by its layers' HAP plans (`HapLayerPricer`), the
+    machine's two GPUs shard the weights and the pipeline is predicted faster."""
+    from engine.partition import best_pipeline
+
+    graph = engine.load_model("zoo:mlp", layers=6, in_features=512, hidden=4096, classes=8, batch=32)
+    cluster = _two_machines()
+    dp = with_hap_stages(best_pipeline(graph, cluster, optimizer="sgd"), cluster, "sgd", 5)
+    assert all(len(s.devices) == 1 for s in dp.stages)
+    pricer = HapLayerPricer(graph, cluster, "sgd", 5)
+    sg = StageGraph(graph)
+    two = pricer(sg, 0, sg.num_layers, (0, 1), 4)
+    assert pipeline_cost(two, 4) < pipeline_cost(DataParallelPricer(cluster, "sgd")(sg, 0, sg.num_layers, (0, 1), 4), 4)
+    pipe = engine.plan(graph, cluster, parallelism="pipeline", optimizer="sgd")
+    assert pipe.predicted_s < dp.predicted_s
+    stage = max(pipe.stages, key=lambda s: len(s.devices))
+    assert len(stage.devices) == 2 and "weights sharded" in stage_program_summary(stage)
