@@ -441,7 +441,9 @@ def bubble_share(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def pipeline_stage_rows(plan: PipelinePlan, cluster: Cluster) -> list[dict[str, Any]]:
-    """One row per stage: its devices, layers, warm-up count, per-microbatch times and peak memory."""
+    """One row per stage: its devices, layers, warm-up count, per-microbatch times, peak memory and program."""
+    from engine.stage_plan import stage_program_summary
+
     rows = []
     for i, s in enumerate(plan.stages):
         devs = [cluster.devices[j] for j in s.devices]
@@ -450,7 +452,8 @@ def pipeline_stage_rows(plan: PipelinePlan, cluster: Cluster) -> list[dict[str, 
                      "layers": f"{s.layers[0]}-{s.layers[1] - 1}", "warmup": s.warmup,
                      "forward_ms": s.forward_s * 1e3, "backward_ms": s.backward_s * 1e3, "sync_ms": s.sync_s * 1e3,
                      "peak_gib": s.peak_memory_bytes / GIB,
-                     "capacity_gib": min(d.memory_bytes_per_gpu for d in devs) / GIB})
+                     "capacity_gib": min(d.memory_bytes_per_gpu for d in devs) / GIB,
+                     "program": stage_program_summary(s)})
     return rows
 
 

@@ -3,9 +3,11 @@
 For `zoo:gpt` (hidden 768, seq_len 128, batch 64) at 12, 24 and 48 layers on
 `sample_clusters/a100x8_v100x8_5gbps.json` and `sample_clusters/hap_paper_testbed.json` it prints
 the SPMD HAP prediction (`engine.plan` with a small time budget), the best pipeline
-(`engine.partition.best_pipeline`: HAPT's DP with HAP's data-parallel stage pricing) under each
+(`engine.plan(..., parallelism="pipeline")`: HAPT's DP, repartitioned with stages priced by their
+layers' HAP plans, then HAP's plan inside every stage) with each stage's program, under each
 schedule (GPipe, 1F1B, Eager-1F1B, H-1F1B: simulated iteration time, the fullest GPU's peak memory,
-and whether it fits), and both planning times. Then the shape of HAPT Fig. 10: the pipeline
+and whether it fits), and both planning times. With `--epsilon` the pipeline is HAPT's DP with that
+epsilon (`best_pipeline`) and HAP inside its stages (`with_hap_stages`), without the repartitioning. Then the shape of HAPT Fig. 10: the pipeline
 chosen for the deepest model at 5 Gbps, its cross-machine link scaled from 10 to 3 Gbps, under
 each schedule (H-1F1B stays flat until a transfer exceeds t_max).
 
@@ -16,7 +18,8 @@ Run from the repository root (captures take a while; the 64-GPU SPMD plans domin
     PYTHONPATH=. python bench/pipeline.py --layers 24 --clusters a100x8_v100x8_5gbps --epsilon 0.05
 
 With `--run`, instead: a 2-stage pipeline plan of a small GPT on `sample_clusters/cpu_4_uneven.json`
-(2 ranks per stage, the cluster's link slowed to `--link-gbps` so transfers matter) is run by
+(2 ranks per stage running their HAP stage plans, the cluster's link slowed to `--link-gbps` so
+transfers matter) is run by
 `hap run --emulate-links` on 4 local CPU ranks, and the measured iteration time (median of the
 steps after the first) is printed beside the predicted one. The prediction prices compute from
 the cluster file's FLOP/s figures, not from this machine: profile the box (`hap profile`) for a
@@ -37,6 +40,7 @@ import engine
 from engine.partition import PipelinePlan, best_pipeline, plan_pipeline
 from engine.schedule import SCHEDULES, run_schedule
 from engine.stage_cost import transfer_s
+from engine.stage_plan import stage_program_summary, with_hap_stages
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ("a100x8_v100x8_5gbps", "hap_paper_testbed")
@@ -80,12 +84,20 @@ def _case(graph, cluster, layers: int, budget: float, epsilon: float) -> Pipelin
     start = time.perf_counter()
     spmd = engine.plan(graph, cluster, time_budget_s=budget)
     spmd_s = time.perf_counter() - start
-    pipe = best_pipeline(graph, cluster, epsilon=epsilon)
+    start = time.perf_counter()
+    if epsilon:
+        pipe = with_hap_stages(best_pipeline(graph, cluster, epsilon=epsilon), cluster, time_budget_s=budget)
+    else:
+        pipe = engine.plan(graph, cluster, time_budget_s=budget, parallelism="pipeline")
+    pipe_s = time.perf_counter() - start
     print(f"gpt-{layers}: SPMD HAP {spmd.predicted_time_s * 1e3:9.1f} ms (planned in {spmd_s:.1f} s); "
-          f"pipeline of {len(pipe.stages)} stages, B = {pipe.microbatches} (planned in {pipe.planning_s:.1f} s)")
+          f"pipeline of {len(pipe.stages)} stages, B = {pipe.microbatches} (planned in {pipe_s:.1f} s)")
+    if "hap_stages_skipped" in pipe.search:
+        print(f"    stages data-parallel: {pipe.search['hap_stages_skipped']}")
     for s in pipe.stages:
         print(f"    layers {s.layers[0]:>2}-{s.layers[1] - 1:<2} on {len(s.devices):>2} x {s.sub_cluster:<16} "
-              f"f {s.forward_s * 1e3:7.3f} b {s.backward_s * 1e3:7.3f} sync {s.sync_s * 1e3:7.2f} ms, N = {s.warmup}")
+              f"f {s.forward_s * 1e3:7.3f} b {s.backward_s * 1e3:7.3f} sync {s.sync_s * 1e3:7.2f} ms, N = {s.warmup}, "
+              f"{stage_program_summary(s)}")
     for b in pipe.boundaries:
         print(f"    cut {b.cut}: {b.forward_bytes / 2**20:.1f} MiB per iteration over {b.link}, "
               f"{b.transfer_s * 1e3:.3f} ms per microbatch each way")
@@ -131,7 +143,8 @@ def _measured_vs_predicted(link_gbps: float, steps: int = 6) -> None:
     cluster = Cluster.from_dict(d)
     graph = engine.load_model("zoo:gpt", layers=4, hidden=64, heads=4, ffn=128, vocab=256, seq_len=32, batch=16)
     L = StageGraph(graph).num_layers
-    plan = fixed_pipeline(graph, cluster, [(0, L // 2, (0, 1)), (L // 2, L, (2, 3))], 4, "h-1f1b")
+    plan = with_hap_stages(fixed_pipeline(graph, cluster, [(0, L // 2, (0, 1)), (L // 2, L, (2, 3))], 4, "h-1f1b"),
+                           cluster, time_budget_s=10)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "pipeline.json"
         path.write_text(json.dumps(plan.to_dict()))
@@ -147,6 +160,8 @@ def _measured_vs_predicted(link_gbps: float, steps: int = 6) -> None:
           f"link {link_gbps} Gbit/s emulated")
     for b in plan.boundaries:
         print(f"    cut {b.cut}: {b.transfer_s * 1e3:.2f} ms per microbatch each way")
+    for i, s in enumerate(plan.stages):
+        print(f"    stage {i}: {stage_program_summary(s)}, shares {', '.join(f'{r:.2f}' for r in s.ratios)}")
     print(f"    predicted {plan.predicted_s * 1e3:8.2f} ms per step   measured {measured:8.2f} ms "
           f"(median of steps 1..{len(times) - 1})   measured / predicted {measured / (plan.predicted_s * 1e3):.2f}")
 

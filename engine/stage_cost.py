@@ -11,8 +11,8 @@ The time of a stage on a group comes from a pluggable *pricer* (`StagePricer`). 
 model (`engine.cost.CostModel`) on the group alone, ratios proportional to the devices' flops, every
 batch-derived operator split over the group and parameter-only ones replicated, the gradients of
 all the stage's parameters all-reduced inside the group after the pipeline drains, then the
-optimizer step. Planning each stage with HAP's full synthesis and LP (tensor sharding inside a
-stage) is later work: a pricer that does it plugs in here.
+optimizer step. `engine.stage_plan.HapLayerPricer` is the other pricer: it also prices a stage by
+its layers' HAP plans (tensor sharding inside a stage), and the planner repartitions with it.
 
 Transfers: one microbatch's boundary tensors (the larger of the activations forward and their
 gradients back, both ways) go point to point over the slowest link level between the two stages'

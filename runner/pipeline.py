@@ -1,7 +1,13 @@
 """Run a pipeline plan (`engine.partition.PipelinePlan`): stages on device groups, microbatches in the planned order.
 
 Every rank builds the single-device model from the seed and keeps the parameters of its stage.
-A stage runs the piece of the graph's data-parallel program (`data_parallel_program`)
+
+With stage plans (`PipelineStage.plan`, HAP inside every stage; the planner's default where the
+model can be captured at a microbatch's size), each microbatch is one SPMD step of the stage's own
+program on the stage's process group: `runner.stage_program` says how.
+
+Without them (a model file or graph JSON, whose batch is fixed), a stage runs the piece of the
+graph's data-parallel program (`data_parallel_program`)
 between its cuts (`runner.program.ProgramPiece`). Data parallelism inside a stage is expressed with
 *virtual ranks*: the stage's plan splits the batch over B x g virtual ranks, microbatch m's rows
 going to virtual ranks m g .. m g + g - 1 in the stage's ratios, so stage rank r runs microbatch m
@@ -12,7 +18,8 @@ gradients inside its own process group and steps its optimizer.
 
 Between stages the cut tensors go by `isend`/`irecv`, tagged by microbatch and direction: a tensor
 split over the batch is re-sliced so each receiver gets exactly the rows it needs from each sender
-(`row_pieces`); a replicated one comes whole from one sender, and its gradient addend goes back to
+(`overlaps` of the two stages' rows: over virtual ranks, or the two stage plans' shard sizes of one
+microbatch); a replicated one comes whole from one sender, and its gradient addend goes back to
 that sender. `link_s` emulates slow links: each transfer also carries its send time, and the
 receiver waits until send time (or the link's previous arrival) plus the boundary's transfer time.
 
@@ -20,8 +27,8 @@ A launch bundle of a pipeline plan (`hap export`) runs here too: each rank check
 manifest and joins as the rank its bundle node gives it (runner.launch hands pipeline plans here).
 
 Limits (issue 15): CPU and gloo only (no NCCL path yet); no dropout; a weight used by two stages
-(tied embeddings) is refused, not summed; stages run data parallelism inside, not HAP's sharding;
-no checkpoints or metrics (`hap run` options a pipeline does not take are refused, PIPELINE_OPTIONS).
+(tied embeddings) is refused, not summed; no hierarchical collectives inside a stage; no checkpoints
+or metrics (`hap run` options a pipeline does not take are refused, PIPELINE_OPTIONS).
 """
 from __future__ import annotations
 

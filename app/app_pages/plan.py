@@ -21,13 +21,18 @@ if plan.parallelism == "pipeline":
     if "spmd" in times:
         c[3].metric("vs best SPMD plan", f"{times['spmd'] / plan.predicted_time_s:.2f}x faster",
                     help=f"the best SPMD (HAP) plan: {ui.ms(times['spmd'])}")
-    st.markdown("A **pipeline** plan (HAPT): each stage runs a run of layers on its own group of devices, data-parallel "
-                "inside the group; microbatches flow through the stages and their activations (forward) and "
+    st.markdown("A **pipeline** plan (HAPT): each stage runs a run of layers on its own group of devices, with "
+                "HAP's plan of the stage inside the group (its **program**: data parallelism, or sharded weights "
+                "and collectives); microbatches flow through the stages and their activations (forward) and "
                 "gradients (backward) cross each boundary point to point. The **warm-up** count is how many "
                 "forwards a stage runs before its first backward (H-1F1B sizes it to hide slow transfers).")
     st.dataframe(pd.DataFrame(ui.pipeline_stage_rows(plan, cluster)), hide_index=True, width="stretch",
                  column_config={k: st.column_config.NumberColumn(format="%.3f") for k in
                                 ("forward_ms", "backward_ms", "sync_ms", "peak_gib", "capacity_gib")})
+    for i, s in enumerate(plan.stages):
+        if s.plan is not None:
+            with st.expander(f"Stage {i}'s program ({len(s.plan.program)} instructions)"):
+                st.code(s.plan.listing(), language=None)
     if plan.boundaries:
         st.subheader("Boundaries")
         st.dataframe(pd.DataFrame(ui.pipeline_boundary_rows(plan)), hide_index=True, width="stretch")

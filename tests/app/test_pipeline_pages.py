@@ -13,6 +13,7 @@ from app import components as ui
 from app.services import Keys
 from engine.partition import plan_pipeline
 from engine.schedule import SCHEDULES, run_schedule
+from engine.stage_plan import stage_program_summary
 
 PIPE_GPT = {"layers": 4, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 4096, "seq_len": 128, "batch": 32}
 """Small enough to plan in seconds; on a100x2_p100x2 `auto` picks a pipeline of several stages."""
@@ -62,7 +63,11 @@ def test_plan_page_lists_stages_devices_layers_and_warmup(pipe_app, pipe_plan):
     assert list(stages["layers"]) == [f"{s.layers[0]}-{s.layers[1] - 1}" for s in pipe_plan.stages]
     cluster = _pipeline()[1]
     assert list(stages["devices"]) == [", ".join(cluster.devices[j].name for j in s.devices) for s in pipe_plan.stages]
+    assert list(stages["program"]) == [stage_program_summary(s) for s in pipe_plan.stages]
     assert len(at.dataframe[1].value) == len(pipe_plan.boundaries)
+    listings = [e for e in at.expander if "program" in e.label]
+    assert len(listings) == len(pipe_plan.stages) and all(s.plan is not None for s in pipe_plan.stages)
+    assert listings[0].code[0].value == pipe_plan.stages[0].plan.listing()
 
 
 def test_timeline_page_draws_one_box_per_microbatch_and_bubbles(pipe_app, pipe_plan):
