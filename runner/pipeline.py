@@ -55,7 +55,7 @@ from engine.theory.core import FULL, PARTIAL
 
 from . import collectives as C
 from .program import ProgramPiece, RankProgram, build_rank_program, shard
-from .stage_program import (StageParams, boundary_rows, gathered_stage_params, has_stage_plans, loss_weights,
+from .stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans, loss_weights,
                             microbatch_leaves, stage_inputs, stage_outputs, stage_params, stage_rank_program,
                             sync_stage_gradients)
 from .train import build_module, make_batch, make_optimizer
@@ -212,6 +212,7 @@ def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = 
 def setup_planned_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str, lr: float) -> StageRank:
     """`setup_stage_rank` for stages with their own HAP plans (runner.stage_program)."""
     plans = [s.plan for s in plan.stages]
+    check_untied(plans)  # type: ignore[arg-type]
     pieces = [ProgramPiece(frozenset(), stage_inputs(sp), stage_outputs(sp)) for sp in plans]
     groups = [dist.new_group(list(s.devices)) for s in plan.stages]
     stage = next((i for i, s in enumerate(plan.stages) if rank in s.devices), None)

@@ -37,6 +37,17 @@ def has_stage_plans(plan: PipelinePlan) -> bool:
     return all(s.plan is not None for s in plan.stages)
 
 
+def check_untied(plans: list[Plan]) -> None:
+    """PlanError when two stages load the same parameter (a tied weight): each would train its own copy."""
+    seen: dict[str, int] = {}
+    for i, sp in enumerate(plans):
+        for n in sp.graph.parameters:
+            target = n.attrs["target"]
+            if seen.setdefault(target, i) != i:
+                raise PlanError(f"pipeline: parameter {target} is used by stages {seen[target]} and {i} (a tied "
+                                "weight); the runner does not sum a tied weight's gradients across stages yet: cut elsewhere")
+
+
 def model_nodes(sp: Plan) -> list[int]:
     """The model graph's node of every node of a stage plan's graph (-1 for its `stage_output`)."""
     return list(sp.graph.origin["pipeline_stage"]["model_nodes"])

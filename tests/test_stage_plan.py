@@ -210,3 +210,20 @@ def test_the_partitioner_finds_groups_that_sharding_inside_a_stage_pays_for():
     assert pipe.predicted_s < dp.predicted_s
     stage = max(pipe.stages, key=lambda s: len(s.devices))
     assert len(stage.devices) == 2 and "weights sharded" in stage_program_summary(stage)
+
+
+def test_a_tied_weight_across_stages_keeps_data_parallel_stages_and_says_why(uneven4):
+    graph = engine.load_model("zoo:gpt", **{**GPT, "tie_weights": True})
+    L = StageGraph(graph).num_layers
+    pipe = fixed_pipeline(graph, uneven4, [(0, L // 2, (0, 2)), (L // 2, L, (1, 3))], 2, "1f1b", optimizer="sgd")
+    out = with_hap_stages(pipe, uneven4, "sgd", 5)
+    assert all(s.plan is None for s in out.stages) and "tied weight" in out.search["hap_stages_skipped"]
+
+
+def test_the_runner_refuses_stage_plans_that_load_one_parameter_twice(gpt_pipe, uneven4):
+    from runner.stage_program import check_untied
+
+    plans = [s.plan for s in with_hap_stages(gpt_pipe, uneven4, "sgd", 5).stages]
+    check_untied(plans)
+    with pytest.raises(PlanError, match="used by stages 0 and 1"):
+        check_untied([plans[0], plans[0]])
