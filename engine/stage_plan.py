@@ -1,7 +1,8 @@
 """HAP inside every pipeline stage (HAPT §5 with HAP §3-5 per stage): each stage's program and ratios.
 
 The partitioner (`engine.partition`) chooses the stages, their device groups and the microbatch
-count B pricing every stage as data parallelism on its group. This module then plans each chosen
+count B, pricing every stage as data parallelism on its group (`DataParallelPricer`) or, with
+`HapLayerPricer`, also by its layers' HAP plans. This module then plans each chosen
 stage as HAP plans a whole model: program synthesis (A*) and the LP, iterated, on the stage's own
 graph at one microbatch's size, over the stage's devices only (which may differ in speed: the LP
 gives them uneven shares). A stage's graph (`StageGraph.subgraph`) starts from the tensors the
@@ -11,10 +12,10 @@ forms is what lets stages be planned one by one, and lets the runner re-slice a 
 between two groups with different shares by sending each receiver exactly its rows.
 
 The stage times, gradient syncs and memory then come from the stage plans (`stage_price`) and the
-schedules are simulated again. A stage's search is seeded with its data-parallel programs, so its
-plan is never predicted slower than data parallelism at the same whole-sample shares; it may be
-predicted slower than the partitioner's estimate, which splits a microbatch at fractional shares
-(`search["data_parallel_stages_s"]` keeps that estimate).
+schedules are simulated again. A stage keeps HAP's plan or its data-parallel program, whichever
+costs the pipeline less (`pipeline_cost`), so it is never predicted slower than data parallelism at
+the same whole-sample shares; it may be predicted slower than the partitioner's estimate, which
+splits a microbatch at fractional shares (`search["data_parallel_stages_s"]` keeps that estimate).
 
 The microbatch graph is the model captured again at batch / B (`engine.halves.capture_at`): a
 model file or graph JSON fixes its batch, so its stages stay data-parallel
