@@ -17,15 +17,15 @@ Run from the repository root (captures take a while; the 64-GPU SPMD plans domin
     PYTHONPATH=. python bench/pipeline.py --layers 12 --budget 5
     PYTHONPATH=. python bench/pipeline.py --layers 24 --clusters a100x8_v100x8_5gbps --epsilon 0.05
 
-With `--run`, instead: a 2-stage pipeline plan of a small GPT on `sample_clusters/cpu_4_uneven.json`
-(2 ranks per stage running their HAP stage plans, the cluster's link slowed to `--link-gbps` so
-transfers matter) is run by
-`hap run --emulate-links` on 4 local CPU ranks, and the measured iteration time (median of the
-steps after the first) is printed beside the predicted one. The prediction prices compute from
-the cluster file's FLOP/s figures, not from this machine: profile the box (`hap profile`) for a
-fair comparison.
+With `--run`, instead: a 2-stage pipeline plan of a small GPT (4 layers, hidden 256, batch 16; 2 ranks per stage running their HAP
+stage plans) is planned for this machine's 4 CPU ranks as `hap profile --nproc 4 --model zoo:gpt
+--set ...` measures them (the same model's operators; `--no-profile` plans on
+`sample_clusters/cpu_4_uneven.json`'s datasheet-like figures instead), with each stage's two ranks
+declared one machine and the link between them slowed to `--link-gbps` so transfers matter, and run by `hap run --emulate-links` on 4
+local CPU ranks; the measured iteration time (median of the steps after the first) is printed
+beside the predicted one.
 
-    PYTHONPATH=. python bench/pipeline.py --run --link-gbps 0.05
+    PYTHONPATH=. python bench/pipeline.py --run --link-gbps 0.1
 
 It reports; it never asserts. Stage times are per microbatch; "sync" is a stage's gradient
 all-reduce in its group plus its optimizer step, after the pipeline drains.
@@ -55,10 +55,11 @@ def main() -> None:
                     help="HAPT Eq. 2: a transfer under epsilon x t_max adds one warm-up forward, not two")
     ap.add_argument("--clusters", nargs="+", default=list(CLUSTERS), choices=CLUSTERS)
     ap.add_argument("--run", action="store_true", help="run a 2-stage plan on 4 CPU ranks: measured vs predicted")
-    ap.add_argument("--link-gbps", type=float, default=0.05, help="--run: the emulated link between stages, Gbit/s")
+    ap.add_argument("--link-gbps", type=float, default=0.1, help="--run: the emulated link between stages, Gbit/s")
+    ap.add_argument("--no-profile", action="store_true", help="--run: plan on cpu_4_uneven.json, not a profile of this box")
     args = ap.parse_args()
     if args.run:
-        _measured_vs_predicted(args.link_gbps)
+        _measured_vs_predicted(args.link_gbps, profile=not args.no_profile)
         return
     graphs = {n: _capture(n) for n in args.layers}
     deepest = None
@@ -124,7 +125,11 @@ def _fig10(layers: int, pipe: PipelinePlan, cluster) -> None:
         print(f"   {gbps:>4} " + "".join(f"{t * 1e3:9.1f} ms" for t in times) + f"   {ratio:6.2f}")
 
 
-def _measured_vs_predicted(link_gbps: float, steps: int = 6) -> None:
+RUN_GPT = dict(layers=4, hidden=256, heads=4, ffn=1024, vocab=512, seq_len=64, batch=16)
+"""The model `--run` plans, profiles and runs."""
+
+
+def _measured_vs_predicted(link_gbps: float, profile: bool = True, steps: int = 6) -> None:
     """Run a 2 x 2 pipeline plan through `hap run --emulate-links`; print measured and predicted step times."""
     import json
     import os
@@ -138,17 +143,34 @@ def _measured_vs_predicted(link_gbps: float, steps: int = 6) -> None:
     from engine.partition import fixed_pipeline
     from engine.stages import StageGraph
 
-    d = json.loads((ROOT / "sample_clusters" / "cpu_4_uneven.json").read_text())
-    d["network"]["bandwidth_Bps"] = {"intra_machine": link_gbps * 1.25e8}
-    cluster = Cluster.from_dict(d)
-    graph = engine.load_model("zoo:gpt", layers=4, hidden=64, heads=4, ffn=128, vocab=256, seq_len=32, batch=16)
-    L = StageGraph(graph).num_layers
-    plan = with_hap_stages(fixed_pipeline(graph, cluster, [(0, L // 2, (0, 1)), (L // 2, L, (2, 3))], 4, "h-1f1b"),
-                           cluster, time_budget_s=10)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as tmp:
+        spec = ROOT / "sample_clusters" / "cpu_4_uneven.json"
+        if profile:
+            spec = Path(tmp) / "cluster.json"
+            knobs = [a for k, v in RUN_GPT.items() for a in ("--set", f"{k}={v}")]
+            r = subprocess.run([sys.executable, "-m", "engine.cli", "profile", "--out", str(spec), "--nproc", "4",
+                                "--model", "zoo:gpt", *knobs], env=env, cwd=ROOT, capture_output=True, text=True,
+                               timeout=600)
+            if r.returncode != 0:
+                print(r.stdout + r.stderr)
+                return
+        d = json.loads(spec.read_text())
+        for key in ("flops_per_gpu", "activation_bandwidth_Bps", "memory_bandwidth_Bps"):
+            figures = sorted(dev[key] for dev in d["devices"] if key in dev)
+            for dev in d["devices"]:  # four processes of one box: one figure each, the median (4 on 2 cores is noisy)
+                if key in dev:
+                    dev[key] = figures[len(figures) // 2]
+        for j, dev in enumerate(d["devices"]):  # two "machines": the stages' link is the emulated one
+            dev["machine"] = f"box-{j // 2}"
+        d["network"]["bandwidth_Bps"]["inter_machine"] = link_gbps * 1.25e8
+        cluster = Cluster.from_dict(d)
+        graph = engine.load_model("zoo:gpt", **RUN_GPT)
+        L = StageGraph(graph).num_layers
+        plan = with_hap_stages(fixed_pipeline(graph, cluster, [(0, L // 2, (0, 1)), (L // 2, L, (2, 3))], 4,
+                                              "h-1f1b"), cluster, time_budget_s=10)
         path = Path(tmp) / "pipeline.json"
         path.write_text(json.dumps(plan.to_dict()))
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
         r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(path), "--steps", str(steps),
                             "--emulate-links"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
@@ -156,8 +178,9 @@ def _measured_vs_predicted(link_gbps: float, steps: int = 6) -> None:
         return
     times = [float(t) for t in re.findall(r"time ([0-9.]+) ms", r.stdout)]
     measured = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    where = "a profile of this machine" if profile else "cpu_4_uneven.json's figures"
     print(f"gpt (4 layers, hidden 64) on 4 CPU ranks, 2 stages x 2 ranks, B = {plan.microbatches}, "
-          f"link {link_gbps} Gbit/s emulated")
+          f"link {link_gbps} Gbit/s emulated, planned on {where}")
     for b in plan.boundaries:
         print(f"    cut {b.cut}: {b.transfer_s * 1e3:.2f} ms per microbatch each way")
     for i, s in enumerate(plan.stages):
