@@ -229,8 +229,9 @@ restarted job can always pass it)."""
 
 PIPELINE_RUN_OPTIONS = """Runner options go after the bundle or the script, the same on every node: `--steps N`, `--verify`,
 `--seed S`, `--optimizer sgd|adam`, `--lr LR`, `--timeout S` and `--emulate-links` (each stage-to-stage
-transfer takes at least its predicted time). A pipeline plan runs on the CPU over gloo so far (the
-GPUs are not used); it neither checkpoints nor writes metrics yet, and refuses those options."""
+transfer takes at least its predicted time). A pipeline plan runs over NCCL on each rank's GPU where
+CUDA is present, else over gloo on the CPU; it neither checkpoints nor writes metrics yet, and refuses
+those options."""
 
 SPMD_DEVICE_CHECK = """At start every rank
 compares its GPU (`torch.cuda.get_device_name`) with the planned type and reports a mismatch

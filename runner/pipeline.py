@@ -26,7 +26,10 @@ receiver waits until send time (or the link's previous arrival) plus the boundar
 A launch bundle of a pipeline plan (`hap export`) runs here too: each rank checks it against its
 manifest and joins as the rank its bundle node gives it (runner.launch hands pipeline plans here).
 
-Limits (issue 15): CPU and gloo only (no NCCL path yet); no dropout; a weight used by two stages
+Devices: NCCL on each rank's GPU when CUDA is present (`runner.launch.pick_device`), gloo on the CPU
+otherwise; tensors the ranks send and receive, and those the programs create, live on that device.
+
+Limits (issue 15): the NCCL path has not run on a GPU yet; no dropout; a weight used by two stages
 (tied embeddings) is refused, not summed; no hierarchical collectives inside a stage; no checkpoints
 or metrics (`hap run` options a pipeline does not take are refused, PIPELINE_OPTIONS).
 """
@@ -58,7 +61,7 @@ from .program import ProgramPiece, RankProgram, build_rank_program, shard
 from .stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans, loss_weights,
                             microbatch_leaves, stage_inputs, stage_outputs, stage_params, stage_rank_program,
                             sync_stage_gradients)
-from .train import build_module, make_batch, make_optimizer
+from .train import build_module, factory_device, make_batch, make_optimizer
 
 
 def stage_plan(plan: PipelinePlan, program: tuple[Instruction, ...], stage: int) -> Plan:
@@ -174,6 +177,8 @@ class StageRank:
     held: StageParams | None = None
     """With stage plans (runner.stage_program): the parameters as the stage's program loads them;
     `plans` are then the stages' own plans and every microbatch runs the same program."""
+    device: torch.device = torch.device("cpu")
+    """Where this rank's parameters, batches and messages live (its GPU under NCCL)."""
 
     @property
     def hap(self) -> bool:
@@ -184,17 +189,19 @@ IDLE = -1
 """The stage (and index) of a rank the partition left without a stage."""
 
 
-def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = "sgd", lr: float = 0.05) -> StageRank:
+def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
+                     device: torch.device | str = "cpu") -> StageRank:
     """Every rank calls this (process groups are made collectively): its stage's programs and parameters."""
+    device = torch.device(device)
     if has_stage_plans(plan):
-        return setup_planned_stage_rank(plan, rank, seed, optimizer, lr)
+        return setup_planned_stage_rank(plan, rank, seed, optimizer, lr, device)
     program = data_parallel_program(plan.graph)
     plans = [stage_plan(plan, program, i) for i in range(len(plan.stages))]
     pieces = program_pieces(plan, program)
     groups = [dist.new_group(list(s.devices)) for s in plan.stages]
     stage = next((i for i, s in enumerate(plan.stages) if rank in s.devices), None)
     if stage is None:  # a device the partition left idle: it only joins the step's loss sum and the final gather
-        return StageRank(IDLE, IDLE, plans, pieces, [], [], {}, None, groups)
+        return StageRank(IDLE, IDLE, plans, pieces, [], [], {}, None, groups, device=device)
     index = plan.stages[stage].devices.index(rank)
     g = len(plan.stages[stage].devices)
     programs = [build_rank_program(plans[stage], m * g + index, piece=pieces[stage]) for m in range(plan.microbatches)]
@@ -202,14 +209,15 @@ def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = 
     named = dict(module.named_parameters(remove_duplicate=False))
     named_buffers = dict(module.named_buffers(remove_duplicate=False))
     graph, first = plan.graph, programs[0]
-    params = [torch.nn.Parameter(named[graph[n].attrs["target"]].detach().clone()) for n, _ in first.params]
-    buffers = {n: named_buffers[graph[n].attrs["target"]].detach().clone() for n, f in first.leaves
+    params = [torch.nn.Parameter(named[graph[n].attrs["target"]].detach().clone().to(device)) for n, _ in first.params]
+    buffers = {n: named_buffers[graph[n].attrs["target"]].detach().clone().to(device) for n, f in first.leaves
                if graph[n].op == "buffer"}
     return StageRank(stage, index, plans, pieces, programs, params, buffers, make_optimizer(params, optimizer, lr),
-                     groups)
+                     groups, device=device)
 
 
-def setup_planned_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str, lr: float) -> StageRank:
+def setup_planned_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str, lr: float,
+                             device: torch.device) -> StageRank:
     """`setup_stage_rank` for stages with their own HAP plans (runner.stage_program)."""
     plans = [s.plan for s in plan.stages]
     check_untied(plans)  # type: ignore[arg-type]
@@ -217,12 +225,12 @@ def setup_planned_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer
     groups = [dist.new_group(list(s.devices)) for s in plan.stages]
     stage = next((i for i, s in enumerate(plan.stages) if rank in s.devices), None)
     if stage is None:
-        return StageRank(IDLE, IDLE, plans, pieces, [], [], {}, None, groups)
+        return StageRank(IDLE, IDLE, plans, pieces, [], [], {}, None, groups, device=device)
     index = plan.stages[stage].devices.index(rank)
     program = stage_rank_program(plans[stage], index)
-    held = stage_params(plans[stage], program, index, build_module(plan, seed))  # type: ignore[arg-type]
+    held = stage_params(plans[stage], program, index, build_module(plan, seed), device)  # type: ignore[arg-type]
     return StageRank(stage, index, plans, pieces, [program] * plan.microbatches, held.params, held.buffers,
-                     make_optimizer(held.params, optimizer, lr), groups, held=held)
+                     make_optimizer(held.params, optimizer, lr), groups, held=held, device=device)
 
 
 def boundary_ranges(plan: PipelinePlan, sr: StageRank, stage: int, pair: tuple[int, int], m: int) -> list[tuple[int, int]]:
@@ -280,7 +288,7 @@ class Links:
                 dst = plan.stages[dst_stage].devices[peer]
                 self.pending.append(dist.isend(piece.detach().contiguous(), dst, tag=_tag(m, direction, k)))
                 peers.add(dst)
-        stamp = torch.tensor([time.time()], dtype=torch.float64)
+        stamp = torch.tensor([time.time()], dtype=torch.float64, device=self.sr.device)
         for dst in sorted(peers):
             self.pending.append(dist.isend(stamp, dst, tag=_tag(m, direction, 4095)))
 
@@ -302,14 +310,14 @@ class Links:
                 shape = list(graph[t].shape)
                 if lo >= 0:
                     shape[f] = hi - lo
-                buf = torch.empty(shape, dtype=dtype)
+                buf = torch.empty(shape, dtype=dtype, device=self.sr.device)
                 src = plan.stages[src_stage].devices[peer]
                 waits.append((dist.irecv(buf, src, tag=_tag(m, direction, k)), buf))
                 assembled.setdefault(route.pair, []).append(buf)
                 peers.add(src)
         stamps = []
         for src in sorted(peers):
-            s = torch.empty(1, dtype=torch.float64)
+            s = torch.empty(1, dtype=torch.float64, device=self.sr.device)
             waits.append((dist.irecv(s, src, tag=_tag(m, direction, 4095)), s))
             stamps.append(s)
         for w, _ in waits:
@@ -365,7 +373,7 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
     g = len(plan.stages[i].devices)
     sr.optimizer.zero_grad(set_to_none=True)
     held: dict[int, tuple[dict, Any]] = {}
-    loss_sum = torch.zeros(1, dtype=torch.float64)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=sr.device)
     weights = loss_scales(plan, sr, batch)
     stage_group = sr.groups[i] if sr.hap else None  # a stage plan's collectives go on the stage's group
     for kind, m in stage_order(plan.stages[i].warmup, B):
@@ -374,7 +382,7 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
             for x in cut.values():
                 if x.is_floating_point():
                     x.requires_grad_(True)
-            with C.stream(stage_group):
+            with C.stream(stage_group), factory_device(sr.device):
                 out = sr.programs[m].module(*microbatch_args(plan, sr, m, batch, cut))
             if i == S - 1:
                 loss = out * weights[m]
@@ -440,7 +448,7 @@ def sync_stage(sr: StageRank, g: int) -> None:
 def _idle_step(sr: StageRank, start: float) -> float:
     """A step of a rank in no stage (the partition found the model faster without its device):
     it adds nothing to the loss sum every rank takes part in."""
-    loss_sum = torch.zeros(1, dtype=torch.float64)
+    loss_sum = torch.zeros(1, dtype=torch.float64, device=sr.device)
     dist.all_reduce(loss_sum)
     sr.losses.append(float(loss_sum))
     sr.step_times.append(time.perf_counter() - start)
@@ -449,14 +457,14 @@ def _idle_step(sr: StageRank, start: float) -> float:
 
 def held_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor]:
     """This rank's parameters by model name (every rank of a stage holds the same)."""
-    return {plan.graph[n].attrs["target"]: p.detach().clone() for (n, _), p in zip(sr.programs[0].params, sr.params)}
+    return {plan.graph[n].attrs["target"]: p.detach().cpu().clone() for (n, _), p in zip(sr.programs[0].params, sr.params)}
 
 
 def gathered_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor]:
     """Every parameter of the model, from the first rank of each stage (all ranks take part)."""
     if sr.hap and sr.stage != IDLE:  # shards of the stage's program: reassembled inside the stage first
         whole = gathered_stage_params(sr.plans[sr.stage], sr.programs[0], sr.held, sr.groups[sr.stage])  # type: ignore[arg-type]
-        mine = whole if sr.index == 0 else {}
+        mine = {k: v.cpu() for k, v in whole.items()} if sr.index == 0 else {}
     else:
         mine = held_params(plan, sr) if sr.index == 0 else {}
     parts: list[Any] = [None] * dist.get_world_size()
@@ -515,15 +523,16 @@ def load_pipeline_plan(path: str | Path, world_size: int, model_file: str | Path
     return plan
 
 
-def run_rank(plan: PipelinePlan, rank: int, args: Any) -> int:
-    """One rank of `hap run PIPELINE_PLAN`: train, print losses and times on rank 0, verify if asked."""
+def run_rank(plan: PipelinePlan, rank: int, args: Any, device: torch.device | str = "cpu") -> int:
+    """One rank of `hap run PIPELINE_PLAN` on `device`: train, print losses and times on rank 0, verify if asked
+    (against single-device training on the CPU)."""
     from .verify import compare
 
     torch.set_num_threads(1)
-    sr = setup_stage_rank(plan, rank, args.seed, args.optimizer, args.lr)
+    sr = setup_stage_rank(plan, rank, args.seed, args.optimizer, args.lr, device)
     link_s = [b.transfer_s for b in plan.boundaries] if args.emulate_links else None
     for step in range(args.steps):
-        loss = pipeline_step(plan, sr, make_batch(plan, step, args.seed), link_s)  # type: ignore[arg-type]
+        loss = pipeline_step(plan, sr, make_batch(plan, step, args.seed, device), link_s)  # type: ignore[arg-type]
         if rank == 0:
             print(f"step {step}: loss {loss:.6f}  time {sr.step_times[-1] * 1e3:.1f} ms", flush=True)
     params = gathered_params(plan, sr)
@@ -562,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry of each torchrun rank (`python -m runner.pipeline PLAN|BUNDLE ...`; runner.launch hands
     pipeline plans here). A bundle is checked against its manifest on every rank (a zip extracted
     to the rank's own scratch folder) and the rank joins as the plan device its bundle node gives it."""
-    from .launch import parse_args
+    from .launch import parse_args, pick_device
 
     cfg = parse_args(argv)
     try:
@@ -571,12 +580,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hap run: error: {e}", file=sys.stderr)
         return 2
     try:
-        if torch.cuda.is_available() and env.rank == 0:
-            print("hap run: pipeline plans run on the CPU over gloo so far (the GPUs are not used)", file=sys.stderr)
-        dist.init_process_group("gloo", rank=env.rank, world_size=env.world_size,
+        backend, device = pick_device(env.local_rank)
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
                                 timeout=timedelta(seconds=cfg.timeout_s))
-        status = run_rank(plan, env.rank, cfg)
-    except HapError as e:
+        status = run_rank(plan, env.rank, cfg, device)
+    except (HapError, ValueError) as e:  # ValueError: more ranks on this machine than GPUs
         print(f"hap run: error: {e}", file=sys.stderr)
         status = 2
     finally:

@@ -99,14 +99,15 @@ class StageParams:
     buffers: dict[int, torch.Tensor]
 
 
-def stage_params(sp: Plan, program: RankProgram, index: int, module: torch.nn.Module) -> StageParams:
-    """This rank's slices of the stage's parameters and buffers, from the seeded single-device model."""
+def stage_params(sp: Plan, program: RankProgram, index: int, module: torch.nn.Module,
+                 device: torch.device | str = "cpu") -> StageParams:
+    """This rank's slices of the stage's parameters and buffers, from the seeded single-device model, on `device`."""
     named = dict(module.named_parameters(remove_duplicate=False))
     named_buffers = dict(module.named_buffers(remove_duplicate=False))
     graph = sp.graph
-    params = [torch.nn.Parameter(shard(sp, n, f, index, named[graph[n].attrs["target"]].detach()).clone())
+    params = [torch.nn.Parameter(shard(sp, n, f, index, named[graph[n].attrs["target"]].detach()).clone().to(device))
               for n, f in program.params]
-    buffers = {n: shard(sp, n, f, index, named_buffers[graph[n].attrs["target"]].detach()).clone()
+    buffers = {n: shard(sp, n, f, index, named_buffers[graph[n].attrs["target"]].detach()).clone().to(device)
                for n, f in program.leaves if graph[n].op == "buffer"}
     return StageParams(params, [f == FULL for _, f in program.params], buffers)
 

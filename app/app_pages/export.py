@@ -27,7 +27,7 @@ else:
     st.caption("Launch bundles (`hap export`) are not part of this build yet: the plan alone runs with `hap run`.")
 st.subheader("Run it")
 if pipeline:
-    st.markdown("On one machine, one process per device (pipeline plans run on the CPU over gloo so far):")
+    st.markdown("On one machine, one process per device (NCCL on the GPUs where CUDA is present, else gloo on the CPU):")
     st.code(f"hap run plan.json --steps 5 --verify      # {plan.world_size} ranks, one per device\n"
             "hap run hap_bundle.zip --steps 5 --verify  # the same through the launch bundle", language="bash")
     st.stop()
