@@ -81,6 +81,9 @@ about 16 (these are the runner's optimizers, `runner.train.make_optimizer`)."""
 BACKWARD_TRAFFIC = 2.0
 """Backward bytes of a memory-bound operator per forward byte: it reads the output's gradient and
 what it saved, and writes its inputs' gradients (about twice the forward's reads and writes)."""
+WEIGHT_BACKWARD_TRAFFIC = 2.0
+"""Backward bytes of a matmul-class operator's weights per forward byte: it reads them again for its
+input's gradient and writes their gradient."""
 BUCKET_TRAFFIC = 2.0
 """Bytes moved per gradient byte of a Full parameter to copy the summed bucket back (read + write);
 building the bucket is a copy into a fresh tensor, as every all-reduce of the runner makes, so it
@@ -261,6 +264,12 @@ class CostModel:
         self.bwd_flops = [0.0 if self.traffic[n.id] else _backward_flops(graph, n.id, self.requires_grad)
                           for n in graph.nodes]
         self.bwd_traffic = [BACKWARD_TRAFFIC * b if self.requires_grad[i] else 0.0 for i, b in enumerate(self.traffic)]
+        self.weight_traffic = [_weight_traffic(graph, n.id) if self.roofline and n.op in WEIGHT_READ_OPS else 0.0
+                               for n in graph.nodes]
+        """Forward bytes of the parameters a matmul-class operator reads (under the roofline split): they do
+        not shrink with the local batch, so a device with a small share of it is not priced too cheaply."""
+        self.bwd_weight_traffic = [WEIGHT_BACKWARD_TRAFFIC * b if self.requires_grad[i] else 0.0
+                                   for i, b in enumerate(self.weight_traffic)]
         self.total_flops = sum(c.flops * len(c.devices) for c in self.classes)
         intra = [d.intra_bandwidth_Bps for d in cluster.devices if d.num_gpus > 1]
         self.hierarchy_s_per_byte = 2.0 / min(intra) if intra else 0.0  # gather to / broadcast from GPU 0 (§6)
@@ -363,16 +372,25 @@ class CostModel:
         return all(b <= c.memory_bytes for b, c in zip(class_bytes, self.classes))
 
     # --- per-instruction deltas used by the search and by replay ---------------------------
-    def compute_delta(self, node: int, sharded: bool) -> tuple[Acc, Acc, Mem]:
-        """(forward work, backward work, memory) added by computing `node`."""
+    def compute_delta(self, node: int, sharded: bool, weights_whole: bool = True) -> tuple[Acc, Acc, Mem]:
+        """(forward work, backward work, memory) added by computing `node`. A sharded rule's work scales
+        with the device's ratio, but the weights it reads only where they are sharded too
+        (`weights_whole` False): a batch-parallel matmul reads the whole weight on every device."""
         n = self.graph[node]
         f, b = self.fwd_flops[node], self.bwd_flops[node]
         tf, tb = self.traffic[node], self.bwd_traffic[node]
+        wf, wb = self.weight_traffic[node], self.bwd_weight_traffic[node]
         act = float(self.nbytes[node]) + _attention_probs_bytes(self.graph, node) \
             if self.requires_grad[node] and n.op not in NO_ACTIVATION_OPS else 0.0
+        if sharded and weights_whole:
+            return (f, 0.0, 0.0, 0.0, tf, wf), (b, 0.0, 0.0, 0.0, tb, wb), (0.0, 0.0, act, 0.0)
         if sharded:
-            return (f, 0.0, 0.0, 0.0, tf, 0.0), (b, 0.0, 0.0, 0.0, tb, 0.0), (0.0, 0.0, act, 0.0)
-        return (0.0, f, 0.0, 0.0, 0.0, tf), (0.0, b, 0.0, 0.0, 0.0, tb), (0.0, 0.0, 0.0, act)
+            return (f, 0.0, 0.0, 0.0, tf + wf, 0.0), (b, 0.0, 0.0, 0.0, tb + wb, 0.0), (0.0, 0.0, act, 0.0)
+        return (0.0, f, 0.0, 0.0, 0.0, tf + wf), (0.0, b, 0.0, 0.0, 0.0, tb + wb), (0.0, 0.0, 0.0, act)
+
+    def weights_whole(self, node: int, forms: tuple[int, ...]) -> bool:
+        """Whether a rule with operand `forms` reads every parameter operand of `node` whole."""
+        return all(f == FULL for t, f in zip(self.graph[node].inputs, forms) if self.graph[t].op == "parameter")
 
     def load_delta(self, node: int, form: int) -> tuple[Acc, Mem]:
         """(backward per-parameter-byte work, memory) of loading a leaf in `form`."""
@@ -411,6 +429,15 @@ def _attention_probs_bytes(graph: Graph, node: int) -> float:
 def _memory_bound(n) -> bool:
     """Priced by the bytes it moves under the roofline split: neither matmul-class nor a view."""
     return not n.is_leaf and n.op not in FLOPS_BOUND_OPS and n.op not in ZERO_COPY_OPS
+
+
+WEIGHT_READ_OPS = FLOPS_BOUND_OPS - {"opaque"}
+"""Matmul-class operators whose parameter operands' bytes are priced (an opaque op's bytes are unknown)."""
+
+
+def _weight_traffic(graph: Graph, node: int) -> float:
+    """Bytes of the parameters a matmul-class operator reads in the forward pass."""
+    return float(sum(graph[i].nbytes for i in dict.fromkeys(graph[node].inputs) if graph[i].op == "parameter"))
 
 
 def _traffic(graph: Graph, node: int) -> float:
@@ -500,7 +527,7 @@ def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
             fwd_open, bwd_open, fwd, bwd, cur = none, none, ZERO, ZERO, k
             n_bwd += 1
         if ins.kind == COMPUTE:
-            f, b, a = cm.compute_delta(ins.node, is_sharded(ins))
+            f, b, a = cm.compute_delta(ins.node, is_sharded(ins), cm.weights_whole(ins.node, tuple(g for _, g in ins.pre)))
             fwd, bwd, mems[k] = add(fwd, f), add(bwd, b), add(mems[k], a)
         elif ins.kind == LOAD:
             sync, m = cm.load_delta(ins.node, ins.post)

@@ -230,7 +230,8 @@ class _Search:
         self.debt_cache: dict[tuple, float] = {}
         self.ways_cache: dict[tuple, list[tuple]] = {}
         self.slice_ok = "slice" in self.prep.collectives
-        self.deltas = [{sh: self._compute_delta(k, sh) for sh in (False, True)} for k in range(n)]
+        self.deltas = [{(sh, whole): self._compute_delta(k, sh, whole) for sh in (False, True) for whole in (False, True)}
+                       for k in range(n)]
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
         self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
         self.mode = _Ddp(self) if cm.overlap == "ddp" else _Duplex(self) if cm.overlap == "duplex" else None
@@ -246,9 +247,10 @@ class _Search:
             s.ov = self.mode.root()
         return s
 
-    def _compute_delta(self, k: int, sharded: bool) -> tuple[Acc, Acc, tuple[float, ...]]:
-        """Forward work, backward work and per-class memory bytes of computing position k."""
-        f, b, m = self.cm.compute_delta(self.prep.order[k], sharded)
+    def _compute_delta(self, k: int, sharded: bool, whole: bool) -> tuple[Acc, Acc, tuple[float, ...]]:
+        """Forward work, backward work and per-class memory bytes of computing position k (`whole`: its
+        parameter operands read whole, see `CostModel.compute_delta`)."""
+        f, b, m = self.cm.compute_delta(self.prep.order[k], sharded, whole)
         return f, b, self.cm.memory_by_class(m, self.seg[k])
 
     def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
@@ -577,7 +579,7 @@ class _Search:
         its work and memory added, and the forms no later consumer wants dropped from `props`."""
         graph = self.graph
         step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
-        df, db, dm = self.deltas[s.p][r.sharded]
+        df, db, dm = self.deltas[s.p][(r.sharded, self.cm.weights_whole(nid, r.inputs))]
         step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
         props.add(code(nid, r.output))
         props -= self.prep.dead_codes[s.p]

@@ -609,8 +609,9 @@ def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
 
 
 def step_work(name: str, knobs: dict[str, Any]) -> tuple[float, float, float]:
-    """(all flops, matmul-class flops, memory-bound bytes) of one forward + backward step of a zoo
-    model, as engine.cost counts them with and without the roofline split."""
+    """(all flops, matmul-class flops, bytes) of one forward + backward step of a zoo model, as engine.cost
+    counts them with and without the roofline split: the bytes are the memory-bound operators' and the
+    weights the matmul-class ones read, all priced at the fitted activation bandwidth."""
     import engine
     from engine.cost import CostModel
 
@@ -618,7 +619,7 @@ def step_work(name: str, knobs: dict[str, Any]) -> tuple[float, float, float]:
     plain = CostModel(graph, engine.load_cluster(one_device_cluster()), [1.0], "sgd")
     split = CostModel(graph, engine.load_cluster(one_device_cluster(activation_bandwidth=True)), [1.0], "sgd")
     return (sum(plain.fwd_flops) + sum(plain.bwd_flops), sum(split.fwd_flops) + sum(split.bwd_flops),
-            sum(split.traffic) + sum(split.bwd_traffic))
+            sum(split.traffic) + sum(split.bwd_traffic) + sum(split.weight_traffic) + sum(split.bwd_weight_traffic))
 
 
 def rank_rates(rows: list[dict[str, Any]], rank: int) -> dict[str, float]:

@@ -7,7 +7,7 @@ import pytest
 from conftest import ce_graph, cluster_dict
 from engine.cluster import Cluster
 from engine.balance import balance
-from engine.cost import BACKWARD_TRAFFIC, BUCKET_TRAFFIC, UPDATE_TRAFFIC, CostModel, evaluate
+from engine.cost import BACKWARD_TRAFFIC, WEIGHT_BACKWARD_TRAFFIC, BUCKET_TRAFFIC, UPDATE_TRAFFIC, CostModel, evaluate
 from engine.planner import data_parallel_space
 from engine.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
@@ -120,7 +120,8 @@ def one_device(activation_bandwidth_Bps: float | None) -> Cluster:
 
 
 def test_the_roofline_split_prices_matmuls_by_flops_and_the_rest_by_the_bytes_they_move():
-    """hand_ce on one device, by hand: three linears (flops), two relus and a cross-entropy (bytes)."""
+    """hand_ce on one device, by hand: three linears (flops, and the bytes of the weights they read
+    forward, read again and write as gradients backward), two relus and a cross-entropy (bytes)."""
     B, I, H, O = 64, 256, 512, 16
     graph = ce_graph(B, I, H, O)
     cm = CostModel(graph, one_device(ACT_BW), [1.0], "sgd")
@@ -129,7 +130,8 @@ def test_the_roofline_split_prices_matmuls_by_flops_and_the_rest_by_the_bytes_th
     flops = 2 * B * I * H * 2 + 2 * B * H * H * 3 + 2 * B * H * O * 3
     relu = 4 * B * H * 2  # read the input, write the output (fp32)
     loss = 4 + 4 * B * O + 8 * B  # the scalar, the logits, the int64 labels
-    moved = (1 + BACKWARD_TRAFFIC) * (2 * relu + loss)
+    weights = 4 * (H * I + H * H + O * H)
+    moved = (1 + BACKWARD_TRAFFIC) * (2 * relu + loss) + (1 + WEIGHT_BACKWARD_TRAFFIC) * weights
     assert evaluate(program, cm).total_s == pytest.approx(flops / 1e12 + moved / ACT_BW, rel=1e-12)
 
 
@@ -143,6 +145,7 @@ def test_without_activation_bandwidth_every_operator_is_priced_by_its_flops():
 
 
 def test_the_roofline_split_scales_the_memory_bound_work_with_the_ratio_of_a_batch_sharded_program():
+    """Everything follows the device's share of the batch but the weights, which every device reads whole."""
     graph = ce_graph()
     d = cluster_dict([1e12, 1e12])
     for dev in d["devices"]:
@@ -151,4 +154,19 @@ def test_the_roofline_split_scales_the_memory_bound_work_with_the_ratio_of_a_bat
     program = synthesize(graph, CostModel(graph, cluster, [0.5, 0.5], "sgd"), space=data_parallel_space(graph)).program
     at = {r: evaluate(program, CostModel(graph, cluster, [r, 1 - r], "sgd")) for r in (0.5, 0.75)}
     comp = {r: sum(max(c) for c in b.stage_comp_s) for r, b in at.items()}
-    assert comp[0.75] == pytest.approx(comp[0.5] * 1.5, rel=1e-9)  # all of it, bytes included, follows the batch
+    weights_s = (1 + WEIGHT_BACKWARD_TRAFFIC) * sum(n.nbytes for n in graph.parameters) / ACT_BW
+    assert comp[0.75] - weights_s == pytest.approx((comp[0.5] - weights_s) * 1.5, rel=1e-9)
+
+
+def test_a_weight_sharded_matmul_reads_only_its_slice_of_the_weight():
+    graph = ce_graph()
+    d = cluster_dict([1e12, 1e12])
+    for dev in d["devices"]:
+        dev["activation_bandwidth_Bps"] = ACT_BW
+    cm = CostModel(graph, Cluster.from_dict(d), [0.5, 0.5], "sgd")
+    linear = next(n for n in graph.nodes if n.op == "linear" and graph[n.inputs[0]].op != "placeholder")
+    whole = cm.compute_delta(linear.id, True, cm.weights_whole(linear.id, (0, FULL)))[0]
+    sliced = cm.compute_delta(linear.id, True, cm.weights_whole(linear.id, (FULL, 0)))[0]
+    weight = graph[linear.inputs[1]].nbytes
+    assert whole[5] == weight and whole[4] == 0  # batch-parallel: every device reads the whole weight
+    assert sliced[4] == weight and sliced[5] == 0  # column-parallel: each device reads its rows of it
