@@ -25,8 +25,12 @@ only the matmul-class operators (`FLOPS_BOUND_OPS`) are priced by flops at `flop
 other operator (element-wise ops, norms, softmax, losses, copies) by the bytes it reads and
 writes (`BACKWARD_TRAFFIC` times as many in the backward pass) at that bandwidth. One FLOP/s
 figure over-prices wide models when it was measured on a narrow one (the memory-bound share of
-a step shrinks as the matmuls grow); `hap profile` fits both figures. Bytes, like flops, scale
-with B_j when the operator runs sharded, so the model stays linear.
+a step shrinks as the matmuls grow); `hap profile` fits both figures. A matmul-class operator
+also moves the bytes of the weights it reads (and, backward, reads again and writes as gradients,
+`WEIGHT_BACKWARD_TRAFFIC`): these do not shrink with a device's share of the batch, so a small
+local batch is not priced as if its matmuls read a fraction of the weight. Bytes, like flops, scale
+with B_j when the operator runs sharded, except the weights of a batch-parallel rule, which every
+device reads whole; the model stays linear.
 
 Memory per GPU (not in the paper, users need it): parameter, gradient and optimizer state of the
 local slice of every parameter, plus the activations kept for the backward pass (split over the
