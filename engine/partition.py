@@ -13,7 +13,9 @@ spreads a stage over a sub-cluster whose all-reduce crosses a slow link. Subject
 stage: t_i <= t_max; c_i <= t_max (H-1F1B hides it, §4.1); its memory with N_i microbatches
 in flight fits every device (Eq. 24), N_i the H-1F1B warm-up count for this
 t_max (N_S = 1, N_i = min(B, N_{i+1} + ceil(1 + 2 c_i / t_max))); and the groups of a sub-cluster
-use at most its devices; a group has at most as many devices as a microbatch has samples.
+use at most its devices; a group has at most as many devices as a microbatch has samples; no cut
+separates the uses of a parameter (a tied weight: its transfer is priced infinite, since the two
+stages would train two copies).
 
 Dynamic program (`_Solver`). From the last layer back: the state is (first layer k of the rest,
 devices used so far in each sub-cluster, sub-cluster of the rest's first stage, that stage's N),
@@ -125,8 +127,11 @@ class Partitioner:
         return self._price(start, end, sig, sub, offset, size, microbatches)
 
     def transfer(self, cut: int, a: int, b: int, microbatches: int) -> float:
-        """c at cut `cut` (between layers cut-1 and cut) from a group of sub-cluster a to one of b."""
+        """c at cut `cut` (between layers cut-1 and cut) from a group of sub-cluster a to one of b; inf
+        where a parameter is used on both sides (a tied weight: the stages would train two copies)."""
         info = self.stages.cut(cut)
+        if info is not None and info.shared_parameters:
+            return INF
         nbytes = 0 if info is None else max(info.forward_bytes, info.backward_bytes)
         return transfer_s(self.cluster, self.levels[a][b], nbytes / microbatches)
 
@@ -229,7 +234,7 @@ class _Solver:
                       + np.where(c[:, a, b] <= t_max, 2 * c[:, a, b], INF)[None, :, None]
                       for (a, g) in self._masked for b in range(C)}  # t + u + 2c of stage [k, e) at offset o
         eps = self.part.epsilon
-        self._deltas = np.array([[[h1f1b_delta(float(x), t_max, eps) if x <= t_max else 0 for x in c[:, a, b]]
+        self._deltas = np.array([[[h1f1b_delta(float(x), t_max, eps) if x <= t_max and x < INF else 0 for x in c[:, a, b]]
                                   for b in range(C)] for a in range(C)], dtype=int)
         V = {a: np.full((L + 1, *self.grid, self.NB), INF) for a in range(C)}
         for k in range(L - 1, -1, -1):
@@ -321,7 +326,7 @@ class _Solver:
                 return self._choice(k, self.L, a, o, g), None
             for e, b in ((e, b) for e in range(k + 1, self.L) for b in range(len(self.subs))):
                 c = float(self.table.transfers[e, a, b])
-                if c > t_max or not math.isfinite(own[e]):
+                if c > t_max or not math.isfinite(c) or not math.isfinite(own[e]):
                     continue
                 for m in self._rest_counts(n, c, t_max, held[e, o]):
                     v = float(sol.arrays[b][(e, *rest, m)])
@@ -587,6 +592,11 @@ def fixed_pipeline(graph, cluster: Cluster, stages: list[tuple[int, int, tuple[i
     part = Partitioner(sg, cluster, None, optimizer)
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r} (choose one of: {', '.join(SCHEDULES)})")
+    tied = [(k, sg.cut(k).shared_parameters) for k, _, _ in stages[1:] if sg.cut(k) and sg.cut(k).shared_parameters]
+    if tied:
+        k, params = tied[0]
+        raise PlanError(f"a stage boundary at layer {k} separates the uses of parameter {graph[params[0]].name} (a tied "
+                        "weight), which the stages would train as two copies; put its uses in one stage")
     bounds = [k for k, _, _ in stages] + [stages[-1][1] if stages else 0]
     if not stages or bounds[0] != 0 or bounds[-1] != sg.num_layers or any(e != k2 for (_, e, _), k2 in zip(stages, bounds[1:]))\
             or any(k >= e for k, e, _ in stages):

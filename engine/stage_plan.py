@@ -222,10 +222,6 @@ def hap_stage_plans(pipe: PipelinePlan, cluster: Cluster, optimizer: str, time_b
     sg, forms = StageGraph(mb), boundary_forms(mb)
     if sg.num_layers != StageGraph(pipe.graph).num_layers:
         raise PlanError("the model's layers change with the batch size; its stages run data-parallel")
-    tied = {t for s in pipe.stages[1:] for t in sg.cut(s.layers[0]).shared_parameters}
-    if tied:
-        raise PlanError(f"parameter {mb[min(tied)].name} is used by two stages (a tied weight), whose gradients "
-                        "the stages would not sum")
     stages, prices = [], []
     for i, s in enumerate(pipe.stages):
         budget = None if time_budget_s is None else time_budget_s / len(pipe.stages)

@@ -212,12 +212,16 @@ def test_the_partitioner_finds_groups_that_sharding_inside_a_stage_pays_for():
     assert len(stage.devices) == 2 and "weights sharded" in stage_program_summary(stage)
 
 
-def test_a_tied_weight_across_stages_keeps_data_parallel_stages_and_says_why(uneven4):
+def test_no_stage_boundary_separates_the_uses_of_a_tied_weight(uneven4):
+    """GPT's output layer tied to its embedding: every cut separates them, so the partitioner keeps one
+    stage and a hand-given cut is refused (the stages would train two copies of the weight)."""
+    from engine.partition import best_pipeline
+
     graph = engine.load_model("zoo:gpt", **{**GPT, "tie_weights": True})
     L = StageGraph(graph).num_layers
-    pipe = fixed_pipeline(graph, uneven4, [(0, L // 2, (0, 2)), (L // 2, L, (1, 3))], 2, "1f1b", optimizer="sgd")
-    out = with_hap_stages(pipe, uneven4, "sgd", 5)
-    assert all(s.plan is None for s in out.stages) and "tied weight" in out.search["hap_stages_skipped"]
+    with pytest.raises(PlanError, match="separates the uses of parameter .* tied"):
+        fixed_pipeline(graph, uneven4, [(0, L // 2, (0, 2)), (L // 2, L, (1, 3))], 2, "1f1b", optimizer="sgd")
+    assert len(best_pipeline(graph, uneven4, optimizer="sgd").stages) == 1
 
 
 def test_the_runner_refuses_stage_plans_that_load_one_parameter_twice(gpt_pipe, uneven4):
