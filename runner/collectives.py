@@ -37,6 +37,15 @@ import torch.distributed as dist
 
 Tensor = torch.Tensor
 
+
+def gather_into_fn(d=dist):
+    """All-gather into one tensor: `all_gather_single` from torch 2.13 on (which deprecates the old
+    name), `all_gather_into_tensor` before it (GPU images still ship torch 2.11)."""
+    return getattr(d, "all_gather_single", None) or d.all_gather_into_tensor
+
+
+_gather_into = gather_into_fn()
+
 _observer = None
 """Who is told when communication starts and ends (a `runner.timing.Pacer`), or None."""
 _stream = threading.local()
@@ -114,7 +123,7 @@ def gather_padded(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
     top = max(sizes)
     padded = _pad_to(x, dim, top).movedim(dim, 0).contiguous()
     out = padded.new_empty((len(sizes) * top,) + tuple(padded.shape[1:]))
-    dist.all_gather_single(out, padded, group=current_group())
+    _gather_into(out, padded, group=current_group())
     parts = [out[j * top: j * top + s] for j, s in enumerate(sizes)]
     return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
 
@@ -337,9 +346,9 @@ def gather_hier(x: Tensor, dim: int, sizes: Sequence[int], machines: Machines) -
     mine = _rows(x, dim, top)
     rest = tuple(mine.shape[1:])
     across = mine.new_empty((len(lv.peers) * top,) + rest)
-    dist.all_gather_single(across, mine, group=lv.peer_group)
+    _gather_into(across, mine, group=lv.peer_group)
     inside = across.new_empty((len(lv.members) * len(lv.peers) * top,) + rest)
-    dist.all_gather_single(inside, across, group=lv.machine_group)
+    _gather_into(inside, across, group=lv.machine_group)
     inside = inside.view((len(lv.members), len(lv.peers), top) + rest)
     parts = [inside[lv.place[j][0], lv.place[j][1], :s] for j, s in enumerate(sizes)]
     return torch.cat(parts, dim=0).movedim(0, dim).contiguous()
@@ -372,7 +381,7 @@ def all_reduce_hier(x: Tensor, machines: Machines) -> Tensor:
     dist.reduce_scatter(piece, pieces, group=lv.machine_group)
     dist.all_reduce(piece, group=lv.peer_group)
     out = piece.new_empty(per * k)
-    dist.all_gather_single(out, piece, group=lv.machine_group)
+    _gather_into(out, piece, group=lv.machine_group)
     return out[:flat.numel()].view_as(x)
 
 

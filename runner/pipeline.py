@@ -472,14 +472,15 @@ def gathered_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor
     return {k: v for part in parts for k, v in part.items()}
 
 
-def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05):
-    """Single-device training that accumulates the plan's microbatches in order (loss / B each)."""
-    module = build_module(plan, seed)  # type: ignore[arg-type]  # reads plan.graph.origin only
+def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
+                         device: torch.device | str = "cpu"):
+    """Single-device training on `device` that accumulates the plan's microbatches in order (loss / B each)."""
+    module = build_module(plan, seed).to(device)  # type: ignore[arg-type]  # reads plan.graph.origin only
     opt = make_optimizer(list(module.parameters()), optimizer, lr)
     B, losses = plan.microbatches, []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        batch = make_batch(plan, step, seed)  # type: ignore[arg-type]
+        batch = make_batch(plan, step, seed, device)  # type: ignore[arg-type]
         total = 0.0
         for m in range(B):
             loss = module(*(x.chunk(B, 0)[m] for x in batch)) / B
@@ -525,7 +526,7 @@ def load_pipeline_plan(path: str | Path, world_size: int, model_file: str | Path
 
 def run_rank(plan: PipelinePlan, rank: int, args: Any, device: torch.device | str = "cpu") -> int:
     """One rank of `hap run PIPELINE_PLAN` on `device`: train, print losses and times on rank 0, verify if asked
-    (against single-device training on the CPU)."""
+    (against single-device training on the same device)."""
     from .verify import compare
 
     torch.set_num_threads(1)
@@ -541,7 +542,7 @@ def run_rank(plan: PipelinePlan, rank: int, args: Any, device: torch.device | st
               f"predicted {plan.predicted_s * 1e3:.3f} ms per step", flush=True)
     if not args.verify or rank != 0:
         return 0
-    ref_losses, ref_params = microbatch_reference(plan, args.steps, args.seed, args.optimizer, args.lr)
+    ref_losses, ref_params = microbatch_reference(plan, args.steps, args.seed, args.optimizer, args.lr, device)
     result = compare(sr.losses, params, ref_losses, ref_params)
     print(result.render(), flush=True)
     return 0 if result.ok() else 1

@@ -27,7 +27,11 @@ fit the latency and bandwidth in a linear model"):
   turn arriving ARRIVAL_DELAY_S late so that the others wait inside the collective as they do
   in training; a repeat's time is the late rank's (from the last arrival to the end), a
   payload's time the median over repeats, and `engine.cluster.fit_collective` fits latency +
-  bandwidth per collective.
+  bandwidth per collective. One rank has no one to talk to: its spec has no collectives (a one-device
+  cluster communicates nothing) rather than fits of local copies.
+
+The matmul sizes and the profiling model's config default by device type (DEFAULT_MATMUL,
+PROFILE_KNOBS): small on a CPU, large enough on a GPU that it is not launch-bound.
 
 Under an existing launch (torchrun or Slurm setting RANK and WORLD_SIZE) this process is one
 rank; otherwise `hap profile` starts
@@ -53,21 +57,27 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engine import limits
 from engine.errors import HapError
 
-PROFILE_KNOBS: dict[str, dict[str, Any]] = {
-    "gpt": dict(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq_len=64, batch=16),
-    "mlp": dict(layers=2, in_features=256, hidden=1024, classes=16, batch=64),
+PROFILE_KNOBS: dict[str, dict[str, dict[str, Any]]] = {
+    "cpu": {"gpt": dict(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq_len=64, batch=16),
+            "mlp": dict(layers=2, in_features=256, hidden=1024, classes=16, batch=64)},
+    "cuda": {"gpt": dict(layers=4, hidden=1024, heads=16, ffn=4096, vocab=8192, seq_len=512, batch=16),
+             "mlp": dict(layers=4, in_features=2048, hidden=8192, classes=1024, batch=1024)},
 }
-"""Small configs of the zoo models (~0.1 s per step on one CPU thread); `--set` knobs apply on top."""
+"""Configs of the zoo models per device type, with `--set` knobs on top: ~0.1 s per step on one CPU
+thread; on a GPU large enough to keep it busy (the CPU configs run launch-bound on an H100: 0.6
+TFLOP/s instead of the 46 this gpt config gives)."""
 DEFAULT_SIZES = (16 * 2**10, 128 * 2**10, 2**20, 4 * 2**20, 16 * 2**20)
 """Collective payloads: latency-bound activations up to the multi-MiB gradient buckets of the zoo models."""
-DEFAULT_MATMUL = (128, 256, 512)
+DEFAULT_MATMUL: dict[str, tuple[int, ...]] = {"cpu": (128, 256, 512), "cuda": (2048, 4096, 8192)}
+"""Square matmul sizes per device type when --matmul is not given (an H100 reaches 5 of its 52 fp32
+TFLOP/s at 512, all of them at 4096 and up)."""
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
 IMPL = {"all_reduce": "all_reduce", "all_gather": "all_gather.padded", "reduce_scatter": "reduce_scatter",
         "all_to_all": "all_to_all", "broadcast": "all_gather.grouped"}
@@ -96,8 +106,8 @@ class ProfileConfig:
     """Emulated speed factor per rank, e.g. `1,0.5` (see runner.timing)."""
     sizes: tuple[int, ...] = DEFAULT_SIZES
     """Collective payloads in bytes."""
-    matmul: tuple[int, ...] = DEFAULT_MATMUL
-    """Square matmul sizes n (n x n @ n x n)."""
+    matmul: tuple[int, ...] | None = None
+    """Square matmul sizes n (n x n @ n x n); None: DEFAULT_MATMUL of the device type."""
     model: str = "zoo:gpt"
     """Zoo model whose operators set the recorded FLOP/s, or `none` for the best matmul rate."""
     knobs: tuple[str, ...] = ()
@@ -110,6 +120,8 @@ class ProfileConfig:
     """Name of the cluster in the spec."""
     timeout_s: float = 120.0
     """Process-group timeout."""
+    device_type: str = "cpu"
+    """Where the ranks measure (`cuda` or `cpu`); it picks the defaults (`on_device`)."""
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -120,7 +132,7 @@ class ProfileConfig:
             raise ValueError(f"--repeats and --warmup must be at most {MAX_REPEATS}, got {self.repeats} and {self.warmup}")
         if self.nproc is not None and self.nproc > MAX_NPROC:
             raise ValueError(f"--nproc must be at most {MAX_NPROC} (ranks started on this machine), got {self.nproc}")
-        if any(n > MAX_MATMUL for n in self.matmul):
+        if self.matmul is not None and any(n > MAX_MATMUL for n in self.matmul):
             raise ValueError(f"--matmul sizes must be at most {MAX_MATMUL} (an N x N fp32 matrix of 16 GiB), "
                              f"got {max(self.matmul)}")
         if not limits.in_range(self.timeout_s, 0, 7 * 86400.0) or self.timeout_s == 0:
@@ -129,8 +141,15 @@ class ProfileConfig:
             raise ValueError(f"--sizes needs at least 2 payloads to fit latency and bandwidth, got {len(self.sizes)}")
         if self.nproc is not None and self.nproc < 1:
             raise ValueError(f"--nproc must be at least 1, got {self.nproc}")
-        if not self.matmul and self.model == "none":
+        if self.matmul == () and self.model == "none":
             raise ValueError("--model none needs --matmul sizes to measure FLOP/s")
+
+
+def on_device(cfg: ProfileConfig, device_type: str) -> ProfileConfig:
+    """The config as the ranks of `device_type` run it: the default matmul sizes and model config of
+    that device type where the user gave none."""
+    return replace(cfg, device_type=device_type, matmul=cfg.matmul if cfg.matmul is not None
+                   else DEFAULT_MATMUL.get(device_type, DEFAULT_MATMUL["cpu"]))
 
 
 MAX_REPEATS = 10_000
@@ -175,11 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speeds", metavar="F,F,..", help="emulated speed factor per rank in (0, 1], e.g. 1,0.5")
     p.add_argument("--sizes", default=",".join(str(s) for s in DEFAULT_SIZES), metavar="B,B,..",
                    help="collective payloads in bytes (K, M, G suffixes; default 16K,128K,1M,4M,16M)")
-    p.add_argument("--matmul", default=",".join(str(s) for s in DEFAULT_MATMUL), metavar="N,N,..",
-                   help="square matmul sizes (default 128,256,512)")
+    p.add_argument("--matmul", metavar="N,N,..", help="square matmul sizes (default 128,256,512 on CPU, "
+                   "2048,4096,8192 on a GPU)")
     p.add_argument("--model", default="zoo:gpt", help="zoo model whose own operators set the FLOP/s (zoo:gpt, zoo:mlp) or 'none'")
     p.add_argument("--set", dest="knobs", action="append", default=[], metavar="KEY=VALUE",
-                   help="a knob of the profiling model, on top of its small default config")
+                   help="a knob of the profiling model, on top of its default config (small on CPU, GPU-sized on a GPU)")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions per measurement (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions first (default 1)")
     p.add_argument("--name", default="profiled", help="cluster name in the spec")
@@ -193,7 +212,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProfileConfig:
     try:
         values = vars(args)
         values["sizes"] = tuple(sorted({_byte_size(s) for s in args.sizes.split(",") if s.strip()}))
-        values["matmul"] = _int_list(args.matmul, "--matmul")
+        values["matmul"] = None if args.matmul is None else _int_list(args.matmul, "--matmul")
         values["knobs"] = tuple(args.knobs)
         return ProfileConfig(**values)
     except ValueError as e:
@@ -213,7 +232,7 @@ def model_config(cfg: ProfileConfig) -> tuple[str, dict[str, Any]] | None:
     if not cfg.model.startswith("zoo:"):
         raise ValueError(f"--model must be zoo:NAME or none, got '{cfg.model}' (the profiler builds zoo models only)")
     name = cfg.model.removeprefix("zoo:")
-    knobs = dict(PROFILE_KNOBS.get(name, {}))
+    knobs = dict(PROFILE_KNOBS.get(cfg.device_type, PROFILE_KNOBS["cpu"]).get(name, {}))
     for pair in cfg.knobs:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
@@ -346,7 +365,7 @@ def measure_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, s
     """n x n @ n x n at each size, repeated within a sample to reach MIN_FLOPS_PER_SAMPLE."""
     import torch
 
-    for n in cfg.matmul:
+    for n in cfg.matmul or ():
         a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
         inner = max(1, math.ceil(MIN_FLOPS_PER_SAMPLE / (2.0 * n**3)))
 
@@ -698,9 +717,10 @@ def compute_fields(best_matmul: Sequence[float | None], steps: Sequence[tuple[fl
 
 def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dict[str, Any]]) -> dict[str, Any]:
     """The cluster spec JSON (schema_version 1): one device per rank, the fitted collectives."""
-    from engine.cluster import fit_collective, required_link_levels, Device
+    from engine.cluster import fit_collective, Device
 
-    fits = {name: fit_collective(*collective_points(rows, name)) for name in COLLECTIVES}
+    talks = len(infos) > 1
+    fits = {name: fit_collective(*collective_points(rows, name)) for name in COLLECTIVES} if talks else {}
     devices = []
     for info, compute in zip(infos, device_compute(rows, [info["rank"] for info in infos])):
         devices.append({"name": f"rank-{info['rank']}", "gpu_model": info["gpu_model"], "machine": info["host"],
@@ -709,7 +729,6 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
                         **({"overlap_slowdown": slow} if (slow := overlap_slowdowns(rows, info["rank"])) else {})})
     layout = tuple(Device(name=d["name"], gpu_model="", machine=d["machine"], flops_per_gpu=1.0,
                           memory_bytes_per_gpu=1) for d in devices)
-    bcast = fits["broadcast"]
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     model = cfg.model if cfg.model == "none" else f"{cfg.model} {json.dumps(model_config(cfg)[1])}"  # type: ignore[index]
     return {
@@ -722,17 +741,29 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
                     f"{cfg.repeats} repeats after {cfg.warmup} warm-ups",
                     f"memory_bandwidth_Bps: bytes moved by copying the gradient bucket back and one SGD step over the "
                     f"{'model' if cfg.model != 'none' else 'synthetic'} parameters, per second (median of {cfg.repeats} repeats)",
-                    f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
-                    "per payload the median over repeats of the time from the last rank's arrival",
-                    "network: latency and bandwidth of the broadcast fit (point to point)",
+                    *([f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
+                       "per payload the median over repeats of the time from the last rank's arrival",
+                       "network: latency and bandwidth of the broadcast fit (point to point)"] if talks else
+                      ["collectives, network: none measured (one rank communicates with no one)"]),
                     "overlap_slowdown: the model step with an all-reduce of its parameters' bytes running beside it "
                     "(ddp), and as two half-batches on two threads taking turns (duplex), over the step alone "
                     f"(median of {cfg.repeats} repeats, unpaced)"],
         "devices": devices,
-        "network": {"latency_s": bcast.latency_s,
-                    "bandwidth_Bps": {level: bcast.bandwidth_Bps for level in required_link_levels(layout)},
-                    "collectives": {k: f.to_dict() for k, f in fits.items()}},
+        "network": network_section(fits, layout),
     }
+
+
+def network_section(fits: dict[str, Any], layout: tuple) -> dict[str, Any]:
+    """The spec's network: the broadcast fit as point-to-point latency and bandwidth on every link
+    level the devices use, and the collective fits; empty for one rank (no fits)."""
+    from engine.cluster import required_link_levels
+
+    if not fits:
+        return {"latency_s": 0.0, "bandwidth_Bps": {}, "collectives": {}}
+    bcast = fits["broadcast"]
+    return {"latency_s": bcast.latency_s,
+            "bandwidth_Bps": {level: bcast.bandwidth_Bps for level in required_link_levels(layout)},
+            "collectives": {k: f.to_dict() for k, f in fits.items()}}
 
 
 def write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
@@ -757,6 +788,8 @@ def summary(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         lines.append(f"{d['name']:<10} {d['machine'][:16]:<16} {d['gpu_model'][:16]:<16} {d['flops_per_gpu'] / 1e9:14.2f} "
                      f"{rate / 1e9:13.2f} {act / 1e9:15.2f} {d['memory_bytes_per_gpu'] / 2**30:7.1f} GiB "
                      f"{d['memory_bandwidth_Bps'] / 1e9:12.2f}")
+    if not spec["network"]["collectives"]:
+        return "\n".join(lines + ["", "collectives: none measured on one rank"])
     lines += ["", f"{'collective':<16} {'latency':>10} {'bandwidth':>12}"]
     for k, f in spec["network"]["collectives"].items():
         lines.append(f"{k:<16} {f['latency_s'] * 1e6:7.1f} us {f['bandwidth_Bps'] / 1e9:8.3f} GB/s")
@@ -800,6 +833,7 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
     try:
         check_inputs(cfg, env.world_size)
         backend, device = launch.pick_device(env.local_rank)
+        cfg = on_device(cfg, device.type)
     except (HapError, ValueError) as e:
         print(f"hap profile: error: {e}", file=sys.stderr)
         return 2
@@ -812,13 +846,16 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
         pacer = Pacer(speed, sync=sync if device.type == "cuda" else None)
         rec = Recorder(env.rank, speed, backend, env.world_size)
         spec = model_config(cfg)
-        total = len(cfg.matmul) + (len(model_batches(spec[1])) + 1 if spec else 0) + 1 + len(COLLECTIVES) * len(cfg.sizes)
+        talks = env.world_size > 1
+        total = (len(cfg.matmul or ()) + (len(model_batches(spec[1])) + 1 if spec else 0) + 1
+                 + (len(COLLECTIVES) * len(cfg.sizes) if talks else 0))
         progress = Progress(total, enabled=env.rank == 0)
         measure_matmuls(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_model(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_update(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_overlap(cfg, rec, device, dist.barrier, sync, progress)
-        measure_collectives(cfg, rec, device, dist.barrier, sync, progress)
+        if talks:
+            measure_collectives(cfg, rec, device, dist.barrier, sync, progress)
         progress.close()
         gathered: list[Any] = [None] * env.world_size
         dist.all_gather_object(gathered, (rank_info(env.rank, env.local_world_size, speed, backend, device), rec.rows))

@@ -277,3 +277,38 @@ def test_hap_profile_refuses_bad_input_in_one_line_before_starting_ranks(args, m
 def test_hap_rejects_unknown_arguments_of_other_commands():
     r = hap("capture", "--model", "zoo:mlp", "--out", "x.json", "--bogus", timeout=60)
     assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
+
+
+def test_defaults_follow_the_device_type_and_explicit_values_win():
+    """A GPU gets matmuls and a model large enough not to be launch-bound (an H100 ran the CPU
+    defaults at a tenth of its rate); what the user sets is kept on either device."""
+    from runner.profile import DEFAULT_MATMUL, PROFILE_KNOBS, model_config, on_device
+
+    cfg = parse_args(["--out", "c.json"])
+    assert cfg.matmul is None
+    cpu, gpu = on_device(cfg, "cpu"), on_device(cfg, "cuda")
+    assert cpu.matmul == DEFAULT_MATMUL["cpu"] and gpu.matmul == DEFAULT_MATMUL["cuda"]
+    assert min(gpu.matmul) > max(cpu.matmul)
+    assert model_config(cpu) == ("gpt", PROFILE_KNOBS["cpu"]["gpt"])
+    assert model_config(gpu)[1]["hidden"] > model_config(cpu)[1]["hidden"]
+    mine = on_device(parse_args(["--out", "c.json", "--matmul", "64", "--set", "hidden=256"]), "cuda")
+    assert mine.matmul == (64,) and model_config(mine)[1]["hidden"] == "256"
+
+
+def test_one_rank_writes_no_collectives_and_its_spec_plans(tmp_path):
+    """One rank cannot measure a collective (the H100 run fitted 1e30 B/s to local copies): its spec
+    has none, says so, and a one-device cluster still loads and plans."""
+    spec = tmp_path / "one.json"
+    r = hap("profile", "--out", str(spec), "--nproc", "1", "--sizes", "4K,64K", "--matmul", "64", "--repeats", "2",
+            "--model", "zoo:mlp", *TINY_MLP, timeout=180)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert "collectives: none measured on one rank" in r.stdout
+    data = json.loads(spec.read_text())
+    assert data["network"]["collectives"] == {} and data["network"]["bandwidth_Bps"] == {}
+    assert any("none measured" in s for s in data["sources"])
+    cluster = engine.load_cluster(spec)
+    assert len(cluster.devices) == 1
+    plan = tmp_path / "plan.json"
+    r = hap("plan", "--model", "zoo:mlp", *TINY_MLP, "--cluster", str(spec), "--out", str(plan))
+    assert r.returncode == 0, r.stderr
+    assert json.loads(plan.read_text())["predicted_time_s"] > 0

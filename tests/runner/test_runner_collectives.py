@@ -131,3 +131,18 @@ def test_collectives_match_single_process_forward_and_backward(world, tmp_path):
             for rank in range(world):
                 torch.testing.assert_close(got_g[rank], grads[rank], rtol=1e-6, atol=1e-6, msg=f"{op} backward, rank {rank}")
 
+
+
+def test_gather_into_falls_back_to_the_pre_2_13_name():
+    """torch 2.11 (the GPU images) has no `all_gather_single`: the runner then uses the old name,
+    so an all-gather never dies with an AttributeError on an older torch."""
+    from types import SimpleNamespace
+
+    def old(*a, **k):
+        return "old"
+
+    def new(*a, **k):
+        return "new"
+
+    assert C.gather_into_fn(SimpleNamespace(all_gather_into_tensor=old)) is old
+    assert C.gather_into_fn(SimpleNamespace(all_gather_into_tensor=old, all_gather_single=new)) is new
