@@ -129,9 +129,9 @@ class Partitioner:
     def transfer(self, cut: int, a: int, b: int, microbatches: int) -> float:
         """c at cut `cut` (between layers cut-1 and cut) from a group of sub-cluster a to one of b; inf
         where a parameter is used on both sides (a tied weight: the stages would train two copies)."""
-        info = self.stages.cut(cut)
-        if info is not None and info.shared_parameters:
+        if self.stages.tied_at(cut):
             return INF
+        info = self.stages.cut(cut)
         nbytes = 0 if info is None else max(info.forward_bytes, info.backward_bytes)
         return transfer_s(self.cluster, self.levels[a][b], nbytes / microbatches)
 
@@ -592,16 +592,15 @@ def fixed_pipeline(graph, cluster: Cluster, stages: list[tuple[int, int, tuple[i
     part = Partitioner(sg, cluster, None, optimizer)
     if schedule not in SCHEDULES:
         raise PlanError(f"unknown pipeline schedule {schedule!r} (choose one of: {', '.join(SCHEDULES)})")
-    tied = [(k, sg.cut(k).shared_parameters) for k, _, _ in stages[1:] if sg.cut(k) and sg.cut(k).shared_parameters]
-    if tied:
-        k, params = tied[0]
-        raise PlanError(f"a stage boundary at layer {k} separates the uses of parameter {graph[params[0]].name} (a tied "
-                        "weight), which the stages would train as two copies; put its uses in one stage")
     bounds = [k for k, _, _ in stages] + [stages[-1][1] if stages else 0]
     if not stages or bounds[0] != 0 or bounds[-1] != sg.num_layers or any(e != k2 for (_, e, _), k2 in zip(stages, bounds[1:]))\
             or any(k >= e for k, e, _ in stages):
         raise PlanError(f"stages {[(k, e) for k, e, _ in stages]} must be consecutive non-empty runs of layers covering "
                         f"0..{sg.num_layers} (the graph has {sg.num_layers} layers)")
+    for k, _, _ in stages[1:]:
+        if tied := sg.tied_at(k):
+            raise PlanError(f"a stage boundary at layer {k} separates the uses of parameter {graph[tied[0]].name} (a "
+                            "tied weight), which the stages would train as two copies; put its uses in one stage")
     choices = []
     for k, e, devices in stages:
         sub = next((a for a, s in enumerate(part.subs) if devices and devices[0] in s.devices), None)

@@ -92,6 +92,11 @@ class StageGraph:
         """Cut `index` (None for 0 and L, the model's ends)."""
         return None if index in (0, self.num_layers) else self.cuts[index - 1]
 
+    def tied_at(self, index: int) -> tuple[int, ...]:
+        """Parameters a boundary at cut `index` would separate the uses of (tied weights; none at the ends)."""
+        info = self.cut(index)
+        return () if info is None else info.shared_parameters
+
     def stage(self, start: int, end: int) -> Stage:
         """Layers [start, end) as a stage."""
         if not 0 <= start < end <= self.num_layers:

@@ -7,7 +7,8 @@ import pytest
 
 import engine
 from engine.cluster import Cluster
-from engine.partition import Partitioner
+from engine.errors import PlanError
+from engine.partition import Partitioner, fixed_pipeline
 from engine.schedule import h1f1b_delta
 from engine.stage_cost import DataParallelPricer, StagePrice, SubCluster, sub_clusters
 from engine.stages import StageGraph
@@ -187,3 +188,12 @@ def test_best_pipeline_says_why_nothing_fits(mlp4):
         best_pipeline(mlp4, _two_machines(memory=1024))
     with pytest.raises(PlanError, match="microbatches"):
         best_pipeline(mlp4, _two_machines(), microbatches=-2)
+
+
+@pytest.mark.parametrize("stages", [[(0, 1, (0, 1)), (7, 9, (2, 3))], [(0, 1, (0, 1)), (-1, 4, (2, 3))],
+                                    [(0, 2, (0, 1)), (3, 4, (2, 3))]])
+def test_fixed_pipeline_refuses_stages_outside_the_layers_with_a_plan_error(mlp4, load_sample, stages):
+    """Layers past the model's end, negative, or a gap: the one-line PlanError naming the layers, never an
+    IndexError from looking up a cut that does not exist."""
+    with pytest.raises(PlanError, match="must be consecutive non-empty runs of layers"):
+        fixed_pipeline(mlp4, load_sample("cpu_4_uneven"), stages, 2)
