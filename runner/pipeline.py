@@ -60,7 +60,7 @@ from . import collectives as C
 from .program import ProgramPiece, RankProgram, build_rank_program, shard
 from .stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans, loss_weights,
                             microbatch_leaves, stage_inputs, stage_outputs, stage_params, stage_rank_program,
-                            sync_stage_gradients)
+                            sync_stage_gradients, tied_weight_error)
 from .train import build_module, factory_device, make_batch, make_optimizer
 
 
@@ -106,8 +106,7 @@ def program_pieces(plan: PipelinePlan, program: tuple[Instruction, ...]) -> list
             continue
         stages = used.get((ins.node, ins.post), set())
         if ins.kind == LOAD and graph[ins.node].op == "parameter" and len(stages) > 1:
-            raise PlanError(f"pipeline: parameter {graph[ins.node].name} is used by stages {sorted(stages)} (a tied "
-                            "weight); the runner does not sum a tied weight's gradients across stages yet: cut elsewhere")
+            raise tied_weight_error(graph[ins.node].name, str(sorted(stages)))
         for i in stages:
             own[i].add(k)
         for pair in ins.pre:

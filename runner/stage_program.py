@@ -37,15 +37,20 @@ def has_stage_plans(plan: PipelinePlan) -> bool:
     return all(s.plan is not None for s in plan.stages)
 
 
+def tied_weight_error(name: str, stages: str) -> PlanError:
+    """The refusal of a parameter used by several stages (a tied weight): each would train its own copy."""
+    return PlanError(f"pipeline: parameter {name} is used by stages {stages} (a tied weight); the runner does not "
+                     "sum a tied weight's gradients across stages yet: cut elsewhere")
+
+
 def check_untied(plans: list[Plan]) -> None:
-    """PlanError when two stages load the same parameter (a tied weight): each would train its own copy."""
+    """`tied_weight_error` when two stages' plans load the same parameter."""
     seen: dict[str, int] = {}
     for i, sp in enumerate(plans):
         for n in sp.graph.parameters:
             target = n.attrs["target"]
             if seen.setdefault(target, i) != i:
-                raise PlanError(f"pipeline: parameter {target} is used by stages {seen[target]} and {i} (a tied "
-                                "weight); the runner does not sum a tied weight's gradients across stages yet: cut elsewhere")
+                raise tied_weight_error(target, f"{seen[target]} and {i}")
 
 
 def model_nodes(sp: Plan) -> list[int]:
