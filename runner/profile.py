@@ -515,8 +515,15 @@ UPDATE_BYTES_WITHOUT_MODEL = 16 * 2**20
 """Parameter bytes of the update measurement when no model is profiled (`--model none`)."""
 
 
+UPDATE_MIN_BYTES = 4 * 2**20
+"""Fewest parameter bytes the update measurement times: a small model's parameters are repeated up to
+this, since an update of a few KiB lasts microseconds and its timing (and the emulated stretch of a
+slow rank) is lost in scheduling noise."""
+
+
 def update_tensors(cfg: ProfileConfig, device) -> list:
-    """Parameters to update: the profiled zoo model's (its own tensor sizes), else 16 tensors of 1 MiB."""
+    """Parameters to update: copies of the profiled zoo model's (its own tensor sizes), as many as
+    reach `UPDATE_MIN_BYTES`, else 16 tensors of 1 MiB."""
     import torch
 
     from engine import zoo
@@ -525,7 +532,10 @@ def update_tensors(cfg: ProfileConfig, device) -> list:
     if spec is None:
         return [torch.zeros(UPDATE_BYTES_WITHOUT_MODEL // 64, device=device, requires_grad=True) for _ in range(16)]
     name, knobs = spec
-    return [p.detach().to(device).requires_grad_() for p in zoo.entry(name).build(zoo.make_config(name, **knobs)).parameters()]
+    model = [p.detach().to(device) for p in zoo.entry(name).build(zoo.make_config(name, **knobs)).parameters()]
+    nbytes = max(1, sum(p.numel() * p.element_size() for p in model))
+    copies = max(1, -(-UPDATE_MIN_BYTES // nbytes))
+    return [p.clone().requires_grad_() for _ in range(copies) for p in model]
 
 
 def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:

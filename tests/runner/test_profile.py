@@ -14,7 +14,8 @@ import engine
 from conftest import ROOT
 from engine.cluster import FREE_BANDWIDTH_BPS, fit_collective
 from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, ProfileConfig, _byte_size, collective_points, device_compute,
-                            device_flops, one_device_plan, parse_args, rank_rates, roofline_fit)
+                            UPDATE_MIN_BYTES, device_flops, model_config, one_device_plan, parse_args, rank_rates, roofline_fit,
+                            update_tensors)
 
 def hap(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m engine.cli ARGS` outside any launch (no RANK/WORLD_SIZE), this checkout importable."""
@@ -173,6 +174,27 @@ def test_overlap_slowdowns_are_each_modes_median_over_the_steps_alone():
     assert overlap_slowdowns(rows, 1) == {} and overlap_slowdowns([], 0) == {}
     faster = [row("none", 2, 2.0), row("ddp", 2, 1.5), row("duplex", 2, 1.5)]  # noise below 1 beside an all-reduce
     assert overlap_slowdowns(faster, 2) == {"ddp": 1.0, "duplex": 0.75}
+
+
+def test_the_update_times_at_least_a_few_mib_of_the_models_own_tensors():
+    """A tiny model's update lasts microseconds, lost in noise: its tensors are repeated up to
+    UPDATE_MIN_BYTES; a model that is large enough is updated once, tensor for tensor."""
+    import torch
+
+    def shapes(cfg) -> list[tuple[int, ...]]:
+        name, knobs = model_config(cfg)
+        return [tuple(p.shape) for p in engine.zoo.entry(name).build(engine.zoo.make_config(name, **knobs)).parameters()]
+
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    cfg = parse_args(["--out", "c.json", "--model", "zoo:mlp", *TINY_MLP])
+    tiny, own = update_tensors(cfg, torch.device("cpu")), shapes(cfg)
+    copies = len(tiny) // len(own)
+    assert copies > 1 and [tuple(t.shape) for t in tiny] == own * copies and all(t.requires_grad for t in tiny)
+    assert UPDATE_MIN_BYTES <= nbytes(tiny) < UPDATE_MIN_BYTES + nbytes(tiny) / copies
+    assert len({t.data_ptr() for t in tiny}) == len(tiny)  # copies, not one tensor updated many times
+    cfg = parse_args(["--out", "c.json", "--model", "zoo:mlp", "--set", "in_features=1024", "--set", "hidden=1024"])
+    big = update_tensors(cfg, torch.device("cpu"))
+    assert nbytes(big) >= UPDATE_MIN_BYTES and [tuple(t.shape) for t in big] == shapes(cfg)
 
 
 def test_options_parse_units_and_reject_bad_values():
