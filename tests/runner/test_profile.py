@@ -223,6 +223,40 @@ def profiled(tmp_path_factory) -> tuple[Path, Path, str]:
     return spec, raw, r.stderr
 
 
+def test_the_accuracy_bench_fits_its_profiles_together_as_the_profiler_fits_one(profiled, tmp_path):
+    """bench/accuracy.py fits the rows of all its profiles together: a profile pooled with a copy
+    of itself gives back its own figures, and pooled with one three times slower it gives slower
+    figures, at most the slow one's (taking each figure's best across profiles would keep the fast one)."""
+    import importlib.util
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    spec, raw, _ = profiled
+    loader = importlib.util.spec_from_file_location("accuracy_bench", ROOT / "bench" / "accuracy.py")
+    bench = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(bench)
+    same, slow = tmp_path / "same.json", tmp_path / "slow.json"
+    for copy in (same, slow):  # the bench keeps each profile's rows beside its spec
+        shutil.copy(spec, copy)
+    shutil.copy(raw, same.with_suffix(".parquet"))
+    table = pq.read_table(raw)
+    tripled = pa.array([v * 3.0 for v in table.column("seconds").to_pylist()])
+    pq.write_table(table.set_column(table.column_names.index("seconds"), "seconds", tripled), slow.with_suffix(".parquet"))
+    alone = json.loads(spec.read_text())
+    twice, mixed = bench.combine_profiles([same, same]), bench.combine_profiles([same, slow])
+    for one, two, mix in zip(alone["devices"], twice["devices"], mixed["devices"]):
+        for key in ("flops_per_gpu", "activation_bandwidth_Bps", "memory_bandwidth_Bps"):
+            if one.get(key) is not None:
+                assert two[key] == pytest.approx(one[key], rel=1e-9), key
+                assert one[key] / 3 * (1 - 1e-9) <= mix[key] < one[key] * (1 - 1e-6), key
+    for name, fit in alone["network"]["collectives"].items():
+        assert twice["network"]["collectives"][name] == pytest.approx(fit, rel=1e-9), name
+        t = lambda f: f["latency_s"] + 2**16 / f["bandwidth_Bps"]  # noqa: E731
+        assert t(fit) * (1 + 1e-6) < t(mixed["network"]["collectives"][name]) <= 3 * t(fit) * (1 + 1e-9), name
+
+
 def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(profiled):
     spec, _, stderr = profiled
     cluster = engine.load_cluster(spec)
