@@ -34,7 +34,13 @@ level the device layout uses; see :meth:`Cluster.bottleneck_bandwidth_Bps`):
 * broadcast: latency a, bandwidth L
 * m == 1: latency 0, bandwidth 1e30 (communication is free).
 
-An explicit fit (e.g. written by a profiler) overrides the nominal figure.
+An explicit fit (e.g. written by a profiler) overrides the nominal figure. It may
+also carry the measured ``points`` it was fitted to, ``[[payload_bytes, seconds], ...]``
+(``hap profile`` writes them): between the smallest and the largest payload the time is
+then read off these points (linear between neighbours) rather than off the line, since a
+real collective is not one line (gloo on one CPU box switches algorithm above ~64 KiB, and
+an activation all-reduce of 128 KiB-1 MiB cost twice the fitted line there). Beyond the
+points the line's bandwidth carries on from the nearest one.
 :meth:`Cluster.to_dict` writes the resolved fits of all five collectives, so
 ``Cluster.from_dict(c.to_dict()) == c``.
 """
@@ -65,7 +71,7 @@ _DEVICE_KEYS = ("name", "gpu_model", "machine", "group", "num_gpus", "flops_per_
                 "memory_bytes_per_gpu", "memory_bandwidth_Bps", "activation_bandwidth_Bps", "intra_bandwidth_Bps",
                 "overlap_slowdown", "count")
 _NETWORK_KEYS = ("latency_s", "bandwidth_Bps", "collectives")
-_FIT_KEYS = ("latency_s", "bandwidth_Bps")
+_FIT_KEYS = ("latency_s", "bandwidth_Bps", "points")
 
 _RANGES: dict[str, tuple[float, float]] = {
     "num_gpus": (1, limits.MAX_GPUS_PER_DEVICE),
@@ -78,6 +84,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
     "latency_s": (0.0, limits.MAX_LATENCY_S),
     "overlap_slowdown": (0.5, 20.0),
+    "payload_bytes": (0.0, limits.MAX_MEMORY_BYTES),
+    "seconds": (0.0, limits.MAX_LATENCY_S),
 }
 """Sane bounds of each numeric field (see `engine.limits`): checked before a device is expanded or a cost computed."""
 
@@ -97,6 +105,9 @@ _HINTS: dict[str, str] = {
     "count": "how many identical devices this entry expands to, e.g. 8",
     "latency_s": "seconds of latency, e.g. 2e-05",
     "bandwidth_Bps": "bytes per second, e.g. 1.25e9 for 10 Gbps",
+    "payload_bytes": "bytes of the collective's payload, e.g. 1048576",
+    "seconds": "seconds the collective took on that payload, e.g. 2.1e-3",
+    "points": "measured [payload_bytes, seconds] pairs, e.g. [[4096, 3e-4], [1048576, 2.1e-3]] (as hap profile writes)",
     "schema_version": "set it to 1",
     "cluster_name": "a name for the cluster, e.g. 'a100x2_p100x2'",
     "description": "free text",
@@ -164,20 +175,40 @@ class Device:
 
 @dataclass(frozen=True, kw_only=True)
 class CollectiveFit:
-    """Linear cost model of one collective: time = latency_s + payload_bytes / bandwidth_Bps."""
+    """Cost model of one collective: time = latency_s + payload_bytes / bandwidth_Bps, or read off the
+    measured `points` between their smallest and largest payload (module docstring)."""
 
     latency_s: float
     """Fixed cost in seconds (>= 0)."""
     bandwidth_Bps: float
     """Effective bytes per second of payload (> 0); see the module docstring for the payload of each collective."""
+    points: tuple[tuple[float, float], ...] = ()
+    """Measured (payload bytes, seconds), by increasing payload: none, or at least two."""
 
     def time(self, payload_bytes: float) -> float:
         """Seconds to run the collective on a payload of ``payload_bytes``."""
-        return self.latency_s + payload_bytes / self.bandwidth_Bps
+        pts = self.points
+        if not pts:
+            return self.latency_s + payload_bytes / self.bandwidth_Bps
+        if payload_bytes <= pts[0][0]:
+            return max(self.latency_s, pts[0][1] - (pts[0][0] - payload_bytes) / self.bandwidth_Bps)
+        for (x0, t0), (x1, t1) in zip(pts, pts[1:]):
+            if payload_bytes <= x1:
+                return t0 + (t1 - t0) * (payload_bytes - x0) / (x1 - x0)
+        return pts[-1][1] + (payload_bytes - pts[-1][0]) / self.bandwidth_Bps
 
-    def to_dict(self) -> dict[str, float]:
+    def scaled(self, bandwidth_scale: float) -> "CollectiveFit":
+        """The fit on links `bandwidth_scale` times as fast: the time above the latency shrinks by it."""
+        return CollectiveFit(latency_s=self.latency_s, bandwidth_Bps=self.bandwidth_Bps * bandwidth_scale,
+                             points=tuple((x, self.latency_s + max(0.0, t - self.latency_s) / bandwidth_scale)
+                                          for x, t in self.points))
+
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
-        return {"latency_s": self.latency_s, "bandwidth_Bps": self.bandwidth_Bps}
+        out: dict[str, Any] = {"latency_s": self.latency_s, "bandwidth_Bps": self.bandwidth_Bps}
+        if self.points:
+            out["points"] = [list(p) for p in self.points]
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -277,8 +308,7 @@ class Cluster:
         devices = tuple(replace(dev, flops_per_gpu=dev.flops_per_gpu * flops_scale.get(dev.gpu_model, 1.0))
                         for dev in self.devices)
         levels = {k: v * bandwidth_scale for k, v in self.network.bandwidth_Bps.items()}
-        fits = {k: CollectiveFit(latency_s=f.latency_s, bandwidth_Bps=f.bandwidth_Bps * bandwidth_scale)
-                for k, f in self.collectives.items()}
+        fits = {k: f.scaled(bandwidth_scale) for k, f in self.collectives.items()}
         return replace(self, devices=devices, network=replace(self.network, bandwidth_Bps=levels), collectives=fits)
 
 
@@ -327,7 +357,8 @@ def fit_collective(payload_bytes: list[float] | tuple[float, ...], seconds: list
     collectives priced at what they cost, and the weighting lets the large payloads, such as
     gradient buckets, set the bandwidth. A negative intercept is clamped to 0; a slope <= 0 (time
     does not grow with size) gives FREE_BANDWIDTH_BPS with the mean time as latency. Give it one
-    point per payload, each already a robust summary (e.g. a median of repeats).
+    point per payload, each already a robust summary (e.g. a median of repeats). The fit keeps the
+    points, so that its `time` reads between them (module docstring).
     """
     if len(payload_bytes) != len(seconds) or len(seconds) < 2:
         raise ValueError(f"fit_collective needs >= 2 (bytes, seconds) points of equal count, got "
@@ -338,12 +369,24 @@ def fit_collective(payload_bytes: list[float] | tuple[float, ...], seconds: list
     num = sum((x - x0) * (t - t0) / t for x, t in zip(payload_bytes, seconds))
     den = sum((x - x0) ** 2 / t for x, t in zip(payload_bytes, seconds))
     slope = num / den if den > 0 else 0.0
+    points = _measured_points(payload_bytes, seconds)
     if slope <= 0:
-        return CollectiveFit(latency_s=sum(seconds) / len(seconds), bandwidth_Bps=FREE_BANDWIDTH_BPS)
+        return CollectiveFit(latency_s=sum(seconds) / len(seconds), bandwidth_Bps=FREE_BANDWIDTH_BPS, points=points)
     latency = t0 - slope * x0
     if latency < 0:  # refit through the origin: min sum (s x - t)^2 / t
         latency, slope = 0.0, sum(payload_bytes) / sum(x * x / t for x, t in zip(payload_bytes, seconds))
-    return CollectiveFit(latency_s=latency, bandwidth_Bps=min(1.0 / slope, FREE_BANDWIDTH_BPS))
+    return CollectiveFit(latency_s=latency, bandwidth_Bps=min(1.0 / slope, FREE_BANDWIDTH_BPS), points=points)
+
+
+def _measured_points(payload_bytes, seconds) -> tuple[tuple[float, float], ...]:
+    """The points a fit keeps: one per payload (the mean of any repeated payload), by increasing payload;
+    none unless at least two payloads differ."""
+    by_size: dict[float, list[float]] = {}
+    for x, t in zip(payload_bytes, seconds):
+        by_size.setdefault(float(x), []).append(float(t))
+    if len(by_size) < 2:
+        return ()
+    return tuple((x, sum(ts) / len(ts)) for x, ts in sorted(by_size.items()))
 
 
 def _bottleneck(devices: tuple[Device, ...], levels: Mapping[str, float]) -> float:
@@ -652,5 +695,26 @@ def _parse_fits(value: Any) -> dict[str, CollectiveFit]:
             latency_s=_non_negative(_require(fit, "latency_s", f"{path}.latency_s"), f"{path}.latency_s", "latency_s"),
             bandwidth_Bps=_positive(_require(fit, "bandwidth_Bps", f"{path}.bandwidth_Bps"),
                                     f"{path}.bandwidth_Bps", "bandwidth_Bps"),
+            points=_parse_points(fit.get("points"), f"{path}.points"),
         )
     return out
+
+
+def _parse_points(value: Any, path: str) -> tuple[tuple[float, float], ...]:
+    """A fit's measured points: absent/null, or a list of at least two [payload_bytes >= 0, seconds > 0]
+    with distinct payloads, kept by increasing payload."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) < 2:
+        raise ClusterError(f"{path}: must be a list of at least two [payload_bytes, seconds] pairs, got "
+                           f"{value!r}{_hint('points')}")
+    out = []
+    for i, pair in enumerate(value):
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise ClusterError(f"{path}[{i}]: must be a [payload_bytes, seconds] pair, got {pair!r}{_hint('points')}")
+        out.append((_non_negative(pair[0], f"{path}[{i}][0]", "payload_bytes"),
+                    _positive(pair[1], f"{path}[{i}][1]", "seconds")))
+    out.sort()
+    if len({x for x, _ in out}) < len(out):
+        raise ClusterError(f"{path}: two points share a payload; give one point per payload{_hint('points')}")
+    return tuple(out)

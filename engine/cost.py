@@ -11,7 +11,9 @@ with one bucket) does: one latency, the summed bytes. Computation on device j is
 flops / flops_j, times the ratio B_j when the instruction runs on a sharded dimension; inside a
 virtual device of k GPUs the gradients of its parameters are also all-reduced (k > 1, §3.2).
 Communication is `latency + payload / bandwidth` with the payload conventions of
-`engine.cluster`: the largest shard (max_j B_j) for sharded collectives.
+`engine.cluster`: the largest shard (max_j B_j) for sharded collectives. An all-reduce (and a grouped
+all-gather), whose payload does not depend on B, is read off the profiled points of its fit where
+the spec has them (`CollectiveFit.time`); gradient buckets and sharded collectives keep the line.
 
 Memory-bound work per parameter byte (not in the paper; measured to matter on small models):
 after the backward pass every device updates its local slice of every parameter (the optimizer
@@ -295,7 +297,13 @@ class CostModel:
     # --- communication ---------------------------------------------------------------------
     def comm_terms(self, key: str, node: int) -> tuple[float, float]:
         """(constant, per max-ratio) seconds of collective `key` on reference tensor `node`."""
-        nbytes = self.nbytes[node]
+        return self._terms(key, float(self.nbytes[node]))
+
+    def _terms(self, key: str, nbytes: float) -> tuple[float, float]:
+        """`comm_terms` of a tensor of `nbytes`. The payload of an all-reduce and of a grouped all-gather
+        does not depend on the ratios, so they are read off the fit's measured points where it has them
+        (`CollectiveFit.time`); a sharded collective's payload is max_j B_j times the tensor, and the
+        LP needs it linear in that: it keeps the fitted line."""
         c = self.cluster.collectives
         m = self.cluster.num_devices
         if key == "slice" or m == 1:
@@ -307,11 +315,9 @@ class CostModel:
             const, per = self.levels.terms(key, nbytes)
             return (const + nbytes * h, per) if key == "all_reduce.hier" else (const, per + nbytes * h)
         if key == "all_reduce":
-            fit = c["all_reduce"]
-            return fit.latency_s + nbytes / fit.bandwidth_Bps + nbytes * h, 0.0
-        if key == "all_gather.grouped":
-            fit = c["broadcast"]
-            return m * fit.latency_s + nbytes / fit.bandwidth_Bps + nbytes * h / m, 0.0
+            return c["all_reduce"].time(nbytes) + nbytes * h, 0.0
+        if key == "all_gather.grouped":  # m broadcasts of a 1/m share each
+            return m * c["broadcast"].time(nbytes / m) + nbytes * h / m, 0.0
         fit = c[_FIT[key]]
         return fit.latency_s, nbytes / fit.bandwidth_Bps + nbytes * h
 
@@ -324,10 +330,9 @@ class CostModel:
         const, per = self.comm_terms(key, node)
         if not self.batch_derived[node] or key == "slice" or self.cluster.num_devices == 1:
             return const, per
-        fits = self.cluster.collectives
-        latency = self.cluster.num_devices * fits["broadcast"].latency_s if key == "all_gather.grouped" \
-            else fits[_FIT.get(key, key)].latency_s
-        return latency + (const - latency) / 2, per / 2
+        if key in ("all_reduce", "all_gather.grouped"):
+            return self._terms(key, self.nbytes[node] / 2)
+        return const, per / 2  # a sharded collective: its constant is the latency
 
     def grad_bucket_terms(self) -> tuple[float, float]:
         """(latency, seconds per byte) of an all-reduce of Full parameters' gradients (mode none: the one

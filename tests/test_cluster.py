@@ -14,6 +14,7 @@ from engine.cluster import (
     FREE_BANDWIDTH_BPS,
     Cluster,
     CollectiveFit,
+    fit_collective,
     load_cluster,
     nominal_collectives,
 )
@@ -115,6 +116,31 @@ def test_cpu_4_uneven_declares_uneven_flops() -> None:
 
 def test_collective_fit_time_is_latency_plus_bytes_over_bandwidth() -> None:
     assert CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e9).time(2e9) == pytest.approx(2.001)
+
+
+def test_a_fit_with_measured_points_reads_its_time_off_them_between_the_smallest_and_largest_payload() -> None:
+    """Between neighbouring points the time is linear; beyond the last one the line's bandwidth carries on
+    from it; below the first one it falls at that bandwidth, never under the latency."""
+    fit = CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e6, points=((1e3, 2e-3), (1e4, 8e-3), (1e5, 0.1)))
+    assert fit.time(1e3) == pytest.approx(2e-3) and fit.time(1e4) == pytest.approx(8e-3)
+    assert fit.time(5.5e3) == pytest.approx(5e-3)  # halfway between the first two points
+    assert fit.time(2e5) == pytest.approx(0.1 + 1e5 / 1e6)
+    assert fit.time(500) == pytest.approx(1.5e-3) and fit.time(0) == pytest.approx(1e-3)
+    assert CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e6).time(1e4) == pytest.approx(11e-3)  # no points: the line
+
+
+def test_fit_collective_keeps_its_points_and_they_round_trip_through_the_spec() -> None:
+    sizes, secs = [2**14, 2**17, 2**20, 2**22], [2.2e-3, 5.3e-3, 7.1e-3, 11.7e-3]  # gloo's step above 64 KiB
+    fit = fit_collective(sizes, secs)
+    assert fit.points == tuple(zip(map(float, sizes), secs))
+    assert fit.time(2**17) == pytest.approx(5.3e-3) and fit.latency_s + 2**17 / fit.bandwidth_Bps < 3e-3
+    assert fit_collective([8, 8], [1e-3, 3e-3]).points == ()  # one payload: nothing to read between
+    spec = _spec()
+    spec["network"]["collectives"] = {"all_reduce": fit.to_dict()}
+    cluster = load_cluster(spec)
+    assert cluster.collectives["all_reduce"] == fit and Cluster.from_dict(cluster.to_dict()) == cluster
+    half = cluster.scaled(bandwidth_scale=2.0).collectives["all_reduce"]
+    assert half.time(2**17) == pytest.approx(fit.latency_s + (5.3e-3 - fit.latency_s) / 2)
 
 
 def test_nominal_fits_for_four_devices_follow_ring_formulas() -> None:
@@ -268,6 +294,17 @@ def test_invalid_json_error_gives_line_and_column(tmp_path: Path) -> None:
         (lambda s: s["network"].update(collectives={"broadcast": {"latency_s": 0}}),
          r"^network\.collectives\.broadcast\.bandwidth_Bps: missing"),
         (lambda s: s.pop("network"), r"^network: missing"),
+        (lambda s: s["network"].update(collectives={"all_reduce": {"latency_s": 0, "bandwidth_Bps": 1, "points": [[1, 1]]}}),
+         r"^network\.collectives\.all_reduce\.points: must be a list of at least two \[payload_bytes, seconds\] pairs"),
+        (lambda s: s["network"].update(collectives={"all_reduce": {"latency_s": 0, "bandwidth_Bps": 1,
+                                                                   "points": [[1, 1], [2, 0]]}}),
+         r"^network\.collectives\.all_reduce\.points\[1\]\[1\]: must be a positive number, got 0 \(seconds the"),
+        (lambda s: s["network"].update(collectives={"all_reduce": {"latency_s": 0, "bandwidth_Bps": 1,
+                                                                   "points": [[1, 1], [1, 2]]}}),
+         r"^network\.collectives\.all_reduce\.points: two points share a payload"),
+        (lambda s: s["network"].update(collectives={"all_reduce": {"latency_s": 0, "bandwidth_Bps": 1,
+                                                                   "points": [[1, 1], "x"]}}),
+         r"^network\.collectives\.all_reduce\.points\[1\]: must be a \[payload_bytes, seconds\] pair"),
         (lambda s: s["devices"][2].update(count=0), r"^devices\[2\]\.count: must be a positive integer"),
         (lambda s: s["devices"][1].update(overlap_slowdown={"ddpp": 1.1}),
          r"^devices\[1\]\.overlap_slowdown: unknown overlap mode 'ddpp' \(choose from: ddp, duplex\)"),

@@ -170,3 +170,22 @@ def test_a_weight_sharded_matmul_reads_only_its_slice_of_the_weight():
     weight = graph[linear.inputs[1]].nbytes
     assert whole[5] == weight and whole[4] == 0  # batch-parallel: every device reads the whole weight
     assert sliced[4] == weight and sliced[5] == 0  # column-parallel: each device reads its rows of it
+
+
+def test_an_all_reduce_is_priced_off_the_profiled_points_where_the_fitted_line_is_too_cheap():
+    """A tensor-parallel plan's activation all-reduce (ratio-independent payload) reads its time off
+    the fit's measured points; with the same line and no points it keeps the line."""
+    from engine.cluster import CollectiveFit, fit_collective
+
+    graph = ce_graph()
+    nbytes = max(n.nbytes for n in graph.nodes)
+    line = CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e9)
+    measured = CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e9,
+                             points=((0.0, 1e-3), (float(nbytes), 1e-3 + 3 * nbytes / 1e9)))
+    d = cluster_dict([1e12, 1e12])
+    node = next(n.id for n in graph.nodes if n.nbytes == nbytes)
+    for fit, expected in ((line, 1e-3 + nbytes / 1e9), (measured, 1e-3 + 3 * nbytes / 1e9)):
+        d["network"]["collectives"] = {"all_reduce": fit.to_dict()}
+        cm = CostModel(graph, Cluster.from_dict(d), [0.5, 0.5])
+        assert cm.comm_terms("all_reduce", node) == pytest.approx((expected, 0.0))
+    assert fit_collective([1, 2], [1.0, 2.0]).points  # what hap profile writes carries its points
