@@ -17,8 +17,8 @@ the spec has them (`CollectiveFit.time`); gradient buckets and sharded collectiv
 
 Memory-bound work per parameter byte (not in the paper; measured to matter on small models):
 after the backward pass every device updates its local slice of every parameter (the optimizer
-step, `UPDATE_TRAFFIC` bytes moved per parameter byte) and copies the Full parameters' summed
-gradients back out of the bucket (`BUCKET_TRAFFIC`), at the device's `memory_bandwidth_Bps` (not priced
+step, `UPDATE_TRAFFIC` bytes moved per parameter byte) and copies the Full parameters' gradients
+into the bucket and the sum back out (`BUCKET_TRAFFIC`), at the device's `memory_bandwidth_Bps` (not priced
 when the cluster spec leaves it out). Like the sync inside a virtual device, this work is linear
 in the local parameter bytes and is counted in the backward stage that holds the parameter.
 
@@ -90,10 +90,13 @@ what it saved, and writes its inputs' gradients (about twice the forward's reads
 WEIGHT_BACKWARD_TRAFFIC = 2.0
 """Backward bytes of a matmul-class operator's weights per forward byte: it reads them again for its
 input's gradient and writes their gradient."""
-BUCKET_TRAFFIC = 2.0
-"""Bytes moved per gradient byte of a Full parameter to copy the summed bucket back (read + write);
-building the bucket is a copy into a fresh tensor, as every all-reduce of the runner makes, so it
-is in the all-reduce's fitted cost (`hap profile` times `runner.collectives.all_reduce_copy`)."""
+BUCKET_TRAFFIC = 4.0
+"""Bytes moved per gradient byte of a Full parameter by the device around its gradient all-reduce:
+building the bucket (read the gradients, write a fresh flat tensor) and copying the sum back (read +
+write). The runner does both on the device outside the collective (`runner.collectives.all_reduce_coalesced`,
+`runner.overlap`), so a slower device takes longer over them, as `hap profile`'s update measurement
+shows. (The all-reduce fit, timed on a fresh copy, also holds one copy: a small overlap, since the
+network moves the bytes far more slowly than the device copies them.)"""
 
 _FIT = {"all_gather.padded": "all_gather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
         RESPLIT: "all_to_all"}

@@ -539,9 +539,10 @@ def update_tensors(cfg: ProfileConfig, device) -> list:
 
 
 def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:
-    """The memory-bound tail of a step, as the runner runs it: copying the summed gradient bucket back
-    into the gradients and one SGD step, over the parameters (building the bucket is timed with the
-    all-reduce); the spec's `memory_bandwidth_Bps` is the bytes they move per second."""
+    """The memory-bound tail of a step, as the runner runs it around the gradient all-reduce (which is
+    timed with the collectives): building the bucket (a fresh flat copy of the gradients), copying it
+    back into the gradients and one SGD step, over the parameters; the spec's `memory_bandwidth_Bps`
+    is the bytes they move per second (`engine.cost.BUCKET_TRAFFIC` + `UPDATE_TRAFFIC`)."""
     import torch
 
     from engine.cost import BUCKET_TRAFFIC, UPDATE_TRAFFIC
@@ -553,16 +554,17 @@ def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sy
         t.grad = torch.ones_like(t)
     optimizer = make_optimizer(params, "sgd", lr=1e-6)
     grads = [t.grad for t in params]
-    pieces = torch.split(torch.cat([g.reshape(-1) for g in grads]), [g.numel() for g in grads])
+    sizes = [g.numel() for g in grads]
 
     def fn() -> None:
-        for g, piece in zip(grads, pieces):
+        flat = torch.cat([g.reshape(-1) for g in grads])  # as runner.collectives.all_reduce_coalesced
+        for g, piece in zip(grads, torch.split(flat, sizes)):
             g.copy_(piece.view_as(g))
         optimizer.step()
 
     nbytes = sum(t.numel() * t.element_size() for t in params)
     times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
-    rec.add("memory", "update", "unbucket+sgd", nbytes, times, payload_bytes=int(nbytes * (BUCKET_TRAFFIC + UPDATE_TRAFFIC["sgd"])))
+    rec.add("memory", "update", "bucket+unbucket+sgd", nbytes, times, payload_bytes=int(nbytes * (BUCKET_TRAFFIC + UPDATE_TRAFFIC["sgd"])))
     progress.step("optimizer update")
 
 
@@ -749,7 +751,7 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
                     f"operators of {model} (forward+backward at batch and half batch) over the rest of its step time "
                     f"(without them, one rate: the model's, or the best matmul when the model is 'none'); median of "
                     f"{cfg.repeats} repeats after {cfg.warmup} warm-ups",
-                    f"memory_bandwidth_Bps: bytes moved by copying the gradient bucket back and one SGD step over the "
+                    f"memory_bandwidth_Bps: bytes moved by building the gradient bucket, copying it back and one SGD step over the "
                     f"{'model' if cfg.model != 'none' else 'synthetic'} parameters, per second (median of {cfg.repeats} repeats)",
                     *([f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
                        "per payload the median over repeats of the time from the last rank's arrival",
