@@ -27,6 +27,7 @@ same order, so the first use is reached by all of them).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -460,11 +461,30 @@ def resplit(x: Tensor, dim: int, src_sizes: list[int], dst_sizes: list[int], tag
     return Resplit.apply(x, dim, src_sizes, dst_sizes, tag)
 
 
-def all_reduce_coalesced(tensors: list[Tensor], tag: str = "gradients") -> None:
-    """Sum `tensors` over ranks in place with one flat all-reduce (DDP's bucket, one bucket)."""
+class FlatBuffer:
+    """One flat tensor kept from step to step to concatenate gradients into, as DDP keeps its buckets:
+    a fresh multi-MiB tensor every step costs the device an allocation (on a CPU, page faults that
+    took as long as the copy itself)."""
+
+    def __init__(self) -> None:
+        self.data: Tensor | None = None
+
+    def cat(self, tensors: list[Tensor]) -> Tensor:
+        """The tensors flattened end to end, in the kept tensor (reallocated when the size or dtype changes)."""
+        n = sum(t.numel() for t in tensors)
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+        d = self.data
+        if d is None or d.numel() != n or d.dtype != dtype or d.device != tensors[0].device:
+            d = self.data = torch.empty(n, dtype=dtype, device=tensors[0].device)
+        return torch.cat([t.reshape(-1) for t in tensors], out=d)
+
+
+def all_reduce_coalesced(tensors: list[Tensor], tag: str = "gradients", buffer: FlatBuffer | None = None) -> None:
+    """Sum `tensors` over ranks in place with one flat all-reduce (DDP's bucket, one bucket), built
+    in `buffer` when the caller keeps one across steps."""
     if not tensors:
         return
-    flat = torch.cat([t.reshape(-1) for t in tensors])
+    flat = (buffer or FlatBuffer()).cat(tensors)
     run_collective("all_reduce", tag, dist.all_reduce, flat, dist.ReduceOp.SUM, current_group())
     for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
         t.copy_(piece.view_as(t))

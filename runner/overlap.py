@@ -31,7 +31,7 @@ from engine.overlap import grad_buckets
 from engine.plan import Plan
 from engine.theory.core import FULL
 
-from .collectives import run_collective
+from .collectives import FlatBuffer, run_collective
 from .program import RankProgram
 
 
@@ -41,6 +41,8 @@ class Bucket:
 
     members: list[int]
     pending: int = 0
+    buffer: FlatBuffer = field(default_factory=FlatBuffer)
+    """Where the bucket is built, kept across steps (`runner.collectives.FlatBuffer`)."""
     flat: torch.Tensor | None = None
     work: object | None = None
     launched: float = 0.0
@@ -104,7 +106,7 @@ class GradBuckets:
             grads.append(p.grad.reshape(-1))
         if k == len(self.buckets) - 1 and self.loss is not None:
             grads.append(self.loss.reshape(-1))
-        b.flat = torch.cat(grads)
+        b.flat = b.buffer.cat(grads)
         b.launched = time.perf_counter()
         b.work = run_collective("all_reduce.launch", f"bucket{k}", dist.all_reduce, b.flat, dist.ReduceOp.SUM,
                                 self.group, True)

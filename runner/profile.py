@@ -540,13 +540,14 @@ def update_tensors(cfg: ProfileConfig, device) -> list:
 
 def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:
     """The memory-bound tail of a step, as the runner runs it around the gradient all-reduce (which is
-    timed with the collectives): building the bucket (a fresh flat copy of the gradients), copying it
+    timed with the collectives): building the bucket (a flat copy of the gradients), copying it
     back into the gradients and one SGD step, over the parameters; the spec's `memory_bandwidth_Bps`
     is the bytes they move per second (`engine.cost.BUCKET_TRAFFIC` + `UPDATE_TRAFFIC`)."""
     import torch
 
     from engine.cost import BUCKET_TRAFFIC, UPDATE_TRAFFIC
 
+    from .collectives import FlatBuffer
     from .train import make_optimizer
 
     params = update_tensors(cfg, device)
@@ -555,9 +556,10 @@ def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sy
     optimizer = make_optimizer(params, "sgd", lr=1e-6)
     grads = [t.grad for t in params]
     sizes = [g.numel() for g in grads]
+    bucket = FlatBuffer()  # kept across steps, as the runner keeps its buckets
 
     def fn() -> None:
-        flat = torch.cat([g.reshape(-1) for g in grads])  # as runner.collectives.all_reduce_coalesced
+        flat = bucket.cat(grads)
         for g, piece in zip(grads, torch.split(flat, sizes)):
             g.copy_(piece.view_as(g))
         optimizer.step()

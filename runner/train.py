@@ -19,7 +19,7 @@ from engine.plan import Plan
 from engine.theory.core import FULL, PARTIAL
 
 from .program import RankProgram, build_rank_program, shard, sizes_of
-from .collectives import all_reduce_coalesced, gather_padded, run_collective
+from .collectives import FlatBuffer, all_reduce_coalesced, gather_padded, run_collective
 from .duplex import HalfStream, half_args, run_halves, setup_halves
 from .overlap import GradBuckets
 from .timing import Pacer
@@ -75,6 +75,8 @@ class RankState:
     """The plan's gradient buckets on a group of their own (overlap `ddp` and `duplex`, runner.overlap)."""
     halves: list[HalfStream] = field(default_factory=list)
     """The two half-batch streams of overlap `duplex` (runner.duplex); empty otherwise."""
+    bucket: FlatBuffer = field(default_factory=FlatBuffer)
+    """Where the one gradient bucket of overlap `none` is built, kept across steps."""
 
 
 GRAD_SYNC = ("bucket", "per-param")
@@ -202,7 +204,7 @@ def sync_gradients(st: RankState, loss_addend: torch.Tensor | None) -> None:
             grads.append(p.grad)
     if loss_addend is not None:
         grads.append(loss_addend)
-    all_reduce_coalesced(grads)
+    all_reduce_coalesced(grads, buffer=st.bucket)
 
 
 def gathered_params(plan: Plan, st: RankState) -> dict[str, torch.Tensor]:

@@ -146,3 +146,17 @@ def test_gather_into_falls_back_to_the_pre_2_13_name():
 
     assert C.gather_into_fn(SimpleNamespace(all_gather_into_tensor=old)) is old
     assert C.gather_into_fn(SimpleNamespace(all_gather_into_tensor=old, all_gather_single=new)) is new
+
+
+def test_a_flat_buffer_builds_every_step_s_bucket_in_the_same_tensor():
+    """Gradient buckets are concatenated into one tensor kept across steps (as DDP keeps its buckets),
+    reallocated only when the bucket's size or dtype changes."""
+    from runner.collectives import FlatBuffer
+
+    buffer, grads = FlatBuffer(), [torch.randn(3, 4), torch.randn(5)]
+    first = buffer.cat(grads)
+    assert torch.equal(first, torch.cat([g.reshape(-1) for g in grads]))
+    again = buffer.cat([g * 2 for g in grads])
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, 2 * torch.cat([g.reshape(-1) for g in grads]))
+    assert buffer.cat([torch.ones(2)]).numel() == 2 and buffer.data.data_ptr() != first.data_ptr()
+    assert buffer.cat([torch.ones(2), torch.ones(1, dtype=torch.float64)]).dtype == torch.float64
