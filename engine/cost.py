@@ -92,7 +92,7 @@ WEIGHT_BACKWARD_TRAFFIC = 2.0
 input's gradient and writes their gradient."""
 BUCKET_TRAFFIC = 4.0
 """Bytes moved per gradient byte of a Full parameter by the device around its gradient all-reduce:
-building the bucket (read the gradients, write a fresh flat tensor) and copying the sum back (read +
+building the bucket (read the gradients, write the flat bucket) and copying the sum back (read +
 write). The runner does both on the device outside the collective (`runner.collectives.all_reduce_coalesced`,
 `runner.overlap`), so a slower device takes longer over them, as `hap profile`'s update measurement
 shows. (The all-reduce fit, timed on a fresh copy, also holds one copy: a small overlap, since the

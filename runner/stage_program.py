@@ -15,7 +15,7 @@ ignore index, else 1 / B), which makes the summed gradients those of the whole b
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -102,6 +102,8 @@ class StageParams:
     params: list[torch.nn.Parameter]
     full: list[bool]
     buffers: dict[int, torch.Tensor]
+    bucket: C.FlatBuffer = field(default_factory=C.FlatBuffer)
+    """Where the stage's gradient bucket is built, kept across steps."""
 
 
 def stage_params(sp: Plan, program: RankProgram, index: int, module: torch.nn.Module,
@@ -178,7 +180,7 @@ def sync_stage_gradients(held: StageParams, group) -> None:
         if full:
             grads.append(p.grad)
     with C.stream(group):
-        C.all_reduce_coalesced(grads)
+        C.all_reduce_coalesced(grads, buffer=held.bucket)
 
 
 def gathered_stage_params(sp: Plan, program: RankProgram, held: StageParams, group) -> dict[str, torch.Tensor]:

@@ -266,8 +266,7 @@ def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(
     assert all(d.flops_per_gpu > 0 and d.memory_bytes_per_gpu > 0 for d in cluster.devices)
     acts = [d.activation_bandwidth_Bps for d in cluster.devices]
     assert acts == [None, None] or all(a > 0 for a in acts), acts  # the roofline split on every rank or none
-    fast, slow = (d.memory_bandwidth_Bps for d in cluster.devices)
-    assert fast > 0 and slow > 0 and slow < fast  # the emulated slow rank's update is stretched too
+    assert all(d.memory_bandwidth_Bps > 0 for d in cluster.devices)
     written = json.loads(spec.read_text())["network"]["collectives"]
     assert set(written) == set(COLLECTIVES)  # every fit measured, none nominal
     for name, fit in cluster.collectives.items():
@@ -276,6 +275,30 @@ def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(
     for d in cluster.devices:  # the step beside an all-reduce, and as two half-batches taking turns, over the step alone
         assert {m for m, _ in d.overlap_slowdown} == {"ddp", "duplex"}
         assert all(0.5 <= f <= 20 for _, f in d.overlap_slowdown) and dict(d.overlap_slowdown)["ddp"] >= 1
+
+
+def test_the_update_is_timed_under_the_rank_s_pacer_so_an_emulated_slow_rank_is_stretched_too():
+    """Every timed repeat of the update runs between the pacer's begin_step and end_step (the pacer's
+    stretch itself is runner.timing's, tested there): checked with a counting pacer, since comparing
+    two ranks' timings flaked on this 2-core host."""
+    import torch
+
+    from runner.profile import Progress, Recorder, measure_update
+
+    class Counting:
+        begins = ends = 0
+
+        def begin_step(self) -> None:
+            self.begins += 1
+
+        def end_step(self) -> None:
+            self.ends += 1
+
+    pacer, rec = Counting(), Recorder(rank=1, speed=0.5, backend="gloo", world_size=2)
+    cfg = parse_args(["--out", "c.json", "--model", "zoo:mlp", *TINY_MLP, "--repeats", "3", "--warmup", "2"])
+    measure_update(cfg, rec, pacer, torch.device("cpu"), lambda: None, lambda: None, Progress(1, enabled=False))
+    assert pacer.begins == pacer.ends == 3 and [r["repeat"] for r in rec.rows] == [0, 1, 2]
+    assert all(r["kind"] == "memory" and r["speed"] == 0.5 and r["seconds"] > 0 for r in rec.rows)
 
 
 def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
@@ -296,8 +319,8 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
         ("matmul", 64), ("matmul", 128), ("zoo:mlp", 16), ("zoo:mlp", 8)}
     assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute")
     update = [r for r in rows if r["kind"] == "memory"]
-    assert {r["op"] for r in update} == {"update"} and len({r["size"] for r in update}) == 1
-    assert all(r["payload_bytes"] == 5 * r["size"] for r in update)  # bucket copied back (2) + SGD (3) per parameter byte
+    assert {(r["op"], r["impl"]) for r in update} == {("update", "bucket+unbucket+sgd")} and len({r["size"] for r in update}) == 1
+    assert all(r["payload_bytes"] == 7 * r["size"] for r in update)  # bucket built and copied back (4) + SGD (3) per byte
     assert {r["speed"] for r in rows} == {1.0, 0.5} and all(r["seconds"] > 0 for r in rows)
     assert {r["calls"] for r in rows if r["op"] == "broadcast"} == {2}  # grouped all-gather: one broadcast per rank
     late = {}
