@@ -15,7 +15,7 @@ import pandas as pd
 from engine import Cluster, Graph, PipelinePlan, Plan
 from engine.compare import LANES, lane_figures
 from engine.planner import OVERLAP_MEANING  # noqa: F401 (pages show it)
-from engine.program import COMM, COMPUTE, LOAD
+from engine.spmd.program import COMM, COMPUTE, LOAD
 from engine.theory import COLLECTIVES, collectives_from, form_long, form_str, leaf_forms, op_rules
 from engine.theory.core import FULL, PARTIAL
 
@@ -389,7 +389,7 @@ def lane_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 PIPELINE_KINDS = {"forward": "forward", "backward": "backward", "transfer": "transfer", "grad_sync": "gradient sync",
                   "bubble": "bubble (idle)"}
-"""How the tasks of `engine.schedule.pipeline_tasks` are shown, and the idle gaps of a stage's lane."""
+"""How the tasks of `engine.pipeline.schedule.pipeline_tasks` are shown, and the idle gaps of a stage's lane."""
 PIPELINE_COLORS = {"forward": "#4c78a8", "backward": "#72b7b2", "transfer": "#e45756", "gradient sync": "#54a24b",
                    "bubble (idle)": "#eeeeee"}
 
@@ -442,7 +442,6 @@ def bubble_share(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def pipeline_stage_rows(plan: PipelinePlan, cluster: Cluster) -> list[dict[str, Any]]:
     """One row per stage: its devices, layers, warm-up count, per-microbatch times, peak memory and program."""
-    from engine.stage_plan import stage_program_summary
 
     rows = []
     for i, s in enumerate(plan.stages):
@@ -453,7 +452,7 @@ def pipeline_stage_rows(plan: PipelinePlan, cluster: Cluster) -> list[dict[str, 
                      "forward_ms": s.forward_s * 1e3, "backward_ms": s.backward_s * 1e3, "sync_ms": s.sync_s * 1e3,
                      "peak_gib": s.peak_memory_bytes / GIB,
                      "capacity_gib": min(d.memory_bytes_per_gpu for d in devs) / GIB,
-                     "program": stage_program_summary(s)})
+                     "program": s.program_summary()})
     return rows
 
 

@@ -20,12 +20,12 @@ from typing import Any, Callable
 import streamlit as st
 
 import engine
-from engine import Cluster, Graph, HapError, ModelError, PipelinePlan, Plan
+from engine import Cluster, Graph, HapError, ModelError, PipelinePlan, Plan, PlanOptions
 from engine import compare as engine_compare
-from engine import partition as engine_partition
-from engine import schedule as engine_schedule
-from engine import source as engine_source
-from engine.zoo import ZOO
+from engine.model import source as engine_source
+from engine.model.zoo import ZOO
+from engine.pipeline import partition as engine_partition
+from engine.pipeline import schedule as engine_schedule
 
 from . import components as ui
 
@@ -78,7 +78,7 @@ def content_digest(data: bytes) -> str:
 
 def plan_key(plan: Plan | PipelinePlan) -> str:
     """Content hash of a plan's JSON (either kind)."""
-    text = plan.to_json(indent=None) if plan.parallelism == "spmd" else json.dumps(plan.to_dict(), sort_keys=True)
+    text = plan.to_json(indent=None)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -118,7 +118,7 @@ The file must define two functions at top level:
     def example_inputs() -> tuple | dict        # the forward's arguments
 
 Create tensors without device= : the engine calls both on the meta device (nothing allocated) and
-`hap run` on the CPU, seeding torch's global RNG per step before example_inputs() (see engine.source)."""
+`hap run` on the CPU, seeding torch's global RNG per step before example_inputs() (see engine.model.source)."""
 
 
 @st.cache_data(show_spinner="Running the uploaded model file and capturing it ...", max_entries=8)
@@ -212,48 +212,46 @@ def _plan_store() -> dict[tuple, Plan]:
 _store_lock = threading.Lock()
 
 
-def stored_plan(graph: Graph, cluster: Cluster, budget_s: float, segments: int = 1, overlap: str = "auto",
-                parallelism: str = "spmd") -> Plan | PipelinePlan | None:
+def plan_options(budget_s: float, segments: int = 1, overlap: str = "auto", parallelism: str = "spmd") -> PlanOptions:
+    """The options of a search on the Search page (one `PlanOptions`, checked: a bad value is one PlanError line)."""
+    return PlanOptions(time_budget_s=budget_s, segments=segments, overlap=overlap, parallelism=parallelism,
+                       report_every=REPORT_EVERY)
+
+
+def stored_plan(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan | PipelinePlan | None:
     with _store_lock:
-        return _plan_store().get((graph_key(graph), cluster.fingerprint(), budget_s, segments, overlap, parallelism))
+        return _plan_store().get((graph_key(graph), cluster.fingerprint(), options))
 
 
-def run_plan(graph: Graph, cluster: Cluster, budget_s: float,
-             progress: Callable[[engine.SearchProgress], None] | None = None, segments: int = 1,
-             overlap: str = "auto", parallelism: str = "spmd") -> Plan | PipelinePlan:
-    """Plan with the engine (the Q<->B loop, A* + LP; `segments` > 1 also tries per-segment ratios;
-    `overlap` the overlap mode, `auto` the faster of ddp and duplex; `parallelism` spmd, pipeline
-    (HAPT) or auto, the faster of both) and keep it in the store."""
-    found = stored_plan(graph, cluster, budget_s, segments, overlap, parallelism)
+def run_plan(graph: Graph, cluster: Cluster, options: PlanOptions,
+             progress: Callable[[engine.SearchProgress], None] | None = None) -> Plan | PipelinePlan:
+    """Plan with the engine under `options` (the Q<->B loop, A* + LP, in the overlap mode and kind of
+    parallelism they ask for) and keep it in the store, keyed by the model, the cluster and the options."""
+    found = stored_plan(graph, cluster, options)
     if found is not None:
         return found
-    result = engine.plan(graph, cluster, time_budget_s=budget_s, progress=progress, report_every=REPORT_EVERY,
-                         segments=segments, overlap=overlap, parallelism=parallelism)
+    result = engine.plan(graph, cluster, progress=progress, options=options)
     with _store_lock:
-        _plan_store()[(graph_key(graph), cluster.fingerprint(), budget_s, segments, overlap, parallelism)] = result
+        _plan_store()[(graph_key(graph), cluster.fingerprint(), options)] = result
     return result
 
 
 def plan_json(plan: Plan | PipelinePlan) -> str:
     """The plan file of either kind ("hap.plan" or "hap.pipeline_plan")."""
-    return plan.to_json() if plan.parallelism == "spmd" else json.dumps(plan.to_dict(), indent=1)
+    return plan.to_json()
 
 
 def plan_matches(plan: Plan | PipelinePlan, graph: Graph, cluster: Cluster) -> bool:
     """Whether the plan was made for this model and cluster."""
-    if plan.parallelism == "pipeline":
-        model_fp, cluster_fp = plan.search.get("model_fingerprint"), plan.search.get("cluster_fingerprint")
-    else:
-        model_fp, cluster_fp = plan.model_fingerprint, plan.cluster_fingerprint
-    return model_fp == graph.fingerprint() and cluster_fp == cluster.fingerprint()
+    return plan.model_fingerprint == graph.fingerprint() and plan.cluster_fingerprint == cluster.fingerprint()
 
 
 @st.cache_data(max_entries=16)
 def pipeline_gantt(key: str, schedule: str, _plan: PipelinePlan) -> list[dict[str, Any]]:
-    """Gantt rows of a pipeline plan's iteration under `schedule` (`engine.schedule.run_schedule`
+    """Gantt rows of a pipeline plan's iteration under `schedule` (`engine.pipeline.schedule.run_schedule`
     on the plan's stages: one box per microbatch forward/backward per stage, transfers per link).
     The plan's own schedule uses its warm-up counts (those checked against memory)."""
-    pipe = engine_partition.plan_pipeline(_plan)
+    pipe = engine_partition.schedule_input(_plan)
     warmup = tuple(s.warmup for s in _plan.stages) if schedule == _plan.schedule else None
     run = engine_schedule.run_schedule(pipe, schedule, warmup=warmup)
     return ui.pipeline_rows(run.timeline.rows(), len(_plan.stages))
@@ -332,7 +330,7 @@ def init_state() -> None:
     ss.setdefault(Keys.PARALLELISM, "spmd")
     if Keys.PLAN not in ss:
         with st.spinner("Planning the default model on the default cluster ..."):
-            ss[Keys.PLAN] = run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], DEFAULT_BUDGET_S)
+            ss[Keys.PLAN] = run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], plan_options(DEFAULT_BUDGET_S))
 
 
 def set_model(graph: Graph, source: str, model_file: tuple[str, bytes] | None = None) -> None:
@@ -374,7 +372,7 @@ REPLAN = "cluster.replan"
 
 def changed_cluster(cluster: Cluster, remove: list[str], add_copy_of: str | None) -> Cluster:
     """`cluster` less the devices in `remove`, plus (optionally) a copy of device `add_copy_of` under a new name."""
-    from engine.replan import with_device, without_devices
+    from engine.elastic.replan import with_device, without_devices
 
     out = without_devices(cluster, remove) if remove else cluster
     if add_copy_of:

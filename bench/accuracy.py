@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from engine.planner import load_plan
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
@@ -63,7 +65,7 @@ STRATEGIES = ("hap", "dp-even")
 def hap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-m", "engine.cli", *args], env=env, cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "runner.hap", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"hap {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
@@ -95,7 +97,7 @@ def combine_profiles(specs: list[Path]) -> dict:
     any one profile saw: it under-predicted every launch (mean signed error -21% over 24 variants)."""
     import pyarrow.parquet as pq
 
-    from engine.cluster import fit_collective
+    from engine.cluster.spec import fit_collective
     from runner.profile import COLLECTIVES, collective_points, device_compute, memory_bandwidth, overlap_slowdowns
 
     out = json.loads(specs[0].read_text())
@@ -153,10 +155,10 @@ def predicted(plan_path: Path, spec: Path) -> dict[str, float]:
     """The plan's prediction: iteration, computation (slowest device per stage, plus the optimizer
     tail of the overlap modes) and communication (every collective and gradient bucket, hidden or not)."""
     import engine
-    from engine.plan import Plan
-    from engine.planner import breakdown_of
+    from engine.spmd.iteration import breakdown_of
+    from engine.spmd.plan import Plan
 
-    plan = Plan.from_json(plan_path)
+    plan = load_plan(plan_path)
     b = breakdown_of(plan, engine.load_cluster(spec))
     return {"iteration_s": plan.predicted_time_s, "compute_s": sum(max(c) for c in b.stage_comp_s) + b.tail_s,
             "comm_s": sum(b.stage_comm_s) + sum(x.duration_s for x in b.buckets), "ratios": plan.ratios,

@@ -1,6 +1,6 @@
 """Coverage bench (issue 13): do the models people bring capture, plan, and (with --run) train exactly?
 
-Builds every model of `engine.zoo.ecosystem` (transformers decoders, encoders, encoder-decoders and
+Builds every model of `engine.model.zoo.ecosystem` (transformers decoders, encoders, encoder-decoders and
 vision models from their default configs with small sizes, dropout as the config has it, plus two
 plain-torch models) and prints, per model:
 
@@ -12,7 +12,7 @@ plain-torch models) and prints, per model:
   (`dp-even` / `dp-proportional`, both at whole units under the same cost model);
 - with `--run`: `hap run --steps 3 --verify` of the model on 2 and 3 gloo ranks of a CPU cluster
   with uneven declared speeds (cpu_4_uneven's first devices), through the CLI in subprocesses, on a
-  plan made from a model file (`engine.zoo.ecosystem.model_file`); "ok" or the failing line.
+  plan made from a model file (`engine.model.zoo.ecosystem.model_file`); "ok" or the failing line.
 
 Writes the table to bench/results/coverage.json. Run from the repository root:
 
@@ -38,9 +38,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import engine  # noqa: E402
-from engine.graph import Graph  # noqa: E402
-from engine.program import COMPUTE  # noqa: E402
-from engine.zoo import ecosystem  # noqa: E402
+from engine.model.graph import Graph  # noqa: E402
+from engine.model.zoo import ecosystem  # noqa: E402
+from engine.spmd.program import COMPUTE  # noqa: E402
 
 PLAN_CLUSTERS = ("hap_paper_testbed", "a100x2_p100x2")
 RUN_RANKS = {2: ("cpu-0", "cpu-2"), 3: ("cpu-0", "cpu-1", "cpu-2")}
@@ -114,7 +114,7 @@ def hap(*args: str, cwd: Path) -> tuple[int, str]:
     """Run the `hap` CLI in a subprocess; (exit code, its last meaningful output line)."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "HF_HUB_OFFLINE": "1"}
     try:
-        proc = subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=cwd, env=env, capture_output=True,
+        proc = subprocess.run([sys.executable, "-m", "runner.hap", *args], cwd=cwd, env=env, capture_output=True,
                               text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return 124, f"timed out after {RUN_TIMEOUT_S} s"
@@ -187,7 +187,7 @@ def table(rows: list[Row], run: bool) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", help="comma-separated names (default: all of engine.zoo.ecosystem.MODELS)")
+    parser.add_argument("--models", help="comma-separated names (default: all of engine.model.zoo.ecosystem.MODELS)")
     parser.add_argument("--run", action="store_true", help="also hap run --steps 3 --verify on 2 and 3 gloo ranks")
     parser.add_argument("--time-budget", type=float, default=20.0, metavar="S", help="search budget per plan")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "coverage.json"))

@@ -1,4 +1,4 @@
-"""Predicted gain of hierarchical collectives (engine.hierarchy; Hetu v2 §4) on clusters of machines.
+"""Predicted gain of hierarchical collectives (engine.cluster.hierarchy; Hetu v2 §4) on clusters of machines.
 
 For each zoo model and cluster it prints the predicted iteration time of the best program the
 search finds with every collective, and with the flat collectives only (no `.hier` key), both at
@@ -25,10 +25,11 @@ import argparse
 import time
 
 import engine
-from engine.cost import CostModel
-from engine.hierarchy import HIER_KEYS
-from engine.planner import DEFAULT_BEAM_WIDTH, proportional_ratios
-from engine.synthesis import SearchSpace, synthesize
+from engine.cluster.hierarchy import HIER_KEYS
+from engine.options import DEFAULT_BEAM_WIDTH
+from engine.spmd.baselines import proportional_ratios
+from engine.spmd.cost import CostModel
+from engine.spmd.synthesis import SearchSpace, synthesize
 
 CLUSTERS = ("hap_paper_testbed", "a100x2_p100x2")
 MODELS = {

@@ -37,10 +37,12 @@ import time
 from pathlib import Path
 
 import engine
-from engine.partition import PipelinePlan, best_pipeline, plan_pipeline
-from engine.schedule import SCHEDULES, run_schedule
-from engine.stage_cost import transfer_s
-from engine.stage_plan import stage_program_summary, with_hap_stages
+from engine.options import PlanOptions
+from engine.pipeline.partition import best_pipeline, schedule_input
+from engine.pipeline.plan import PipelinePlan
+from engine.pipeline.schedule import SCHEDULES, run_schedule
+from engine.pipeline.stage_cost import transfer_s
+from engine.pipeline.stage_plan import with_hap_stages
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ("a100x8_v100x8_5gbps", "hap_paper_testbed")
@@ -87,7 +89,7 @@ def _case(graph, cluster, layers: int, budget: float, epsilon: float) -> Pipelin
     spmd_s = time.perf_counter() - start
     start = time.perf_counter()
     if epsilon:
-        pipe = with_hap_stages(best_pipeline(graph, cluster, epsilon=epsilon), cluster, time_budget_s=budget)
+        pipe = with_hap_stages(best_pipeline(graph, cluster, epsilon=epsilon), cluster, PlanOptions(time_budget_s=budget))
     else:
         pipe = engine.plan(graph, cluster, time_budget_s=budget, parallelism="pipeline")
     pipe_s = time.perf_counter() - start
@@ -98,7 +100,7 @@ def _case(graph, cluster, layers: int, budget: float, epsilon: float) -> Pipelin
     for s in pipe.stages:
         print(f"    layers {s.layers[0]:>2}-{s.layers[1] - 1:<2} on {len(s.devices):>2} x {s.sub_cluster:<16} "
               f"f {s.forward_s * 1e3:7.3f} b {s.backward_s * 1e3:7.3f} sync {s.sync_s * 1e3:7.2f} ms, N = {s.warmup}, "
-              f"{stage_program_summary(s)}")
+              f"{s.program_summary()}")
     for b in pipe.boundaries:
         print(f"    cut {b.cut}: {b.forward_bytes / 2**20:.1f} MiB per iteration over {b.link}, "
               f"{b.transfer_s * 1e3:.3f} ms per microbatch each way")
@@ -119,7 +121,7 @@ def _fig10(layers: int, pipe: PipelinePlan, cluster) -> None:
                   if b.link != "inter_machine" else
                   cluster.network.latency_s + max(b.forward_bytes, b.backward_bytes) / pipe.microbatches / (gbps * 1.25e8)
                   for b in pipe.boundaries)
-        p = plan_pipeline(pipe, c)
+        p = schedule_input(pipe, c)
         times = [run_schedule(p, s).iteration_s for s in SCHEDULES]
         ratio = max(c, default=0.0) / p.t_max
         print(f"   {gbps:>4} " + "".join(f"{t * 1e3:9.1f} ms" for t in times) + f"   {ratio:6.2f}")
@@ -139,9 +141,9 @@ def _measured_vs_predicted(link_gbps: float, profile: bool = True, steps: int = 
     import sys
     import tempfile
 
-    from engine.cluster import Cluster
-    from engine.partition import fixed_pipeline
-    from engine.stages import StageGraph
+    from engine.cluster.spec import Cluster
+    from engine.pipeline.partition import fixed_pipeline
+    from engine.pipeline.stages import StageGraph
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,7 +151,7 @@ def _measured_vs_predicted(link_gbps: float, profile: bool = True, steps: int = 
         if profile:
             spec = Path(tmp) / "cluster.json"
             knobs = [a for k, v in RUN_GPT.items() for a in ("--set", f"{k}={v}")]
-            r = subprocess.run([sys.executable, "-m", "engine.cli", "profile", "--out", str(spec), "--nproc", "4",
+            r = subprocess.run([sys.executable, "-m", "runner.hap", "profile", "--out", str(spec), "--nproc", "4",
                                 "--model", "zoo:gpt", *knobs], env=env, cwd=ROOT, capture_output=True, text=True,
                                timeout=600)
             if r.returncode != 0:
@@ -168,10 +170,10 @@ def _measured_vs_predicted(link_gbps: float, profile: bool = True, steps: int = 
         graph = engine.load_model("zoo:gpt", **RUN_GPT)
         L = StageGraph(graph).num_layers
         plan = with_hap_stages(fixed_pipeline(graph, cluster, [(0, L // 2, (0, 1)), (L // 2, L, (2, 3))], 4,
-                                              "h-1f1b"), cluster, time_budget_s=10)
+                                              "h-1f1b"), cluster, PlanOptions(time_budget_s=10))
         path = Path(tmp) / "pipeline.json"
         path.write_text(json.dumps(plan.to_dict()))
-        r = subprocess.run([sys.executable, "-m", "engine.cli", "run", str(path), "--steps", str(steps),
+        r = subprocess.run([sys.executable, "-m", "runner.hap", "run", str(path), "--steps", str(steps),
                             "--emulate-links"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         print(r.stdout + r.stderr)
@@ -184,7 +186,7 @@ def _measured_vs_predicted(link_gbps: float, profile: bool = True, steps: int = 
     for b in plan.boundaries:
         print(f"    cut {b.cut}: {b.transfer_s * 1e3:.2f} ms per microbatch each way")
     for i, s in enumerate(plan.stages):
-        print(f"    stage {i}: {stage_program_summary(s)}, shares {', '.join(f'{r:.2f}' for r in s.ratios)}")
+        print(f"    stage {i}: {s.program_summary()}, shares {', '.join(f'{r:.2f}' for r in s.ratios)}")
     print(f"    predicted {plan.predicted_s * 1e3:8.2f} ms per step   measured {measured:8.2f} ms "
           f"(median of steps 1..{len(times) - 1})   measured / predicted {measured / (plan.predicted_s * 1e3):.2f}")
 

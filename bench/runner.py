@@ -31,7 +31,7 @@ Run from the repository root:
    link, which leaves duplex nothing to hide, so every collective is *padded* to its time under
    the cluster's collective fits (`--emulate-link`, runner.timing.EmulatedLink: sleeping, so
    the core is free for the other half). The measured speed-up of duplex over the same plan
-   without it is set against the cost model's (`engine.cost.evaluate` priced with each overlap
+   without it is set against the cost model's (`engine.spmd.cost.evaluate` priced with each overlap
    mode, where the engine has it). Target (issue 14): within 25% of the predicted speed-up.
 
 It prints a table and writes the figures to `bench/results/runner.json`. It never asserts. On a
@@ -50,6 +50,8 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
+
+from engine.options import PlanOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -70,7 +72,7 @@ def ddp_worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from engine import zoo
+    from engine.model import zoo
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -153,7 +155,7 @@ def _time_model_step(barrier=lambda: None, model: str = MODEL, config: dict | No
     """Median seconds of one forward + backward of the whole model on one thread (all ranks at once)."""
     import torch
 
-    from engine import zoo
+    from engine.model import zoo
 
     torch.set_num_threads(1)
     entry = zoo.entry(model)
@@ -227,9 +229,9 @@ def cpu_cluster(flops: list[float], fits: dict | None, name: str) -> dict:
 def model_flops(graph) -> float:
     """Forward plus backward flops of one step, as the cost model counts them."""
     import engine
-    from engine.cost import CostModel
+    from engine.spmd.cost import CostModel
 
-    cm = CostModel(graph, engine.load_cluster(cpu_cluster([1e10], None, "one")), [1.0], "sgd")
+    cm = CostModel(graph, engine.load_cluster(cpu_cluster([1e10], None, "one")), [1.0], PlanOptions(optimizer="sgd"))
     return sum(n.flops for n in graph.nodes) + sum(cm.bwd_flops)
 
 
@@ -255,7 +257,7 @@ def part_ddp(worlds: list[int], steps: int, warmup: int, tmp: Path) -> list[dict
 
 
 def engine_buckets(plan) -> list[list[int]]:
-    from engine.overlap import grad_buckets
+    from engine.spmd.overlap import grad_buckets
 
     return grad_buckets(plan.graph, plan.program)
 
@@ -275,11 +277,11 @@ def predicted_s(plan, cluster, mode: str) -> float | None:
     engine on this branch does not price overlap yet."""
     import inspect
 
-    from engine import cost
+    from engine.spmd import cost
 
     if "overlap" not in inspect.signature(cost.CostModel).parameters:
         return plan.predicted_time_s if mode == "none" else None
-    cm = cost.CostModel(plan.graph, cluster, plan.ratio_rows, "sgd", plan.segmentation, overlap=mode)
+    cm = cost.CostModel(plan.graph, cluster, plan.ratio_rows, PlanOptions(optimizer="sgd"), plan.segmentation, overlap=mode)
     return cost.evaluate(plan.program, cm).total_s
 
 
@@ -419,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.mode in ("ddp-worker", "calibrate-worker"):
         (ddp_worker if args.mode == "ddp-worker" else calibrate_worker)(args)
         sys.stdout.flush()
-        os._exit(0)  # skip interpreter finalisation: see runner.launch.exit_process
+        os._exit(0)  # skip interpreter finalisation: see runner.rank_setup.exit_process
     global REPEAT
     REPEAT = 1 if args.quick else REPEAT
     steps = 12 if args.quick else args.steps

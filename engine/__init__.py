@@ -7,36 +7,43 @@ Public surface (scripts rely on these names):
     engine.load_cluster(path_or_dict)
     engine.plan(model, cluster, time_budget_s=None, progress=None, overlap="auto"|"none"|"ddp"|"duplex") -> Plan
     engine.plan(..., parallelism="spmd"|"pipeline"|"auto", microbatches=None) -> Plan | PipelinePlan
-                                       (both: .parallelism "spmd"/"pipeline", .predicted_time_s, .search)
+    engine.plan(model, cluster, options=engine.PlanOptions(...))      (the same options as one checked object)
+                 both kinds implement engine.AnyPlan: .parallelism, .predicted_time_s, .world_size,
+                 .to_dict(), .to_json(), .save(path), .listing(), .summary()
+    engine.load_plan(path_or_text_or_dict) -> Plan | PipelinePlan      (validated: PlanError naming the first problem)
     engine.evaluate(model, cluster, "ddp" | "dp-even" | "dp-proportional") -> Plan    (priced as DDP runs)
-    engine.Plan.from_json(text_or_path)                       (validated: PlanError naming the first problem)
     engine.validate_plan(plan_or_dict, cluster=None) -> warnings
     engine.replan(old_plan, new_cluster) -> Replan (new plan, report of what changes, resharding table)
 
-The engine never imports Streamlit and never starts a process group.
+Layout, by capability (each subpackage's docstring says what it owns and may import; the import
+contracts in pyproject.toml enforce it): `model/`, `cluster/`, `theory/`, `spmd/` (HAP), `pipeline/`
+(HAPT), `elastic/` (Hetu), `bundle/`; `options`, `planner`, `compare` and `cli` at the top; `errors`,
+`limits` and `timeline` on the ground floor. The engine never imports Streamlit or the runner, and
+never starts a process group.
 """
-from .cluster import Cluster, load_cluster
-from .errors import ClusterError, HapError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
-from .graph import Graph, Node
-from .plan import Plan
-from .partition import PipelinePlan
-from .overlap import OVERLAP_MODES
-from .planner import BASELINES, PARALLELISMS, evaluate, plan
-from .replan import replan
-from .synthesis import SearchProgress
-from .validate import validate_plan
+from engine.cluster.spec import Cluster, load_cluster
+from engine.elastic.replan import replan
+from engine.errors import ClusterError, HapError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
+from engine.model.graph import Graph, Node
+from engine.options import OVERLAP_MODES, PARALLELISMS, PlanOptions
+from engine.pipeline.plan import PipelinePlan
+from engine.planner import BASELINES, AnyPlan, evaluate, load_plan, plan
+from engine.spmd.plan import Plan
+from engine.spmd.synthesis import SearchProgress
+from engine.spmd.validate import validate_plan
 
 
 def __getattr__(name: str):
     """`engine.load_model` is imported on first use: it needs torch, which takes seconds to import, and
     checking a cluster file or a command line must not wait for it."""
     if name == "load_model":
-        from .source import load_model
+        from engine.model.source import load_model
 
         return load_model
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["load_model", "load_cluster", "plan", "evaluate", "replan", "validate_plan", "BASELINES", "PARALLELISMS",
-           "OVERLAP_MODES", "Plan", "PipelinePlan", "Graph", "Node", "Cluster", "SearchProgress", "HapError", "ClusterError",
-           "ModelError", "PlanError", "InfeasibleError", "UnsupportedOpError"]
+__all__ = ["load_model", "load_cluster", "plan", "evaluate", "replan", "load_plan", "validate_plan", "PlanOptions",
+           "AnyPlan", "BASELINES", "PARALLELISMS", "OVERLAP_MODES", "Plan", "PipelinePlan", "Graph", "Node", "Cluster",
+           "SearchProgress", "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError",
+           "UnsupportedOpError"]

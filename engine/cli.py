@@ -1,4 +1,4 @@
-"""The `hap` command line: headless planning from a shell.
+"""The `hap` command line's planning commands: headless planning from a shell.
 
     hap plan --model zoo:gpt --set layers=24 --set hidden=768 --cluster FILE --out plan.json [--time-budget S]
              [--segments N] [--overlap auto|none|ddp|duplex] [--parallelism spmd|pipeline|auto]
@@ -6,13 +6,13 @@
     hap plan --model path/to/model.py --cluster FILE ...         (a file defining build_model() and example_inputs())
     hap plan --model hf:LlamaForCausalLM [--config cfg.json] [--set hidden_size=256 --set batch=8 --set seq_len=128] ...
     hap capture --model zoo:gpt --set layers=2 --out graph.json
-    hap run plan.json|BUNDLE [--steps N] [--verify] [--metrics FILE] [--seed S]   (runner; `hap run PLAN --help`)
     hap export plan.json --out DIR [--zip] [--cluster FILE] [--model-file F]      (launch bundle)
     hap bundle check BUNDLE                                                       (0 valid, 1 invalid, 2 usage)
     hap ui [--port 8501] [--host 127.0.0.1]                                       (the Streamlit workbench)
-    hap profile --out cluster.json [--parquet raw.parquet] [--nproc N] [--speeds 1,0.5]   (runner; `hap profile --help`)
 
-Bad input exits with status 2 and one line naming the problem, never a traceback.
+`hap run` and `hap profile` execute (torch.distributed): the `hap` console entry (`runner.hap`) adds them
+to this parser, so the engine never imports the runner. Bad input exits with status 2 and one line
+naming the problem, never a traceback.
 """
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from . import limits
-from .errors import HapError
-from .planner import BASELINES, OVERLAP_MEANING, PARALLELISM_MEANING, PARALLELISMS, PLAN_OVERLAPS
+from engine import limits
+from engine.errors import HapError
+from engine.options import OPTIMIZERS, PARALLELISMS, PLAN_OVERLAPS, PlanOptions
+from engine.planner import BASELINES, OVERLAP_MEANING, PARALLELISM_MEANING
 
 GIB = 2**30
 
@@ -53,7 +54,7 @@ def _knobs(pairs: Sequence[str]) -> dict[str, Any]:
 
 
 def _load_graph(args: argparse.Namespace):
-    from . import load_model
+    from engine import load_model
 
     knobs = _knobs(args.set or [])
     return load_model(args.model, fallback=args.fallback, config=args.config, **knobs)
@@ -90,7 +91,7 @@ def _device_runs(plan, cluster) -> list[tuple[str, str, list[str]]]:
 
 
 def _report(plan, baselines: dict[str, float | None], cluster) -> str:
-    from .planner import unsplittable_input
+    from engine.spmd.baselines import unsplittable_input
 
     lines = [f"model {plan.graph.name}: {plan.graph.num_parameters / 1e6:.1f}M parameters, "
              f"{len(plan.graph)} nodes; cluster {cluster.name}: {cluster.num_devices} devices", ""]
@@ -141,15 +142,20 @@ def _parallelism_lines(plan) -> list[str]:
     return [f"parallelism: spmd kept; no pipeline: {skipped['pipeline']}"] if "pipeline" in skipped else []
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from . import load_cluster, plan
+def plan_options(args: argparse.Namespace) -> PlanOptions:
+    """The `PlanOptions` of `hap plan`'s flags (checked before the model is built)."""
+    return PlanOptions(optimizer=args.optimizer, time_budget_s=args.time_budget, overlap=args.overlap,
+                       parallelism=args.parallelism, microbatches=args.microbatches, segments=args.segments)
 
-    _knobs(args.set or [])  # bad knobs and a bad cluster fail in milliseconds, before the model is built
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from engine import load_cluster, plan
+
+    options = plan_options(args)
+    _knobs(args.set or [])  # bad options, knobs and a bad cluster fail in milliseconds, before the model is built
     cluster = load_cluster(args.cluster)
     graph = _load_graph(args)
-    result = plan(graph, cluster, time_budget_s=args.time_budget, progress=_progress_printer(), optimizer=args.optimizer,
-                  segments=args.segments, overlap=args.overlap, parallelism=args.parallelism,
-                  microbatches=args.microbatches)
+    result = plan(graph, cluster, progress=_progress_printer(), options=options)
     if sys.stderr.isatty():
         sys.stderr.write("\n")
     if result.parallelism == "pipeline":
@@ -169,10 +175,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def cmd_replan(args: argparse.Namespace) -> int:
     """`hap replan OLD.json --cluster NEW.json [--out NEW_PLAN.json]`: the same model on a changed cluster (engine.replan)."""
-    from .plan import Plan
-    from .replan import replan
+    from engine import load_plan
+    from engine.elastic.replan import replan
 
-    old = Plan.from_json(args.plan)
+    old = load_plan(args.plan)
+    if old.parallelism != "spmd":
+        raise _UsageError(f"{args.plan} is a {old.parallelism} plan; hap replan re-plans SPMD plans")
     result = replan(old, args.cluster, time_budget_s=args.time_budget, optimizer=args.optimizer)
     if args.out:
         result.plan.save(args.out)
@@ -183,13 +191,11 @@ def cmd_replan(args: argparse.Namespace) -> int:
 
 
 def _pipeline_output(pipe, graph, cluster, args: argparse.Namespace) -> int:
-    """Write (`--out`) and print (`--json`, else the report) a pipeline plan ("hap.pipeline_plan", `engine.pipeline_plan`)."""
-    from .pipeline_plan import save_pipeline_plan
-
+    """Write (`--out`) and print (`--json`, else the report) a pipeline plan ("hap.pipeline_plan", `engine.pipeline.plan`)."""
     if args.out:
-        save_pipeline_plan(pipe, args.out)
+        pipe.save(args.out)
     if args.json:
-        print(json.dumps(pipe.to_dict(), indent=1))
+        print(pipe.to_json())
         return 0
     print(_pipeline_report(pipe, graph, cluster))
     if args.out:
@@ -199,7 +205,6 @@ def _pipeline_output(pipe, graph, cluster, args: argparse.Namespace) -> int:
 
 def _pipeline_report(pipe, graph, cluster) -> str:
     """Stages (devices, layers, warm-up, program), boundaries, every schedule's time and peak memory, and the SPMD time."""
-    from .stage_plan import stage_program_summary
 
     lines = [f"model {graph.name}: {graph.num_parameters / 1e6:.1f}M parameters, {len(graph)} nodes; "
              f"cluster {cluster.name}: {cluster.num_devices} devices", ""]
@@ -217,7 +222,7 @@ def _pipeline_report(pipe, graph, cluster) -> str:
     for i, s in enumerate(pipe.stages):
         stage_rows.append([str(i), _device_names(cluster, s.devices), f"{s.layers[0]}-{s.layers[1] - 1}", str(s.warmup),
                            f"{s.forward_s * 1e3:.3f} ms", f"{s.backward_s * 1e3:.3f} ms", f"{s.sync_s * 1e3:.2f} ms",
-                           f"{s.peak_memory_bytes / GIB:.2f} GiB", stage_program_summary(s)])
+                           f"{s.peak_memory_bytes / GIB:.2f} GiB", s.program_summary()])
     lines += ["", _table(stage_rows)]
     if "hap_stages_skipped" in pipe.search:
         lines.append(f"stages run data parallelism, not HAP plans: {pipe.search['hap_stages_skipped']}")
@@ -249,26 +254,15 @@ def cmd_capture(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
-    from runner.cli import main as run_main  # lazily: the engine never imports the runner
-
-    return run_main([args.plan, *args.options])
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    from runner.profile import main as profile_main  # lazily: the engine never imports the runner
-
-    return profile_main(args.options)
-
-
 def cmd_export(args: argparse.Namespace) -> int:
-    from .bundle import export_bundle, plan_warnings, read_plan
+    from engine import load_plan
+    from engine.bundle.archive import export_bundle, plan_warnings
 
     try:
         run_args = shlex.split(args.run_args or "")
     except ValueError as e:  # e.g. an unclosed quotation mark
         raise _UsageError(f"--run-args {args.run_args!r}: {e}; quote it as one shell string") from None
-    plan = read_plan(args.plan)  # either kind, validated: an inconsistent plan is refused here
+    plan = load_plan(args.plan)  # either kind, validated: an inconsistent plan is refused here
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
                         rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args,
                         annotations=args.annotations)
@@ -283,7 +277,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_bundle_check(args: argparse.Namespace) -> int:
-    from .bundle import check_bundle
+    from engine.bundle.archive import check_bundle
 
     report = check_bundle(args.bundle)
     print(report.render(), file=sys.stdout if report.ok else sys.stderr)
@@ -350,7 +344,11 @@ SET_HELP = ("a zoo knob (--set layers=24), or for hf: a config key (--set hidden
 CONFIG_HELP = "hf: models: a JSON file of config keys (applied before --set)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+Commands = Callable[[Any], None]
+"""Adds subcommands to the parser's subparsers (the runner's `run` and `profile`, `runner.hap`)."""
+
+
+def build_parser(more: Commands | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hap", description="Plan SPMD training of one model on a heterogeneous GPU cluster (HAP).")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="synthesize a plan and compare it with data parallelism")
@@ -361,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the plan JSON here")
     p.add_argument("--time-budget", type=limits.bounded_float(0, limits.MAX_TIME_BUDGET_S, "seconds", low_open=True),
                    default=None, metavar="S", help="stop searching after S seconds")
-    p.add_argument("--optimizer", choices=["adam", "sgd", "none"], default="adam", help="optimizer state counted in memory")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="optimizer state counted in memory")
     p.add_argument("--segments", type=limits.bounded_int(1, limits.MAX_SEGMENTS, "a segment count"), default=1, metavar="N",
                    help="give N runs of layers their own sharding ratios (HAP §5.2; default 1)")
     p.add_argument("--overlap", choices=PLAN_OVERLAPS, default="auto",
@@ -384,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", help="write the new plan JSON here")
     rp.add_argument("--time-budget", type=limits.bounded_float(0, limits.MAX_TIME_BUDGET_S, "seconds", low_open=True),
                     default=None, metavar="S", help="stop each search after S seconds")
-    rp.add_argument("--optimizer", choices=["adam", "sgd", "none"], default=None,
+    rp.add_argument("--optimizer", choices=OPTIMIZERS, default=None,
                     help="optimizer state counted in memory and moved (default: the old plan's)")
     rp.set_defaults(func=cmd_replan)
     c = sub.add_parser("capture", help="capture a model into a graph JSON file")
@@ -396,11 +394,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "
                         "'replicate' every such op, 'strict' none")
     c.set_defaults(func=cmd_capture)
-    r = sub.add_parser("run", help="train a plan over torch.distributed (starts torchrun on this machine)",
-                       epilog="options after PLAN go to the runner: see `hap run PLAN --help`")
-    r.add_argument("plan", help="plan JSON from `hap plan --out`, or a launch bundle (folder or zip) from `hap export`")
-    r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
-    r.set_defaults(func=cmd_run)
     e = sub.add_parser("export", help="write a launch bundle (plan, cluster, model, torchrun/Slurm/Kubernetes files)")
     e.add_argument("plan", help="plan JSON from `hap plan --out` (SPMD or pipeline)")
     e.add_argument("--out", required=True, metavar="DIR", help="bundle folder to create (new or empty)")
@@ -420,23 +413,28 @@ def build_parser() -> argparse.ArgumentParser:
     bc = bsub.add_parser("check", help="validate a bundle without running it", epilog=BUNDLE_EXIT_CODES,
                          description="Check a bundle folder or zip: manifest, sha256 of every file, no extra or "
                                      "missing file, plan and cluster parse, the plan validated against the theory and "
-                                     "re-priced on the cluster (engine.validate), world size of the launch scripts.")
+                                     "re-priced on the cluster (engine.spmd.validate), world size of the launch scripts.")
     bc.add_argument("bundle", help="bundle folder or zip from `hap export`")
     bc.set_defaults(func=cmd_bundle_check)
     u = sub.add_parser("ui", help="serve the Streamlit workbench (binds 127.0.0.1 by default)")
     u.add_argument("--port", type=int, default=8501, help="TCP port (default 8501)")
     u.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     u.set_defaults(func=cmd_ui)
-    f = sub.add_parser("profile", add_help=False, help="measure this cluster (FLOP/s, collectives) and write a cluster spec",
-                       description="options go to the profiler: see `hap profile --help`")
-    f.set_defaults(func=cmd_profile)
+    if more is not None:
+        more(sub)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+PASS_THROUGH = ("profile",)
+"""Commands whose every option, --help included, belongs to the command itself (`hap profile`)."""
+
+
+def main(argv: Sequence[str] | None = None, more: Commands | None = None) -> int:
+    """Parse `argv` with the planning commands (and `more`), run the command, and map a HapError or an
+    unusable path to one line on stderr and exit status 2."""
+    parser = build_parser(more)
     args, extra = parser.parse_known_args(argv)
-    if args.command == "profile":  # every option belongs to the profiler (runner.profile), --help included
+    if args.command in PASS_THROUGH:
         args.options = extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -1,7 +1,7 @@
 """Comparisons under one cost model: baselines, the ablations of HAP Fig. 15, what-if clusters, and
 how much communication a timeline hides.
 
-Every figure here comes from the same `engine.cost` model the planner optimises, so rows are
+Every figure here comes from the same `engine.spmd.cost` model the planner optimises, so rows are
 comparable with each other and with `Plan.predicted_time_s`:
 
 - `ddp`, `dp-even`, `dp-proportional`: data parallelism with even / even / flops-proportional
@@ -13,7 +13,7 @@ comparable with each other and with `Plan.predicted_time_s`:
   `Q+B+C` the full planner without duplex, with communication optimisation: the grouped-broadcast
           all-gather (§2.5.1) and sufficient-factor broadcasting, i.e. the all-Full rule of matrix
           products (§2.5.2);
-  `Q+B+C+D` the same search with duplex (HiDup's two half-batches, `engine.overlap`).
+  `Q+B+C+D` the same search with duplex (HiDup's two half-batches, `engine.spmd.overlap`).
 - what-if: the same model on a cluster with one GPU model's flops or one link level's bandwidth
   scaled; the old plan's program and ratios evaluated there, and a fresh plan.
 - lanes: per device, how long its compute and network lanes are busy and how much of it
@@ -22,20 +22,24 @@ comparable with each other and with `Plan.predicted_time_s`:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .balance import balance
-from .cluster import Cluster, nominal_collectives
-from .cost import CostModel, evaluate as evaluate_program
-from .errors import ClusterError, InfeasibleError, PlanError
-from .graph import Graph
-from .plan import Plan
-from .segments import Segmentation
-from .planner import BASELINE_OVERLAP, BASELINES, DEFAULT_BEAM_WIDTH, breakdown_of, evaluate, plan, proportional_ratios
-from .program import Instruction
-from .synthesis import SearchSpace, synthesize
-from .timeline import Schedule, simulate
+from engine.cluster.spec import Cluster, nominal_collectives
+from engine.errors import ClusterError, InfeasibleError, PlanError
+from engine.model.graph import Graph
+from engine.options import DEFAULT_BEAM_WIDTH, PlanOptions
+from engine.planner import BASELINES, evaluate, plan
+from engine.spmd.balance import balance
+from engine.spmd.baselines import BASELINE_OVERLAP, proportional_ratios
+from engine.spmd.cost import CostModel
+from engine.spmd.cost import evaluate as evaluate_program
+from engine.spmd.iteration import breakdown_of
+from engine.spmd.plan import Plan
+from engine.spmd.program import Instruction
+from engine.spmd.segments import Segmentation
+from engine.spmd.synthesis import SearchSpace, synthesize
+from engine.timeline import Schedule, simulate
 
 MATMUL_OPS = ("linear", "matmul")
 ABLATIONS = ("Q", "Q+B", "Q+B+C", "Q+B+C+D")
@@ -97,39 +101,40 @@ def without_comm_optimisation(graph: Graph) -> SearchSpace:
 
 
 def predict(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
-            optimizer: str = "adam", segmentation: Segmentation | None = None, overlap: str = "none") -> float:
+            options: PlanOptions = PlanOptions(), segmentation: Segmentation | None = None, overlap: str = "none") -> float:
     """Predicted iteration time of a fixed program and ratios (one row per segment) on `cluster`
     (HAP §3.2) in overlap mode `overlap`."""
-    return evaluate_program(program, CostModel(graph, cluster, ratios, optimizer, segmentation, overlap=overlap)).total_s
+    return evaluate_program(program, CostModel(graph, cluster, ratios, options, segmentation, overlap=overlap)).total_s
 
 
-def _search(graph: Graph, cluster: Cluster, ratios: list[float], space: SearchSpace, optimizer: str,
+def _search(graph: Graph, cluster: Cluster, ratios: list[float], space: SearchSpace, options: PlanOptions,
             budget: float | None) -> tuple[tuple[Instruction, ...], float]:
-    cm = CostModel(graph, cluster, ratios, optimizer, overlap=BASELINE_OVERLAP)
+    cm = CostModel(graph, cluster, ratios, options, overlap=BASELINE_OVERLAP)
     res = synthesize(graph, cm, space=space, time_budget_s=budget, beam_width=DEFAULT_BEAM_WIDTH)
     return res.program, res.cost
 
 
-def ablation_q(graph: Graph, cluster: Cluster, *, optimizer: str = "adam", time_budget_s: float | None = None) -> Row:
+def ablation_q(graph: Graph, cluster: Cluster, *, options: PlanOptions = PlanOptions(),
+               time_budget_s: float | None = None) -> Row:
     """Fig. 15 "Q": the synthesizer alone, at flops-proportional ratios, without communication optimisation."""
     ratios = proportional_ratios(cluster)
     try:
-        _, cost = _search(graph, cluster, ratios, without_comm_optimisation(graph), optimizer, time_budget_s)
+        _, cost = _search(graph, cluster, ratios, without_comm_optimisation(graph), options, time_budget_s)
     except InfeasibleError:
         return Row("Q", "program synthesis, proportional ratios", None, ratios, "does not fit in memory")
     return Row("Q", "program synthesis, proportional ratios", cost, ratios)
 
 
-def ablation_qb(graph: Graph, cluster: Cluster, *, optimizer: str = "adam", time_budget_s: float | None = None,
-                max_iterations: int = 6) -> Row:
+def ablation_qb(graph: Graph, cluster: Cluster, *, options: PlanOptions = PlanOptions(),
+                time_budget_s: float | None = None) -> Row:
     """Fig. 15 "Q+B": alternate synthesis and the LP (§3.1) without communication optimisation."""
     space, ratios = without_comm_optimisation(graph), proportional_ratios(cluster)
     best_s, best_ratios = math.inf, None
     seen: set[tuple[Instruction, ...]] = set()
-    budget = None if time_budget_s is None else time_budget_s / max_iterations
-    for _ in range(max_iterations):
+    budget = None if time_budget_s is None else time_budget_s / options.max_iterations
+    for _ in range(options.max_iterations):
         try:
-            program, cost = _search(graph, cluster, ratios, space, optimizer, budget)
+            program, cost = _search(graph, cluster, ratios, space, options, budget)
         except InfeasibleError:
             break
         if cost < best_s:
@@ -138,10 +143,10 @@ def ablation_qb(graph: Graph, cluster: Cluster, *, optimizer: str = "adam", time
             break
         seen.add(program)
         try:
-            ratios = balance(program, graph, cluster, optimizer=optimizer, overlap=BASELINE_OVERLAP).ratios
+            ratios = balance(program, graph, cluster, options=options, overlap=BASELINE_OVERLAP).ratios
         except InfeasibleError:
             break
-        cost = predict(program, graph, cluster, ratios, optimizer, overlap=BASELINE_OVERLAP)
+        cost = predict(program, graph, cluster, ratios, options, overlap=BASELINE_OVERLAP)
         if cost < best_s:
             best_s, best_ratios = cost, ratios
     if best_ratios is None:
@@ -155,24 +160,29 @@ PLAN_WHAT = {"Q+B+C": "+ communication optimisation: HAP without duplex (overlap
              "Q+B+C+D": "+ duplex: two half-batches overlap communication (HiDup)"}
 
 
-def baseline_row(graph: Graph, cluster: Cluster, strategy: str, optimizer: str = "adam") -> Row:
+def baseline_row(graph: Graph, cluster: Cluster, strategy: str, options: PlanOptions = PlanOptions()) -> Row:
     """A baseline of `BASELINES` under the same cost model (None time when out of memory)."""
     try:
-        p = evaluate(graph, cluster, strategy, optimizer=optimizer)
+        p = evaluate(graph, cluster, strategy, options=options)
     except InfeasibleError as e:
         return Row(strategy, BASELINE_WHAT[strategy], None, None, str(e))
     return Row(strategy, BASELINE_WHAT[strategy], p.predicted_time_s, p.ratios["0"])
+
+
+def spmd_options(the_plan: Plan) -> PlanOptions:
+    """The options `the_plan` was made with, for the SPMD searches a comparison runs (no pipeline)."""
+    return replace(the_plan.options, parallelism="spmd", microbatches=None)
 
 
 def compare(the_plan: Plan, cluster: Cluster, *, time_budget_s: float | None = None) -> Comparison:
     """The plan against the baselines, the ablations of Fig. 15 and the plan with and without
     duplex on `cluster`. The full plan in the mode the plan did not run is the same search
     (`engine.plan`) forced to that mode, unless the plan's own search already priced it."""
-    graph, optimizer = the_plan.graph, the_plan.search.get("optimizer", "adam")
+    graph, options = the_plan.graph, spmd_options(the_plan)
     share = None if time_budget_s is None else time_budget_s / 3
-    rows = [baseline_row(graph, cluster, name, optimizer) for name in BASELINES]
-    rows += [ablation_q(graph, cluster, optimizer=optimizer, time_budget_s=share),
-             ablation_qb(graph, cluster, optimizer=optimizer, time_budget_s=share)]
+    rows = [baseline_row(graph, cluster, name, options) for name in BASELINES]
+    rows += [ablation_q(graph, cluster, options=options, time_budget_s=share),
+             ablation_qb(graph, cluster, options=options, time_budget_s=share)]
     rows += [full_plan_row(the_plan, cluster, mode, time_budget_s=share) for mode in PLAN_ROWS]
     if the_plan.overlap not in PLAN_ROWS:  # forced to another mode, e.g. none: its own row
         rows.append(Row("plan", f"the plan (overlap {the_plan.overlap})", the_plan.predicted_time_s,
@@ -193,8 +203,8 @@ def full_plan_row(the_plan: Plan, cluster: Cluster, mode: str, *, time_budget_s:
     if recorded is not None:
         return Row(name, what, recorded, None, "priced by the plan's search")
     try:
-        other = plan(the_plan.graph, cluster, time_budget_s=time_budget_s, optimizer=the_plan.search.get("optimizer", "adam"),
-                     overlap=mode)
+        other = plan(the_plan.graph, cluster, options=replace(spmd_options(the_plan), time_budget_s=time_budget_s,
+                                                              overlap=mode))
     except (InfeasibleError, PlanError) as e:
         return Row(name, what, None, None, str(e))
     return Row(name, what, other.predicted_time_s, other.ratios.get("0"))
@@ -243,11 +253,11 @@ def what_if(the_plan: Plan, cluster: Cluster, *, flops_scale: dict[str, float] |
     if link_scale is not None and link_scale[1] != 1.0:
         changed = scale_link(changed, *link_scale)
         changes.append(f"{link_scale[0]} bandwidth x{link_scale[1]:g}")
-    optimizer = the_plan.search.get("optimizer", "adam")
-    same = predict(the_plan.program, the_plan.graph, changed, the_plan.ratio_rows, optimizer, the_plan.segmentation,
+    options = spmd_options(the_plan)
+    same = predict(the_plan.program, the_plan.graph, changed, the_plan.ratio_rows, options, the_plan.segmentation,
                    the_plan.overlap)
-    fresh = plan(the_plan.graph, changed, time_budget_s=time_budget_s, optimizer=optimizer,
-                 overlap=the_plan.search.get("overlap_request", the_plan.overlap))
+    fresh = plan(the_plan.graph, changed, options=replace(options, time_budget_s=time_budget_s,
+                                                          overlap=the_plan.search.get("overlap_request", the_plan.overlap)))
     return WhatIf(changed, the_plan.predicted_time_s, same, fresh, changes)
 
 
@@ -340,9 +350,9 @@ def _length(intervals: list[tuple[float, float]]) -> float:
 
 def predicted_schedule(the_plan: Plan, cluster: Cluster) -> Schedule:
     """The plan's predicted iteration as a simulated timeline: per device the lanes
-    `compute:<device>`, `network:<device>` and in ddp `buckets:<device>` (`engine.overlap.predicted_timeline`),
+    `compute:<device>`, `network:<device>` and in ddp `buckets:<device>` (`engine.spmd.overlap.predicted_timeline`),
     in the plan's overlap mode; its makespan is the plan's predicted time on `cluster`."""
-    from .overlap import predicted_timeline
+    from engine.spmd.overlap import predicted_timeline
 
     return simulate(predicted_timeline(breakdown_of(the_plan, cluster), the_plan.graph))
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .errors import PlanError
+from engine.errors import PlanError
 
 
 @dataclass(frozen=True)

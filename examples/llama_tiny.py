@@ -3,7 +3,7 @@
     hap plan --model examples/llama_tiny.py --cluster sample_clusters/cpu_4_uneven.json --out p.json
     hap run p.json --steps 3 --verify
 
-The file contract (engine.source): build_model() returns the model, example_inputs() its keyword
+The file contract (engine.model.source): build_model() returns the model, example_inputs() its keyword
 inputs; both create tensors on the default device (the planner calls them on `meta`, the runner on
 the CPU) and the batch is drawn from torch's global RNG, which the runner seeds per step.
 """

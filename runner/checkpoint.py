@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.plan import Plan
+from engine.spmd.plan import Plan
 
 from .train import RankState
 

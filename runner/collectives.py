@@ -18,7 +18,7 @@ uneven tensors, so `all_gather` pads every shard to the largest, gathers, and tr
 or runs one broadcast per device ("grouped"). NCCL takes the same paths: only equal-size buffers
 reach the backend.
 
-The `.hier` collectives (`engine.hierarchy`) take `machines`, the ranks of every machine (M
+The `.hier` collectives (`engine.cluster.hierarchy`) take `machines`, the ranks of every machine (M
 machines of k ranks), and run on sub-groups: each machine's ranks, and the peers (the r-th rank
 of every machine). Shards are padded to the largest, as in `gather_padded`. The sub-groups are
 made on first use, by every rank in the same order (all ranks run the same collectives in the
@@ -295,7 +295,7 @@ def local_slice(x: Tensor, dim: int, sizes: Sequence[int], rank: int) -> Tensor:
 
 
 Machines = tuple[tuple[int, ...], ...]
-"""Global ranks of every machine, each in ascending order (`engine.hierarchy.machine_groups`)."""
+"""Global ranks of every machine, each in ascending order (`engine.cluster.hierarchy.machine_groups`)."""
 
 
 @dataclass(frozen=True)
@@ -478,6 +478,15 @@ class FlatBuffer:
             d = self.data = torch.empty(n, dtype=dtype, device=tensors[0].device)
         return torch.cat([t.reshape(-1) for t in tensors], out=d)
 
+    @staticmethod
+    def scatter(flat: Tensor, tensors: list[Tensor]) -> None:
+        """Copy a flat bucket back into `tensors`, end to end (the inverse of `cat`); `flat` may hold
+        more after them (a bucket that also carries the loss)."""
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
 
 def all_reduce_coalesced(tensors: list[Tensor], tag: str = "gradients", buffer: FlatBuffer | None = None) -> None:
     """Sum `tensors` over ranks in place with one flat all-reduce (DDP's bucket, one bucket), built
@@ -486,5 +495,4 @@ def all_reduce_coalesced(tensors: list[Tensor], tag: str = "gradients", buffer: 
         return
     flat = (buffer or FlatBuffer()).cat(tensors)
     run_collective("all_reduce", tag, dist.all_reduce, flat, dist.ReduceOp.SUM, current_group())
-    for t, piece in zip(tensors, torch.split(flat, [t.numel() for t in tensors])):
-        t.copy_(piece.view_as(t))
+    FlatBuffer.scatter(flat, tensors)

@@ -3,7 +3,7 @@
 The global batch of B samples splits into two halves, samples [0, B0) and [B0, B) (B0 = B // 2).
 Each half is the plan's program run on a batch of its own size: the model is captured again at
 that batch size (same nodes, smaller batch dims) and the same program and ratios give the
-half's shard sizes (`engine.plan.shard_sizes`), so every rank holds its share of each half and
+half's shard sizes (`engine.spmd.plan.shard_sizes`), so every rank holds its share of each half and
 every collective of a half sums or gathers that half only. Dropout masks stay the whole batch's:
 a half draws its rows of the whole tensor's global index (`runner.program.BatchWindow`).
 
@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import PlanError
-from engine.plan import Plan
-from engine.halves import batch_of, capture_at, half_plan
-from engine.overlap import duplex_run_problem
+from engine.spmd.halves import batch_of, capture_at, half_plan
+from engine.spmd.overlap import duplex_run_problem
+from engine.spmd.plan import Plan
 
 from .collectives import stream
 from .program import BatchWindow, RankProgram, build_rank_program, shard

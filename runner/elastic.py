@@ -31,12 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from engine.cluster import Cluster, load_cluster
+from engine.cluster.spec import Cluster, load_cluster
+from engine.elastic.replan import replan, without_devices
 from engine.errors import HapError
-from engine.plan import Plan
-from engine.replan import replan, without_devices
-
-from . import checkpoint
+from engine.planner import load_plan
+from engine.spmd.plan import Plan
+from runner import checkpoint
+from runner.config import FAULT_ENV
+from runner.rank_setup import check_inputs, open_source
+from runner.torchrun import run_torchrun
 
 SWITCH_ENV = "HAP_ELASTIC_SWITCH"
 """JSON of the switch a relaunched job continues after (set by the supervisor for the new ranks)."""
@@ -136,13 +139,11 @@ def no_switch(code: int, failed: tuple[int, int | None] | None, reached: int, st
 
 def run_elastic(cfg: Any, argv: Sequence[str]) -> int:
     """Run the job; after each rank failure re-plan without its device and continue (see the module doc)."""
-    from .cli import run_torchrun  # runner.cli imports this module lazily
-    from .launch import FAULT_ENV, check_inputs, open_source
 
     try:
         if open_source(cfg.plan)[1] is not None:
             raise ValueError("--elastic runs a plan file, not a bundle (a switch writes new plans)")
-        plan = Plan.from_json(cfg.plan)
+        plan = load_plan(cfg.plan)
         cluster = check_cluster(plan, cfg.elastic)
         check_inputs(cfg, plan.world_size)
     except (HapError, ValueError, OSError) as e:

@@ -1,6 +1,6 @@
 """Gradient buckets all-reduced while backward still runs (the plan's `ddp` overlap, as PyTorch DDP).
 
-The buckets are the plan's (`engine.overlap.grad_buckets`: Full parameters, filled in reverse
+The buckets are the plan's (`engine.spmd.overlap.grad_buckets`: Full parameters, filled in reverse
 order of use, in launch order). A hook after each Full parameter's gradient accumulation counts
 down its bucket; buckets are launched strictly in order, each as soon as it and every bucket
 before it are complete: the flat bucket goes out as one asynchronous all-reduce and backward
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 from engine.errors import PlanError
-from engine.overlap import grad_buckets
-from engine.plan import Plan
+from engine.spmd.overlap import grad_buckets
+from engine.spmd.plan import Plan
 from engine.theory.core import FULL
 
 from .collectives import FlatBuffer, run_collective
@@ -118,11 +118,8 @@ class GradBuckets:
             self._launch(self.next_launch)
         for k, b in enumerate(self.buckets):
             run_collective("all_reduce.wait", f"bucket{k}", _wait, b.work, b.flat, b.launched)
-            pieces = torch.split(b.flat, [self.params[i].numel() for i in b.members] + ([1] if self._carries_loss(k) else []))
-            for i, piece in zip(b.members, pieces):
-                self.params[i].grad.copy_(piece.view_as(self.params[i]))
-            if self._carries_loss(k):
-                self.loss.copy_(pieces[-1].view_as(self.loss))
+            FlatBuffer.scatter(b.flat, [self.params[i].grad for i in b.members] +
+                               ([self.loss] if self._carries_loss(k) else []))
             b.flat = b.work = None
         if not self.buckets and self.loss is not None:  # no Full parameter at all: the loss alone
             run_collective("all_reduce", "loss", dist.all_reduce, self.loss, dist.ReduceOp.SUM, self.group)

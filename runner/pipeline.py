@@ -1,4 +1,4 @@
-"""Run a pipeline plan (`engine.partition.PipelinePlan`): stages on device groups, microbatches in the planned order.
+"""Run a pipeline plan (`engine.pipeline.partition.PipelinePlan`): stages on device groups, microbatches in the planned order.
 
 Every rank builds the single-device model from the seed and keeps the parameters of its stage.
 
@@ -26,7 +26,7 @@ receiver waits until send time (or the link's previous arrival) plus the boundar
 A launch bundle of a pipeline plan (`hap export`) runs here too: each rank checks it against its
 manifest and joins as the rank its bundle node gives it (runner.launch hands pipeline plans here).
 
-Devices: NCCL on each rank's GPU when CUDA is present (`runner.launch.pick_device`), gloo on the CPU
+Devices: NCCL on each rank's GPU when CUDA is present (`runner.rank_setup.pick_device`), gloo on the CPU
 otherwise; tensors the ranks send and receive, and those the programs create, live on that device.
 
 Limits (issue 15): the NCCL path has not run on a GPU yet; no dropout; a weight used by two stages
@@ -39,29 +39,31 @@ import shutil
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
-from engine.errors import HapError, InfeasibleError, PlanError
-from engine.graph import Graph
-from engine.partition import PipelinePlan
-from engine.plan import Plan, shard_key, shard_units, split_sizes
-from engine.program import LOAD, Instruction
-from engine.schedule import stage_order
-from engine.segments import Segmentation
-from engine.stage_plan import data_parallel_program
+from engine.errors import HapError, PlanError
+from engine.pipeline.plan import PipelinePlan
+from engine.pipeline.schedule import stage_order
+from engine.pipeline.stage_plan import data_parallel_program
+from engine.spmd.plan import Plan
+from engine.spmd.program import LOAD, Instruction
+from engine.spmd.segments import Segmentation
+from engine.spmd.sizes import shard_key, shard_units, split_sizes
 from engine.theory.core import FULL, PARTIAL
-
-from . import collectives as C
-from .program import ProgramPiece, RankProgram, build_rank_program, shard
-from .stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans, loss_weights,
-                            microbatch_leaves, stage_inputs, stage_outputs, stage_params, stage_rank_program,
-                            sync_stage_gradients, tied_weight_error)
-from .train import build_module, factory_device, make_batch, make_optimizer
+from runner import collectives as C
+from runner.config import DistEnv, parse_args
+from runner.program import ProgramPiece, RankProgram, build_rank_program, shard
+from runner.rank_setup import bundle_rank, open_source, pick_device
+from runner.stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans,
+                                  loss_weights, microbatch_leaves, stage_inputs, stage_outputs, stage_params,
+                                  stage_rank_program, sync_stage_gradients, tied_weight_error)
+from runner.train import build_module, factory_device, make_batch, make_optimizer
+from runner.verify import compare
 
 
 def stage_plan(plan: PipelinePlan, program: tuple[Instruction, ...], stage: int) -> Plan:
@@ -494,7 +496,7 @@ def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: s
 
 
 PIPELINE_OPTIONS = ("plan", "steps", "verify", "seed", "optimizer", "lr", "timeout_s", "emulate_links")
-"""The `hap run` options (runner.launch.RunConfig fields) a pipeline run uses; it refuses the others."""
+"""The `hap run` options (runner.config.RunConfig fields) a pipeline run uses; it refuses the others."""
 
 
 def check_pipeline_options(cfg: Any) -> None:
@@ -508,10 +510,10 @@ def check_pipeline_options(cfg: Any) -> None:
 def load_pipeline_plan(path: str | Path, world_size: int, model_file: str | Path | None = None) -> PipelinePlan:
     """The pipeline plan of a plan file or a bundle's plan.json, refused unless made for `world_size` ranks;
     `model_file` is a bundle's copy of the plan's model file (its origin is pointed at it)."""
-    from engine import source
-    from engine.pipeline_plan import load_any
+    from engine.model import source
+    from engine.planner import load_plan
 
-    plan = load_any(str(path))
+    plan = load_plan(str(path))
     if not isinstance(plan, PipelinePlan):
         raise PlanError("runner.pipeline runs pipeline plans; run a plain plan with `hap run`")
     if plan.world_size != world_size:
@@ -526,7 +528,6 @@ def load_pipeline_plan(path: str | Path, world_size: int, model_file: str | Path
 def run_rank(plan: PipelinePlan, rank: int, args: Any, device: torch.device | str = "cpu") -> int:
     """One rank of `hap run PIPELINE_PLAN` on `device`: train, print losses and times on rank 0, verify if asked
     (against single-device training on the same device)."""
-    from .verify import compare
 
     torch.set_num_threads(1)
     sr = setup_stage_rank(plan, rank, args.seed, args.optimizer, args.lr, device)
@@ -551,9 +552,8 @@ def pipeline_inputs(cfg: Any) -> tuple[PipelinePlan, Any, str | None]:
     """(plan, this rank's DistEnv, scratch folder of an extracted zip) of a plan file or a bundle, checked
     before any process group starts: the options, the bundle against its manifest, the rank the bundle
     node gives this process (HAP_NODE_RANK), the plan's world size and its model file."""
-    from engine import bundle
+    from engine.bundle import archive as bundle
 
-    from .launch import DistEnv, bundle_rank, open_source
 
     check_pipeline_options(cfg)
     plan_path, opened, scratch = open_source(cfg.plan, "hap-pipeline-")
@@ -571,7 +571,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry of each torchrun rank (`python -m runner.pipeline PLAN|BUNDLE ...`; runner.launch hands
     pipeline plans here). A bundle is checked against its manifest on every rank (a zip extracted
     to the rank's own scratch folder) and the rank joins as the plan device its bundle node gives it."""
-    from .launch import parse_args, pick_device
 
     cfg = parse_args(argv)
     try:

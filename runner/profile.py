@@ -7,16 +7,16 @@ fit the latency and bandwidth in a linear model"):
 * **compute**: each rank's achieved FLOP/s on square matmuls at several sizes, and one forward
   plus backward of a zoo model at its batch and at half of it, run as `hap run` runs it (the
   rank program of the model's one-device plan, `runner.program`), its work counted exactly as
-  the cost model counts it (`engine.cost.CostModel`). The spec records the roofline split the cost
+  the cost model counts it (`engine.spmd.cost.CostModel`). The spec records the roofline split the cost
   model prices: `flops_per_gpu`, the best matmul rate, for the matmul-class operators, and
   `activation_bandwidth_Bps`, the memory-bound operators' bytes (element-wise ops, norms,
   losses) over the rest of the model's step time. A model whose matmuls alone take its whole
   step (or `--model none`) gets one rate instead (the model's, or the best matmul). Emulated speeds
   (`--speeds`) use the runner's own emulation (`runner.timing.Pacer`), so a rank of speed 0.5
-  measures half the rate; CPU thread settings are the runner's (`launch.apply_cpu_threads`).
+  measures half the rate; CPU thread settings are the runner's (`runner.rank_setup.apply_cpu_threads`).
 * **memory**: the memory-bound tail of a step on each rank — copying the summed gradient bucket
   back and one SGD step over the model's parameters — as the bytes they move per second
-  (`memory_bandwidth_Bps`, which prices the optimizer update in `engine.cost`);
+  (`memory_bandwidth_Bps`, which prices the optimizer update in `engine.spmd.cost`);
 * **communication**: every collective the cost model prices, with the runner's implementations
   and the payload conventions of `engine.cluster`: `all_reduce` (into a fresh tensor, as the
   runner reduces activations and the gradient bucket; payload: the whole tensor),
@@ -26,7 +26,7 @@ fit the latency and bandwidth in a linear model"):
   payload runs `--warmup` times untimed, then `--repeats` times after a barrier, one rank in
   turn arriving ARRIVAL_DELAY_S late so that the others wait inside the collective as they do
   in training; a repeat's time is the late rank's (from the last arrival to the end), a
-  payload's time the median over repeats, and `engine.cluster.fit_collective` fits latency +
+  payload's time the median over repeats, and `engine.cluster.spec.fit_collective` fits latency +
   bandwidth per collective. One rank has no one to talk to: its spec has no collectives (a one-device
   cluster communicates nothing) rather than fits of local copies.
 
@@ -63,6 +63,7 @@ from typing import Any, Callable, Sequence
 
 from engine import limits
 from engine.errors import HapError
+from engine.options import PlanOptions
 
 PROFILE_KNOBS: dict[str, dict[str, dict[str, Any]]] = {
     "cpu": {"gpt": dict(layers=2, hidden=128, heads=4, ffn=512, vocab=512, seq_len=64, batch=16),
@@ -225,7 +226,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ProfileConfig:
 
 def model_config(cfg: ProfileConfig) -> tuple[str, dict[str, Any]] | None:
     """(zoo name, knobs) of the profiling model, or None for `--model none`; raises HapError/ValueError."""
-    from engine import zoo
+    from engine.model import zoo
 
     if cfg.model == "none":
         return None
@@ -502,13 +503,14 @@ def one_device_plan(name: str, knobs: dict[str, Any]):
     """The plan of a zoo model on one device with every tensor Full: its rank program is the whole
     model at any batch (a split batch dim would need 2 samples, and half of a batch of 2 is 1)."""
     import engine
-    from engine.cost import CostModel
-    from engine.planner import plan_of, replicated_space
-    from engine.synthesis import synthesize
+    from engine.spmd.baselines import replicated_space
+    from engine.spmd.cost import CostModel
+    from engine.spmd.iteration import plan_of
+    from engine.spmd.synthesis import synthesize
 
     graph, cluster = engine.load_model(f"zoo:{name}", **knobs), engine.load_cluster(one_device_cluster())
-    program = synthesize(graph, CostModel(graph, cluster, [1.0], "sgd"), space=replicated_space()).program
-    return plan_of(program, graph, cluster, [1.0], optimizer="sgd")
+    program = synthesize(graph, CostModel(graph, cluster, [1.0], PlanOptions(optimizer="sgd")), space=replicated_space()).program
+    return plan_of(program, graph, cluster, [1.0], options=PlanOptions(optimizer="sgd"))
 
 
 UPDATE_BYTES_WITHOUT_MODEL = 16 * 2**20
@@ -526,7 +528,7 @@ def update_tensors(cfg: ProfileConfig, device) -> list:
     reach `UPDATE_MIN_BYTES`, else 16 tensors of 1 MiB."""
     import torch
 
-    from engine import zoo
+    from engine.model import zoo
 
     spec = model_config(cfg)
     if spec is None:
@@ -542,10 +544,10 @@ def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sy
     """The memory-bound tail of a step, as the runner runs it around the gradient all-reduce (which is
     timed with the collectives): building the bucket (a flat copy of the gradients), copying it
     back into the gradients and one SGD step, over the parameters; the spec's `memory_bandwidth_Bps`
-    is the bytes they move per second (`engine.cost.BUCKET_TRAFFIC` + `UPDATE_TRAFFIC`)."""
+    is the bytes they move per second (`engine.spmd.cost.BUCKET_TRAFFIC` + `UPDATE_TRAFFIC`)."""
     import torch
 
-    from engine.cost import BUCKET_TRAFFIC, UPDATE_TRAFFIC
+    from engine.spmd.cost import BUCKET_TRAFFIC, UPDATE_TRAFFIC
 
     from .collectives import FlatBuffer
     from .train import make_optimizer
@@ -555,13 +557,10 @@ def measure_update(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sy
         t.grad = torch.ones_like(t)
     optimizer = make_optimizer(params, "sgd", lr=1e-6)
     grads = [t.grad for t in params]
-    sizes = [g.numel() for g in grads]
     bucket = FlatBuffer()  # kept across steps, as the runner keeps its buckets
 
     def fn() -> None:
-        flat = bucket.cat(grads)
-        for g, piece in zip(grads, torch.split(flat, sizes)):
-            g.copy_(piece.view_as(g))
+        FlatBuffer.scatter(bucket.cat(grads), grads)
         optimizer.step()
 
     nbytes = sum(t.numel() * t.element_size() for t in params)
@@ -628,7 +627,7 @@ def collective_points(rows: list[dict[str, Any]], name: str) -> tuple[list[float
 
 def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
     """Put the cost model's forward + backward work of each profiled batch into the model rows: all
-    flops, the matmul-class flops and the memory-bound operators' bytes (`engine.cost`'s roofline split)."""
+    flops, the matmul-class flops and the memory-bound operators' bytes (`engine.spmd.cost`'s roofline split)."""
     spec = model_config(cfg)
     if spec is None:
         return
@@ -642,15 +641,15 @@ def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
 
 
 def step_work(name: str, knobs: dict[str, Any]) -> tuple[float, float, float]:
-    """(all flops, matmul-class flops, bytes) of one forward + backward step of a zoo model, as engine.cost
+    """(all flops, matmul-class flops, bytes) of one forward + backward step of a zoo model, as engine.spmd.cost
     counts them with and without the roofline split: the bytes are the memory-bound operators' and the
     weights the matmul-class ones read, all priced at the fitted activation bandwidth."""
     import engine
-    from engine.cost import CostModel
+    from engine.spmd.cost import CostModel
 
     graph = engine.load_model(f"zoo:{name}", **knobs)
-    plain = CostModel(graph, engine.load_cluster(one_device_cluster()), [1.0], "sgd")
-    split = CostModel(graph, engine.load_cluster(one_device_cluster(activation_bandwidth=True)), [1.0], "sgd")
+    plain = CostModel(graph, engine.load_cluster(one_device_cluster()), [1.0], PlanOptions(optimizer="sgd"))
+    split = CostModel(graph, engine.load_cluster(one_device_cluster(activation_bandwidth=True)), [1.0], PlanOptions(optimizer="sgd"))
     return (sum(plain.fwd_flops) + sum(plain.bwd_flops), sum(split.fwd_flops) + sum(split.bwd_flops),
             sum(split.traffic) + sum(split.bwd_traffic) + sum(split.weight_traffic) + sum(split.bwd_weight_traffic))
 
@@ -731,7 +730,7 @@ def compute_fields(best_matmul: Sequence[float | None], steps: Sequence[tuple[fl
 
 def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dict[str, Any]]) -> dict[str, Any]:
     """The cluster spec JSON (schema_version 1): one device per rank, the fitted collectives."""
-    from engine.cluster import fit_collective, Device
+    from engine.cluster.spec import Device, fit_collective
 
     talks = len(infos) > 1
     fits = {name: fit_collective(*collective_points(rows, name)) for name in COLLECTIVES} if talks else {}
@@ -770,7 +769,7 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
 def network_section(fits: dict[str, Any], layout: tuple) -> dict[str, Any]:
     """The spec's network: the broadcast fit as point-to-point latency and bandwidth on every link
     level the devices use, and the collective fits; empty for one rank (no fits)."""
-    from engine.cluster import required_link_levels
+    from engine.cluster.spec import required_link_levels
 
     if not fits:
         return {"latency_s": 0.0, "bandwidth_Bps": {}, "collectives": {}}
@@ -841,20 +840,20 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
     import torch
     import torch.distributed as dist
 
-    from . import launch
+    from .rank_setup import apply_cpu_threads, init_distributed, pick_device
     from .timing import Pacer, parse_speeds
 
     try:
         check_inputs(cfg, env.world_size)
-        backend, device = launch.pick_device(env.local_rank)
+        backend, device = pick_device(env.local_rank)
         cfg = on_device(cfg, device.type)
     except (HapError, ValueError) as e:
         print(f"hap profile: error: {e}", file=sys.stderr)
         return 2
     speed = parse_speeds(cfg.speeds, env.world_size)[env.rank] if cfg.speeds else 1.0
     if device.type == "cpu":
-        launch.apply_cpu_threads(env, emulating=bool(cfg.speeds))
-    launch.init_distributed(env, backend, cfg.timeout_s, init_method)
+        apply_cpu_threads(env, emulating=bool(cfg.speeds))
+    init_distributed(env, backend, cfg.timeout_s, init_method)
     try:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         pacer = Pacer(speed, sync=sync if device.type == "cuda" else None)
@@ -896,18 +895,19 @@ def write_outputs(cfg: ProfileConfig, infos: list[dict[str, Any]], rows: list[di
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`hap profile ...`: one rank under a launcher, else start torchrun on this machine."""
-    from . import launch
-    from .cli import run_torchrun, under_launcher
+    from .config import DistEnv
+    from .rank_setup import exit_process
+    from .torchrun import run_torchrun, under_launcher
 
     argv = list(sys.argv[1:] if argv is None else argv)
     cfg = parse_args(argv)
     if under_launcher():
         try:
-            env = launch.DistEnv.from_environ()
+            env = DistEnv.from_environ()
         except ValueError as e:
             print(f"hap profile: error: {e}", file=sys.stderr)
             return 2
-        launch.exit_process(profile_rank(cfg, env))
+        exit_process(profile_rank(cfg, env))
     try:
         nproc = default_nproc(cfg)
         check_inputs(cfg, nproc)

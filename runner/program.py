@@ -14,14 +14,14 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from engine import dropout, ops
+from engine.cluster.hierarchy import HIER_KEYS, machine_groups
 from engine.errors import PlanError
-from engine.graph import Graph, Node
-from engine.hierarchy import HIER_KEYS, machine_groups
-from engine.ops import unless_empty
-from engine.plan import Plan
-from engine.program import COMM, LOAD, Instruction
-from engine.segments import RESPLIT, instruction_segments, source_segments
+from engine.model import dropout, ops
+from engine.model.graph import Graph, Node
+from engine.model.ops import unless_empty
+from engine.spmd.plan import Plan
+from engine.spmd.program import COMM, LOAD, Instruction
+from engine.spmd.segments import RESPLIT, instruction_segments, source_segments
 from engine.theory.core import FULL, PARTIAL
 
 from . import collectives as C
@@ -55,7 +55,7 @@ class RankProgram:
 
     is_param: dict[int, bool] = None  # type: ignore[assignment]
     uses_rng: bool = False
-    """Whether the module's first argument is the step's `engine.dropout.RngKey` (the plan has dropout sites)."""
+    """Whether the module's first argument is the step's `engine.model.dropout.RngKey` (the plan has dropout sites)."""
 
 
 def sizes_of(plan: Plan, tensor: int, dim: int, segment: int | None = None) -> list[int]:
@@ -223,7 +223,7 @@ def _embedding(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: int,
 
 
 def has_dropout_sites(graph: Graph) -> bool:
-    """Whether the graph draws dropout masks (nodes with an `rng_site`, see engine/dropout.py)."""
+    """Whether the graph draws dropout masks (nodes with an `rng_site`, see engine/model/dropout.py)."""
     return any("rng_site" in n.attrs for n in graph.nodes)
 
 
@@ -239,7 +239,7 @@ def output_starts(plan: Plan, ins: Instruction, rank: int, seg: int) -> list[int
 def _site_dropout(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: int, seg: int,
                   rng: fx.Node | None, window: BatchWindow | None = None) -> fx.Node:
     """Dropout (or attention dropout) with the exact mask of this rank's block: a function of the
-    global shape, the step's key (`rng`), the site and where the block starts (engine/dropout.py);
+    global shape, the step's key (`rng`), the site and where the block starts (engine/model/dropout.py);
     in a `window` (a duplex half) the global shape and the start are the whole batch's."""
     assert rng is not None and ins.post >= FULL, "dropout sites run Full or sharded, never Partial"
     node, graph = plan.graph[ins.node], plan.graph
@@ -348,7 +348,7 @@ _INDEX_EMITTERS: dict[str, Callable[..., fx.Node]] = {
 
 
 def conv(x, w, stride, padding, dilation, groups, shape):
-    """F.conv1d/2d/3d on local shards (zeros when a channel shard is empty, see engine.ops.unless_empty)."""
+    """F.conv1d/2d/3d on local shards (zeros when a channel shard is empty, see engine.model.ops.unless_empty)."""
     fn = (F.conv1d, F.conv2d, F.conv3d)[len(stride) - 1]
     return unless_empty(fn, shape, x, w, None, stride, padding, dilation, groups)
 

@@ -3,7 +3,7 @@
 A checkpoint's COMPLETE marker records the layout of every parameter under the plan that wrote it
 (`layout_of`: Full or Shard(dim) with its integer sizes, and which optimizer state entries are
 shaped like the parameter) and the SHA-256 of every rank file. A rank of the new plan builds the
-resharding table of engine.reshard over every parameter and every sharded optimizer state tensor
+resharding table of engine.elastic.reshard over every parameter and every sharded optimizer state tensor
 (Adam's exp_avg and exp_avg_sq, SGD's momentum buffer), takes its own rows, opens only the old
 rank files those rows name (hash checked, `torch.load(weights_only=True, mmap=True)`: nothing is
 unpickled, only the pages of the slices read are touched) and assembles its local parameters and
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.elastic.reshard import Box, Layout, ReshardTable, TensorMove, numel, reshard_table
 from engine.errors import PlanError
-from engine.plan import Plan
-from engine.reshard import Box, Layout, ReshardTable, TensorMove, numel, reshard_table
+from engine.spmd.plan import Plan
 
 from .checkpoint import CheckpointError, hash_file, rank_file
 from .program import sizes_of
@@ -112,7 +112,7 @@ def old_params(marker: dict[str, Any], plan: Plan) -> dict[str, OldParam]:
 
 def _param_leaves(plan: Plan) -> list[tuple[int, int]]:
     """(node, form) of every parameter LOAD of the plan, in program order (the order of RankProgram.params)."""
-    from engine.program import LOAD
+    from engine.spmd.program import LOAD
 
     return [(i.node, i.post) for i in plan.program if i.kind == LOAD and plan.graph[i.node].op == "parameter"]
 

@@ -1,4 +1,4 @@
-"""A pipeline stage that runs HAP's plan of it (`PipelineStage.plan`, engine/stage_plan.py) on its group.
+"""A pipeline stage that runs HAP's plan of it (`PipelineStage.plan`, engine/pipeline/stage_plan.py) on its group.
 
 Each microbatch is one SPMD step of the stage's own program over the stage's ranks: the stage plan's
 graph is the stage at one microbatch's size, its devices are the stage's, and its collectives go on
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.cluster.hierarchy import HIER_KEYS
 from engine.errors import PlanError
-from engine.graph import Graph
-from engine.hierarchy import HIER_KEYS
-from engine.ops import run_node
-from engine.partition import PipelinePlan
-from engine.plan import Plan
-from engine.program import COMM, COMPUTE
+from engine.model.graph import Graph
+from engine.model.ops import run_node
+from engine.pipeline.plan import PipelinePlan
+from engine.spmd.plan import Plan
+from engine.spmd.program import COMM, COMPUTE
 from engine.theory.core import FULL
 
 from . import collectives as C

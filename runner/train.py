@@ -13,22 +13,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from engine import source, zoo
-from engine.dropout import RngKey, SiteKeyedDropout
-from engine.plan import Plan
+from engine.model import source, zoo
+from engine.model.dropout import RngKey, SiteKeyedDropout
+from engine.spmd.plan import Plan
 from engine.theory.core import FULL, PARTIAL
 
-from .program import RankProgram, build_rank_program, shard, sizes_of
 from .collectives import FlatBuffer, all_reduce_coalesced, gather_padded, run_collective
 from .duplex import HalfStream, half_args, run_halves, setup_halves
 from .overlap import GradBuckets
+from .program import RankProgram, build_rank_program, shard, sizes_of
 from .timing import Pacer
 
 
 def build_module(plan: Plan, seed: int) -> torch.nn.Module:
     """The single-device model the plan was made for, initialised from `seed` on the CPU.
 
-    Zoo models are called with the positional batch; file and Hugging Face models (engine.source)
+    Zoo models are called with the positional batch; file and Hugging Face models (engine.model.source)
     come back with a forward that takes the flat batch of `make_batch` and returns the loss. Every
     rank builds the whole model once (its memory cost) and then keeps only its slices."""
     origin = plan.graph.origin
@@ -70,7 +70,7 @@ class RankState:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     seed: int = 0
-    """The run's seed: with the step number, it keys the dropout masks (engine/dropout.py)."""
+    """The run's seed: with the step number, it keys the dropout masks (engine/model/dropout.py)."""
     buckets: GradBuckets | None = None
     """The plan's gradient buckets on a group of their own (overlap `ddp` and `duplex`, runner.overlap)."""
     halves: list[HalfStream] = field(default_factory=list)

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine.plan import Plan
+from engine.spmd.plan import Plan
 
+from .config import RunConfig
 from .train import RankState, gathered_params, reference_run
-
-if TYPE_CHECKING:
-    from .launch import RunConfig
 
 TOLERANCE = 1e-4
 """Largest relative difference accepted in fp32 (issue: runner, verify mode)."""
@@ -87,7 +84,7 @@ def compare(losses: list[float], params: dict[str, torch.Tensor],
     return Comparison(max(loss_rels, default=0.0), step, param_rels.get(name, 0.0), name, missing)
 
 
-def verify(plan: Plan, cfg: "RunConfig", st: RankState, rank: int, device: torch.device) -> int:
+def verify(plan: Plan, cfg: RunConfig, st: RankState, rank: int, device: torch.device) -> int:
     """Gather parameters (every rank takes part), then save and/or compare them on rank 0.
 
     Returns the rank's exit status: 1 on rank 0 when the differences exceed the tolerance.

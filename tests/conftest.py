@@ -13,8 +13,8 @@ from typing import Any, Callable, Sequence
 import pytest
 
 import engine
-from engine.cluster import Cluster
-from engine.graph import Graph, Node
+from engine.cluster.spec import Cluster
+from engine.model.graph import Graph, Node
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_clusters"

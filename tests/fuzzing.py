@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from engine.planner import load_plan
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_clusters"
 KINDS = ("cluster", "graph", "plan", "bundle", "cli")
@@ -295,7 +297,7 @@ class Fixtures:
 def make_fixtures(workdir: str | Path) -> Fixtures:
     """Sample clusters, a captured zoo:mlp graph, its plan on cpu_4_uneven and that plan's bundle."""
     import engine
-    from engine.bundle import export_bundle, read_folder
+    from engine.bundle.archive import export_bundle, read_folder
 
     work = Path(workdir)
     clusters = {p.stem: json.loads(p.read_text()) for p in sorted(SAMPLES.glob("*.json"))}
@@ -329,7 +331,7 @@ def cluster_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]
 def graph_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     """A mutated graph JSON of a tiny zoo model, loaded and planned on cpu_4_uneven."""
     import engine
-    from engine.graph import Graph
+    from engine.model.graph import Graph
 
     names = sorted(fx.graph_jsons)
     name = names[choose(len(names))]
@@ -350,13 +352,13 @@ PLAN_FOCUS = (("program",), ("ratios",), ("shard_sizes",), ("cluster",), ("graph
 
 def plan_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     """A mutated plan JSON, parsed and listed."""
-    from engine.plan import Plan
+    from engine.spmd.plan import Plan
 
     doc, said = mutate_json(fx.plan_json, choose, focus=PLAN_FOCUS, semantic_share=True)
     text = dumps(doc)
 
     def run() -> None:
-        Plan.from_json(text).listing()
+        load_plan(text).listing()
 
     return run, said
 
@@ -368,7 +370,7 @@ def bundle_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     """A bundle with one file mutated (a JSON file mutated as JSON, else cut, emptied or deleted, or a
     file added), half the time with the manifest re-signed so the checks past the sha256s are reached;
     one case in five is the bundle's zip with bytes flipped or cut instead."""
-    from engine.bundle import MANIFEST, check_files, open_bundle, sha256
+    from engine.bundle.archive import MANIFEST, check_files, open_bundle, sha256
 
     if choose(5) == 0:
         return zip_case(fx, choose)
@@ -415,7 +417,7 @@ def bundle_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
 
 def zip_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     """The bundle's zip with a few bytes overwritten or the end cut off, checked as `hap bundle check` does."""
-    from engine.bundle import check_bundle, zip_bytes
+    from engine.bundle.archive import check_bundle, zip_bytes
 
     data = bytearray(zip_bytes(fx.bundle_files, "bundle"))
     if choose(3) == 0:

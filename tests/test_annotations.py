@@ -5,11 +5,12 @@ import contextlib
 import io
 import json
 
-import engine
 from conftest import sample_path
-from engine.annotations import annotate, annotate_form, runs
-from engine.bundle import ANNOTATIONS, check_bundle
+
+import engine
+from engine.bundle.archive import ANNOTATIONS, check_bundle
 from engine.cli import main
+from engine.elastic.annotations import annotate, annotate_form, runs
 from engine.theory.core import FULL, PARTIAL
 
 TINY_GPT = dict(layers=1, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, batch=10)

@@ -1,4 +1,4 @@
-"""Tests of engine.balance (the sharding-ratio LP, HAP §5) and of the integer shard sizes of engine.plan."""
+"""Tests of engine.spmd.balance (the sharding-ratio LP, HAP §5) and of the integer shard sizes of engine.plan."""
 from __future__ import annotations
 
 import itertools
@@ -7,17 +7,17 @@ import re
 from fractions import Fraction
 
 import pytest
+from conftest import GIB, cluster_dict, with_memory
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-from conftest import GIB, cluster_dict, with_memory
-from engine.balance import BalanceResult, balance
-from engine.cost import CostModel, evaluate
 from engine.errors import InfeasibleError
-from engine.plan import shard_sizes, shard_units, split_sizes
-from engine.program import COMPUTE
-from engine.synthesis import SearchSpace, synthesize
+from engine.spmd.balance import BalanceResult, balance
+from engine.spmd.cost import CostModel, evaluate
+from engine.spmd.program import COMPUTE
+from engine.spmd.sizes import shard_sizes, shard_units, split_sizes
+from engine.spmd.synthesis import SearchSpace, synthesize
 
 
 def one_segment(by_key: dict) -> dict:
@@ -314,7 +314,7 @@ def test_lp_objective_equals_a_fine_grid_search_in_the_overlap_modes(request, mo
 def test_lp_in_ddp_mode_overlaps_the_buckets_it_prices(mlp1):
     """The same program balanced for ddp is predicted no slower than balanced for none, and ddp's
     objective is what evaluate says at its ratios (with several buckets)."""
-    from engine.planner import data_parallel_space
+    from engine.spmd.baselines import data_parallel_space
 
     cluster = engine.load_cluster(cluster_dict([2e12, 1e12, 5e11], latency_s=1e-5, bandwidth_Bps=1e9))
     big = engine.load_model("zoo:mlp", layers=3, in_features=512, hidden=1024, classes=16, batch=4096)

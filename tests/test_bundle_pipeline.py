@@ -1,5 +1,5 @@
 """Launch bundles of pipeline plans (issue 15): `hap export`, `hap bundle check` and `open_bundle` on a
-"hap.pipeline_plan", through the same functions as SPMD plans (engine.bundle.BundlePlan)."""
+"hap.pipeline_plan", through the same functions as SPMD plans (engine.bundle.archive.AnyPlan)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,16 +11,16 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import cluster_dict, sample_path
 
 import engine
-from conftest import cluster_dict, sample_path
-from engine.bundle import (BundleError, check_bundle, export_bundle, open_bundle, plan_parallelism, plan_warnings,
-                           read_zip)
+from engine.bundle.archive import (BundleError, check_bundle, export_bundle, open_bundle, plan_parallelism,
+                                   plan_warnings, read_zip)
 from engine.cli import main
 from engine.errors import PlanError
-from engine.partition import fixed_pipeline
-from engine.pipeline_plan import load_any, save_pipeline_plan
-from engine.stages import StageGraph
+from engine.pipeline.partition import fixed_pipeline
+from engine.pipeline.stages import StageGraph
+from engine.planner import load_plan
 
 MLP = dict(layers=2, in_features=8, hidden=24, classes=6, batch=20)
 FILES = {"plan.json", "cluster.json", "model.json", "launch_node.sh", "slurm.sbatch", "pytorchjob.yaml",
@@ -74,7 +74,7 @@ def rewrite(folder: Path, name: str, text: str) -> None:
 
 def test_export_writes_the_pipeline_plan_as_save_pipeline_plan_does_and_hashes_every_file(bundle, pipe, tmp_path):
     assert {p.name for p in bundle.iterdir()} == FILES
-    save_pipeline_plan(pipe, tmp_path / "p.json")
+    pipe.save(tmp_path / "p.json")
     assert (bundle / "plan.json").read_text() == (tmp_path / "p.json").read_text()
     manifest = json.loads((bundle / "manifest.json").read_text())
     assert set(manifest["files"]) == FILES - {"manifest.json"}
@@ -94,7 +94,7 @@ def test_bundle_readme_describes_the_pipeline_and_the_options_it_takes(bundle):
 
 
 def test_hap_export_of_a_pipeline_plan_file(pipe, tmp_path):
-    save_pipeline_plan(pipe, tmp_path / "p.json")
+    pipe.save(tmp_path / "p.json")
     rc, out, err = cli("export", str(tmp_path / "p.json"), "--out", str(tmp_path / "b"), "--zip")
     assert rc == 0, err
     assert "pipeline plan, 4 ranks on 1 node(s)" in out and err == ""
@@ -113,7 +113,7 @@ def test_pipeline_stages_on_two_machines_launch_as_two_nodes(tmp_path):
                                  {"node_rank": 1, "machine": "n1", "nproc": 2, "ranks": [2, 3]}]
     assert (out / "launch_node.sh").read_text().count("-m runner.launch") == 2
     opened = open_bundle(out)
-    assert [n.ranks for n in opened.nodes] == [(0, 1), (2, 3)] and load_any(opened.plan_path) == plan
+    assert [n.ranks for n in opened.nodes] == [(0, 1), (2, 3)] and load_plan(opened.plan_path) == plan
 
 
 # ----------------------------------------------------------------------------- what a pipeline bundle cannot carry
@@ -122,7 +122,7 @@ def test_pipeline_stages_on_two_machines_launch_as_two_nodes(tmp_path):
 def test_export_refuses_a_cluster_that_is_not_the_plans_in_one_line(pipe, tmp_path):
     with pytest.raises(BundleError, match=r"has devices \[a100-0, .*but the plan was made for \[cpu-0"):
         export_bundle(pipe, sample_path("a100x2_p100x2"), tmp_path / "b")
-    save_pipeline_plan(pipe, tmp_path / "p.json")
+    pipe.save(tmp_path / "p.json")
     rc, _, err = cli("export", str(tmp_path / "p.json"), "--cluster", str(sample_path("a100x2_p100x2")),
                      "--out", str(tmp_path / "b2"))
     assert rc == 2 and len(err.splitlines()) == 1 and "give --cluster the spec the plan was made for" in err
@@ -130,7 +130,7 @@ def test_export_refuses_a_cluster_that_is_not_the_plans_in_one_line(pipe, tmp_pa
 
 
 def test_export_refuses_hspmd_annotations_for_a_pipeline_plan(pipe, tmp_path):
-    save_pipeline_plan(pipe, tmp_path / "p.json")
+    pipe.save(tmp_path / "p.json")
     rc, _, err = cli("export", str(tmp_path / "p.json"), "--out", str(tmp_path / "b"), "--annotations")
     assert rc == 2 and len(err.splitlines()) == 1 and "without --annotations" in err
 

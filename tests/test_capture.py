@@ -1,11 +1,11 @@
-"""Tests of engine.capture / engine.graph: zoo capture, the graph IR, JSON round trips, error messages."""
+"""Tests of engine.model.capture / engine.model.graph: zoo capture, the graph IR, JSON round trips, error messages."""
 from __future__ import annotations
 
 import functools
 import json
 import math
-import resource
 import re
+import resource
 from pathlib import Path
 
 import pytest
@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 import engine
 from engine.errors import ModelError, UnsupportedOpError
-from engine.graph import Graph, Node
-from engine.zoo import ZOO, entry, make_config
+from engine.model.graph import Graph, Node
+from engine.model.zoo import ZOO, entry, make_config
 
 GPT_SMALL = dict(layers=3, hidden=32, heads=4, ffn=64, vocab=50, seq_len=8, batch=4)
 MLP_SMALL = dict(layers=3, in_features=8, hidden=16, classes=5, batch=6)
@@ -326,10 +326,10 @@ def test_in_place_operators_are_functionalized() -> None:
 def test_programs_without_in_place_operators_keep_the_training_ir() -> None:
     """Functionalization re-traces the program (dropout would become native_dropout): only when needed."""
     module = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
-    ep = engine.capture.export_program(module, (torch.randn(3, 4),), {})
-    assert engine.capture.functionalize(ep) is ep
-    mutating = engine.capture.export_program(InPlaceResidual(), (torch.randn(3, 6),), {})
-    assert engine.capture.functionalize(mutating) is not mutating
+    ep = engine.model.capture.export_program(module, (torch.randn(3, 4),), {})
+    assert engine.model.capture.functionalize(ep) is ep
+    mutating = engine.model.capture.export_program(InPlaceResidual(), (torch.randn(3, 6),), {})
+    assert engine.model.capture.functionalize(mutating) is not mutating
 
 
 class MaskArithmetic(nn.Module):

@@ -13,7 +13,7 @@ Mixtral runs with `experts_implementation="batched_mm"`: transformers 5.24's def
 computed with `histc`, and `eager` loops over `nonzero()` experts: both have data-dependent shapes.
 `batched_mm` gathers each token's expert weights (static shapes), which plans and runs exactly.
 GPT-2 keeps its default dropout (0.1), its attention dropout included: `scaled_dot_product_attention`
-with `dropout_p > 0` is one `sdpa` node with a dropout site (engine/dropout.py, tests/test_dropout.py).
+with `dropout_p > 0` is one `sdpa` node with a dropout site (engine/model/dropout.py, tests/test_dropout.py).
 """
 from __future__ import annotations
 
@@ -21,13 +21,12 @@ import functools
 
 import pytest
 import torch
-
-import engine
-from engine.graph import Graph
-from engine.theory import missing_rules, op_rules
-
 from conftest import sample_path
 from test_ecosystem import interpret
+
+import engine
+from engine.model.graph import Graph
+from engine.theory import missing_rules, op_rules
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,15 +7,14 @@ from __future__ import annotations
 import sys
 
 import pytest
+from conftest import sample_path
 
 import engine
-from engine.graph import Graph
-from engine.plan import Plan
-from engine.program import COMPUTE
+from engine.model.graph import Graph
+from engine.model.zoo import ecosystem
+from engine.spmd.plan import Plan
+from engine.spmd.program import COMPUTE
 from engine.theory import missing_rules
-from engine.zoo import ecosystem
-
-from conftest import sample_path
 
 pytest.importorskip("transformers")
 

@@ -10,10 +10,11 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import GIB, ROOT, sample_dict, sample_path
+
 from engine import Plan
 from engine.cli import main
+from engine.planner import load_plan
 
 TINY_GPT = ["--set", "layers=2", "--set", "hidden=64", "--set", "heads=4", "--set", "ffn=128",
             "--set", "vocab=256", "--set", "seq_len=16", "--set", "batch=8"]
@@ -47,7 +48,7 @@ def test_plan_returns_0_and_writes_a_loadable_plan(mlp_report):
     rc, out, err, path = mlp_report
     assert rc == 0, err
     assert "Traceback" not in err
-    plan = Plan.from_json(str(path))
+    plan = load_plan(str(path))
     assert plan.strategy == "hap"
     assert plan.cluster_name == "cpu_4_uneven"
     assert f"plan written to {path}" in out
@@ -61,7 +62,7 @@ def test_plan_report_compares_hap_with_both_baselines_and_a_speed_up(mlp_report)
         if m:
             rows[m.group(1)] = (float(m.group(2)), m.group(3))
     assert set(rows) == {"hap", "ddp", "dp-even", "dp-proportional"}, out
-    plan = Plan.from_json(str(path))
+    plan = load_plan(str(path))
     assert rows["hap"][0] == pytest.approx(plan.predicted_time_s * 1e3, abs=0.006)
     for name in ("ddp", "dp-even", "dp-proportional"):
         t, speed_up = rows[name]
@@ -76,7 +77,7 @@ def test_plan_report_compares_hap_with_both_baselines_and_a_speed_up(mlp_report)
 
 def test_plan_report_says_which_overlap_mode_won(mlp_report):
     _, out, _, path = mlp_report
-    plan = Plan.from_json(str(path))
+    plan = load_plan(str(path))
     times = plan.search["overlap_s"]
     assert set(times) == {"ddp", "duplex", "none"} and plan.overlap == min(times, key=times.get)
     line = next(x for x in out.splitlines() if x.startswith("overlap: "))
@@ -91,7 +92,7 @@ def test_plan_overlap_duplex_writes_a_duplex_plan_of_bert_moe(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert json.loads(out_path.read_text())["overlap"] == "duplex"
-    assert Plan.from_json(str(out_path)).overlap == "duplex"
+    assert load_plan(str(out_path)).overlap == "duplex"
     assert re.search(r"^overlap: duplex \(", out, re.M), out
 
 
@@ -114,7 +115,7 @@ def test_plan_overlap_duplex_with_batch_norm_exits_2_with_one_line(capsys):
 
 def test_plan_report_lists_ratio_and_memory_of_every_device(mlp_report):
     _, out, _, path = mlp_report
-    plan = Plan.from_json(str(path))
+    plan = load_plan(str(path))
     cluster_devices = plan.device_names
     table = out[out.index("device"):]
     for j, name in enumerate(cluster_devices):
@@ -141,7 +142,7 @@ def test_plan_json_flag_prints_only_parseable_json(capsys, tmp_path):
     assert rc == 0, err
     d = json.loads(out)
     assert d["kind"] == "hap.plan" and d["strategy"] == "hap"
-    assert Plan.from_dict(d).to_dict() == d
+    assert load_plan(d).to_dict() == d
 
 
 def test_plan_set_knobs_reach_the_zoo_model(capsys, tmp_path):
@@ -150,7 +151,7 @@ def test_plan_set_knobs_reach_the_zoo_model(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "model gpt" in out
-    config = Plan.from_json(str(path)).graph.origin["config"]
+    config = load_plan(str(path)).graph.origin["config"]
     assert config["layers"] == 2 and config["hidden"] == 64 and config["heads"] == 4
 
 
@@ -264,7 +265,7 @@ def test_report_says_why_a_batch_of_one_has_no_data_parallel_baseline(capsys):
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "runner.hap", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
 
 
@@ -275,7 +276,7 @@ def test_console_entry_point_plans_and_reports_errors_without_traceback(tmp_path
     assert "Traceback" not in ok.stderr
     assert "dp-proportional" in ok.stdout
     assert "HiGHS" not in ok.stdout  # highspy writes its banner to fd 1 (not sys.stdout); the report keeps it out
-    Plan.from_json(str(tmp_path / "plan.json"))
+    load_plan(str(tmp_path / "plan.json"))
 
     bad = _run("plan", "--model", "zoo:nope", "--cluster", "sample_clusters/cpu_2.json")
     assert bad.returncode == 2

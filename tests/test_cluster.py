@@ -8,17 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from engine.cluster import (
-    COLLECTIVES,
-    FREE_BANDWIDTH_BPS,
-    Cluster,
-    CollectiveFit,
-    fit_collective,
-    load_cluster,
-    nominal_collectives,
-)
 from conftest import cluster_dict
+
+from engine.cluster.spec import (COLLECTIVES, FREE_BANDWIDTH_BPS, Cluster, CollectiveFit, fit_collective, load_cluster,
+                                 nominal_collectives)
 from engine.errors import ClusterError
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_clusters"
@@ -374,7 +367,7 @@ def test_overlap_slowdown_round_trips_and_defaults_to_full_speed():
 
 
 def test_slowdown_modes_are_the_overlap_modes_that_overlap():
-    from engine.cluster import SLOWDOWN_MODES
-    from engine.overlap import OVERLAP_MODES
+    from engine.cluster.spec import SLOWDOWN_MODES
+    from engine.options import OVERLAP_MODES
 
     assert set(SLOWDOWN_MODES) == set(OVERLAP_MODES) - {"none"}

@@ -7,9 +7,10 @@ import pytest
 
 import engine
 from engine import ClusterError, compare
-from engine.cost import CostModel
-from engine.planner import DEFAULT_BEAM_WIDTH, proportional_ratios
-from engine.synthesis import synthesize
+from engine.options import DEFAULT_BEAM_WIDTH
+from engine.spmd.baselines import proportional_ratios
+from engine.spmd.cost import CostModel
+from engine.spmd.synthesis import synthesize
 
 SAMPLES = Path(__file__).resolve().parent.parent / "sample_clusters"
 

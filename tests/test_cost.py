@@ -1,15 +1,17 @@
-"""Tests of engine.cost's gradient bucket (Full parameters' gradients are all-reduced once, after
+"""Tests of engine.spmd.cost's gradient bucket (Full parameters' gradients are all-reduced once, after
 backward) and of the memory-bound work per local parameter byte (optimizer update, bucket copies)."""
 from __future__ import annotations
 
 import pytest
-
 from conftest import ce_graph, cluster_dict
-from engine.cluster import Cluster
-from engine.balance import balance
-from engine.cost import BACKWARD_TRAFFIC, WEIGHT_BACKWARD_TRAFFIC, BUCKET_TRAFFIC, UPDATE_TRAFFIC, CostModel, evaluate
-from engine.planner import data_parallel_space
-from engine.synthesis import SearchSpace, synthesize
+
+from engine.cluster.spec import Cluster
+from engine.options import PlanOptions
+from engine.spmd.balance import balance
+from engine.spmd.baselines import data_parallel_space
+from engine.spmd.cost import (BACKWARD_TRAFFIC, BUCKET_TRAFFIC, UPDATE_TRAFFIC, WEIGHT_BACKWARD_TRAFFIC, CostModel,
+                              evaluate)
+from engine.spmd.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
 
 
@@ -79,9 +81,10 @@ def cluster_bw() -> Cluster:
 def test_a_full_parameter_pays_its_update_and_bucket_copies_on_every_device(cluster, cluster_bw, optimizer):
     graph = ce_graph()
     ratios = [0.4, 0.4, 0.2]  # proportional: every device computes equally long, so the update adds to the stage max
-    program = synthesize(graph, CostModel(graph, cluster, ratios, optimizer), space=data_parallel_space(graph)).program
-    without = evaluate(program, CostModel(graph, cluster, ratios, optimizer)).total_s
-    with_bw = evaluate(program, CostModel(graph, cluster_bw, ratios, optimizer)).total_s
+    options = PlanOptions(optimizer=optimizer)
+    program = synthesize(graph, CostModel(graph, cluster, ratios, options), space=data_parallel_space(graph)).program
+    without = evaluate(program, CostModel(graph, cluster, ratios, options)).total_s
+    with_bw = evaluate(program, CostModel(graph, cluster_bw, ratios, options)).total_s
     nbytes = _full_param_bytes(program, graph)
     assert with_bw - without == pytest.approx(nbytes * (UPDATE_TRAFFIC[optimizer] + BUCKET_TRAFFIC) / MEM_BW, rel=1e-9)
 
@@ -90,20 +93,20 @@ def test_a_sharded_parameter_pays_the_update_of_its_local_slice_only(cluster, cl
     graph = ce_graph()
     ratios = [0.4, 0.4, 0.2]
     sharded_only = SearchSpace(param_forms=lambda n, f: f != FULL)
-    program = synthesize(graph, CostModel(graph, cluster, ratios, "sgd"), space=sharded_only).program
-    without = evaluate(program, CostModel(graph, cluster, ratios, "sgd")).total_s
-    with_bw = evaluate(program, CostModel(graph, cluster_bw, ratios, "sgd")).total_s
+    program = synthesize(graph, CostModel(graph, cluster, ratios, PlanOptions(optimizer="sgd")), space=sharded_only).program
+    without = evaluate(program, CostModel(graph, cluster, ratios, PlanOptions(optimizer="sgd"))).total_s
+    with_bw = evaluate(program, CostModel(graph, cluster_bw, ratios, PlanOptions(optimizer="sgd"))).total_s
     nbytes = sum(n.nbytes for n in graph.parameters)
     assert with_bw - without == pytest.approx(nbytes * max(ratios) * UPDATE_TRAFFIC["sgd"] / MEM_BW, rel=1e-9)
 
 
 def test_search_and_load_balancer_price_the_update_exactly_as_replay_does(cluster_bw):
     graph = ce_graph()
-    cm = CostModel(graph, cluster_bw, [0.2, 0.3, 0.5], "adam")
+    cm = CostModel(graph, cluster_bw, [0.2, 0.3, 0.5], PlanOptions(optimizer="adam"))
     res = synthesize(graph, cm, space=None)
     assert res.cost == pytest.approx(evaluate(res.program, cm).total_s, rel=1e-9)
-    lp = balance(res.program, graph, cluster_bw, optimizer="adam")
-    at_lp = evaluate(res.program, CostModel(graph, cluster_bw, lp.ratios, "adam")).total_s
+    lp = balance(res.program, graph, cluster_bw, options=PlanOptions(optimizer="adam"))
+    at_lp = evaluate(res.program, CostModel(graph, cluster_bw, lp.ratios, PlanOptions(optimizer="adam"))).total_s
     assert lp.objective_s == pytest.approx(at_lp, rel=1e-6)
 
 
@@ -124,7 +127,7 @@ def test_the_roofline_split_prices_matmuls_by_flops_and_the_rest_by_the_bytes_th
     forward, read again and write as gradients backward), two relus and a cross-entropy (bytes)."""
     B, I, H, O = 64, 256, 512, 16
     graph = ce_graph(B, I, H, O)
-    cm = CostModel(graph, one_device(ACT_BW), [1.0], "sgd")
+    cm = CostModel(graph, one_device(ACT_BW), [1.0], PlanOptions(optimizer="sgd"))
     program = synthesize(graph, cm).program
     # forward + backward flops: x needs no gradient, so the first linear's backward is its weight's only
     flops = 2 * B * I * H * 2 + 2 * B * H * H * 3 + 2 * B * H * O * 3
@@ -137,7 +140,7 @@ def test_the_roofline_split_prices_matmuls_by_flops_and_the_rest_by_the_bytes_th
 
 def test_without_activation_bandwidth_every_operator_is_priced_by_its_flops():
     graph = ce_graph()
-    cm = CostModel(graph, one_device(None), [1.0], "sgd")
+    cm = CostModel(graph, one_device(None), [1.0], PlanOptions(optimizer="sgd"))
     assert not cm.roofline and not any(cm.traffic)
     program = synthesize(graph, cm).program
     flops = sum(n.flops for n in graph.nodes) + sum(cm.bwd_flops)
@@ -151,8 +154,8 @@ def test_the_roofline_split_scales_the_memory_bound_work_with_the_ratio_of_a_bat
     for dev in d["devices"]:
         dev["activation_bandwidth_Bps"] = ACT_BW
     cluster = Cluster.from_dict(d)
-    program = synthesize(graph, CostModel(graph, cluster, [0.5, 0.5], "sgd"), space=data_parallel_space(graph)).program
-    at = {r: evaluate(program, CostModel(graph, cluster, [r, 1 - r], "sgd")) for r in (0.5, 0.75)}
+    program = synthesize(graph, CostModel(graph, cluster, [0.5, 0.5], PlanOptions(optimizer="sgd")), space=data_parallel_space(graph)).program
+    at = {r: evaluate(program, CostModel(graph, cluster, [r, 1 - r], PlanOptions(optimizer="sgd"))) for r in (0.5, 0.75)}
     comp = {r: sum(max(c) for c in b.stage_comp_s) for r, b in at.items()}
     weights_s = (1 + WEIGHT_BACKWARD_TRAFFIC) * sum(n.nbytes for n in graph.parameters) / ACT_BW
     assert comp[0.75] - weights_s == pytest.approx((comp[0.5] - weights_s) * 1.5, rel=1e-9)
@@ -163,7 +166,7 @@ def test_a_weight_sharded_matmul_reads_only_its_slice_of_the_weight():
     d = cluster_dict([1e12, 1e12])
     for dev in d["devices"]:
         dev["activation_bandwidth_Bps"] = ACT_BW
-    cm = CostModel(graph, Cluster.from_dict(d), [0.5, 0.5], "sgd")
+    cm = CostModel(graph, Cluster.from_dict(d), [0.5, 0.5], PlanOptions(optimizer="sgd"))
     linear = next(n for n in graph.nodes if n.op == "linear" and graph[n.inputs[0]].op != "placeholder")
     whole = cm.compute_delta(linear.id, True, cm.weights_whole(linear.id, (0, FULL)))[0]
     sliced = cm.compute_delta(linear.id, True, cm.weights_whole(linear.id, (FULL, 0)))[0]
@@ -175,7 +178,7 @@ def test_a_weight_sharded_matmul_reads_only_its_slice_of_the_weight():
 def test_an_all_reduce_is_priced_off_the_profiled_points_where_the_fitted_line_is_too_cheap():
     """A tensor-parallel plan's activation all-reduce (ratio-independent payload) reads its time off
     the fit's measured points; with the same line and no points it keeps the line."""
-    from engine.cluster import CollectiveFit, fit_collective
+    from engine.cluster.spec import CollectiveFit, fit_collective
 
     graph = ce_graph()
     nbytes = max(n.nbytes for n in graph.nodes)

@@ -1,4 +1,4 @@
-"""Exact dropout (engine/dropout.py): a sharded dropout draws the mask of single-device dropout.
+"""Exact dropout (engine/model/dropout.py): a sharded dropout draws the mask of single-device dropout.
 
 In-process, no process group: m simulated devices each run their block of every rule that can
 shard a dropout input (Full, Shard on each dim, uneven sizes, 2 and 3 devices); the blocks put
@@ -12,20 +12,20 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import engine
-from engine.capture import LossOf, _to_graph, export_program
-from engine.cluster import Cluster
-from engine.cost import CostModel
-from engine.dropout import RngKey, SiteKeyedDropout, keep_mask, uniform
-from engine.errors import UnsupportedOpError
-from engine.graph import Graph, Node
-from engine.ops import run_node
-from engine.theory import FULL, PARTIAL, op_rules
-from engine.theory.check import split_sizes
-
 from conftest import cluster_dict
 from test_ecosystem import interpret
+
+import engine
+from engine.cluster.spec import Cluster
+from engine.errors import UnsupportedOpError
+from engine.model.capture import LossOf, _to_graph, export_program
+from engine.model.dropout import RngKey, SiteKeyedDropout, keep_mask, uniform
+from engine.model.graph import Graph, Node
+from engine.model.ops import run_node
+from engine.options import PlanOptions
+from engine.spmd.cost import CostModel
+from engine.theory import FULL, PARTIAL, op_rules
+from engine.theory.check import split_sizes
 
 KEY = RngKey(seed=7, step=3)
 WORLDS = [[0.6, 0.4], [0.5, 0.3, 0.2]]
@@ -203,7 +203,7 @@ def test_attention_dropout_keeps_its_probabilities_in_the_memory_estimate():
     mems = []
     for node in (plain, drop):
         g = Graph(nodes=tuple(leaf_params) + (node,), loss=3)
-        mems.append(CostModel(g, cluster, [0.5, 0.5], "sgd").compute_delta(3, True)[2][2])
+        mems.append(CostModel(g, cluster, [0.5, 0.5], PlanOptions(optimizer="sgd")).compute_delta(3, True)[2][2])
     probs = 4 * 2 * 8 * 8
     assert mems[1] - mems[0] == probs * (2 * 8 + 1), "float64 probabilities before and after dropout, a boolean mask"
 
@@ -219,7 +219,7 @@ def test_the_reference_mode_refuses_dropout_variants_that_would_draw_without_a_s
 
 
 def test_a_dropout_site_counts_the_hashing_of_its_mask_in_its_flops():
-    from engine.dropout import MASK_OPS_PER_ELEMENT
+    from engine.model.dropout import MASK_OPS_PER_ELEMENT
 
     graph, _ = dropouts_graph(decompose=False)
     site = next(n for n in graph.nodes if n.op == "dropout" and "rng_site" in n.attrs)
@@ -231,7 +231,7 @@ def test_a_dropout_site_counts_the_hashing_of_its_mask_in_its_flops():
 
 
 def test_attention_dropout_gives_a_query_with_no_visible_key_zeros_as_torch_does():
-    from engine.dropout import attention_dropout
+    from engine.model.dropout import attention_dropout
 
     q = torch.randn(2, 2, 4, 8, dtype=torch.float64, requires_grad=True)
     visible = torch.ones(4, 4, dtype=torch.bool)
@@ -286,7 +286,7 @@ def test_the_reference_keys_the_attention_dropout_inside_nn_multihead_attention(
     dropout must still draw the site-keyed mask and take its site number, else the reference draws
     torch's own mask there and every later site is shifted by one (hap run --verify failed on the
     transformer_classifier of the coverage bench)."""
-    from engine.zoo import ecosystem
+    from engine.model.zoo import ecosystem
 
     model, inputs = ecosystem.build("transformer_classifier", "cpu")
     g = engine.load_model(model, inputs)

@@ -7,16 +7,15 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
+from conftest import cluster_dict, sample_path
+from test_cli import assert_one_line_error
 
 import engine
 from engine.errors import ModelError, UnsupportedOpError
-from engine.dropout import RngKey
-from engine.graph import Graph
-from engine.ops import run_node
+from engine.model.dropout import RngKey
+from engine.model.graph import Graph
+from engine.model.ops import run_node
 from engine.theory import op_rules
-
-from conftest import cluster_dict, sample_path
-from test_cli import assert_one_line_error
 
 
 class Unruly(nn.Module):
@@ -135,7 +134,7 @@ def test_transformers_graph_computes_the_models_loss() -> None:
 
 def test_transformers_model_with_positional_inputs_plans() -> None:
     pytest.importorskip("transformers")
-    from engine.zoo import hf
+    from engine.model.zoo import hf
 
     cfg = hf.HFConfig(layers=1, hidden=16, heads=2, ffn=32, vocab=40, seq_len=8, batch=6)
     with torch.device("meta"):

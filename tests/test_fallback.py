@@ -8,14 +8,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import cluster_dict, sample_dict
+from test_ecosystem import Unruly, interpret, unruly_inputs
 
 import engine
-from conftest import cluster_dict, sample_dict
 from engine.errors import UnsupportedOpError
-from engine.graph import Graph
-from engine.program import COMM, COMPUTE
-
-from test_ecosystem import Unruly, interpret, unruly_inputs
+from engine.model.graph import Graph
+from engine.spmd.program import COMM, COMPUTE
 
 
 class MaskArithmetic(nn.Module):

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from fuzzing import CASES, KINDS, Outcome, classify, make_fixtures, mutate_args, mutate_json, pick_path
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.planner import load_plan
 
 CASE_TIMEOUT_S = 30.0
 """A case past this is a hang (plans run with a 0.3 s budget; a slow shared CI core is allowed for)."""
@@ -44,16 +46,17 @@ def test_mutated_input_is_refused_with_one_typed_line_or_accepted(fx, kind: str)
 
 def test_the_unmutated_inputs_are_accepted(fx) -> None:
     """The fuzzer's starting points are valid, so 'accepted' and 'error' really tell mutations apart."""
-    import engine
-    from engine.bundle import check_files
-    from engine.graph import Graph
     from fuzzing import cli_commands, run_cli
+
+    import engine
+    from engine.bundle.archive import check_files
+    from engine.model.graph import Graph
 
     for doc in fx.clusters.values():
         engine.load_cluster(doc)
     for doc in fx.graph_jsons.values():
         Graph.from_dict(doc)
-    engine.Plan.from_json(json.dumps(fx.plan_json))
+    load_plan(json.dumps(fx.plan_json))
     assert check_files(fx.bundle_files, "bundle").ok
     for program, args in cli_commands(fx):
         assert run_cli(program, args, fx.workdir).kind == "accepted", (program, args)

@@ -1,4 +1,4 @@
-"""Hierarchical collectives in the engine (engine.hierarchy): which layouts offer them, their price
+"""Hierarchical collectives in the engine (engine.cluster.hierarchy): which layouts offer them, their price
 per link level, their duals, the search choosing them where they are predicted faster, and the
 plan validator's checks of the machines they need."""
 from __future__ import annotations
@@ -6,18 +6,20 @@ from __future__ import annotations
 import math
 
 import pytest
+from conftest import ce_graph, cluster_dict, sample_dict
 
 import engine
-from conftest import ce_graph, cluster_dict, sample_dict
-from engine.cluster import Cluster
-from engine.cost import DUAL, CostModel, evaluate
+from engine.cluster.hierarchy import HIER_KEYS, hierarchy_of, machine_groups, peer_groups
+from engine.cluster.spec import Cluster
 from engine.errors import PlanError
-from engine.hierarchy import HIER_KEYS, hierarchy_of, machine_groups, peer_groups
-from engine.plan import Plan
-from engine.planner import plan_of, proportional_ratios
-from engine.program import Instruction
-from engine.synthesis import SearchSpace, synthesize
-from engine.validate import validate_plan
+from engine.planner import load_plan
+from engine.spmd.baselines import proportional_ratios
+from engine.spmd.cost import DUAL, CostModel, evaluate
+from engine.spmd.iteration import plan_of
+from engine.spmd.plan import Plan
+from engine.spmd.program import Instruction
+from engine.spmd.synthesis import SearchSpace, synthesize
+from engine.spmd.validate import validate_plan
 
 FLAT_ONLY = SearchSpace(collectives=SearchSpace().collectives - set(HIER_KEYS))
 FLAT_OF = {"all_reduce.hier": "all_reduce", "all_gather.hier": "all_gather.padded",
@@ -162,7 +164,7 @@ def _hier_plan(cluster: Cluster) -> Plan:
 def test_plan_round_trips_its_machines_and_the_validator_accepts_hierarchical_keys():
     cluster = _machines_cluster(["a", "a", "b", "b"], inter=1e8, latency=1e-3)
     plan = _hier_plan(cluster)
-    again = Plan.from_json(plan.to_json())
+    again = load_plan(plan.to_json())
     assert again.machines == ["a", "a", "b", "b"] and again.program == plan.program
     assert validate_plan(again, cluster) == []
 
@@ -172,13 +174,13 @@ def test_validator_refuses_hierarchical_keys_without_machines_of_equal_size():
     d = _hier_plan(cluster).to_dict()
     del d["cluster"]["machines"]
     with pytest.raises(PlanError, match="needs at least 2 machines"):
-        Plan.from_dict(d)
+        load_plan(d)
     d["cluster"]["machines"] = ["a", "a", "a", "b"]
     with pytest.raises(PlanError, match="needs at least 2 machines"):
-        Plan.from_dict(d)
+        load_plan(d)
     d["cluster"]["machines"] = ["a", "b"]
     with pytest.raises(PlanError, match=r"cluster\.machines.*2 entries but the plan has 4 devices"):
-        Plan.from_dict(d)
+        load_plan(d)
 
 
 def test_validator_refuses_a_cluster_whose_machines_differ_from_the_plan():
@@ -194,7 +196,7 @@ def test_old_plans_without_machines_still_load(load_sample):
     plan = plan_of(synthesize(graph, CostModel(graph, cluster, [0.5, 0.5])).program, graph, cluster, [0.5, 0.5])
     d = plan.to_dict()
     del d["cluster"]["machines"]
-    assert Plan.from_dict(d).machines == []
+    assert load_plan(d).machines == []
 
 
 def test_sample_two_by_two_cluster_is_two_machines_of_two():

@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import GIB, build_graph, cluster_dict, sample_dict, with_memory
 
 import engine
-from conftest import GIB, build_graph, cluster_dict, sample_dict, with_memory
 from engine import InfeasibleError
-from engine.cost import CostModel
-from engine.synthesis import SearchSpace, synthesize
+from engine.spmd.cost import CostModel
+from engine.spmd.synthesis import SearchSpace, synthesize
 from engine.theory.core import FULL
 
 _BYTES = r"([\d.]+) GiB"

@@ -7,17 +7,17 @@ import json
 import math
 
 import pytest
+from conftest import SAMPLES, cluster_dict, mse_graph
 
 import engine
 from engine import limits
-from engine.balance import balance
 from engine.cli import main
-from engine.cluster import load_cluster
+from engine.cluster.spec import load_cluster
 from engine.errors import ClusterError, ModelError, PlanError
-from engine.graph import Graph
-from engine.zoo import make_config
-
-from conftest import SAMPLES, cluster_dict, mse_graph
+from engine.model.graph import Graph
+from engine.model.zoo import make_config
+from engine.options import PlanOptions
+from engine.spmd.balance import balance
 
 CPU4 = SAMPLES / "cpu_4_uneven.json"
 
@@ -87,7 +87,7 @@ def test_hap_export_refuses_unbalanced_run_args_and_a_nameless_out_in_one_line(t
 
 
 def test_a_bundle_zip_is_refused_by_its_declared_size_before_inflating(tmp_path, monkeypatch) -> None:
-    from engine import bundle
+    from engine.bundle import archive as bundle
 
     path = tmp_path / "b.zip"
     path.write_bytes(bundle.zip_bytes({"manifest.json": b"{}" * 600, "plan.json": b"x"}, "b"))
@@ -98,7 +98,7 @@ def test_a_bundle_zip_is_refused_by_its_declared_size_before_inflating(tmp_path,
 
 
 def test_a_damaged_bundle_zip_is_one_bundle_error(tmp_path) -> None:
-    from engine import bundle
+    from engine.bundle import archive as bundle
 
     data = bytearray(bundle.zip_bytes({"manifest.json": b"{" * 5000, "plan.json": b"p" * 5000}, "b"))
     data[60:90] = b"\x00" * 30  # inside the first member's deflate stream
@@ -230,7 +230,7 @@ def test_plan_and_evaluate_refuse_an_unknown_optimizer_by_name() -> None:
 @pytest.mark.parametrize("segments", [10**12, 0, 2.0, True])
 def test_plan_refuses_a_segment_count_out_of_range(segments) -> None:
     """10**12 segments once meant a loop of 10**12 steps before any search."""
-    with pytest.raises(PlanError, match="segments must be a positive integer up to 1024"):
+    with pytest.raises(PlanError, match="segments = .*; give an integer from 1 to 1024"):
         engine.plan(mse_graph(), cluster_dict([1e12, 1e12]), segments=segments)
 
 
@@ -238,12 +238,12 @@ def test_the_load_balancer_refuses_non_finite_coefficients_with_a_typed_error() 
     """A graph built in Python skips the JSON bounds; the LP must still not see inf (PuLP's PulpError)."""
     from dataclasses import replace
 
-    from engine.cost import CostModel
-    from engine.synthesis import synthesize
+    from engine.spmd.cost import CostModel
+    from engine.spmd.synthesis import synthesize
 
     graph = mse_graph(B=8, I=16, H=32, O=4)
     cluster = load_cluster(cluster_dict([1e12, 1e12]))
-    program = synthesize(graph, CostModel(graph, cluster, [0.5, 0.5], "adam")).program
+    program = synthesize(graph, CostModel(graph, cluster, [0.5, 0.5], PlanOptions(optimizer="adam"))).program
     broken = Graph(nodes=tuple(replace(n, flops=math.inf) if n.name == "h" else n for n in graph.nodes), loss=graph.loss)
     with pytest.raises(PlanError, match=r"load balancer: stage \d+ \(forward .*\) has a non-finite coefficient \(inf\)"):
         balance(program, broken, cluster)
@@ -268,7 +268,7 @@ def test_limits_keep_the_worst_cost_finite() -> None:
     (["--checkpoint-every", "-1"], "--checkpoint-every must be in 0.."),
 ])
 def test_runner_options_are_bounded(args: list[str], message: str, capsys) -> None:
-    from runner.launch import parse_args
+    from runner.config import parse_args
 
     with pytest.raises(SystemExit) as exc:
         parse_args(["plan.json", *args])
@@ -294,12 +294,12 @@ def test_profiler_options_are_bounded(args: list[str], message: str, capsys) -> 
 def test_a_search_out_of_time_returns_its_incumbent_after_one_expansion() -> None:
     """The time budget is honoured however large the search: with a program in hand (the Q<->B loop's
     previous Q, or a baseline) an expired search stops at once instead of diving for a new one."""
-    from engine.cost import CostModel
-    from engine.planner import data_parallel_space
-    from engine.synthesis import synthesize
+    from engine.spmd.baselines import data_parallel_space
+    from engine.spmd.cost import CostModel
+    from engine.spmd.synthesis import synthesize
 
     graph = mse_graph()
-    cm = CostModel(graph, load_cluster(cluster_dict([1e12, 5e11])), [2 / 3, 1 / 3], "adam")
+    cm = CostModel(graph, load_cluster(cluster_dict([1e12, 5e11])), [2 / 3, 1 / 3], PlanOptions(optimizer="adam"))
     dp = synthesize(graph, cm, space=data_parallel_space(graph)).program
     result = synthesize(graph, cm, time_budget_s=1e-9, incumbent=dp)
     assert result.program == dp and not result.optimal and result.expanded == 1

@@ -1,4 +1,4 @@
-"""Tests of the overlap modes of the cost model (engine.overlap, engine.cost): DDP's buckets
+"""Tests of the overlap modes of the cost model (engine.spmd.overlap, engine.spmd.cost): DDP's buckets
 overlapped with backward, HiDup's duplex halves, their closed forms against the one timeline
 simulator, and the predicted timeline of a priced program."""
 from __future__ import annotations
@@ -6,16 +6,17 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import build_graph, ce_graph, cluster_dict
 
 import engine
-from conftest import build_graph, ce_graph, cluster_dict
-from engine.cluster import Cluster
-from engine.cost import ZERO, BucketRecord, Breakdown, CostModel, Stage, evaluate
+from engine.cluster.spec import Cluster
 from engine.errors import PlanError
-from engine.overlap import (bucket_queue, ddp_backward_time, duplex_chain_time, duplex_problem, grad_buckets,
-                            predicted_timeline, price)
-from engine.planner import data_parallel_space
-from engine.synthesis import synthesize
+from engine.options import PlanOptions
+from engine.spmd.baselines import data_parallel_space
+from engine.spmd.cost import ZERO, Breakdown, BucketRecord, CostModel, Stage, evaluate
+from engine.spmd.overlap import (bucket_queue, ddp_backward_time, duplex_chain_time, duplex_problem, grad_buckets,
+                                 predicted_timeline, price)
+from engine.spmd.synthesis import synthesize
 from engine.timeline import simulate
 
 
@@ -116,7 +117,7 @@ def test_ddp_moves_the_per_parameter_byte_work_to_a_tail_after_the_buckets():
     cluster = Cluster.from_dict(d)
     graph = ce_graph()
     program = dp_program(graph, cluster)
-    b = evaluate(program, CostModel(graph, cluster, [0.5, 0.5], "sgd", overlap="ddp"))
+    b = evaluate(program, CostModel(graph, cluster, [0.5, 0.5], PlanOptions(optimizer="sgd"), overlap="ddp"))
     nbytes = sum(n.nbytes for n in graph.parameters)
     assert b.tail_s == pytest.approx(nbytes * (3.0 + 4.0) / 1e10, rel=1e-12)  # SGD's update + the copies into and out of the bucket
     assert b.tail_device_s == [b.tail_s, b.tail_s]
@@ -244,7 +245,7 @@ def test_the_predicted_timeline_of_a_priced_plan_has_its_predicted_makespan(load
 
 def test_duplex_run_problem_names_what_the_runner_cannot_split(tmp_path):
     """The planner skips duplex for every model `hap run` would refuse it for, with the reason."""
-    from engine.overlap import duplex_run_problem
+    from engine.spmd.overlap import duplex_run_problem
 
     gpt = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=4)
     assert duplex_run_problem(gpt) is None
@@ -264,7 +265,7 @@ def test_the_runner_refuses_duplex_with_hierarchical_collectives():
     gpt = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=4)
     plan = engine.plan(gpt, "sample_clusters/cpu_2.json", time_budget_s=3, overlap="duplex")
     check_duplex(plan)  # runnable as planned
-    from engine.program import COMM, Instruction
+    from engine.spmd.program import COMM, Instruction
     from engine.theory.core import FULL, PARTIAL
     from runner.duplex import check_duplex
 

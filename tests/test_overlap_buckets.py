@@ -1,7 +1,7 @@
 """DDP's bucket assignment: reverse order of use, first bucket small, later ones capped."""
-from engine.graph import Graph, Node
-from engine.overlap import bucket_slots, grad_buckets
-from engine.program import Instruction, LOAD
+from engine.model.graph import Graph, Node
+from engine.spmd.overlap import bucket_slots, grad_buckets
+from engine.spmd.program import LOAD, Instruction
 from engine.theory.core import FULL
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 import re
 
 import pytest
+from conftest import sample_path
 
 import engine
-from conftest import sample_path
-from engine import PipelinePlan, Plan, PlanError
+from engine import PipelinePlan, Plan, PlanError, load_plan
 from engine.cli import main
-from engine.partition import best_pipeline
+from engine.pipeline.partition import best_pipeline
 
 SLOW_LINK = "a100x8_v100x8_5gbps"
 
@@ -79,7 +79,6 @@ def test_cli_auto_chooses_a_pipeline_for_gpt24_on_the_5gbps_cluster(capsys):
 
 
 def test_cli_pipeline_out_writes_a_loadable_pipeline_plan(capsys, tmp_path):
-    from engine.pipeline_plan import load_any
 
     path = tmp_path / "p.json"
     rc = main(["plan", "--model", "zoo:gpt", "--set", "layers=2", "--set", "hidden=64", "--set", "heads=4",
@@ -88,7 +87,7 @@ def test_cli_pipeline_out_writes_a_loadable_pipeline_plan(capsys, tmp_path):
                "--out", str(path)])
     out = capsys.readouterr().out
     assert rc == 0 and f"pipeline plan written to {path}" in out
-    plan = load_any(str(path))
+    plan = load_plan(str(path))
     assert isinstance(plan, PipelinePlan) and plan.microbatches == 2
     assert f"{plan.predicted_time_s * 1e3:.2f} ms" in out
 
@@ -100,7 +99,7 @@ def test_cli_pipeline_json_prints_the_pipeline_plan(capsys):
                "--set", "ffn=128", "--set", "vocab=256", "--set", "seq_len=16", "--set", "batch=8",
                "--cluster", sample_path(SLOW_LINK), "--parallelism", "pipeline", "--json"])
     d = json.loads(capsys.readouterr().out)
-    assert rc == 0 and d["kind"] == "hap.pipeline_plan" and PipelinePlan.from_dict(d).stages
+    assert rc == 0 and d["kind"] == "hap.pipeline_plan" and load_plan(d).stages
 
 
 def test_cli_microbatches_with_spmd_exits_2(capsys):
@@ -112,7 +111,7 @@ def test_cli_microbatches_with_spmd_exits_2(capsys):
 def test_an_spmd_plan_kept_by_auto_round_trips_with_the_pipeline_time(gpt4):
     p = engine.plan(gpt4, sample_path("cpu_4_uneven"), time_budget_s=1, parallelism="auto")
     assert p.parallelism == "spmd"
-    back = Plan.from_json(p.to_json())
+    back = load_plan(p.to_json())
     assert back.to_json() == p.to_json()
     assert back.search["parallelism_s"]["pipeline"] == pytest.approx(p.search["parallelism_s"]["pipeline"])
 

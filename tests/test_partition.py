@@ -6,12 +6,12 @@ import random
 import pytest
 
 import engine
-from engine.cluster import Cluster
+from engine.cluster.spec import Cluster
 from engine.errors import PlanError
-from engine.partition import Partitioner, fixed_pipeline
-from engine.schedule import h1f1b_delta
-from engine.stage_cost import DataParallelPricer, StagePrice, SubCluster, sub_clusters
-from engine.stages import StageGraph
+from engine.pipeline.partition import Partitioner, fixed_pipeline
+from engine.pipeline.schedule import h1f1b_delta
+from engine.pipeline.stage_cost import DataParallelPricer, StagePrice, SubCluster, sub_clusters
+from engine.pipeline.stages import StageGraph
 
 GIB = 2**30
 
@@ -153,8 +153,8 @@ def test_data_parallel_price_splits_flops_over_the_group_and_microbatches(mlp4):
 
 
 def test_best_pipeline_is_a_consistent_plan(mlp4):
-    from engine.partition import best_pipeline
-    from engine.schedule import SCHEDULES
+    from engine.pipeline.partition import best_pipeline
+    from engine.pipeline.schedule import SCHEDULES
 
     plan = best_pipeline(mlp4, _two_machines(flops=(2e9, 1e9), inter_Bps=1e9), microbatches=4)
     layers = [s.layers for s in plan.stages]
@@ -171,7 +171,7 @@ def test_best_pipeline_is_a_consistent_plan(mlp4):
 
 
 def test_epsilon_lets_a_tiny_transfer_cost_one_warmup_forward_not_two(mlp4):
-    from engine.partition import best_pipeline
+    from engine.pipeline.partition import best_pipeline
 
     cluster = _two_machines(flops=(2e9, 1e9), inter_Bps=1e9)
     exact = best_pipeline(mlp4, cluster, microbatches=4)
@@ -182,7 +182,7 @@ def test_epsilon_lets_a_tiny_transfer_cost_one_warmup_forward_not_two(mlp4):
 
 def test_best_pipeline_says_why_nothing_fits(mlp4):
     from engine.errors import InfeasibleError, PlanError
-    from engine.partition import best_pipeline
+    from engine.pipeline.partition import best_pipeline
 
     with pytest.raises(InfeasibleError, match="no pipeline"):
         best_pipeline(mlp4, _two_machines(memory=1024))

@@ -9,12 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import GIB, sample_dict, sample_path, with_memory
 
 import engine
-from conftest import GIB, sample_dict, sample_path, with_memory
 from engine import ClusterError, InfeasibleError, ModelError, Plan, PlanError, SearchProgress
-from engine.cost import CostModel, evaluate
-
+from engine.options import PlanOptions
+from engine.planner import load_plan
+from engine.spmd.cost import CostModel, evaluate
 
 # ----------------------------------------------------------------------------- fixtures
 
@@ -98,18 +99,18 @@ def test_plan_accepts_a_zoo_name_and_a_cluster_path():
 
 
 def test_plan_json_round_trips_exactly(small_plan):
-    again = Plan.from_json(small_plan.to_json())
+    again = load_plan(small_plan.to_json())
     assert again.to_dict() == small_plan.to_dict()
     assert again.program == small_plan.program
     assert again.graph == small_plan.graph
-    assert Plan.from_json(small_plan.to_json(indent=None)).to_dict() == small_plan.to_dict()
+    assert load_plan(small_plan.to_json(indent=None)).to_dict() == small_plan.to_dict()
 
 
 def test_plan_loads_from_a_file_path(small_plan, tmp_path):
     path = tmp_path / "plan.json"
     small_plan.save(path)
-    assert Plan.from_json(str(path)).to_dict() == small_plan.to_dict()
-    assert Plan.from_json(path).to_dict() == small_plan.to_dict()
+    assert load_plan(str(path)).to_dict() == small_plan.to_dict()
+    assert load_plan(path).to_dict() == small_plan.to_dict()
 
 
 def test_plan_records_model_and_cluster_fingerprints(small_plan, small_gpt, load_sample):
@@ -157,7 +158,7 @@ def test_plan_shard_sizes_sum_to_the_size_of_their_dim(small_plan):
 def test_the_plan_prices_its_whole_units_not_the_lp_fractions():
     """16 samples at ratios 0.654/0.346 run as 10 and 6: the plan's ratios, predicted time and
     memory are those of the integer sizes the runner executes."""
-    from engine.planner import plan_of
+    from engine.spmd.iteration import plan_of
 
     graph = engine.load_model("zoo:mlp", layers=1, in_features=64, hidden=128, classes=4, batch=16)
     devices = [{"name": f"d{j}", "gpu_model": "g", "machine": f"m{j}", "flops_per_gpu": f, "memory_bytes_per_gpu": GIB}
@@ -165,11 +166,11 @@ def test_the_plan_prices_its_whole_units_not_the_lp_fractions():
     cluster = engine.load_cluster({"schema_version": 1, "name": "two", "devices": devices,
                                    "network": {"latency_s": 1e-5, "bandwidth_Bps": {"inter_machine": 1e10}}})
     program = engine.evaluate(graph, cluster, "dp-even", optimizer="sgd").program
-    p = plan_of(program, graph, cluster, [0.654, 0.346], optimizer="sgd")
+    p = plan_of(program, graph, cluster, [0.654, 0.346], options=PlanOptions(optimizer="sgd"))
     assert set(map(tuple, p.shard_sizes.values())) == {(10, 6)}
     assert p.ratios["0"] == pytest.approx([10 / 16, 6 / 16])
-    at_sizes = evaluate(program, CostModel(graph, cluster, [10 / 16, 6 / 16], "sgd"))
-    at_fractions = evaluate(program, CostModel(graph, cluster, [0.654, 0.346], "sgd"))
+    at_sizes = evaluate(program, CostModel(graph, cluster, [10 / 16, 6 / 16], PlanOptions(optimizer="sgd")))
+    at_fractions = evaluate(program, CostModel(graph, cluster, [0.654, 0.346], PlanOptions(optimizer="sgd")))
     assert p.predicted_time_s == pytest.approx(at_sizes.total_s, rel=1e-12)
     assert p.memory_bytes == pytest.approx(at_sizes.memory_bytes, rel=1e-12)
     assert p.predicted_time_s > at_fractions.total_s * 1.01  # device 1 has 6/16 of the batch, not 0.346
@@ -304,7 +305,7 @@ def test_data_parallel_baseline_of_a_batch_of_one_names_the_input_and_hap_still_
                                   '{"kind": "hap.plan", "schema_version": 1}', "[1, 2]", "null"])
 def test_plan_from_garbage_is_a_one_line_plan_error(text):
     with pytest.raises(PlanError) as info:
-        Plan.from_json(text)
+        load_plan(text)
     one_line(info.value)
 
 
@@ -337,26 +338,26 @@ def test_corrupted_plan_is_a_one_line_plan_error(small_plan, corruption):
     d = copy.deepcopy(small_plan.to_dict())
     _corruptions()[corruption](d)
     with pytest.raises(PlanError) as info:
-        Plan.from_json(json.dumps(d))
+        load_plan(json.dumps(d))
     one_line(info.value)
 
 
 def test_missing_plan_file_is_a_plan_error(tmp_path):
     with pytest.raises(PlanError, match="not found"):
-        Plan.from_json(str(tmp_path / "missing.json"))
+        load_plan(str(tmp_path / "missing.json"))
 
 
 def test_empty_plan_file_is_a_plan_error(tmp_path):
     path = tmp_path / "empty.json"
     path.write_text("")
     with pytest.raises(PlanError, match="not valid JSON") as info:
-        Plan.from_json(str(path))
+        load_plan(str(path))
     one_line(info.value)
 
 
 def test_directory_given_as_plan_path_is_a_plan_error(tmp_path):
     with pytest.raises(PlanError) as info:
-        Plan.from_json(str(tmp_path))
+        load_plan(str(tmp_path))
     one_line(info.value)
 
 
@@ -364,16 +365,16 @@ def test_with_segments_the_one_segment_loop_gets_half_the_budget(monkeypatch):
     """Asked for segments under a time budget, the segmented Q<->B loop must still get time: the
     one-segment loop stops at half the budget, the segmented one at the whole (a loaded machine
     spent the whole budget on one segment and silently returned no segmented iteration)."""
-    from engine import planner
+    from engine.spmd import iteration
 
     calls = []
-    original = planner._Loop.run
+    original = iteration.Loop.run
 
     def run(self, seg, *args, **kwargs):
         calls.append((seg.count, self.deadline))
         return original(self, seg, *args, **kwargs)
 
-    monkeypatch.setattr(planner._Loop, "run", run)
+    monkeypatch.setattr(iteration.Loop, "run", run)
     before = time.perf_counter()
     engine.plan(engine.load_model("zoo:gpt", layers=2, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=8),
                 engine.load_cluster(sample_path("cpu_4_uneven")), time_budget_s=20.0, segments=2, overlap="ddp")
@@ -444,12 +445,12 @@ def test_auto_plans_in_ddp_and_duplex_and_keeps_the_faster(small_gpt, load_sampl
 
 @pytest.mark.parametrize("mode", ["none", "ddp", "duplex"])
 def test_a_forced_overlap_mode_is_the_plans_mode_and_its_pricing(small_gpt, load_sample, mode):
-    from engine.planner import breakdown_of
+    from engine.spmd.iteration import breakdown_of
 
     cluster = load_sample("a100x2_p100x2")
     p = engine.plan(small_gpt, cluster, time_budget_s=5, overlap=mode)
     assert p.overlap == mode and set(p.search["overlap_s"]) == {mode}
-    again = Plan.from_json(p.to_json())
+    again = load_plan(p.to_json())
     assert again.overlap == mode and json.loads(p.to_json())["overlap"] == mode
     b = breakdown_of(p, cluster)
     assert b.overlap == mode and b.total_s == pytest.approx(p.predicted_time_s, rel=1e-12)
@@ -476,16 +477,16 @@ def test_unknown_overlap_mode_is_a_one_line_plan_error(tiny_mlp, bad):
 def test_auto_gives_each_mode_its_share_of_the_budget(monkeypatch):
     """Two modes under a 20 s budget: ddp's loop stops by half of what is left after the
     baselines, duplex's at the whole budget (honest budgets: neither mode starves the other)."""
-    from engine import planner
+    from engine.spmd import iteration
 
     calls = []
-    original = planner._Loop.run
+    original = iteration.Loop.run
 
     def run(self, seg, *args, **kwargs):
         calls.append((self.overlap, self.deadline))
         return original(self, seg, *args, **kwargs)
 
-    monkeypatch.setattr(planner._Loop, "run", run)
+    monkeypatch.setattr(iteration.Loop, "run", run)
     graph = engine.load_model("zoo:gpt", layers=2, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=8)
     cluster = engine.load_cluster(sample_path("cpu_4_uneven"))
     before = time.perf_counter()
@@ -500,12 +501,12 @@ def test_auto_keeps_no_overlap_where_bucket_latencies_cost_more_than_they_hide(l
     """GPT-2-sized layers on the 64-GPU testbed: backward is far shorter than the 25 MiB buckets'
     latencies add up to, so data parallelism is predicted faster with one bucket after backward,
     and auto, which prices its ddp plan in none too, never reports worse than that."""
-    from engine.planner import _baseline_candidate, _priced_in, even_ratios
+    from engine.spmd.baselines import baseline_candidate, even_ratios, priced_in
 
     graph = engine.load_model("zoo:gpt", layers=2)
     cluster = load_sample("hap_paper_testbed")
-    ddp = _baseline_candidate(graph, cluster, even_ratios(cluster), "adam")
-    assert _priced_in(ddp, graph, cluster, "adam", "none").cost < ddp.cost * 0.99
+    ddp = baseline_candidate(graph, cluster, even_ratios(cluster), PlanOptions())
+    assert priced_in(ddp, graph, cluster, PlanOptions(), "none").cost < ddp.cost * 0.99
     p = engine.plan(graph, cluster, time_budget_s=6)
     times = p.search["overlap_s"]
     assert times["none"] <= times["ddp"] * (1 + 1e-12)
@@ -516,13 +517,13 @@ def test_a_duplex_plan_whose_halves_cannot_run_is_not_kept(monkeypatch):
     """A parameter's shard can be linked to the batch (its size would change with the half): the
     runner refuses such a duplex plan, so the planner keeps the best other mode (auto) or says why
     (forced), instead of handing out a plan `hap run` refuses."""
-    from engine import planner
-    from engine.halves import halves_problem
+    from engine.spmd import iteration
+    from engine.spmd.halves import halves_problem
 
     graph = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=8)
     forced = engine.plan(graph, sample_path("cpu_2"), time_budget_s=3, overlap="duplex")
     assert halves_problem(forced) is None  # the real check passes on a runnable plan
-    monkeypatch.setattr(planner, "halves_problem", lambda plan: "duplex refused: the shard of 'w' is linked to the batch")
+    monkeypatch.setattr(iteration, "halves_problem", lambda plan: "duplex refused: the shard of 'w' is linked to the batch")
     with pytest.raises(PlanError, match="linked to the batch"):
         engine.plan(graph, sample_path("cpu_2"), time_budget_s=3, overlap="duplex")
     mlp = engine.load_model("zoo:mlp")  # duplex is its fastest prediction on cpu_2
@@ -536,7 +537,7 @@ def test_a_duplex_plan_whose_halves_cannot_run_is_not_kept(monkeypatch):
 def test_auto_does_not_pick_duplex_where_the_cluster_measured_it_slow():
     """zoo:mlp is predicted fastest in duplex on cpu_2; with duplex measured 3x slower to compute
     (hap profile's `overlap_slowdown`), auto keeps another mode, and a forced duplex is priced slower."""
-    from engine.cluster import load_cluster
+    from engine.cluster.spec import load_cluster
 
     mlp = engine.load_model("zoo:mlp")
     spec = load_cluster(sample_path("cpu_2")).to_dict()

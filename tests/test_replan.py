@@ -5,12 +5,11 @@ import copy
 import math
 
 import pytest
+from conftest import cluster_dict
 
 import engine
-from engine.replan import device_link, param_layouts, switch_table
-from engine.reshard import switch_seconds
-
-from conftest import cluster_dict
+from engine.elastic.replan import device_link, param_layouts, switch_table
+from engine.elastic.reshard import switch_seconds
 
 
 def two_machines(names: list[str], flops: list[float]) -> dict:
@@ -70,8 +69,8 @@ def test_a_switch_between_plans_of_different_models_is_refused(mlp):
 
 
 def test_a_cluster_less_a_device_or_plus_one_is_validated_again():
+    from engine.elastic.replan import with_device, without_devices
     from engine.errors import PlanError
-    from engine.replan import with_device, without_devices
 
     c = engine.load_cluster(two_machines(["a", "b", "c"], [1e12] * 3))
     assert [d.name for d in without_devices(c, ["b"]).devices] == ["a", "c"]
@@ -90,8 +89,9 @@ def test_a_plan_with_hierarchical_collectives_replans_onto_machines_of_unequal_s
     differ in size, where none is offered: the old Q cannot run there, so only the fresh search
     counts (it used to reach the LP with an infinite price and fail with a PlanError)."""
     from conftest import sample_path
-    from engine.hierarchy import HIER_KEYS
-    from engine.replan import without_devices
+
+    from engine.cluster.hierarchy import HIER_KEYS
+    from engine.elastic.replan import without_devices
 
     graph = engine.load_model("zoo:mlp", layers=2, in_features=64, hidden=128, batch=32)
     cluster = engine.load_cluster(sample_path("cpu_2x2"))

@@ -1,12 +1,13 @@
-"""The resharding table (engine.reshard): every receiver gets exactly its piece, once, from an owner."""
+"""The resharding table (engine.elastic.reshard): every receiver gets exactly its piece, once, from an owner."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
+from engine.elastic.reshard import (FULL_DIM, Layout, TensorMove, common_boxes, contains, numel, reshard_table,
+                                    switch_seconds)
 from engine.errors import PlanError
-from engine.reshard import FULL_DIM, Layout, TensorMove, common_boxes, contains, numel, reshard_table, switch_seconds
 
 
 def covered_exactly(move: TensorMove, table) -> None:

@@ -4,8 +4,8 @@ import random
 import pytest
 
 from engine.errors import PlanError
-from engine.schedule import (SCHEDULES, Pipeline, StageTimes, closed_form_s, h1f1b_counts, in_flight, run_schedule,
-                             stage_order, steady_idle_s, warmup_counts)
+from engine.pipeline.schedule import (SCHEDULES, Pipeline, StageTimes, closed_form_s, h1f1b_counts, in_flight,
+                                      run_schedule, stage_order, steady_idle_s, warmup_counts)
 
 
 def _worked_example(microbatches: int = 8) -> Pipeline:

@@ -4,19 +4,20 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import build_graph, cluster_dict
+from test_synthesis import brute_force
 
 import engine
-from conftest import build_graph, cluster_dict
-from engine.balance import balance
-from engine.cluster import Cluster
-from engine.cost import CostModel, evaluate
+from engine.cluster.spec import Cluster
 from engine.errors import PlanError
-from engine.graph import Graph, Node
-from engine.plan import Plan
-from engine.planner import data_parallel_space
-from engine.segments import RESPLIT, Segmentation, instruction_segments, segment_graph, with_resplits
-from engine.synthesis import synthesize
-from test_synthesis import brute_force
+from engine.model.graph import Graph, Node
+from engine.planner import load_plan
+from engine.spmd.balance import balance
+from engine.spmd.baselines import data_parallel_space
+from engine.spmd.cost import CostModel, evaluate
+from engine.spmd.plan import Plan
+from engine.spmd.segments import RESPLIT, Segmentation, instruction_segments, segment_graph, with_resplits
+from engine.spmd.synthesis import synthesize
 
 
 def two_layer(B: int = 512, I: int = 1024, H: int = 1024, O: int = 8192) -> Graph:
@@ -173,7 +174,7 @@ def test_segments_are_used_only_when_they_pay():
 
 
 def test_segmented_plan_round_trips_and_agrees_with_the_cost_model(segmented_plan):
-    again = Plan.from_json(segmented_plan.to_json())
+    again = load_plan(segmented_plan.to_json())
     assert again.to_json() == segmented_plan.to_json()
     assert again.segmentation.count == 2
     cm = CostModel(again.graph, slow_link_cluster(), again.ratio_rows, segmentation=again.segmentation)

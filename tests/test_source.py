@@ -1,4 +1,4 @@
-"""Model sources (engine/source.py): model files and `hf:` classes plan with their origin recorded, and the
+"""Model sources (engine/model/source.py): model files and `hf:` classes plan with their origin recorded, and the
 runner's side rebuilds the same module and the same batch of every step from it (issue 13, item 4)."""
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
+from test_cli import assert_one_line_error
 
 import engine
-from conftest import ROOT
-from engine import source
-from engine.bundle import check_bundle, export_bundle, model_file_of, open_bundle
+from engine.bundle.archive import check_bundle, export_bundle, model_file_of, open_bundle
 from engine.errors import ModelError
-from test_cli import assert_one_line_error
+from engine.model import source
 
 MODEL_FILES = ROOT / "tests" / "model_files"
 CUMPROD = MODEL_FILES / "cumprod_mlp.py"
@@ -25,7 +25,7 @@ TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2
 
 
 def hap(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "runner.hap", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 

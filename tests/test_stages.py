@@ -2,14 +2,13 @@
 from dataclasses import replace
 
 import pytest
+from conftest import build_graph, cluster_dict
 
 import engine
-from engine.cost import CostModel
 from engine.errors import PlanError
-from engine.graph import Graph
-from engine.stages import StageGraph
-
-from conftest import build_graph, cluster_dict
+from engine.model.graph import Graph
+from engine.pipeline.stages import StageGraph
+from engine.spmd.cost import CostModel
 
 B, T, C = 4, 8, 32  # batch, sequence, width of the small GPT below
 

@@ -1,4 +1,4 @@
-"""Tests of engine.synthesis: A* against an exhaustive enumeration of its own successor function,
+"""Tests of engine.spmd.synthesis: A* against an exhaustive enumeration of its own successor function,
 replay consistency, determinism, time budgets, progress reports, well-formed programs, memory."""
 from __future__ import annotations
 
@@ -9,17 +9,16 @@ from typing import Iterator
 
 import pytest
 import torch
+from conftest import ce_graph, cluster_dict, mse_graph, residual_graph, sample_dict, with_memory
 
 import engine
-from conftest import ce_graph, cluster_dict, mse_graph, residual_graph, sample_dict, with_memory
-from engine.cost import ZERO, CostModel, evaluate
 from engine.errors import InfeasibleError
-from engine.graph import Graph
-from engine.program import COMM, COMPUTE, LOAD, Instruction
-from engine.synthesis import SearchProgress, SearchResult, SearchSpace, _Search, _State, synthesize
+from engine.model.graph import Graph
+from engine.spmd.cost import ZERO, CostModel, evaluate
+from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
+from engine.spmd.synthesis import SearchProgress, SearchResult, SearchSpace, _Search, _State, synthesize
 from engine.theory import collectives_from, leaf_forms, op_rules
 from engine.theory.core import FULL, PARTIAL, OpRule, form_str
-
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -337,7 +336,7 @@ def test_programs_are_well_formed(small_gpt, tiny_mlp, mlp2, load_sample, cluste
 
 
 def test_data_parallel_space_yields_full_parameters_and_batch_sharded_inputs(mlp1, load_sample):
-    from engine.planner import data_parallel_space
+    from engine.spmd.baselines import data_parallel_space
 
     cluster = load_sample("cpu_4_uneven")
     cm = CostModel(mlp1, cluster, ratios_for(cluster, "even"))
@@ -419,7 +418,7 @@ OVERLAP_SETTINGS = [("cpu_4_uneven", (0.7, 0.1, 0.1, 0.1)), ("cpu_2", (0.8, 0.2)
 
 def overlap_model(graph: Graph, cluster, how, mode: str, caps: tuple[int, int] | None = None) -> CostModel:
     """A cost model in `mode`; with `caps`, bucket slots of those (first, other) caps so small graphs get many."""
-    from engine.overlap import bucket_slots
+    from engine.spmd.overlap import bucket_slots
 
     cm = CostModel(graph, cluster, ratios_for(cluster, how), overlap=mode)
     if caps is not None:

@@ -13,20 +13,22 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
+from conftest import build_graph, cluster_dict, sample_dict, sample_path
 
 import engine
-from conftest import build_graph, cluster_dict, sample_dict, sample_path
-from engine.bundle import export_bundle
-from engine.cli import main as hap_main
-from engine.cluster import Cluster
+from engine.bundle.archive import export_bundle
+from engine.cluster.spec import Cluster
 from engine.errors import ModelError, PlanError
-from engine.graph import Graph, Node
-from engine.plan import Plan
-from engine.planner import data_parallel_space, plan_of
-from engine.segments import RESPLIT, segment_graph, with_resplits
-from engine.synthesis import synthesize
-from engine.cost import CostModel
-from engine.validate import REPRICE_TOLERANCE, validate_plan
+from engine.model.graph import Graph, Node
+from engine.planner import load_plan
+from engine.spmd.baselines import data_parallel_space
+from engine.spmd.cost import CostModel
+from engine.spmd.iteration import plan_of
+from engine.spmd.plan import Plan
+from engine.spmd.segments import RESPLIT, segment_graph, with_resplits
+from engine.spmd.synthesis import synthesize
+from engine.spmd.validate import REPRICE_TOLERANCE, validate_plan
+from runner.hap import main as hap_main
 
 MLP = dict(layers=2, in_features=8, hidden=16, classes=4, batch=12)
 
@@ -211,21 +213,21 @@ def broken(good: dict[str, Any], mutate: Callable) -> dict[str, Any]:
 
 def test_the_planners_plan_is_valid_and_round_trips(good, cluster):
     assert validate_plan(good, cluster) == []
-    assert Plan.from_json(json.dumps(good)).to_dict() == good
+    assert load_plan(json.dumps(good)).to_dict() == good
 
 
 @pytest.mark.parametrize("mutate, message", CASES)
 def test_plan_from_json_refuses_a_plan_broken_in_one_way_naming_it(good, mutate, message):
     text = json.dumps(broken(good, mutate))
     with pytest.raises(PlanError, match=message) as err:
-        Plan.from_json(text)
+        load_plan(text)
     assert "\n" not in str(err.value)
     assert str(err.value).startswith("plan: ") and "regenerate the plan" in str(err.value)
 
 
 @pytest.fixture(scope="module")
 def bundle(good, cluster, tmp_path_factory) -> Path:
-    return export_bundle(Plan.from_dict(copy.deepcopy(good)), cluster, tmp_path_factory.mktemp("b") / "bundle")
+    return export_bundle(load_plan(copy.deepcopy(good)), cluster, tmp_path_factory.mktemp("b") / "bundle")
 
 
 def with_plan(bundle: Path, d: dict[str, Any], dest: Path) -> Path:
@@ -269,7 +271,8 @@ def test_hap_run_exits_2_before_any_rank_starts(good, tmp_path, capsys, monkeypa
 
 @pytest.mark.parametrize("mutate", [sizes_off, truncated, operand_missing], ids=lambda f: f.__name__)
 def test_every_rank_refuses_a_broken_plan_before_its_process_group(good, tmp_path, capsys, mutate):
-    from runner.launch import DistEnv, RunConfig, run
+    from runner.config import DistEnv, RunConfig
+    from runner.launch import run
 
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(broken(good, mutate)))
@@ -286,7 +289,7 @@ def test_hap_export_refuses_a_broken_plan(good, tmp_path, capsys):
 
 
 def test_export_bundle_refuses_a_broken_plan_object(good, cluster, tmp_path):
-    plan = Plan.from_dict(copy.deepcopy(good))
+    plan = load_plan(copy.deepcopy(good))
     plan.shard_sizes["x:0"] = [4, 4, 2, 1]
     with pytest.raises(PlanError, match="sums to 11"):
         export_bundle(plan, cluster, tmp_path / "b")
@@ -303,7 +306,7 @@ def test_an_extra_legal_collective_is_accepted(good):
     node = d["program"][i]["node"]
     d["program"].insert(i + 1, {"kind": "comm", "node": node, "rule": "all_gather.padded",
                                 "pre": [[node, "S(0)"]], "post": "F"})
-    assert Plan.from_dict(d).program[i + 1].rule == "all_gather.padded"
+    assert load_plan(d).program[i + 1].rule == "all_gather.padded"
 
 
 def test_a_collective_needs_its_precondition(good):
@@ -312,7 +315,7 @@ def test_a_collective_needs_its_precondition(good):
     node = d["program"][i]["node"]
     d["program"].insert(i + 1, {"kind": "comm", "node": node, "rule": "all_reduce", "pre": [[node, "P"]], "post": "F"})
     with pytest.raises(PlanError, match=r"\.pre\[0\]: operand linear_mm:P is not available \(it holds only as S\(0\)\)"):
-        Plan.from_dict(d)
+        load_plan(d)
 
 
 # ----------------------------------------------------------------------------- sizes against realised ratios
@@ -323,7 +326,10 @@ def two_classes() -> tuple[Plan, Cluster]:
     """Batch-sharded x (2 rows) then an all-to-all to a row-parallel linear (10 features): two classes
     of linked dims in one segment. At LP ratios 0.6/0.4 they split [1, 1] and [6, 4]; the plan stores
     the ratios these sizes realise (0.524/0.476, x's bytes dominate), which round to [5, 5]."""
-    from engine.program import COMM as C, COMPUTE as P, LOAD as L, Instruction as Ins
+    from engine.spmd.program import COMM as C
+    from engine.spmd.program import COMPUTE as P
+    from engine.spmd.program import LOAD as L
+    from engine.spmd.program import Instruction as Ins
     from engine.theory.core import FULL, PARTIAL
 
     graph = build_graph([("x", "placeholder", (), (2, 8192)), ("w1", "parameter", (), (10, 8192)),
@@ -347,7 +353,7 @@ def test_ratios_that_neither_round_to_the_sizes_nor_are_their_shares_are_refused
     d["ratios"]["0"] = [d["ratios"]["0"][0] + 0.01, d["ratios"]["0"][1] - 0.01]
     with pytest.raises(PlanError, match=r'shard_sizes\["h:1"\]: \[6, 4\] are not the sizes ratios\["0"\] round to, \[5, 5\] '
                                         r'\(nor are the ratios the shares these sizes give, \[0.523858, 0.476142\]\)'):
-        Plan.from_dict(d)
+        load_plan(d)
 
 
 # ----------------------------------------------------------------------------- segments
@@ -380,14 +386,14 @@ def test_a_shard_used_in_the_next_segment_without_its_resplit_is_refused(segment
     d = plan.to_dict()
     d["program"] = [i for i in d["program"] if i["rule"] != RESPLIT]
     with pytest.raises(PlanError, match=r"operand r:S\(0\) has the sizes of segment 0 but is used in segment 1"):
-        Plan.from_dict(d)
+        load_plan(d)
 
 
 def test_ratios_need_one_row_per_segment(segmented):
     d = segmented[0].to_dict()
     del d["ratios"]["1"]
     with pytest.raises(PlanError, match=r"ratios: has keys \['0'\] but the plan has 2 segment\(s\)"):
-        Plan.from_dict(d)
+        load_plan(d)
 
 
 # ----------------------------------------------------------------------------- against a cluster
@@ -501,13 +507,13 @@ def test_schema_version_true_is_not_version_1():
     d = plan.to_dict()
     d["schema_version"] = True
     with pytest.raises(PlanError, match="schema_version"):
-        engine.Plan.from_dict(d)
+        load_plan(d)
 
 
 def test_zoo_knobs_of_a_plans_origin_are_bounded_before_a_rank_builds_the_model():
     """A hand-edited origin (`layers: 1e12`) is refused with the same knob bounds as `hap plan --set`."""
-    from engine import source
     from engine.errors import ModelError
+    from engine.model import source
 
     source.check_rebuildable({"zoo": "mlp", "config": {"layers": 2, "hidden": 16}})
     with pytest.raises(ModelError, match="layers"):
@@ -518,9 +524,9 @@ def test_zoo_knobs_of_a_plans_origin_are_bounded_before_a_rank_builds_the_model(
 
 def test_an_unknown_overlap_mode_is_refused_by_name():
     import engine
-    from engine.plan import Plan
+    from engine.spmd.plan import Plan
 
     d = engine.plan("zoo:mlp", "sample_clusters/cpu_4_uneven.json", time_budget_s=5, overlap="none").to_dict()
-    assert d["overlap"] == "none" and Plan.from_dict({**d, "overlap": "duplex"}).overlap == "duplex"
+    assert d["overlap"] == "none" and load_plan({**d, "overlap": "duplex"}).overlap == "duplex"
     with pytest.raises(PlanError, match='overlap: "bogus" is not an overlap mode'):
-        Plan.from_dict({**d, "overlap": "bogus"})
+        load_plan({**d, "overlap": "bogus"})

@@ -10,11 +10,10 @@ from __future__ import annotations
 import functools
 
 import pytest
+from conftest import sample_path
 
 import engine
-from engine.plan import Plan
-
-from conftest import sample_path
+from engine.spmd.plan import Plan
 
 
 @functools.cache

@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
+from conftest import sample_path
 
 import engine
-from conftest import sample_path
 from engine.errors import ModelError
-from engine.graph import Graph
-from engine.ops import run_node
-from engine.zoo import entry, make_config
+from engine.model.graph import Graph
+from engine.model.ops import run_node
+from engine.model.zoo import entry, make_config
 
 VGG_SMALL = dict(batch=4, image_size=32, width=0.125, hidden=32, classes=5, pool_size=2)
 VIT_SMALL = dict(batch=3, image_size=16, patch=4, hidden=24, layers=2, heads=4, mlp=48, classes=5)

@@ -5,7 +5,7 @@ import streamlit as st
 from app import components as ui
 from app import services
 from engine import HapError
-from engine.zoo import ZOO
+from engine.model.zoo import ZOO
 
 st.title("Model")
 source = st.radio("Source", ["Zoo model", "Hugging Face model", "Graph JSON", "Python file"], horizontal=True,

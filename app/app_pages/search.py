@@ -4,9 +4,9 @@ import time
 import pandas as pd
 import streamlit as st
 
+import engine
 from app import components as ui
 from app import services
-import engine
 from engine import HapError
 
 st.title("Search")
@@ -51,7 +51,8 @@ if go:
 
     try:
         with st.spinner("Searching ..."):
-            plan = services.run_plan(graph, cluster, budget, progress, int(segments), overlap, parallelism)
+            options = services.plan_options(budget, int(segments), overlap, parallelism)
+            plan = services.run_plan(graph, cluster, options, progress)
         st.session_state[services.Keys.PLAN] = plan
         st.session_state[services.Keys.FRONTIER] = points or None
         st.rerun()  # redraw the page (and the sidebar) around the new plan

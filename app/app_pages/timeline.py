@@ -16,7 +16,7 @@ if not services.plan_matches(plan, graph, cluster) and (
     st.info("This plan was made for another cluster: run the search again on the Search page.")
     st.stop()
 if plan.parallelism == "pipeline":
-    from engine.schedule import SCHEDULES
+    from engine.pipeline.schedule import SCHEDULES
 
     st.markdown("A **pipeline** plan: a lane per stage with one box per microbatch forward and backward (labelled with "
                 "its microbatch), a lane per link direction with the transfers, and each stage's gradient sync after "

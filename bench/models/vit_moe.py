@@ -1,7 +1,7 @@
 """ViT-MoE for `bench/overlap.py` (HiDup §6 trains ViT-MoE beside BERT-MoE): the zoo's ViT whose
 every second block has the zoo BERT-MoE's top-2 gated experts as its MLP (GShard routing per
 image, a group = the image's tokens). A model file of the build_model()/example_inputs()
-contract (see engine.source), so the zoo stays as it is.
+contract (see engine.model.source), so the zoo stays as it is.
 
 Size: ViT-Base-like width and depth cut to 6 blocks, 8 experts, 224 px images in 16 px patches,
 batch 256 (32 per device of the paper's testbed, as for BERT-MoE).
@@ -9,7 +9,7 @@ batch 256 (32 per device of the paper's testbed, as for BERT-MoE).
 import torch
 import torch.nn as nn
 
-from engine.zoo import bert_moe, vit
+from engine.model.zoo import bert_moe, vit
 
 VIT = vit.ViTConfig(batch=256, layers=6, hidden=768, heads=12, mlp=3072, classes=1000)
 TOKENS = (VIT.image_size // VIT.patch) ** 2 + 1

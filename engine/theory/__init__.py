@@ -1,11 +1,19 @@
 """The background theory T (HAP §4.2): properties, Hoare triples, and per-family operator rules.
 
-Importing this package registers every family module's rules in the registry of `core`.
+Owns: the property forms (Full, Shard(d), Partial), the rule registry and the integer rounding of
+uneven shards (`core`), the collectives' triples (`collectives`), one module per operator family
+(pointwise, matmul, einsum, reduction, view, norm, embedding, attention, conv, pool, moe, ...), and
+the checker that runs every rule on simulated shards (`check`). Importing this package registers
+every family module's rules in the registry of `core`.
+
+May import: the ground floor and `engine.model` (the graph IR the rules read, the reference ops the
+checker runs). Nothing of the cluster, the cost model or the planners.
 """
-from . import (attention, batchnorm, conv, einsum, embedding, index, loss, matmul, moe, norm, opaque,  # noqa: F401
-               pointwise, pool, reduction, shape, shift, stage, view)  # (registers rules)
-from .core import FULL, PARTIAL, Form, OpRule, form_long, form_str, leaf_forms, missing_rules, op_rules, parse_form, registered_ops
-from .collectives import COLLECTIVES, Collective, collectives_from
+from engine.theory import (attention, batchnorm, conv, einsum, embedding, index, loss,  # noqa: F401; (registers rules)
+                           matmul, moe, norm, opaque, pointwise, pool, reduction, shape, shift, stage, view)
+from engine.theory.collectives import COLLECTIVES, Collective, collectives_from
+from engine.theory.core import (FULL, PARTIAL, Form, OpRule, form_long, form_str, leaf_forms, missing_rules, op_rules,
+                                parse_form, registered_ops)
 
 __all__ = ["FULL", "PARTIAL", "Form", "OpRule", "form_long", "form_str", "leaf_forms", "missing_rules", "op_rules",
            "parse_form", "registered_ops", "COLLECTIVES", "Collective", "collectives_from"]

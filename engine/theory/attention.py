@@ -10,8 +10,8 @@ Attention mixes key positions and reduces along hs, so:
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import FULL, OpRule, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import FULL, OpRule, replicate, rule
 
 
 def _mask_form(mask: Node, out_dim: int, out: Node) -> int:

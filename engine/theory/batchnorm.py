@@ -9,8 +9,8 @@ are not linear in x.
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import OpRule, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import OpRule, replicate, rule
 
 
 @rule("batch_norm")

@@ -12,17 +12,9 @@ from typing import Sequence
 
 import torch
 
-from ..graph import Graph, Node
-from ..ops import run_node
-from .core import FULL, PARTIAL, Form, OpRule, form_str
-
-
-def split_sizes(total: int, ratios: Sequence[float]) -> list[int]:
-    """The plan's rounding (HAP §5.1), imported lazily: the plan module depends on the theory."""
-    from ..plan import split_sizes as plan_split
-
-    return plan_split(total, list(ratios))
-
+from engine.model.graph import Graph, Node
+from engine.model.ops import run_node
+from engine.theory.core import FULL, PARTIAL, Form, OpRule, form_str, split_sizes
 
 _POSITIVE_DOMAIN = ("sqrt", "rsqrt")
 
@@ -127,7 +119,7 @@ def _combine_error(ref: torch.Tensor, outs: list[torch.Tensor], form: Form) -> f
 
 def check_node(node: Node, graph: Graph, ratios: Sequence[float], seed: int = 0) -> list[CheckResult]:
     """Check every rule of a node."""
-    from .core import op_rules
+    from engine.theory.core import op_rules
 
     return [check_rule(node, graph, r, ratios, seed) for r in op_rules(node, graph)]
 

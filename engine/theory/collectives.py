@@ -15,14 +15,14 @@
 A full parameter's gradient is all-reduced in the backward pass (counted by the cost model where
 the parameter is loaded). All collectives but `slice` are synchronisation points (stage borders).
 The `hier` implementations run in the machine, across machines, in the machine again
-(`engine.hierarchy`); they establish the same forms as the flat ones.
+(`engine.cluster.hierarchy`); they establish the same forms as the flat ones.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterator
 
-from .core import FULL, PARTIAL, Form
+from engine.theory.core import FULL, PARTIAL, Form
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ to cut at group borders, so grouped convolutions get only the batch and replicat
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import FULL, PARTIAL, OpRule, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import FULL, PARTIAL, OpRule, replicate, rule
 
 
 @rule("conv")

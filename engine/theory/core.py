@@ -17,8 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..errors import HapError, ModelError
-from ..graph import Graph, Node
+from engine.errors import HapError, ModelError
+from engine.model.graph import Graph, Node
 
 FULL = -1
 PARTIAL = -2
@@ -28,6 +28,21 @@ Form = int
 def form_str(form: Form) -> str:
     """Short human form: `F`, `P`, `S(1)`."""
     return {FULL: "F", PARTIAL: "P"}.get(form, f"S({form})")
+
+
+def split_sizes(total: int, ratios: list[float]) -> list[int]:
+    """Integer sizes proportional to `ratios` summing exactly to `total` (HAP §5.1); the theory's checker and the plan shard by it alike: round to
+    nearest, then move one unit at a time where the rounding error is largest."""
+    s = sum(ratios)
+    exact = [total * r / s for r in ratios]
+    sizes = [round(x) for x in exact]
+    while sum(sizes) > total:
+        j = max((i for i in range(len(sizes)) if sizes[i] > 0), key=lambda i: (sizes[i] - exact[i], -i))
+        sizes[j] -= 1
+    while sum(sizes) < total:
+        j = max(range(len(sizes)), key=lambda i: (exact[i] - sizes[i], -i))
+        sizes[j] += 1
+    return sizes
 
 
 def form_long(form: Form) -> str:

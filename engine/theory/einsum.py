@@ -13,17 +13,8 @@ expert dim is an ordinary letter, so experts split unevenly like any other dim (
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import FULL, PARTIAL, Form, OpRule, replicate, rule
-
-
-def parse_equation(equation: str) -> tuple[list[str], str]:
-    """`"btd,edf->btef"` -> (["btd", "edf"], "btef"); spaces ignored; an explicit output is required."""
-    eq = equation.replace(" ", "")
-    if "->" not in eq or "." in eq:
-        raise ValueError(f"einsum equation '{equation}' needs an explicit '->' output and no '...'")
-    lhs, out = eq.split("->")
-    return lhs.split(","), out
+from engine.model.graph import Graph, Node, parse_equation
+from engine.theory.core import FULL, PARTIAL, Form, OpRule, replicate, rule
 
 
 def _letter_form(letter: str, subs: str, shape: tuple[int, ...], size: int) -> Form | None:

@@ -9,8 +9,8 @@ the count must be Full, the whole batch's, so S(0), S(0), F -> P. A static `coun
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import FULL, OpRule, PARTIAL, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import FULL, PARTIAL, OpRule, replicate, rule
 
 
 @rule("cross_entropy")

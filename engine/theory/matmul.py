@@ -9,8 +9,8 @@ For linear(x[..., k], w[n, k]) -> y[..., n]:
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import FULL, PARTIAL, OpRule, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import FULL, PARTIAL, OpRule, replicate, rule
 
 
 @rule("linear")

@@ -18,8 +18,8 @@ left is the gating, whose index ops only allow the rules that stay exact:
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import FULL, PARTIAL, OpRule, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import FULL, PARTIAL, OpRule, replicate, rule
 
 
 @rule("topk_values", "topk_indices")

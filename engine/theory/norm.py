@@ -5,8 +5,8 @@ sharded (S(d) -> S(d), weight and bias Full). No Partial rule: the statistics ar
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import FULL, OpRule, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import FULL, OpRule, replicate, rule
 
 
 @rule("layer_norm")

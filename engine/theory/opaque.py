@@ -5,8 +5,8 @@ original op on whole inputs (at its whole cost). The program stays exact; the op
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import OpRule, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import OpRule, replicate, rule
 
 
 @rule("opaque")

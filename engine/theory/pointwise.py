@@ -7,7 +7,7 @@ Rows, with why they hold:
 - mul(P, F) -> P, div(P, F) -> P: scaling by a replicated factor distributes over the addends.
 - comparisons, logical and/or, pow: elementwise but not linear, so only S(d) -> S(d) and all-Full.
 - dropout: S(d) -> S(d) and F -> F are exact because every device derives the mask of its block
-  from the global index (engine/dropout.py). No P -> P: with that shared mask it would even be
+  from the global index (engine/model/dropout.py). No P -> P: with that shared mask it would even be
   exact (the mask distributes over the addends), but a device would draw the whole mask and scale
   the whole tensor to save no communication; with per-device random streams it would be wrong.
 - where(cond, x, y) (and masked_fill): S(d) on every operand -> S(d); with cond Full it is linear
@@ -16,8 +16,8 @@ Rows, with why they hold:
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import FULL, PARTIAL, OpRule, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import FULL, PARTIAL, OpRule, replicate, rule
 
 _LINEAR_UNARY = {"neg", "identity"}
 NONLINEAR_BINARY = ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow")

@@ -10,8 +10,8 @@ max is not linear, so max pooling has no Partial rule.
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import PARTIAL, OpRule, replicate, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import PARTIAL, OpRule, replicate, rule
 
 
 @rule("max_pool", "avg_pool", "adaptive_avg_pool")

@@ -16,8 +16,8 @@ Rows, with why they hold:
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import FULL, PARTIAL, OpRule, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import FULL, PARTIAL, OpRule, rule
 
 
 def _linear_base(node: Node) -> list[OpRule]:

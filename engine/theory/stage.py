@@ -1,7 +1,7 @@
 """The end of a pipeline stage (HAPT §5, HAP inside a stage): `stage_output`, the goal of a stage's search.
 
 A stage that is not the model's last ends in tensors the next stage receives, not in a loss. Its
-subgraph (`engine.stages.StageGraph.subgraph`) ends in one `stage_output` node whose operands are
+subgraph (`engine.pipeline.stages.StageGraph.subgraph`) ends in one `stage_output` node whose operands are
 those tensors and whose `forms` attribute says the form each must be held in at the boundary (the
 form the next stage loads it in, e.g. Shard(0) for rows of the batch). Its one rule asks exactly
 those forms and yields a Partial scalar, so the search's goal, the "loss" held Partial, is reached
@@ -10,8 +10,8 @@ nothing, and the runner returns its operands instead of running it.
 """
 from __future__ import annotations
 
-from ..graph import Graph, Node
-from .core import OpRule, PARTIAL, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import PARTIAL, OpRule, rule
 
 
 @rule("stage_output")

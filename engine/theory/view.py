@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import math
 
-from ..graph import Graph, Node
-from .core import FULL, PARTIAL, OpRule, rule
+from engine.model.graph import Graph, Node
+from engine.theory.core import FULL, PARTIAL, OpRule, rule
 
 
 @rule("permute")

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.planner import load_plan
+
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "tests" / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
@@ -57,7 +59,7 @@ def server(tmp_path_factory):
     """`hap ui` on a free port of 127.0.0.1, stopped (with its Streamlit child) at the end."""
     port = free_port()
     log = (tmp_path_factory.mktemp("ui") / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "ui", "--port", str(port)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "runner.hap", "ui", "--port", str(port)], cwd=ROOT,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -186,7 +188,7 @@ def test_workbench_in_chromium(server, browser, tmp_path):
         page.get_by_role("button", name="Download plan.json").click()
     path = tmp_path / "plan.json"
     dl.value.save_as(path)
-    plan = engine.Plan.from_json(path)
+    plan = load_plan(path)
     assert plan.cluster_name == "hap_paper_testbed" and plan.graph.name == "mlp" and plan.world_size == 64
     assert_no_exception(page)
     shoot(page, "export")

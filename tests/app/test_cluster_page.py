@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from ui_helpers import ROOT, no_exception, open_page, app, cpu_cluster  # noqa: F401 (fixtures)
+from ui_helpers import ROOT, app, cpu_cluster, no_exception, open_page  # noqa: F401 (fixtures)
 
 from app import components as ui
 from app.services import Keys

@@ -1,7 +1,7 @@
 """Cluster page, re-plan (issue 16): remove or add a device and see engine.replan's diff and traffic."""
 from __future__ import annotations
 
-from ui_helpers import no_exception, open_page, app, cpu_cluster  # noqa: F401 (fixtures)
+from ui_helpers import app, cpu_cluster, no_exception, open_page  # noqa: F401 (fixtures)
 
 from app import services
 from app.services import Keys

@@ -1,7 +1,7 @@
 """Compare page: the plan against the baselines and the Fig. 15 ablations, and the what-if sliders."""
 from __future__ import annotations
 
-from ui_helpers import no_exception, open_page, app, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
+from ui_helpers import app, cpu_cluster, no_exception, open_page, tiny_plan  # noqa: F401 (fixtures)
 
 from app import components as ui
 from engine import compare

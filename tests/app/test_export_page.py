@@ -6,10 +6,10 @@ import io
 import zipfile
 
 import pytest
-
-from ui_helpers import ROOT, no_exception, open_page, app, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
+from ui_helpers import ROOT, app, cpu_cluster, no_exception, open_page, tiny_plan  # noqa: F401 (fixtures)
 
 import engine
+from engine.planner import load_plan
 
 
 def test_export_offers_the_plan_and_the_run_commands(app, tiny_plan):
@@ -26,7 +26,7 @@ def test_export_offers_the_plan_and_the_run_commands(app, tiny_plan):
 
 def test_the_downloaded_text_is_the_plan(tiny_plan):
     """AppTest cannot read download bytes: the page offers plan.to_json(), which must parse back."""
-    again = engine.Plan.from_json(tiny_plan.to_json())
+    again = load_plan(tiny_plan.to_json())
     assert again.to_json() == tiny_plan.to_json()
 
 
@@ -41,7 +41,7 @@ def test_bundle_zip_holds_the_plan(tiny_plan, cpu_cluster):
     assert data is not None, message
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         name = next(n for n in zf.namelist() if n.endswith("plan.json"))
-        assert engine.Plan.from_json(zf.read(name).decode()).to_json() == tiny_plan.to_json()
+        assert load_plan(zf.read(name).decode()).to_json() == tiny_plan.to_json()
 
 
 @pytest.mark.skipif(not HAS_BUNDLE, reason="engine.bundle (`hap export`) is not in this build yet")
@@ -55,7 +55,7 @@ def test_export_page_offers_the_bundle(app):
 @pytest.mark.skipif(not HAS_BUNDLE, reason="engine.bundle (`hap export`) is not in this build yet")
 def test_bundle_of_an_uploaded_model_file_ships_the_upload(cpu_cluster):
     from app import services
-    from engine.source import capture_source
+    from engine.model.source import capture_source
 
     text = (ROOT / "tests" / "model_files" / "cumprod_mlp.py").read_bytes()
     plan = engine.plan(capture_source(text, "net.py", fallback="replicate"), cpu_cluster)

@@ -26,7 +26,7 @@ def test_busy_port_is_refused_with_one_line():
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        res = subprocess.run([sys.executable, "-m", "engine.cli", "ui", "--port", str(port)], cwd=ROOT,
+        res = subprocess.run([sys.executable, "-m", "runner.hap", "ui", "--port", str(port)], cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert res.stderr.strip() == f"hap: error: port {port} on 127.0.0.1 is busy (another server listens there); choose another with --port N"
@@ -41,7 +41,7 @@ def test_stopping_hap_ui_stops_the_server():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "ui", "--port", str(port)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "runner.hap", "ui", "--port", str(port)], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from ui_helpers import no_exception, open_page, app, tiny_graph  # noqa: F401 (fixtures)
+from ui_helpers import app, no_exception, open_page, tiny_graph  # noqa: F401 (fixtures)
 
 from app import components as ui
 from app.services import Keys

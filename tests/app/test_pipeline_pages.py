@@ -6,14 +6,12 @@ import functools
 import json
 
 import pytest
-
 from ui_helpers import MAIN, ROOT, TIMEOUT_S, no_exception, open_page
 
 from app import components as ui
 from app.services import Keys
-from engine.partition import plan_pipeline
-from engine.schedule import SCHEDULES, run_schedule
-from engine.stage_plan import stage_program_summary
+from engine.pipeline.partition import schedule_input
+from engine.pipeline.schedule import SCHEDULES, run_schedule
 
 PIPE_GPT = {"layers": 4, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 4096, "seq_len": 128, "batch": 32}
 """Small enough to plan in seconds; on a100x2_p100x2 `auto` picks a pipeline of several stages."""
@@ -63,7 +61,7 @@ def test_plan_page_lists_stages_devices_layers_and_warmup(pipe_app, pipe_plan):
     assert list(stages["layers"]) == [f"{s.layers[0]}-{s.layers[1] - 1}" for s in pipe_plan.stages]
     cluster = _pipeline()[1]
     assert list(stages["devices"]) == [", ".join(cluster.devices[j].name for j in s.devices) for s in pipe_plan.stages]
-    assert list(stages["program"]) == [stage_program_summary(s) for s in pipe_plan.stages]
+    assert list(stages["program"]) == [s.program_summary() for s in pipe_plan.stages]
     assert len(at.dataframe[1].value) == len(pipe_plan.boundaries)
     listings = [e for e in at.expander if "program" in e.label]
     assert len(listings) == len(pipe_plan.stages) and all(s.plan is not None for s in pipe_plan.stages)
@@ -84,7 +82,7 @@ def test_timeline_page_draws_one_box_per_microbatch_and_bubbles(pipe_app, pipe_p
 
 def test_pipeline_rows_have_every_microbatch_forward_backward_and_transfer(pipe_plan):
     S, B = len(pipe_plan.stages), pipe_plan.microbatches
-    run = run_schedule(plan_pipeline(pipe_plan), "gpipe")
+    run = run_schedule(schedule_input(pipe_plan), "gpipe")
     rows = ui.pipeline_rows(run.timeline.rows(), S)
     for s in range(S):
         mine = [r for r in rows if r["row"] == f"stage {s}"]
@@ -113,7 +111,7 @@ def test_compare_page_shows_every_schedule_beside_spmd_with_peak_memory(pipe_app
 
 
 def test_export_page_offers_the_pipeline_plan_file_and_its_bundle(pipe_app, pipe_plan):
-    from engine.pipeline_plan import load_any
+    from engine.planner import load_plan
 
     at = open_page(pipe_app, "export")
     no_exception(at)
@@ -122,7 +120,7 @@ def test_export_page_offers_the_pipeline_plan_file_and_its_bundle(pipe_app, pipe
     assert labels == ["Download plan.json (pipeline)", "Download cluster.json", "Download launch bundle (zip)"]
     from app import services
 
-    back = load_any(services.plan_json(pipe_plan))
+    back = load_plan(services.plan_json(pipe_plan))
     assert [s.layers for s in back.stages] == [s.layers for s in pipe_plan.stages]
     assert "hap run plan.json" in at.code[0].value and "hap run hap_bundle.zip" in at.code[0].value
 

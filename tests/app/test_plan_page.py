@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import json
 
-from ui_helpers import no_exception, open_page, app, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
+from ui_helpers import app, cpu_cluster, no_exception, open_page, tiny_plan  # noqa: F401 (fixtures)
 
 from app import components as ui
-from engine.program import COMM
+from engine.spmd.program import COMM
 
 
 def test_plan_page_shows_the_plan(app, tiny_plan):

@@ -1,7 +1,8 @@
 """Search page: running the planner with a budget, the live frontier, the Q<->B history."""
 from __future__ import annotations
 
-from ui_helpers import TINY_GPT, no_exception, open_page, app, tiny_graph, cpu_cluster, tiny_plan  # noqa: F401 (fixtures)
+from ui_helpers import (TINY_GPT, app, cpu_cluster, no_exception, open_page, tiny_graph,  # noqa: F401 (fixtures)
+                        tiny_plan)
 
 from app import components as ui
 from app.services import Keys

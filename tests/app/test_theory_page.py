@@ -1,7 +1,7 @@
 """Theory page: the triples of the background theory, filters, counts per rule, the form sentences."""
 from __future__ import annotations
 
-from ui_helpers import no_exception, open_page, app, tiny_graph  # noqa: F401 (fixtures)
+from ui_helpers import app, no_exception, open_page, tiny_graph  # noqa: F401 (fixtures)
 
 from app import components as ui
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from ui_helpers import ROOT, no_exception, open_page, app, cpu_cluster, tiny_graph, tiny_plan  # noqa: F401 (fixtures)
+from ui_helpers import ROOT, app, cpu_cluster, no_exception, open_page, tiny_graph, tiny_plan  # noqa: F401 (fixtures)
 
 from app import components as ui
 

@@ -1,11 +1,16 @@
-"""Run a function on m fresh local processes joined by a gloo group (tests only; `hap run` uses torchrun).
+"""Run a function on m local rank processes joined by a gloo group (tests only; `hap run` uses torchrun).
 
-Every call gets its own processes (torch.multiprocessing, spawn) and its own `file://`
-rendezvous; results come back through files, never through a queue (a large result in a queue
-deadlocks `join`); an outer deadline kills the processes and fails the test instead of hanging.
+Ranks start from a warm parent: a forkserver that imported torch, the engine and the runner once for
+the whole test session (`multiprocessing.set_forkserver_preload`), so a rank costs a fork, not a fresh
+interpreter importing torch (seconds each on 2 cores). Every call still gets its own processes, its
+own `file://` rendezvous and the caller's environment and working folder as they are at the call;
+results come back through files, never through a queue (a large result in a queue deadlocks `join`);
+an outer deadline kills the processes and fails the test instead of hanging.
 """
 from __future__ import annotations
 
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pickle
 import sys
@@ -17,9 +22,25 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 120.0
+PRELOAD = ["torch", "torch.distributed", "torch.fx", "engine", "engine.model.source", "engine.theory",
+           "runner.launch", "runner.pipeline", "runner.train", "runner.reshard", "dist_harness"]
+"""Imported once, in the forkserver, before any rank forks from it."""
+START_METHOD = os.environ.get("HAP_TEST_START_METHOD", "forkserver")
+"""`forkserver` (warm ranks); `spawn` gives every rank a fresh interpreter, to rule the harness out."""
+
+_context: Any = None
+
+
+def context() -> Any:
+    """The multiprocessing context ranks start from (the forkserver is started on first use)."""
+    global _context
+    if _context is None:
+        _context = mp.get_context(START_METHOD)
+        if START_METHOD == "forkserver":
+            _context.set_forkserver_preload(PRELOAD)
+    return _context
 
 
 def init_gloo(rank: int, world_size: int, init_method: str, timeout_s: float = 60.0) -> None:
@@ -27,10 +48,14 @@ def init_gloo(rank: int, world_size: int, init_method: str, timeout_s: float = 6
                             timeout=timedelta(seconds=timeout_s))
 
 
-def _entry(rank: int, fn: Callable, world_size: int, workdir: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, workdir: str, args: tuple, environ: dict[str, str],
+           cwd: str) -> None:
     out = Path(workdir)
     status = 0
     try:
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
         torch.set_num_threads(1)
         result = fn(rank, world_size, f"file://{out / 'rendezvous'}", *args)
         (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
@@ -42,7 +67,7 @@ def _entry(rank: int, fn: Callable, world_size: int, workdir: str, args: tuple) 
             dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)  # no interpreter finalisation: see runner.launch.exit_process
+    os._exit(status)  # no interpreter finalisation: see runner.rank_setup.exit_process
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any,
@@ -54,21 +79,36 @@ def run_ranks(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any
     """
     workdir = Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_entry, args=(fn, world_size, str(workdir), args), nprocs=world_size,
-                             join=False, start_method="spawn")
+    ctx = context()
+    environ, cwd = dict(os.environ), os.getcwd()
+    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, str(workdir), args, environ, cwd), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
     deadline = time.monotonic() + timeout_s
     try:
-        while not ctx.join(timeout=max(0.05, min(1.0, deadline - time.monotonic()))):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{world_size} ranks still running after {timeout_s:.0f} s{_errors(workdir)}")
-    except mp.ProcessExitedException as e:
-        raise AssertionError(f"rank {e.error_index} exited with status {e.exit_code}{_errors(workdir)}") from None
+        _wait(procs, deadline, workdir, world_size, timeout_s)
     finally:
-        for p in ctx.processes:
+        for p in procs:
             if p.is_alive():
                 p.kill()
                 p.join(5)
     return [pickle.loads((workdir / f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
+
+
+def _wait(procs: list, deadline: float, workdir: Path, world_size: int, timeout_s: float) -> None:
+    """Until every rank has exited with status 0; the first failure seen (or the deadline) raises, naming the rank."""
+    running = list(procs)
+    while running:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"{world_size} ranks still running after {timeout_s:.0f} s{_errors(workdir)}")
+        ready = mp_connection.wait([p.sentinel for p in running], timeout=min(left, 1.0))
+        for p in [p for p in running if p.sentinel in ready]:
+            p.join()
+            if p.exitcode != 0:
+                raise AssertionError(f"rank {procs.index(p)} exited with status {p.exitcode}{_errors(workdir)}")
+            running.remove(p)
 
 
 def _errors(workdir: Path) -> str:

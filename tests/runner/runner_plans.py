@@ -4,19 +4,21 @@ from __future__ import annotations
 from dataclasses import replace
 from functools import lru_cache
 
-import engine
-from engine.cluster import Cluster
-from engine.cost import CostModel
-from engine.errors import InfeasibleError
-from engine.graph import Graph
-from engine.plan import Plan
-from engine.planner import data_parallel_space, plan_of, proportional_ratios
-from engine.segments import segment_graph
-from engine.stage_plan import STAGE_SPACE, with_hap_stages
-from engine.synthesis import SearchSpace, synthesize
-from engine.theory.core import FULL
-
 from conftest import cluster_dict
+
+import engine
+from engine.cluster.spec import Cluster
+from engine.errors import InfeasibleError
+from engine.model.graph import Graph
+from engine.options import PlanOptions
+from engine.pipeline.stage_plan import STAGE_SPACE, with_hap_stages
+from engine.spmd.baselines import data_parallel_space, proportional_ratios
+from engine.spmd.cost import CostModel
+from engine.spmd.iteration import plan_of
+from engine.spmd.plan import Plan
+from engine.spmd.segments import segment_graph
+from engine.spmd.synthesis import SearchSpace, synthesize
+from engine.theory.core import FULL
 
 MODELS = {
     "mlp": dict(layers=2, in_features=8, hidden=24, classes=6, batch=20),
@@ -68,7 +70,7 @@ def forced_plan(model: str, world: int, collective: str, on: Cluster | None = No
     the cheapest such program uses `collective`.
     """
     g, c, ratios = graph(model), on or cluster(world), RATIOS[world]
-    cm = CostModel(g, c, ratios, "sgd")
+    cm = CostModel(g, c, ratios, PlanOptions(optimizer="sgd"))
     for weight in (n.id for n in g.parameters if n.rank >= 2):
         space = SearchSpace(collectives=frozenset({collective, "slice"}),
                             param_forms=lambda n, f, weight=weight: n != weight or f != FULL)
@@ -77,7 +79,7 @@ def forced_plan(model: str, world: int, collective: str, on: Cluster | None = No
         except InfeasibleError:
             continue
         if any(i.rule == collective for i in res.program):
-            return plan_of(res.program, g, c, ratios, optimizer="sgd")
+            return plan_of(res.program, g, c, ratios, options=PlanOptions(optimizer="sgd"))
     raise AssertionError(f"no program of {model} on {world} ranks uses {collective}")
 
 
@@ -89,26 +91,26 @@ def segmented_plan(model: str, world: int, data_parallel: bool, **knobs) -> Plan
     assert seg.count == 2, "the model needs two layers to make two segments"
     rows = [RATIOS[world], RATIOS[world][::-1]]
     space = data_parallel_space(g) if data_parallel else None
-    res = synthesize(g, CostModel(g, c, rows, "sgd", seg), space=space)
-    return plan_of(res.program, g, c, rows, optimizer="sgd", segmentation=seg)
+    res = synthesize(g, CostModel(g, c, rows, PlanOptions(optimizer="sgd"), seg), space=space)
+    return plan_of(res.program, g, c, rows, options=PlanOptions(optimizer="sgd"), segmentation=seg)
 
 
 def collectives_of(plan: Plan) -> set[str]:
     return {ins.rule for ins in plan.program if ins.kind == "comm"}
 
 
-def sharded_stage_planner(sub: Graph, group: Cluster, optimizer: str, budget, microbatches: int) -> Plan:
-    """A pipeline stage's plan (engine.stage_plan.StagePlanner) that keeps every weight matrix from being
+def sharded_stage_planner(sub: Graph, group: Cluster, options: PlanOptions, microbatches: int) -> Plan:
+    """A pipeline stage's plan (engine.pipeline.stage_plan.StagePlanner) that keeps every weight matrix from being
     Full, at the group's FLOP/s shares: tensor parallelism inside the stage, which plain HAP would not
     choose on these small models."""
     space = replace(STAGE_SPACE, param_forms=lambda n, f: f != FULL or sub[n].rank < 2)
     ratios = proportional_ratios(group)
-    res = synthesize(sub, CostModel(sub, group, ratios, optimizer), space=space)
-    return plan_of(res.program, sub, group, ratios, optimizer=optimizer)
+    res = synthesize(sub, CostModel(sub, group, ratios, options), space=space)
+    return plan_of(res.program, sub, group, ratios, options=options)
 
 
 def with_sharded_stages(pipe, on: Cluster):
     """`pipe` with every stage running a `sharded_stage_planner` plan."""
-    out = with_hap_stages(pipe, on, "sgd", None, plan_one=sharded_stage_planner)
+    out = with_hap_stages(pipe, on, PlanOptions(optimizer="sgd"), plan_one=sharded_stage_planner)
     assert all(s.plan is not None for s in out.stages), out.search.get("hap_stages_skipped")
     return out

@@ -9,19 +9,20 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 import engine
-from conftest import ROOT
-from engine.cluster import FREE_BANDWIDTH_BPS, fit_collective
-from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, ProfileConfig, _byte_size, collective_points, device_compute,
-                            UPDATE_MIN_BYTES, device_flops, model_config, one_device_plan, parse_args, rank_rates, roofline_fit,
-                            update_tensors)
+from engine.cluster.spec import FREE_BANDWIDTH_BPS, fit_collective
+from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, UPDATE_MIN_BYTES, ProfileConfig, _byte_size,
+                            collective_points, device_compute, device_flops, model_config, one_device_plan, parse_args,
+                            rank_rates, roofline_fit, update_tensors)
+
 
 def hap(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """`python -m engine.cli ARGS` outside any launch (no RANK/WORLD_SIZE), this checkout importable."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], env=env, cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "runner.hap", *args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -144,7 +145,7 @@ def test_the_profiled_model_step_is_the_runner_program_of_a_one_device_plan(samp
     of `--set batch=2`)."""
     import torch
 
-    from engine.program import COMM
+    from engine.spmd.program import COMM
     from runner.train import build_module, make_batch, program_args, setup_rank
 
     plan = one_device_plan("mlp", dict(layers=1, in_features=32, hidden=64, classes=4, batch=samples))
@@ -183,7 +184,7 @@ def test_the_update_times_at_least_a_few_mib_of_the_models_own_tensors():
 
     def shapes(cfg) -> list[tuple[int, ...]]:
         name, knobs = model_config(cfg)
-        return [tuple(p.shape) for p in engine.zoo.entry(name).build(engine.zoo.make_config(name, **knobs)).parameters()]
+        return [tuple(p.shape) for p in engine.model.zoo.entry(name).build(engine.model.zoo.make_config(name, **knobs)).parameters()]
 
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     cfg = parse_args(["--out", "c.json", "--model", "zoo:mlp", *TINY_MLP])

@@ -9,9 +9,10 @@ are split on the expert dim.
 from __future__ import annotations
 
 import pytest
-
 from runner_plans import engine_plan
 from test_runner_equivalence import check_equivalence
+
+from engine.options import PlanOptions
 
 STEPS = 3
 
@@ -28,16 +29,17 @@ def test_bert_trains_like_one_device(tmp_path):
 
 def forced_plan(model: str, world: int, split: dict[str, int]):
     """The cheapest program with the parameters named in `split` (by target suffix) in the given form."""
-    from engine.cost import CostModel
-    from engine.planner import plan_of
-    from engine.synthesis import SearchSpace, synthesize
     from runner_plans import RATIOS, cluster, graph
+
+    from engine.spmd.cost import CostModel
+    from engine.spmd.iteration import plan_of
+    from engine.spmd.synthesis import SearchSpace, synthesize
 
     g, c, ratios = graph(model), cluster(world), RATIOS[world]
     forced = {n.id: f for n in g.parameters for suffix, f in split.items() if n.attrs["target"].endswith(suffix)}
     space = SearchSpace(param_forms=lambda n, f: f == forced[n] if n in forced else True)
-    res = synthesize(g, CostModel(g, c, ratios, "sgd"), space=space)
-    return plan_of(res.program, g, c, ratios, optimizer="sgd")
+    res = synthesize(g, CostModel(g, c, ratios, PlanOptions(optimizer="sgd")), space=space)
+    return plan_of(res.program, g, c, ratios, options=PlanOptions(optimizer="sgd"))
 
 
 @pytest.mark.parametrize("world", [3, 4])

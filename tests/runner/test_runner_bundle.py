@@ -13,13 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT, sample_path
+from test_runner_cli import TINY_GPT, hap
 
 import engine
-from conftest import ROOT, sample_path
-from engine.bundle import export_bundle
-from runner import launch
-from runner.launch import NODE_ENV, DistEnv, Inputs, RunConfig, bundle_rank, check_inputs, report_device
-from test_runner_cli import TINY_GPT, hap
+from engine.bundle.archive import export_bundle
+from engine.planner import load_plan
+from runner import config, launch
+from runner.config import NODE_ENV, DistEnv, RunConfig
+from runner.launch import report_device
+from runner.rank_setup import Inputs, bundle_rank, check_inputs
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +83,7 @@ def inputs_with_gpu(bundle: Path, gpu_model: str) -> Inputs:
     data = json.loads((bundle / "cluster.json").read_text())
     for d in data["devices"]:
         d["gpu_model"] = gpu_model
-    plan = engine.Plan.from_json(bundle / "plan.json")
+    plan = load_plan(bundle / "plan.json")
     return Inputs(plan, DistEnv(0, 4, 0, 4), engine.load_cluster(data))
 
 
@@ -130,7 +133,7 @@ def test_launch_node_script_on_two_nodes_rendezvous_over_c10d_and_verifies(tmp_p
     graph = engine.load_model("zoo:mlp", layers=1, in_features=8, hidden=16, classes=4, batch=12)
     cluster = engine.load_cluster(TWO_MACHINES)
     out = export_bundle(engine.plan(graph, cluster, optimizer="sgd"), cluster, tmp_path / "b")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.FAULT_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", config.FAULT_ENV)}
     env.update(HAP_RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
                PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]),
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
@@ -157,14 +160,14 @@ def test_a_rank_joins_as_the_plan_device_its_bundle_node_and_local_rank_give(tmp
     """torchrun's c10d rendezvous may number the nodes the other way round; the bundle's rank wins."""
     graph = engine.load_model("zoo:mlp", layers=1, in_features=8, hidden=16, classes=4, batch=12)
     cluster = engine.load_cluster(TWO_MACHINES)
-    opened = engine.bundle.open_bundle(export_bundle(engine.evaluate(graph, cluster, "dp-even"), cluster, tmp_path / "b"))
+    opened = engine.bundle.archive.open_bundle(export_bundle(engine.evaluate(graph, cluster, "dp-even"), cluster, tmp_path / "b"))
     torchrun_env = DistEnv(0, 4, 1, 2)  # torchrun made node 1's local rank 1 global rank 0
     agent = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
     assert bundle_rank(torchrun_env, opened, {**agent, NODE_ENV: "1"}) == DistEnv(3, 4, 1, 2)
     assert bundle_rank(torchrun_env, opened, {**agent, NODE_ENV: "0"}) == DistEnv(1, 4, 1, 2)
     assert bundle_rank(torchrun_env, opened, {NODE_ENV: "1"}) == torchrun_env  # rank 0 hosts the store: keep
     assert bundle_rank(torchrun_env, None, {**agent, NODE_ENV: "1"}) == torchrun_env
-    with pytest.raises(engine.bundle.BundleError, match="runs 2 ranks in the bundle but this launch started 3"):
+    with pytest.raises(engine.bundle.archive.BundleError, match="runs 2 ranks in the bundle but this launch started 3"):
         bundle_rank(DistEnv(0, 4, 0, 3), opened, {**agent, NODE_ENV: "1"})
-    with pytest.raises(engine.bundle.BundleError, match="HAP_NODE_RANK=2 but the bundle has nodes 0..1"):
+    with pytest.raises(engine.bundle.archive.BundleError, match="HAP_NODE_RANK=2 but the bundle has nodes 0..1"):
         bundle_rank(torchrun_env, opened, {**agent, NODE_ENV: "2"})

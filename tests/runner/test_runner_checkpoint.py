@@ -7,16 +7,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_harness import run_ranks
-from runner import checkpoint
-from runner.launch import FAULT_ENV, DistEnv, MetricsFile, RunConfig, parse_args, run, run_key
-from runner.train import setup_rank
-from engine.cost import CostModel
-from engine.planner import plan_of
-from engine.synthesis import SearchSpace, synthesize
-from engine.theory.core import FULL
 from runner_plans import RATIOS, cluster, graph
+
+from engine.options import PlanOptions
+from engine.spmd.cost import CostModel
+from engine.spmd.iteration import plan_of
+from engine.spmd.synthesis import SearchSpace, synthesize
+from engine.theory.core import FULL
+from runner import checkpoint
+from runner.config import FAULT_ENV, DistEnv, RunConfig, parse_args
+from runner.launch import MetricsFile, run
+from runner.rank_setup import run_key
+from runner.train import setup_rank
 
 STEPS = 10
 
@@ -24,8 +27,8 @@ STEPS = 10
 def sharded_plan(model: str, world: int):
     """The cheapest program that keeps no parameter whole: every rank holds uneven slices (RATIOS)."""
     g, c, ratios = graph(model), cluster(world), RATIOS[world]
-    res = synthesize(g, CostModel(g, c, ratios, "sgd"), space=SearchSpace(param_forms=lambda node, form: form != FULL))
-    return plan_of(res.program, g, c, ratios, optimizer="sgd")
+    res = synthesize(g, CostModel(g, c, ratios, PlanOptions(optimizer="sgd")), space=SearchSpace(param_forms=lambda node, form: form != FULL))
+    return plan_of(res.program, g, c, ratios, options=PlanOptions(optimizer="sgd"))
 
 
 @pytest.fixture(scope="module")

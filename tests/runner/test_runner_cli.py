@@ -8,11 +8,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, sample_path
 
 import engine
-from conftest import ROOT, sample_path
-from runner.cli import describe_failure, failed_rank
-from runner.launch import FAULT_ENV, DistEnv, RunConfig, load_plan, parse_args
+from runner.config import FAULT_ENV, DistEnv, RunConfig, parse_args
+from runner.rank_setup import load_spmd_plan
+from runner.torchrun import describe_failure, failed_rank
 
 TINY_GPT = dict(layers=1, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, batch=8)
 
@@ -33,7 +34,7 @@ def hap_env() -> dict[str, str]:
 
 
 def hap(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], env={**hap_env(), **(env or {})}, cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "runner.hap", *args], env={**hap_env(), **(env or {})}, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -74,7 +75,7 @@ def processes_mentioning(text: str) -> list[int]:
 def test_sigterm_to_hap_run_stops_torchrun_and_every_rank(plan4, tmp_path):
     """A scheduler cancelling the job (SIGTERM) must not leave torchrun and its ranks running."""
     metrics = tmp_path / "sigterm.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "run", str(plan4), "--steps", "100000",
+    proc = subprocess.Popen([sys.executable, "-m", "runner.hap", "run", str(plan4), "--steps", "100000",
                              "--metrics", str(metrics)], env=hap_env(), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -105,8 +106,8 @@ def test_hap_run_under_a_launch_of_another_world_size_refuses_the_plan(plan4):
 
 def test_load_plan_rejects_a_world_size_mismatch_with_the_numbers(plan4):
     with pytest.raises(ValueError, match=r"is for 4 devices \(cpu-0, cpu-1, cpu-2, cpu-3\) but this launch has WORLD_SIZE=2"):
-        load_plan(str(plan4), 2)
-    assert load_plan(str(plan4), 4).world_size == 4
+        load_spmd_plan(str(plan4), 2)
+    assert load_spmd_plan(str(plan4), 4).world_size == 4
 
 
 def test_hap_run_reports_a_missing_plan_in_one_line():

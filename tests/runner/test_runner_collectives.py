@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dist_harness import init_gloo, run_ranks
 
 import runner.collectives as C
-from dist_harness import init_gloo, run_ranks
 
 SHAPE = (2, 5, 3)
 SIZES = {2: [3, 2], 3: [1, 3, 1], 4: [2, 0, 2, 1]}
@@ -160,3 +160,19 @@ def test_a_flat_buffer_builds_every_step_s_bucket_in_the_same_tensor():
     assert again.data_ptr() == first.data_ptr() and torch.equal(again, 2 * torch.cat([g.reshape(-1) for g in grads]))
     assert buffer.cat([torch.ones(2)]).numel() == 2 and buffer.data.data_ptr() != first.data_ptr()
     assert buffer.cat([torch.ones(2), torch.ones(1, dtype=torch.float64)]).dtype == torch.float64
+
+
+def test_a_flat_bucket_scatters_back_into_its_tensors_and_leaves_what_follows():
+    """`FlatBuffer.scatter` is `cat`'s inverse for the gradients, whatever their shapes; a bucket that
+    also carries the loss (the overlap's last bucket) has one more element, left to its own tensor."""
+    grads = [torch.randn(3, 4), torch.randn(5), torch.randn(2, 1, 2)]
+    flat = torch.cat([C.FlatBuffer().cat(grads) * 2, torch.tensor([7.0])])
+    out = [torch.zeros_like(g) for g in grads]
+    loss = torch.zeros(())
+    C.FlatBuffer.scatter(flat, out + [loss])
+    for g, o in zip(grads, out):
+        assert torch.equal(o, g * 2)
+    assert loss.item() == 7.0
+    partial = [torch.zeros_like(g) for g in grads]
+    C.FlatBuffer.scatter(flat, partial)  # the loss element stays in the bucket
+    assert all(torch.equal(p, g * 2) for p, g in zip(partial, grads))

@@ -1,8 +1,8 @@
 """Dropout on: distributed training still equals single-device training (issue 13, item 3; rel 1e-4).
 
 Each rank derives the dropout mask of its block from the global index, the seed, the step and
-the site (engine/dropout.py); the single-device reference draws the same masks through
-`engine.dropout.SiteKeyedDropout`. Zoo BERT (nn.Dropout after the embeddings, attention and
+the site (engine/model/dropout.py); the single-device reference draws the same masks through
+`engine.model.dropout.SiteKeyedDropout`. Zoo BERT (nn.Dropout after the embeddings, attention and
 feed-forward) on 3 uneven ranks, and Hugging Face BERT, whose attention calls
 `scaled_dot_product_attention` with `dropout_p > 0`, on 3 uneven ranks; VGG19 with its FC layers
 column-parallel, so dropout runs on unevenly split hidden units (Shard(1)); 3 steps each.
@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import engine
-from engine.dropout import RngKey, SiteKeyedDropout
-from engine.plan import Plan
-from runner.profile import one_device_plan
-from runner.train import build_module, make_batch, program_args, setup_rank
 from runner_plans import MODELS, RATIOS, cluster
 from test_runner_equivalence import check_equivalence
+
+import engine
+from engine.model.dropout import RngKey, SiteKeyedDropout
+from engine.options import PlanOptions
+from engine.spmd.plan import Plan
+from runner.profile import one_device_plan
+from runner.train import build_module, make_batch, program_args, setup_rank
 
 STEPS = 3
 
@@ -70,15 +71,15 @@ def test_hf_bert_with_attention_dropout_trains_like_one_device(tmp_path):
 def test_vgg19_with_dropout_on_hidden_units_split_unevenly_trains_like_one_device(tmp_path):
     """Column-parallel FC layers: each rank holds 6, 4 or 2 of the 12 hidden units, so its dropout
     draws the mask of those columns (Shard(1)), not of a batch slice."""
-    from engine.cost import CostModel
-    from engine.planner import plan_of
-    from engine.synthesis import SearchSpace, synthesize
+    from engine.spmd.cost import CostModel
+    from engine.spmd.iteration import plan_of
+    from engine.spmd.synthesis import SearchSpace, synthesize
 
     g = engine.load_model("zoo:vgg19", batch=5, image_size=32, width=0.0625, hidden=12, classes=5, pool_size=1, dropout=0.2)
     fc = {n.id for n in g.parameters if n.rank == 2 and n.shape[0] == 12}
     space = SearchSpace(param_forms=lambda n, f: f == 0 if n in fc else True)
     c = cluster(3)
-    plan = plan_of(synthesize(g, CostModel(g, c, RATIOS[3], "sgd"), space=space).program, g, c, RATIOS[3], optimizer="sgd")
+    plan = plan_of(synthesize(g, CostModel(g, c, RATIOS[3], PlanOptions(optimizer="sgd")), space=space).program, g, c, RATIOS[3], options=PlanOptions(optimizer="sgd"))
     drops = [i for i in plan.program if i.kind == "compute" and g[i.node].op == "dropout"]
     assert len(drops) == 2 and all(i.post == 1 for i in drops)
     assert all(plan.shard_sizes[f"{g[i.node].name}:1"] == [6, 4, 2] for i in drops)

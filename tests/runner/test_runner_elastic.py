@@ -6,15 +6,17 @@ import json
 from pathlib import Path
 
 import pytest
-
-from engine.plan import Plan
-from runner.elastic import EVENT, no_switch, relaunch_argv, steps_reached
-from runner.launch import FAULT_ENV, MetricsFile, RunConfig
-from runner.train import reference_run
-from runner.verify import TOLERANCE
 from runner_plans import cluster
 from test_runner_checkpoint import sharded_plan
 from test_runner_cli import hap
+
+from engine.planner import load_plan
+from engine.spmd.plan import Plan
+from runner.config import FAULT_ENV, RunConfig
+from runner.elastic import EVENT, no_switch, relaunch_argv, steps_reached
+from runner.launch import MetricsFile
+from runner.train import reference_run
+from runner.verify import TOLERANCE
 
 SEED, LR = 3, 0.01
 
@@ -40,7 +42,7 @@ def test_a_rank_killed_at_step_7_of_20_the_job_finishes_on_3_ranks_as_single_dev
     [switch] = [x for x in records if x.get("event") == EVENT]
     assert (switch["old_world"], switch["new_world"], switch["resume_step"], switch["steps_lost"]) == (4, 3, 6, 1)
     assert switch["failed_device"] == "dev-2" and switch["replan_s"] > 0 and switch["reshard_s"] > 0
-    new = Plan.from_json(switch["plan"])
+    new = load_plan(switch["plan"])
     assert new.world_size == 3 and "dev-2" not in new.device_names
     steps = [x for x in records if "event" not in x]
     assert {x["rank"] for x in steps if x["step"] >= 6} == {0, 1, 2}  # after the switch: 3 ranks

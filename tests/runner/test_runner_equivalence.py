@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_harness import run_ranks
-from runner.launch import DistEnv, RunConfig, run
+from runner_plans import FORCEABLE, RATIOS, collectives_of, dp_even_plan, engine_plan, forced_plan, segmented_plan
+
+from runner.config import DistEnv, RunConfig
+from runner.launch import run
 from runner.train import build_module, reference_run
 from runner.verify import TOLERANCE, compare, rel_diff
-from runner_plans import FORCEABLE, RATIOS, collectives_of, dp_even_plan, engine_plan, forced_plan, segmented_plan
 
 STEPS = 5
 ALL_COLLECTIVES = set(FORCEABLE) | {"slice"}

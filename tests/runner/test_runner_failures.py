@@ -11,14 +11,16 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import sample_path
+from test_runner_cli import TINY_GPT, hap
 
 import engine
-from conftest import sample_path
-from engine.bundle import export_bundle
-from runner.cli import StderrRelay, failure_report
+from engine.bundle.archive import export_bundle
+from engine.planner import load_plan
+from runner.config import FAULT_ENV
 from runner.failure import ERRORS_ENV, read_failures, record_failure
-from runner.launch import FAULT_ENV, maybe_inject_fault
-from test_runner_cli import TINY_GPT, hap
+from runner.launch import maybe_inject_fault
+from runner.torchrun import StderrRelay, failure_report
 
 ROOT_CAUSE = """Root Cause (first observed failure):
 [0]:
@@ -54,7 +56,7 @@ def test_hap_run_refuses_a_truncated_plan_in_one_line_before_torchrun(plan4, tmp
 
 
 def test_hap_run_refuses_a_bundle_whose_plan_is_inconsistent(plan4, tmp_path):
-    plan = engine.Plan.from_json(plan4)
+    plan = load_plan(plan4)
     folder = export_bundle(plan, sample_path("cpu_4_uneven"), tmp_path / "b")
     d = copy.deepcopy(plan.to_dict())
     key = next(iter(d["shard_sizes"]))

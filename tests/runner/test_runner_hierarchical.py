@@ -1,18 +1,19 @@
-"""Hierarchical collectives (engine.hierarchy) forward and backward on 4 gloo ranks grouped as 2
+"""Hierarchical collectives (engine.cluster.hierarchy) forward and backward on 4 gloo ranks grouped as 2
 machines of 2, with uneven shards (one empty), against the same one-process reference as the flat
 collectives: they must compute exactly what all_reduce / all_gather / reduce_scatter compute."""
 from __future__ import annotations
 
 import pytest
 import torch
-
-import engine
-import runner.collectives as C
 from dist_harness import init_gloo, run_ranks
-from engine.hierarchy import HIER_KEYS
 from runner_plans import collectives_of, forced_plan
 from test_runner_collectives import SIZES, inputs, out_grads, reference
 from test_runner_equivalence import check_equivalence
+
+import engine
+import runner.collectives as C
+from engine.cluster.hierarchy import HIER_KEYS
+from engine.planner import load_plan
 
 WORLD = 4
 LAYOUTS = {"contiguous": ((0, 1), (2, 3)), "interleaved": ((0, 2), (1, 3))}
@@ -79,7 +80,7 @@ def test_hap_plan_then_hap_run_verify_on_two_machines_of_two(tmp_path):
     made = hap("plan", "--model", "zoo:mlp", "--set", "layers=2", "--set", "in_features=64", "--set", "hidden=128",
                "--set", "batch=32", "--cluster", "sample_clusters/cpu_2x2.json", "--out", str(plan_path))
     assert made.returncode == 0, made.stdout + made.stderr
-    assert collectives_of(engine.Plan.from_json(plan_path)) & set(HIER_KEYS)
+    assert collectives_of(load_plan(plan_path)) & set(HIER_KEYS)
     r = hap("run", str(plan_path), "--steps", "3", "--verify", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verify: OK" in r.stdout

@@ -14,17 +14,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import engine
 from conftest import sample_path
 from dist_harness import run_ranks
+from runner_plans import MODELS, cluster
+from test_runner_cli import hap
+
+import engine
 from engine.errors import PlanError
-from runner.launch import DistEnv, RunConfig, load_plan, run
+from runner.config import DistEnv, RunConfig
+from runner.launch import run
+from runner.rank_setup import load_spmd_plan
 from runner.timing import EmulatedLink
 from runner.train import reference_run, setup_rank
 from runner.verify import TOLERANCE, compare
-from runner_plans import MODELS, cluster
-from test_runner_cli import hap
 
 STEPS = 3
 CASES = [pytest.param(mode, m, w, {"tie_weights": True} if (mode, m, w) == ("ddp", "gpt", 3) else {},
@@ -102,7 +104,7 @@ def test_duplex_refuses_training_mode_batch_norm_in_one_line_before_any_rank_sta
     plan = dataclasses.replace(engine.evaluate(g, cluster(2), "dp-even", optimizer="sgd"), overlap="duplex")
     plan.save(tmp_path / "plan.json")
     with pytest.raises(PlanError, match="batch norm") as e:
-        load_plan(str(tmp_path / "plan.json"), 2)
+        load_spmd_plan(str(tmp_path / "plan.json"), 2)
     assert "\n" not in str(e.value)
     with pytest.raises(PlanError, match="batch norm"):  # and the rank itself, should it be started anyway
         setup_rank(plan, 0, seed=0)

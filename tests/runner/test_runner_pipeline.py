@@ -6,18 +6,17 @@ from functools import lru_cache
 
 import pytest
 import torch
+from dist_harness import init_gloo, run_ranks
+from runner_plans import MODELS, cluster, with_sharded_stages
 
+import engine
 from engine.errors import PlanError
-from engine.partition import fixed_pipeline
-from engine.pipeline_plan import load_any
-from engine.stages import StageGraph
+from engine.pipeline.partition import fixed_pipeline
+from engine.pipeline.stages import StageGraph
+from engine.planner import load_plan
 from runner.pipeline import gathered_params, microbatch_reference, pipeline_step, setup_stage_rank
 from runner.train import make_batch
 from runner.verify import compare
-
-from dist_harness import init_gloo, run_ranks
-from runner_plans import MODELS, cluster, with_sharded_stages
-import engine
 
 STEPS = 3
 
@@ -38,7 +37,7 @@ def two_stage_plan(model: str, world: int, groups: tuple[tuple[int, ...], ...], 
 def _train(rank: int, world: int, init: str, plan_json: str) -> dict:
     init_gloo(rank, world, init)
     torch.set_num_threads(1)
-    plan = load_any(json.loads(plan_json))
+    plan = load_plan(json.loads(plan_json))
     sr = setup_stage_rank(plan, rank, seed=3, optimizer="sgd", lr=0.05)
     for step in range(STEPS):
         pipeline_step(plan, sr, make_batch(plan, step, 3))
@@ -138,12 +137,12 @@ def _edited(d: dict, path: tuple, value) -> dict:
 ])
 def test_a_malformed_pipeline_plan_is_refused_naming_the_field(plan_dict, path, value, message):
     with pytest.raises(PlanError) as e:
-        load_any(_edited(plan_dict, path, value))
+        load_plan(_edited(plan_dict, path, value))
     assert message in str(e.value)
 
 
 def test_pipeline_plan_round_trips_through_json(plan_dict):
-    plan = load_any(json.loads(json.dumps(plan_dict)))
+    plan = load_plan(json.loads(json.dumps(plan_dict)))
     assert plan.to_dict() == plan_dict
 
 

@@ -12,21 +12,20 @@ import time
 from pathlib import Path
 
 import pytest
-
-import engine
 from conftest import ROOT
-from engine.bundle import export_bundle
-from engine.errors import PlanError
-from engine.partition import fixed_pipeline
-from engine.stages import StageGraph
-from runner import launch
-from runner.launch import NODE_ENV, parse_args
-from runner.pipeline import load_pipeline_plan, pipeline_inputs
-
 from runner_plans import cluster
 from test_runner_bundle import TWO_MACHINES, copy_bundle, free_port
 from test_runner_cli import hap
 from test_runner_pipeline import graph, hap_stage_plan
+
+import engine
+from engine.bundle.archive import export_bundle
+from engine.errors import PlanError
+from engine.pipeline.partition import fixed_pipeline
+from engine.pipeline.stages import StageGraph
+from runner import config
+from runner.config import NODE_ENV, parse_args
+from runner.pipeline import load_pipeline_plan, pipeline_inputs
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +78,7 @@ def test_a_pipeline_rank_joins_as_the_plan_device_its_bundle_node_gives_it(tmp_p
     assert env.rank == 3 and got == plan
     assert scratch and Path(scratch, "manifest.json").is_file()  # the rank's own extracted copy
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    with pytest.raises(engine.bundle.BundleError, match="runs 2 ranks in the bundle but this launch started 3"):
+    with pytest.raises(engine.bundle.archive.BundleError, match="runs 2 ranks in the bundle but this launch started 3"):
         pipeline_inputs(parse_args([str(out)]))
 
 
@@ -88,7 +87,7 @@ def test_launch_node_script_runs_a_pipeline_bundle_on_two_nodes_and_verifies(tmp
     stage 0 on node 0's ranks, stage 1 on node 1's, whatever order the c10d rendezvous gave the nodes."""
     plan = two_machine_plan()
     out = export_bundle(plan, TWO_MACHINES, tmp_path / "b")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", launch.FAULT_ENV)}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", config.FAULT_ENV)}
     env.update(HAP_RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
                PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]),
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
@@ -118,11 +117,11 @@ def test_a_pipeline_of_a_model_file_runs_the_bundles_copy(tmp_path):
     plan = fixed_pipeline(g, cluster(4), [(0, L // 2, (0, 2)), (L // 2, L, (1, 3))], 2, "1f1b")
     out = export_bundle(plan, cluster(4), tmp_path / "b")
     model.unlink()
-    opened = engine.bundle.open_bundle(out)
-    got = load_pipeline_plan(opened.plan_path, 4, engine.bundle.model_file_of(opened))
+    opened = engine.bundle.archive.open_bundle(out)
+    got = load_pipeline_plan(opened.plan_path, 4, engine.bundle.archive.model_file_of(opened))
     assert got.graph.origin["file"] == str(out / "model" / "llama_tiny.py")
     with pytest.raises(PlanError, match="the plan needs 4 ranks, torchrun started 2"):
         load_pipeline_plan(opened.plan_path, 2)
     (out / "model" / "llama_tiny.py").write_text("# edited\n")
-    with pytest.raises(engine.bundle.BundleError, match="changed file: model/llama_tiny.py"):
-        engine.bundle.open_bundle(out)
+    with pytest.raises(engine.bundle.archive.BundleError, match="changed file: model/llama_tiny.py"):
+        engine.bundle.archive.open_bundle(out)

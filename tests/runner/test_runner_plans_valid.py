@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from engine.validate import validate_plan
 from runner_plans import FORCEABLE, cluster, forced_plan, segmented_plan
+
+from engine.spmd.validate import validate_plan
 
 
 @pytest.mark.parametrize("collective", FORCEABLE)

@@ -8,23 +8,27 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_harness import run_ranks
-from engine import cli
-from engine.cost import CostModel
-from engine.plan import Plan
-from engine.program import LOAD
-from engine.replan import param_layouts
-from engine.planner import plan_of
-from engine.synthesis import SearchSpace, synthesize
-from engine.theory.core import FULL
-from runner import checkpoint, reshard
-from runner.launch import FAULT_ENV, DistEnv, RunConfig, check_inputs, run
-from runner.program import shard
-from runner.train import build_module, reference_run, setup_rank
-from runner.verify import TOLERANCE, rel_diff
 from runner_plans import RATIOS, cluster, dp_even_plan, graph
 from test_runner_checkpoint import sharded_plan
+
+from engine import cli
+from engine.elastic.replan import param_layouts
+from engine.options import PlanOptions
+from engine.planner import load_plan
+from engine.spmd.cost import CostModel
+from engine.spmd.iteration import plan_of
+from engine.spmd.plan import Plan
+from engine.spmd.program import LOAD
+from engine.spmd.synthesis import SearchSpace, synthesize
+from engine.theory.core import FULL
+from runner import checkpoint, reshard
+from runner.config import FAULT_ENV, DistEnv, RunConfig
+from runner.launch import run
+from runner.program import shard
+from runner.rank_setup import check_inputs
+from runner.train import build_module, reference_run, setup_rank
+from runner.verify import TOLERANCE, rel_diff
 
 SEED, LR = 3, {"sgd": 0.05, "adam": 0.01}
 
@@ -46,7 +50,7 @@ def hap_replan(old: Path, world: int, tmp_path: Path, optimizer: str, capfd) -> 
                      "--optimizer", optimizer]) == 0
     out = capfd.readouterr().out
     assert "predicted step time" in out and "state to move" in out and f"plan written to {new}" in out
-    return Plan.from_json(new)
+    return load_plan(new)
 
 
 def config(plan: Path, tmp_path: Path, optimizer: str, steps: int, name: str, **kw) -> RunConfig:
@@ -120,8 +124,8 @@ def plan_sharding_weights_on(dim_of: dict[str, int], world: int) -> Plan:
     g, c, ratios = graph("mlp"), cluster(world), RATIOS[world]
     want = {n.id: dim_of[n.attrs["target"]] for n in g.parameters if n.attrs["target"] in dim_of}
     space = SearchSpace(param_forms=lambda node, form: node not in want or form == want[node])
-    res = synthesize(g, CostModel(g, c, ratios, "sgd"), space=space)
-    return plan_of(res.program, g, c, ratios, optimizer="sgd")
+    res = synthesize(g, CostModel(g, c, ratios, PlanOptions(optimizer="sgd")), space=space)
+    return plan_of(res.program, g, c, ratios, options=PlanOptions(optimizer="sgd"))
 
 
 def forms(plan: Plan) -> dict[str, int]:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_harness import init_gloo, run_ranks
-from engine.reshard import reshard_table
-from runner.reshard import exchange, plan_moves
 from test_runner_checkpoint import sharded_plan
 from test_runner_reshard import plan_sharding_weights_on
+
+from engine.elastic.reshard import reshard_table
+from runner.reshard import exchange, plan_moves
 
 STATE = ("exp_avg", "exp_avg_sq")
 

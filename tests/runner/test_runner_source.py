@@ -11,7 +11,6 @@ import json
 import shutil
 
 import pytest
-
 from conftest import ROOT, cluster_dict
 from test_runner_cli import hap
 

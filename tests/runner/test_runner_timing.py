@@ -6,15 +6,15 @@ import time
 
 import pytest
 import torch
-
+from conftest import cluster_dict, sample_path
 from dist_harness import run_ranks
-from runner.launch import DistEnv, RunConfig, run
+from runner_plans import forced_plan
+
+from runner.config import DistEnv, RunConfig
+from runner.launch import run
 from runner.timing import Pacer, parse_speeds, speeds_from_cluster
 from runner.train import reference_run
 from runner.verify import compare
-from runner_plans import forced_plan
-
-from conftest import cluster_dict, sample_path
 
 
 def _spin(seconds: float) -> None:

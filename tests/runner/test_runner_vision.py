@@ -11,14 +11,15 @@ from __future__ import annotations
 from functools import lru_cache
 
 import pytest
-
-import engine
-from engine.cost import CostModel
-from engine.graph import Graph
-from engine.planner import plan_of
-from engine.synthesis import SearchSpace, synthesize
 from runner_plans import RATIOS, cluster
 from test_runner_equivalence import check_equivalence
+
+import engine
+from engine.model.graph import Graph
+from engine.options import PlanOptions
+from engine.spmd.cost import CostModel
+from engine.spmd.iteration import plan_of
+from engine.spmd.synthesis import SearchSpace, synthesize
 
 STEPS = 3
 VGG = dict(batch=5, image_size=32, width=0.0625, hidden=12, classes=5, pool_size=1)
@@ -34,8 +35,8 @@ def vision_graph(name: str, extra: tuple = ()) -> Graph:
 def forced(g: Graph, world: int, banned: dict[str, set[str]]):
     """The cheapest program at RATIOS[world] that uses none of the `banned` rules (op -> rule names)."""
     space = SearchSpace(rule_filter=lambda nid, r: r.name not in banned.get(g[nid].op, set()))
-    res = synthesize(g, CostModel(g, cluster(world), RATIOS[world], "sgd"), space=space)
-    return plan_of(res.program, g, cluster(world), RATIOS[world], optimizer="sgd")
+    res = synthesize(g, CostModel(g, cluster(world), RATIOS[world], PlanOptions(optimizer="sgd")), space=space)
+    return plan_of(res.program, g, cluster(world), RATIOS[world], options=PlanOptions(optimizer="sgd"))
 
 
 def rules_of(plan, op: str) -> set[str]:

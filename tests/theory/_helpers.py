@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
-from engine.graph import Graph, Node
-from engine.ops import run_node
+from engine.model.graph import Graph, Node
+from engine.model.ops import run_node
 from engine.theory import FULL, PARTIAL, OpRule, op_rules
 from engine.theory.check import CheckResult, check_rule
 

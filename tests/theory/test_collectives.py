@@ -13,9 +13,9 @@ import pytest
 import torch
 from hypothesis import given
 
-from engine.plan import split_sizes as plan_split_sizes
-from engine.cost import DUAL
-from engine.segments import RESPLIT
+from engine.spmd.cost import DUAL
+from engine.spmd.segments import RESPLIT
+from engine.spmd.sizes import split_sizes as plan_split_sizes
 from engine.theory import COLLECTIVES, FULL, PARTIAL, collectives_from
 from engine.theory.check import split_sizes
 from engine.theory.collectives import ALL_REDUCE, BY_KEY, Collective
@@ -101,7 +101,7 @@ def slice_(locs: Locals, ratios: list[float], pre: int, post: int) -> Locals:
 SIMULATE: dict[str, Callable[[Locals, list[float], int, int], Locals]] = {
     "all_reduce": all_reduce, "reduce_scatter": reduce_scatter, "all_gather.padded": all_gather_padded,
     "all_gather.grouped": all_gather_grouped, "all_to_all": all_to_all, "slice": slice_,
-    # hierarchical implementations (engine.hierarchy) establish the same forms; the runner's sub-group
+    # hierarchical implementations (engine.cluster.hierarchy) establish the same forms; the runner's sub-group
     # steps are checked numerically on 4 ranks in tests/runner/test_runner_hierarchical.py
     "all_reduce.hier": all_reduce, "reduce_scatter.hier": reduce_scatter, "all_gather.hier": all_gather_padded,
 }

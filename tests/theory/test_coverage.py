@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 
 import engine
-from engine import capture as capture_mod
-from engine.graph import Graph
-from engine.ops import run_node
+from engine.model import capture as capture_mod
+from engine.model.graph import Graph
+from engine.model.ops import run_node
 from engine.theory import missing_rules, op_rules
 from engine.theory.check import check_node, describe
 from engine.theory.core import registered_ops

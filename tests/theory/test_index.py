@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.ops import run_node
+from engine.model.ops import run_node
 from engine.theory import op_rules
 from engine.theory.check import check_rule
 from engine.theory.index import index_out_dim

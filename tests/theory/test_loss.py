@@ -4,14 +4,14 @@ from __future__ import annotations
 import math
 
 import torch
-
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.ops import run_node
+from engine.model.ops import run_node
 from engine.theory.check import check_rule
 
-from ._helpers import FULL, PARTIAL, SETTINGS, UNEVEN, OpRule, check_all, dim_size, one_op, ratios_st, rule_set, seeds, shapes
+from ._helpers import (FULL, PARTIAL, SETTINGS, UNEVEN, OpRule, check_all, dim_size, one_op, ratios_st, rule_set, seeds,
+                       shapes)
 
 
 def _ce(n: int, v: int):

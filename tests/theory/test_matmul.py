@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from engine.theory.check import check_rule
 
-from ._helpers import FULL, PARTIAL, SETTINGS, UNEVEN, OpRule, check_all, dim_size, one_op, ratios_st, rule_set, rules_named, seeds, shapes
+from ._helpers import (FULL, PARTIAL, SETTINGS, UNEVEN, OpRule, check_all, dim_size, one_op, ratios_st, rule_set,
+                       rules_named, seeds, shapes)
 
 
 @SETTINGS

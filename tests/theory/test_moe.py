@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import engine
-from engine.graph import Graph
-from engine.ops import run_node
+from engine.model.graph import Graph
+from engine.model.ops import run_node
 from engine.theory import op_rules
 from engine.theory.check import check_node, check_rule, describe
 

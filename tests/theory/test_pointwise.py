@@ -42,7 +42,7 @@ def test_dropout_in_eval_mode_holds() -> None:
 @SETTINGS
 @given(shape=shapes(), ratios=ratios_st, seed=seeds, p=st.sampled_from([0.1, 0.5, 0.9]))
 def test_training_dropout_rules_hold(shape: tuple[int, ...], ratios: list[float], seed: int, p: float) -> None:
-    """With site-keyed masks (engine/dropout.py) a shard's dropout is the shard of the whole's."""
+    """With site-keyed masks (engine/model/dropout.py) a shard's dropout is the shard of the whole's."""
     node, g = one_op("dropout", [shape], {"p": p, "train": True, "rng_site": seed % 7}, out_shape=shape)
     check_all(node, g, ratios, seed)
     assert all(PARTIAL not in r.inputs for r in op_rules(node, g))

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import engine.ops
+import engine.model.ops
 from engine.theory.check import check_rule
 
 from ._helpers import FULL, PARTIAL, SETTINGS, UNEVEN, OpRule, check_all, one_op, ratios_st, rule_set, seeds, shapes
@@ -45,7 +45,7 @@ def test_a_local_size_mean_would_be_caught(monkeypatch) -> None:
             out = out / max(1, int(torch.tensor([x.shape[d] for d in node.attrs["dims"]]).prod()))
         return out
 
-    monkeypatch.setattr(engine.ops, "_reduce", local_mean)
+    monkeypatch.setattr(engine.model.ops, "_reduce", local_mean)
     node, g = one_op("mean", [(5, 6)], {"dims": [0], "keepdim": False}, out_shape=(6,))
     assert check_rule(node, g, OpRule("reduce_sharded", (0,), PARTIAL), UNEVEN).ok is False
     assert check_rule(node, g, OpRule("replicate", (FULL,), FULL), UNEVEN).ok is True  # the full run is still right

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import engine
-from engine.ops import run_node
+from engine.model.ops import run_node
 from engine.theory import missing_rules
 from engine.theory.check import check_node, check_rule
 

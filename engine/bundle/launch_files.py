@@ -1,0 +1,288 @@
+"""The launch files of a bundle: torchrun per node, Slurm, Kubeflow PyTorchJob and TrainJob, README.
+
+Each is plain text built from the bundle's nodes (engine.bundle.archive.launch_nodes); the YAML is written
+without a yaml dependency, deterministically (block style, strings double-quoted).
+Rank r runs plan device r; node k runs a consecutive block of ranks, as torchrun numbers them.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from engine.cluster.spec import Cluster
+from engine.planner import AnyPlan
+
+DEFAULT_RDZV_PORT = 29500
+DEFAULT_IMAGE = "hap-workbench:latest"
+CONTAINER_BUNDLE_DIR = "/workspace/bundle"
+
+
+@dataclass(frozen=True)
+class LaunchNode:
+    """One machine of the launch: `torchrun --node-rank=node_rank --nproc-per-node=len(ranks)`."""
+
+    node_rank: int
+    machine: str
+    ranks: tuple[int, ...]
+    """Plan devices (= global ranks) this node runs, consecutive."""
+
+    @property
+    def nproc(self) -> int:
+        return len(self.ranks)
+
+
+def rank_table(cluster: Cluster, nodes: Sequence[LaunchNode]) -> list[dict[str, Any]]:
+    """Rank -> (node, local rank, device, GPU type), as written to the manifest and the README."""
+    rows = []
+    for node in nodes:
+        for local, r in enumerate(node.ranks):
+            d = cluster.devices[r]
+            rows.append({"rank": r, "node_rank": node.node_rank, "local_rank": local, "machine": d.machine,
+                         "device": d.name, "gpu_model": d.gpu_model})
+    return rows
+
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchSettings:
+    """What the launch scripts need besides the nodes."""
+
+    job: str
+    """Job name (DNS-1123: lower-case letters, digits, '-'), used for rendezvous id, Slurm and Kubernetes."""
+    rdzv_endpoint: str
+    """HOST:PORT of the c10d rendezvous (node 0's machine by default)."""
+    image: str = DEFAULT_IMAGE
+    """Container image holding hap-workbench and the bundle at CONTAINER_BUNDLE_DIR (Kubernetes)."""
+    gpus: bool = True
+    """Ask launchers for one GPU per rank (False for CPU clusters)."""
+    run_args: tuple[str, ...] = ()
+    """Runner options written into the Kubernetes files (e.g. --steps 100), where nobody types them."""
+
+
+def job_name(plan: AnyPlan) -> str:
+    raw = f"hap-{plan.graph.name}-{plan.cluster_name}"
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw.lower())).strip("-")[:52]
+
+
+def torchrun_args(nnodes: int, node_rank: str, nproc: str, endpoint: str, rdzv_id: str) -> list[str]:
+    """torchrun's options for one node (values may be shell or Kubernetes variable references)."""
+    return [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
+
+
+def launch_node_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
+    """`bash launch_node.sh NODE_RANK [runner options]`: one torchrun line per node."""
+    lines = ["#!/usr/bin/env bash",
+             "# Run on every node of the job, each with its own NODE_RANK (see README.md):",
+             "#   bash launch_node.sh NODE_RANK [runner options, e.g. --steps 100 --checkpoint-dir DIR --resume]",
+             "# HAP_RDZV_ENDPOINT=HOST:PORT overrides the rendezvous (node 0's machine by default).",
+             "set -euo pipefail",
+             'BUNDLE_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
+             f'NODE_RANK="${{1:?usage: launch_node.sh NODE_RANK [runner options] (NODE_RANK 0..{len(nodes) - 1})}}"',
+             "shift",
+             f'RDZV_ENDPOINT="${{HAP_RDZV_ENDPOINT:-{s.rdzv_endpoint}}}"',
+             "export HAP_NODE_RANK=\"$NODE_RANK\"  # the runner maps (node, local rank) to the plan's rank",
+             'case "$NODE_RANK" in']
+    for n in nodes:
+        args = torchrun_args(len(nodes), str(n.node_rank), str(n.nproc), '"$RDZV_ENDPOINT"', s.job)
+        lines.append(f"  {n.node_rank})  # machine {n.machine}: ranks {_span(n.ranks)}")
+        lines.append(f'    exec torchrun {" ".join(args)} -m runner.launch "$BUNDLE_DIR" "$@" ;;')
+    lines += [f'  *) echo "launch_node.sh: NODE_RANK must be 0..{len(nodes) - 1}, got $NODE_RANK" >&2; exit 2 ;;',
+              "esac", ""]
+    return "\n".join(lines)
+
+
+def _span(ranks: Sequence[int]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def slurm_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
+    """`sbatch slurm.sbatch [runner options]`: one task per node, each runs torchrun (c10d on the first host)."""
+    nproc = [n.nproc for n in nodes]
+    uniform = len(set(nproc)) == 1
+    head = ["#!/usr/bin/env bash", f"#SBATCH --job-name={s.job}", f"#SBATCH --nodes={len(nodes)}",
+            "#SBATCH --ntasks-per-node=1"]
+    if s.gpus:
+        head.append(f"#SBATCH --gpus-per-node={max(nproc)}")
+    head += ["# Submit from the bundle folder (on a file system every node sees):",
+             "#   sbatch slurm.sbatch [runner options, e.g. --steps 100 --checkpoint-dir DIR --resume]",
+             "set -euo pipefail",
+             'BUNDLE_DIR="${HAP_BUNDLE_DIR:-$SLURM_SUBMIT_DIR}"',
+             'HEAD_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+             f'export RDZV_ENDPOINT="$HEAD_NODE:{DEFAULT_RDZV_PORT}"']
+    if uniform:
+        args = torchrun_args(len(nodes), '"$SLURM_NODEID"', str(nproc[0]), '"$RDZV_ENDPOINT"', '"$SLURM_JOB_ID"')
+        # single quotes: SLURM_NODEID is evaluated by each task, not by the batch shell
+        body = f'srun --ntasks={len(nodes)} --ntasks-per-node=1 bash -c \'export HAP_NODE_RANK="$SLURM_NODEID"; ' \
+               f'exec torchrun {" ".join(args)} ' \
+               f'-m runner.launch "$0" "$@"\' "$BUNDLE_DIR" "$@"'
+    else:
+        table = " ".join(str(p) for p in nproc)
+        args = torchrun_args(len(nodes), '"$SLURM_NODEID"', '"${NPROC[$SLURM_NODEID]}"', '"$RDZV_ENDPOINT"',
+                             '"$SLURM_JOB_ID"')
+        body = (f'srun --ntasks={len(nodes)} --ntasks-per-node=1 bash -c \'NPROC=({table}); '
+                f'export HAP_NODE_RANK="$SLURM_NODEID"; exec torchrun '
+                f'{" ".join(args)} -m runner.launch "$0" "$@"\' "$BUNDLE_DIR" "$@"')
+    comment = [f"# node {n.node_rank} (SLURM_NODEID): ranks {_span(n.ranks)}, planned for machine {n.machine}"
+               for n in nodes]
+    return "\n".join(head + comment + [body, ""])
+
+
+def _yaml_scalar(value: Any) -> str:
+    """A YAML scalar: numbers bare, strings double-quoted (JSON escaping is valid YAML), {} and [] when empty."""
+    if isinstance(value, (dict, list)):
+        return "{}" if isinstance(value, dict) else "[]"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(str(value))
+
+
+def _yaml(value: Any, indent: int = 0) -> list[str]:
+    """Block-style YAML lines of nested dicts/lists of scalars (deterministic, no yaml dependency)."""
+    pad = " " * indent
+    lines: list[str] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if isinstance(v, (dict, list)) and v:
+                lines.append(f"{pad}{k}:")
+                lines += _yaml(v, indent + 2)
+            else:
+                lines.append(f"{pad}{k}: {_yaml_scalar(v)}")
+    else:
+        for item in value:
+            if isinstance(item, (dict, list)) and item:
+                sub = _yaml(item, indent + 2)
+                lines.append(f"{pad}- {sub[0].lstrip()}")
+                lines += sub[1:]
+            else:
+                lines.append(f"{pad}- {_yaml_scalar(item)}")
+    return lines
+
+
+def _container(s: LaunchSettings, args: list[str], nproc: int) -> dict[str, Any]:
+    c: dict[str, Any] = {"name": "pytorch", "image": s.image, "imagePullPolicy": "IfNotPresent",
+                         "workingDir": CONTAINER_BUNDLE_DIR, "command": ["torchrun"], "args": args}
+    if s.gpus:
+        c["resources"] = {"limits": {"nvidia.com/gpu": nproc}}
+    return c
+
+
+def pytorchjob_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | None:
+    """A Kubeflow PyTorchJob; None when workers would need different process counts (one Worker template)."""
+    workers = nodes[1:]
+    if len({n.nproc for n in workers}) > 1:
+        return None
+    header = ["# Kubeflow training operator PyTorchJob (kubeflow.org/v1): kubectl apply -f pytorchjob.yaml",
+              f"# The image must hold hap-workbench and this bundle at {CONTAINER_BUNDLE_DIR} (see README.md).",
+              "# The operator sets RANK (the pod's node rank), MASTER_ADDR and MASTER_PORT in every pod."]
+
+    def replica(n: LaunchNode, count: int) -> dict[str, Any]:
+        args = torchrun_args(len(nodes), "$(RANK)", str(n.nproc), "$(MASTER_ADDR):$(MASTER_PORT)", s.job)
+        args += ["-m", "runner.launch", CONTAINER_BUNDLE_DIR, *s.run_args]
+        return {"replicas": count, "restartPolicy": "OnFailure",
+                "template": {"spec": {"containers": [_container(s, args, n.nproc)]}}}
+
+    specs = {"Master": replica(nodes[0], 1)}
+    if workers:
+        specs["Worker"] = replica(workers[0], len(workers))
+    doc = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": s.job},
+           "spec": {"runPolicy": {"cleanPodPolicy": "None"}, "pytorchReplicaSpecs": specs}}
+    return "\n".join(header + _yaml(doc) + [""])
+
+
+def trainjob_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | None:
+    """A Kubeflow Trainer v2 TrainJob on the `torch-distributed` runtime; None unless every node runs as many ranks."""
+    if len({n.nproc for n in nodes}) > 1:
+        return None
+    header = ["# Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1): kubectl apply -f trainjob.yaml",
+              f"# The image must hold hap-workbench and this bundle at {CONTAINER_BUNDLE_DIR} (see README.md).",
+              "# The torch-distributed runtime sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR",
+              "# and PET_MASTER_PORT, which torchrun reads as its defaults."]
+    trainer: dict[str, Any] = {"image": s.image, "numNodes": len(nodes), "numProcPerNode": nodes[0].nproc,
+                               "command": ["torchrun", "-m", "runner.launch", CONTAINER_BUNDLE_DIR, *s.run_args]}
+    if s.gpus:
+        trainer["resourcesPerNode"] = {"limits": {"nvidia.com/gpu": nodes[0].nproc}}
+    doc = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": {"name": s.job},
+           "spec": {"runtimeRef": {"name": "torch-distributed"}, "trainer": trainer}}
+    return "\n".join(header + _yaml(doc) + [""])
+
+
+def plan_summary(plan: AnyPlan) -> str:
+    """What the plan is, in a few words: its strategy, or a pipeline's stages, schedule and microbatches."""
+    if plan.parallelism == "pipeline":
+        return (f"Pipeline plan ({len(plan.stages)} stages, schedule `{plan.schedule}`, "  # type: ignore[attr-defined]
+                f"{plan.microbatches} microbatches)")  # type: ignore[attr-defined]
+    return f"Plan `{plan.strategy}`"  # type: ignore[attr-defined]
+
+
+SPMD_RUN_OPTIONS = """Runner options go after the bundle or the script, the same on every node: `--steps N`, `--verify`, `--metrics FILE`,
+`--checkpoint-dir DIR --checkpoint-every N` (on a file system every rank sees) and `--resume`
+(continue from the last complete checkpoint; starts at step 0 when there is none, so a
+restarted job can always pass it)."""
+
+PIPELINE_RUN_OPTIONS = """Runner options go after the bundle or the script, the same on every node: `--steps N`, `--verify`,
+`--seed S`, `--optimizer sgd|adam`, `--lr LR`, `--timeout S` and `--emulate-links` (each stage-to-stage
+transfer takes at least its predicted time). A pipeline plan runs over NCCL on each rank's GPU where
+CUDA is present, else over gloo on the CPU; it neither checkpoints nor writes metrics yet, and refuses
+those options."""
+
+SPMD_DEVICE_CHECK = """At start every rank
+compares its GPU (`torch.cuda.get_device_name`) with the planned type and reports a mismatch
+naming the rank and both types (`--device-check error` makes it fatal)."""
+
+
+def readme_text(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], s: LaunchSettings,
+                skipped: dict[str, str]) -> str:
+    """The bundle's README: which command to run where, and the rank -> device map."""
+    pipeline = plan.parallelism == "pipeline"
+    rows = "\n".join(f"| {r['rank']} | {r['node_rank']} | {r['local_rank']} | {r['machine']} | {r['device']} | {r['gpu_model']} |"
+                     for r in rank_table(cluster, nodes))
+    node_lines = "\n".join(f"    bash launch_node.sh {n.node_rank}   # on machine {n.machine} ({n.nproc} ranks: {_span(n.ranks)})"
+                           for n in nodes)
+    not_made = "".join(f"\n- `{f}` was not generated: {why}." for f, why in skipped.items())
+    return f"""# Launch bundle: {plan.graph.name} on {cluster.name}
+
+{plan_summary(plan)} for {plan.world_size} ranks on {len(nodes)} node(s), predicted iteration
+{plan.predicted_time_s * 1e3:.2f} ms. Every node needs `hap-workbench` installed (it provides
+`torchrun` and `runner.launch`) and this folder at the same path (or on a shared file system).
+
+Check the bundle first (exit 0 valid, 1 invalid: a changed, extra or missing file is named, 2 usage error):
+
+    hap bundle check .
+
+## Which command to run where
+
+- One machine (all ranks local): `hap run . --steps 100` (starts torchrun for you).
+- torchrun on each node, node 0's machine hosts the c10d rendezvous
+  (`HAP_RDZV_ENDPOINT=HOST:PORT` overrides `{s.rdzv_endpoint}`):
+
+{node_lines}
+
+- Slurm: `sbatch slurm.sbatch --steps 100` from this folder (one `srun` task per node, each runs torchrun).
+- Kubernetes (Kubeflow training operator): build an image holding hap-workbench and this folder
+  at `{CONTAINER_BUNDLE_DIR}` (e.g. `FROM` your PyTorch image, `pip install hap-workbench`,
+  `COPY . {CONTAINER_BUNDLE_DIR}`), set it in `pytorchjob.yaml` (`{s.image}` now), then
+  `kubectl apply -f pytorchjob.yaml`; with Kubeflow Trainer v2, `kubectl apply -f trainjob.yaml`.
+  Their runner options come from `hap export --run-args '...'` (append more to the container
+  args).{not_made}
+
+{PIPELINE_RUN_OPTIONS if pipeline else SPMD_RUN_OPTIONS}
+
+## Ranks and devices
+
+Rank r runs plan device r; node k runs a consecutive block of ranks. torchrun's c10d rendezvous
+orders the nodes itself, so `launch_node.sh` and `slurm.sbatch` pass the node number
+(`HAP_NODE_RANK`) and every rank joins as the rank this table gives it.{"" if pipeline else " " + SPMD_DEVICE_CHECK}
+
+| rank | node | local rank | machine | device | GPU type |
+|---|---|---|---|---|---|
+{rows}
+
+Never edit files here: `hap run` and every rank refuse a bundle whose files differ from
+`manifest.json`. Nothing in a bundle is pickled; every file is JSON or text.
+"""

@@ -1,0 +1,1243 @@
+"""Model capture: a `torch.nn.Module` plus example inputs -> the graph IR (HAP §3: the graph (V, E)).
+
+We trace with `torch.export` (non-strict) so fake tensors stand in for the data: on the `meta`
+device no weight is ever allocated, so a 10B-parameter model captures on a laptop. The ATen
+training IR is then mapped onto a small set of canonical operators that the theory has rules for
+(`_HANDLERS` below); `linear` with a bias is split into `linear` + `add` so that row-parallel
+linear (which yields `Partial`) stays expressible.
+
+What real models bring, and what capture does with it:
+
+- In-place operators (`x += y`, `masked_fill_`): the program is functionalized first
+  (`functionalize`: `run_decompositions` with an empty table), only when it mutates a tensor.
+- Dead code: only the nodes the loss depends on are lowered (`_live_nodes`); a KV cache built in
+  forward, or logits nobody returns, are never refused.
+- Tensor constants made in forward (lifted by torch.export, e.g. `torch.tensor(4096)` or an empty
+  KV cache): a `constant` node with no operand whose value is stored in the graph JSON as a nested
+  list (`attrs["value"]`, at most `CONSTANT_LIMIT` bytes; empty ones need no data, so meta ones
+  are fine). Every rank rebuilds it from the plan alone, Full (`ops.run_node`); a larger or a
+  meta constant with data is refused (register it as a buffer). Buffers computed at init (rotary
+  `inv_freq`) stay `buffer` leaves, which the runner takes from the rebuilt module.
+- Mask and position arithmetic (`arange`, `new_ones`, `index`, `diff`, `pad`, `where`, ...) and
+  grouped-query attention (`enable_gqa`, `repeat_interleave`) become canonical nodes with rules.
+- Mean cross-entropy divides by the number of targets that are not `ignore_index`, a node of its
+  own, so that the loss stays exact when its targets are sharded (see `_h_cross_entropy`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import operator
+import re
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from engine.errors import ModelError, UnsupportedOpError
+from engine.model.dropout import MASK_OPS_PER_ELEMENT
+from engine.model.graph import Graph, Node, parse_equation
+
+_UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
+          "exp": "exp", "neg": "neg", "clone": "identity", "contiguous": "identity",
+          "alias": "identity", "_to_copy": "identity", "to": "identity", "rsqrt": "rsqrt", "sqrt": "sqrt",
+          "lift_fresh_copy": "identity", "detach": "identity", "type_as": "identity", "cos": "cos", "sin": "sin",
+          "logical_not": "logical_not", "bitwise_not": "logical_not"}
+_BINARY = {"add", "sub", "mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow"}
+_BINARY_ALIASES = {"__and__": "logical_and", "bitwise_and": "logical_and", "__or__": "logical_or", "bitwise_or": "logical_or"}
+"""Bitwise and/or of booleans are the logical ones (other dtypes are refused)."""
+_NO_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
+"""Checks torch.export records for itself: they compute nothing."""
+_VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"}
+_UNARY_FLOPS = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "exp": 1, "rsqrt": 1, "sqrt": 1, "cos": 4, "sin": 4}
+
+
+class _Builder:
+    """Accumulates canonical nodes while walking the exported program."""
+
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.ids: dict[str, int] = {}
+        self.multi: dict[str, list[int | None]] = {}
+        """Multi-output nodes: the node id of each output (None for an output nothing models)."""
+        self.buffers: dict[str, str] = {}
+        """Buffers (fx name -> module path); they are `buffer` leaves, pruned when the loss does not use them."""
+        self.rng_sites = 0
+        """Dropout sites numbered in lowering order (only for programs `number_dropout_sites` did not number)."""
+
+    def add(self, name: str, op: str, inputs: list[int], shape: tuple[int, ...], dtype: str,
+            attrs: dict[str, Any] | None = None, flops: float = 0.0, segment: int = 0, source: str = "") -> int:
+        nid = len(self.nodes)
+        self.nodes.append(Node(id=nid, name=name, op=op, inputs=tuple(inputs), shape=shape, dtype=dtype,
+                               attrs=attrs or {}, flops=float(flops), segment=segment, source=source))
+        return nid
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(s) for s in t.shape)
+
+
+def _layer_of(fx_node: torch.fx.Node) -> tuple[int | None, str]:
+    """The layer index (first `name.<int>` in the module path) and the module path of a node."""
+    stack = fx_node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0].removeprefix(_WRAPPED) if stack else ""
+    m = re.search(r"(?:^|\.)(\d+)(?:\.|$)", path)
+    return (int(m.group(1)) if m else None), path
+
+
+def _source(fx_node: torch.fx.Node, path: str) -> str:
+    trace = (fx_node.meta.get("stack_trace") or "").strip().splitlines()
+    files = [line.strip() for line in trace if line.strip().startswith("File ")]
+    user = [f for f in files if "site-packages/torch" not in f]
+    where = (user or files or [""])[-1]
+    return f"{path or '<top>'} {where}".strip()
+
+
+def _norm_dim(d: int, rank: int) -> int:
+    return d + rank if d < 0 else d
+
+
+def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """torch.export in non-strict mode; a failure becomes a ModelError that says what to try."""
+    try:
+        ep = torch.export.export(module, args, kwargs, strict=False)
+    except Exception as e:  # torch raises many exception types from tracing
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot capture the model with torch.export: {first} "
+                         "(make forward() free of data-dependent Python control flow)") from e
+    return number_dropout_sites(ep)
+
+
+FALLBACKS = (None, "auto", "replicate", "strict")
+"""What capture does with an operator it has no rule for (see theory/opaque.py for how an opaque
+node runs: unsharded, every operand Full):
+
+- `"auto"` (the default, also `None`): keep it opaque when it is *side arithmetic*, i.e. none of
+  its operands carries a gradient (attention-mask and position-id arithmetic on integer or bool
+  tensors) or none depends on the input batch (arithmetic on
+  parameters and buffers only, e.g. a relative-position bias table). Such an op costs only its
+  own compute when replicated, and its result can be sliced to any shard for free. An op on an
+  activation (batch-dependent *and* differentiable) is refused with its name: replicating it would
+  silently all-gather the activations, the user should know.
+- `"replicate"`: keep every such op opaque, activations included.
+- `"strict"`: refuse every such op (nothing is replicated without a rule)."""
+
+
+def loss_of(output: Any) -> Any:
+    """The training loss in a model's output: the output itself, its `.loss` field (Hugging Face
+    `ModelOutput`), a `"loss"` key, or the first element of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    return loss
+
+
+class LossOf(torch.nn.Module):
+    """Wraps a model so that its forward returns only the loss (drops caches and logits from the
+    outputs torch.export must flatten, e.g. a transformers `DynamicCache`)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return loss_of(self.inner(*args, **kwargs))
+
+
+_WRAPPED = "inner."
+
+
+def _by_name(module: torch.nn.Module, args: tuple) -> dict[str, Any] | None:
+    """Positional inputs as keywords of `module.forward`, so that inputs keep their names (x, y)
+    through the loss-only wrapper; None when they cannot be named (a `*args` forward)."""
+    try:
+        sig = inspect.signature(module.forward)
+        bound = sig.bind_partial(*args)
+    except (TypeError, ValueError):
+        return None
+    if any(sig.parameters[n].kind is inspect.Parameter.VAR_POSITIONAL for n in bound.arguments):
+        return None
+    return dict(bound.arguments)
+
+
+def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str = "model",
+            origin: dict[str, Any] | None = None, fallback: str | None = None) -> Graph:
+    """Trace `module` on `example_inputs` (positional tuple or keyword dict) into a Graph.
+
+    The loss is the model's output or its `.loss` field. Operators with no rule: by default
+    (`fallback=None` or `"auto"`) mask and position arithmetic is kept as opaque all-Full nodes and
+    an op on activations is refused; `"replicate"` keeps every one opaque, `"strict"` none (see
+    `FALLBACKS`)."""
+    _check_fallback(fallback)
+    if isinstance(example_inputs, dict):
+        args, kwargs = (), dict(example_inputs)
+    else:
+        kwargs = _by_name(module, tuple(example_inputs))
+        args = () if kwargs is not None else tuple(example_inputs)
+    ep = functionalize(export_program(LossOf(module), args, kwargs or {}))
+    return _to_graph(ep, name=name, origin=origin or {}, fallback=fallback)
+
+
+_VALUE_PRESERVING = {"detach_"}
+"""In-place ops that change no value (`detach_` only cuts autograd history, e.g. in a KV cache)."""
+
+
+def _mutates(fx: torch.fx.Node, buffers: set[str]) -> bool:
+    """Whether a node is an in-place ATen op other than an unused update of a buffer (batch norm's
+    `num_batches_tracked += 1`, which `_lower` skips: it is no part of the loss)."""
+    target = fx.target
+    if fx.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not target._schema.is_mutable:
+        return False
+    if target._opname in _VALUE_PRESERVING:
+        return False
+    return not (fx.args and getattr(fx.args[0], "name", None) in buffers and not fx.users)
+
+
+def functionalize(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Rewrite in-place operators (`add_`, `masked_fill_`, `copy_` ...) as functional ones.
+
+    `run_decompositions({})` (an empty table: no operator is decomposed) re-traces the program
+    through functionalization: `x.add_(y)` becomes `x2 = add(x, y)` with later uses reading `x2`,
+    and buffer writes become extra BUFFER_MUTATION outputs (batch norm then appears as
+    `_native_batch_norm_legit_functional`). It also turns `dropout` into `native_dropout`, so it
+    runs only for programs that really mutate a tensor; the others keep the training IR as is."""
+    buffers = {s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "BUFFER"}
+    if not any(_mutates(fx, buffers) for fx in ep.graph_module.graph.nodes):
+        return ep
+    try:
+        return ep.run_decompositions({})
+    except Exception as e:  # torch raises many exception types from re-tracing
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot functionalize the model's in-place operators: {first}") from e
+
+
+def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, Any], fallback: str | None = None) -> Graph:
+    specs = {s.arg.name: s for s in ep.graph_signature.input_specs}
+    b = _Builder()
+    unsupported: list[str] = []
+    segment = 0
+    loss: int | None = None
+    user_index = 0
+    pending_leaves: list[tuple[torch.fx.Node, int]] = []
+    live = _live_nodes(ep)
+    for fx in ep.graph_module.graph.nodes:
+        if fx.op not in ("output", "placeholder") and fx not in live:
+            continue  # no part of the loss (a KV cache, logits): never lowered, never refused
+        if fx.op == "placeholder":
+            spec = specs[fx.name]
+            val = fx.meta["val"]
+            kind = spec.kind.name
+            if kind in ("PARAMETER", "BUFFER"):
+                op = "parameter" if kind == "PARAMETER" else "buffer"
+                if op == "buffer":
+                    b.buffers[fx.name] = str(spec.target)  # for the in-place update check in _lower
+                leaf = re.sub(r"^(p|b)_inner_", r"\1_", fx.name)  # the LossOf wrapper is not part of the model
+                nid = b.add(leaf, op, [], _shape(val), _dtype(val), {"target": spec.target.removeprefix(_WRAPPED)})
+            elif kind == "USER_INPUT":
+                if not isinstance(val, torch.Tensor):
+                    continue
+                nid = b.add(fx.name, "placeholder", [], _shape(val), _dtype(val), {"index": user_index, "name": fx.name})
+                user_index += 1
+            elif kind == "CONSTANT_TENSOR":
+                if fx not in live:
+                    continue
+                try:
+                    nid = _constant(fx, ep.constants.get(spec.target), str(spec.target), b)
+                except _Unsupported as u:
+                    unsupported.append(f"{u} ('{spec.target}')")
+                    continue
+            else:
+                unsupported.append(f"{kind.lower()} input '{spec.target}'")
+                continue
+            b.ids[fx.name] = nid
+            pending_leaves.append((fx, nid))
+            continue
+        if fx.op == "output":
+            loss = _find_loss(fx, b, _user_outputs(ep))
+            continue
+        layer, path = _layer_of(fx)
+        if layer is not None:
+            segment = layer
+        try:
+            _lower(fx, b, segment, _source(fx, path))
+        except _Unsupported as u:
+            if _may_replicate(fallback, fx, b) and _opaque(fx, b, segment, _source(fx, path)):
+                continue
+            if not isinstance(u, _Downstream):
+                unsupported.append(f"{u} at node '{fx.name}' ({_source(fx, path)})")
+    if unsupported:
+        hint = "" if fallback == "replicate" else " (fallback='replicate', or --fallback replicate, runs them unsharded)"
+        raise UnsupportedOpError(f"{len(unsupported)} unsupported operator(s){hint}: " + "; ".join(unsupported))
+    if loss is None:
+        raise ModelError("the model's forward must return the scalar training loss (or a tuple/object whose first output is it)")
+    nodes = _place_leaves(b.nodes)
+    return _prune(nodes, loss, name, origin)
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _live_nodes(ep: torch.export.ExportedProgram) -> set[torch.fx.Node]:
+    """The nodes the user outputs (the loss) depend on: the rest (KV-cache bookkeeping, logits) is dead."""
+    user = _user_outputs(ep)
+    out = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
+    todo = [a for a in torch.utils._pytree.tree_leaves(out.args[0]) if getattr(a, "name", None) in user]
+    live: set[torch.fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n not in live:
+            live.add(n)
+            todo.extend(n.all_input_nodes)
+    return live
+
+
+CONSTANT_LIMIT = 1 << 20
+"""Largest tensor constant (bytes) kept in the graph JSON."""
+
+
+def _constant(fx: torch.fx.Node, value: Any, target: str, b: _Builder) -> int:
+    """A tensor constant made in forward (`torch.tensor(4096)`, a table built from Python numbers):
+    a `constant` node with no operand whose value is stored in the graph as a nested list, so every
+    rank rebuilds it from the plan alone (theory/index.py: it is built whole on every device)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 0:  # an empty KV cache: no data, meta or not
+        value = torch.empty(value.shape, dtype=value.dtype)
+    if not isinstance(value, torch.Tensor) or value.device.type == "meta":
+        raise _Unsupported("a tensor constant made in forward on the meta device has no value "
+                           "(build it from the inputs, or register it as a buffer)")
+    if value.numel() * value.element_size() > CONSTANT_LIMIT:
+        raise _Unsupported(f"a tensor constant of {value.numel() * value.element_size()} bytes made in forward "
+                           f"(over {CONSTANT_LIMIT}: register it as a buffer)")
+    name = re.sub(r"^c_inner_", "c_", fx.name)
+    attrs = {"value": value.detach().cpu().tolist(), "shape": list(value.shape), "target": target.removeprefix(_WRAPPED)}
+    return b.add(name, "constant", [], _shape(value), _dtype(value), attrs)
+
+
+class _Downstream(_Unsupported):
+    """An operand was itself not captured: not reported (its root cause is)."""
+
+
+def _user_outputs(ep: torch.export.ExportedProgram) -> set[str]:
+    """Names of the program's user outputs (not buffer updates that functionalization appends)."""
+    return {s.arg.name for s in ep.graph_signature.output_specs
+            if s.kind.name == "USER_OUTPUT" and hasattr(s.arg, "name")}
+
+
+def _find_loss(fx_out: torch.fx.Node, b: _Builder, user: set[str]) -> int | None:
+    flat = [a for a in torch.utils._pytree.tree_leaves(fx_out.args[0]) if getattr(a, "name", None) in user]
+    for item in flat:
+        if isinstance(item, torch.fx.Node) and item.name in b.ids:
+            nid = b.ids[item.name]
+            if b.nodes[nid].shape == ():
+                return nid
+    return None
+
+
+def _place_leaves(nodes: list[Node]) -> list[Node]:
+    """Give each parameter the segment of its first consumer (so per-layer ratios follow layers)."""
+    first_use: dict[int, int] = {}
+    for n in nodes:
+        for i in n.inputs:
+            first_use.setdefault(i, n.segment)
+    return [Node(**{**n.__dict__, "segment": first_use.get(n.id, 0)}) if n.op in ("parameter", "buffer") else n for n in nodes]
+
+
+def _prune(nodes: list[Node], loss: int, name: str, origin: dict[str, Any]) -> Graph:
+    """Keep only nodes the loss depends on, renumbered in topological order."""
+    needed = {loss}
+    for n in reversed(nodes[: loss + 1]):
+        if n.id in needed:
+            needed.update(n.inputs)
+    keep = [n for n in nodes if n.id in needed]
+    remap = {n.id: i for i, n in enumerate(keep)}
+    renum = tuple(Node(**{**n.__dict__, "id": remap[n.id], "inputs": tuple(remap[i] for i in n.inputs)}) for n in keep)
+    return Graph(nodes=renum, loss=remap[loss], name=name, origin=origin)
+
+
+def _arg(fx: torch.fx.Node, i: int, key: str, default: Any = None) -> Any:
+    if len(fx.args) > i:
+        return fx.args[i]
+    return fx.kwargs.get(key, default)
+
+
+def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
+    """Map one ATen node to canonical node(s); raises _Unsupported for anything unknown."""
+    if fx.op != "call_function":
+        raise _Unsupported(f"{fx.op} '{fx.target}'")
+    if fx.target is operator.getitem:
+        parts = b.multi.get(getattr(fx.args[0], "name", ""))
+        if parts is None:
+            raise _Downstream(f"getitem of {fx.args[0]}")
+        if parts[fx.args[1]] is None:  # an output capture does not model (batch norm's new running stats)
+            if any(u.op != "output" for u in fx.users):
+                raise _Unsupported(f"output {fx.args[1]} of {fx.args[0].target}")
+            return
+        b.ids[fx.name] = parts[fx.args[1]]
+        return
+    opname = fx.target._opname if hasattr(fx.target, "_opname") else str(fx.target)
+    if opname.endswith("_") and fx.args and getattr(fx.args[0], "name", None) in b.buffers and not fx.users:
+        return  # an in-place update of a buffer (batch norm's num_batches_tracked): no part of the loss
+    if opname == "broadcast_tensors":
+        b.multi[fx.name] = _broadcast_aliases(fx, b)
+        return
+    if opname in _NO_OPS:
+        return
+    if opname in _VALUE_PRESERVING:  # in place, values unchanged: an alias of its operand
+        b.ids[fx.name] = _Ctx(fx, b, seg, src, (), "").tid(fx.args[0])
+        return
+    if opname in _SPLITS:
+        b.multi[fx.name] = _SPLITS[opname](_Ctx(fx, b, seg, src, (), ""))
+        return
+    val = fx.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        raise _Unsupported(f"aten.{opname} (non-tensor output)")
+    handler = _HANDLERS.get(opname)
+    if handler is None:
+        raise _Unsupported(f"aten.{opname}")
+    ctx = _Ctx(fx, b, seg, src, _shape(val), _dtype(val))
+    b.ids[fx.name] = handler(ctx)
+
+
+def _broadcast_aliases(fx: torch.fx.Node, b: _Builder) -> list[int]:
+    """`broadcast_tensors` of equal shapes (as mse_loss emits) is a no-op: its outputs are its inputs."""
+    missing = [a.name for a in fx.args[0] if a.name not in b.ids]
+    if missing:
+        raise _Downstream(f"operand {missing[0]} of {fx.name}")
+    ids = [b.ids[a.name] for a in fx.args[0]]
+    if len({b.nodes[i].shape for i in ids}) != 1:
+        raise _Unsupported("aten.broadcast_tensors of different shapes")
+    return ids
+
+
+class _Ctx:
+    """What a lowering handler needs about the node being lowered."""
+
+    def __init__(self, fx: torch.fx.Node, b: _Builder, seg: int, src: str, shape: tuple[int, ...], dtype: str) -> None:
+        self.fx, self.b, self.seg, self.src, self.shape, self.dtype = fx, b, seg, src, shape, dtype
+
+    def tid(self, a: Any) -> int:
+        if isinstance(a, torch.fx.Node) and a.name not in self.b.ids:
+            raise _Downstream(f"operand {a.name} of {self.fx.name}")
+        if not isinstance(a, torch.fx.Node):
+            raise _Unsupported(f"operand {a!r} of {self.fx.name}")
+        return self.b.ids[a.name]
+
+    def node(self, a: Any) -> Node:
+        return self.b.nodes[self.tid(a)]
+
+    def emit(self, op: str, inputs: list[int], attrs: dict | None = None, flops: float = 0.0,
+             name: str | None = None, shape: tuple[int, ...] | None = None, dtype: str | None = None) -> int:
+        return self.b.add(name or self.fx.name, op, inputs, shape if shape is not None else self.shape,
+                          dtype or self.dtype, attrs, flops, self.seg, self.src)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def _h_linear(c: _Ctx) -> int:
+    x, w = c.tid(c.fx.args[0]), c.tid(c.fx.args[1])
+    bias = _arg(c.fx, 2, "bias")
+    k = c.b.nodes[w].shape[1]
+    flops = 2.0 * _numel(c.shape) * k
+    if bias is None:
+        return c.emit("linear", [x, w], flops=flops)
+    mm = c.emit("linear", [x, w], flops=flops, name=c.fx.name + "_mm")
+    return c.emit("add", [mm, c.tid(bias)], flops=_numel(c.shape))
+
+
+def _h_addmm(c: _Ctx) -> int:
+    """addmm(bias, x, w) = x @ w + bias (transformers' Conv1D): a matmul then an add, like linear."""
+    if _arg(c.fx, 3, "beta", 1) != 1 or _arg(c.fx, 4, "alpha", 1) != 1:
+        raise _Unsupported("aten.addmm with beta or alpha != 1")
+    bias, x, w = (c.node(a) for a in c.fx.args[:3])
+    mm = c.emit("matmul", [x.id, w.id], flops=2.0 * _numel(c.shape) * x.shape[-1], name=c.fx.name + "_mm")
+    return c.emit("add", [mm, bias.id], flops=_numel(c.shape))
+
+
+def _h_matmul(c: _Ctx) -> int:
+    a, bb = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    if a.rank < 2 or bb.rank < 2:
+        raise _Unsupported("matmul of vectors")
+    return c.emit("matmul", [a.id, bb.id], flops=2.0 * _numel(c.shape) * a.shape[-1])
+
+
+def _scalar(v: Any) -> float | int | bool:
+    """A Python scalar operand, kept an int for int tensors (arange + 0 stays int64)."""
+    return v if isinstance(v, (bool, int)) else float(v)
+
+
+def _h_binary(c: _Ctx) -> int:
+    op = c.fx.target._opname
+    if op in _BINARY_ALIASES:
+        if c.dtype != "bool":
+            raise _Unsupported(f"aten.{op} of {c.dtype} tensors")
+        op = _BINARY_ALIASES[op]
+    x, y = c.fx.args[0], c.fx.args[1]
+    alpha = c.fx.kwargs.get("alpha", 1)
+    if alpha != 1:
+        raise _Unsupported(f"aten.{op} with alpha={alpha}")
+    flops = _numel(c.shape)
+    xt, yt = isinstance(x, torch.fx.Node), isinstance(y, torch.fx.Node)
+    if xt and yt:
+        return c.emit(op, [c.tid(x), c.tid(y)], flops=flops)
+    if xt:
+        return c.emit(op, [c.tid(x)], {"scalar": _scalar(y), "scalar_first": False}, flops)
+    if op not in ("add", "sub", "mul", "div"):
+        raise _Unsupported(f"aten.{op} with a scalar first operand")
+    return c.emit(op, [c.tid(y)], {"scalar": _scalar(x), "scalar_first": True}, flops)
+
+
+def _h_rsub(c: _Ctx) -> int:
+    x, y = c.fx.args[0], c.fx.args[1]
+    if isinstance(y, torch.fx.Node):
+        raise _Unsupported("aten.rsub of two tensors")
+    return c.emit("sub", [c.tid(x)], {"scalar": _scalar(y), "scalar_first": True}, _numel(c.shape))
+
+
+def _h_unary(c: _Ctx) -> int:
+    op = _UNARY[c.fx.target._opname]
+    if c.fx.target._opname == "bitwise_not" and c.dtype != "bool":
+        raise _Unsupported(f"aten.bitwise_not of {c.dtype} tensors")
+    attrs: dict[str, Any] = {}
+    if op == "gelu":
+        attrs["approximate"] = c.fx.kwargs.get("approximate", _arg(c.fx, 1, "approximate", "none"))
+    if op == "identity" and (c.fx.target._opname == "_to_copy" or c.node(c.fx.args[0]).dtype != c.dtype):
+        attrs["dtype"] = c.dtype
+    return c.emit(op, [c.tid(c.fx.args[0])], attrs, _UNARY_FLOPS.get(op, 1) * _numel(c.shape))
+
+
+def _h_view(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    if x.shape == c.shape:
+        return c.emit("identity", [x.id])
+    return c.emit("view", [x.id], {"shape": list(c.shape)})
+
+
+def _h_transpose(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    if c.fx.target._opname in ("t", "numpy_T"):
+        d0, d1 = 0, max(x.rank - 1, 0)
+    else:
+        d0, d1 = _norm_dim(c.fx.args[1], x.rank), _norm_dim(c.fx.args[2], x.rank)
+    dims = list(range(x.rank))
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return c.emit("permute", [x.id], {"dims": dims})
+
+
+def _h_permute(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    return c.emit("permute", [x.id], {"dims": [_norm_dim(d, x.rank) for d in c.fx.args[1]]})
+
+
+def _h_softmax(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    op = "log_softmax" if "log" in c.fx.target._opname else "softmax"
+    return c.emit(op, [x.id], {"dim": _norm_dim(c.fx.args[1], x.rank)}, 5 * _numel(c.shape))
+
+
+def _h_reduce(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    op = "mean" if c.fx.target._opname == "mean" else "sum"
+    dims = _arg(c.fx, 1, "dim", None)
+    dims = list(range(x.rank)) if dims is None or dims == [] else [_norm_dim(d, x.rank) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    keepdim = bool(_arg(c.fx, 2, "keepdim", False))
+    if c.fx.kwargs.get("dtype") is not None:
+        raise _Unsupported(f"aten.{op} with dtype")
+    return c.emit(op, [x.id], {"dims": sorted(dims), "keepdim": keepdim}, _numel(x.shape))
+
+
+def _h_layer_norm(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    shape = list(c.fx.args[1])
+    w, bias = _arg(c.fx, 2, "weight"), _arg(c.fx, 3, "bias")
+    inputs = [x.id] + [c.tid(t) for t in (w, bias) if t is not None]
+    attrs = {"normalized_shape": shape, "eps": float(_arg(c.fx, 4, "eps", 1e-5)),
+             "has_weight": w is not None, "has_bias": bias is not None}
+    return c.emit("layer_norm", inputs, attrs, 8 * _numel(c.shape))
+
+
+def _h_embedding(c: _Ctx) -> int:
+    w, ids = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    pad = _arg(c.fx, 2, "padding_idx", -1)
+    if _arg(c.fx, 4, "sparse", False):
+        raise _Unsupported("aten.embedding with sparse gradients")
+    attrs = {} if pad in (-1, None) else {"padding_idx": _norm_dim(int(pad), w.shape[0])}  # forward unchanged; no gradient to that row
+    return c.emit("embedding", [w.id, ids.id], attrs, flops=_numel(c.shape))
+
+
+def _repeat_heads(c: _Ctx, kv: Node, heads: int) -> Node:
+    """Grouped-query attention: kv heads (.., Hkv, S, D) repeated to `heads` as torch's enable_gqa
+    does (query head h reads kv head h // (heads / Hkv)): view, expand, view, as `repeat_kv` is."""
+    if kv.shape[-3] == heads:
+        return kv
+    lead, hkv, rest = kv.shape[:-3], kv.shape[-3], kv.shape[-2:]
+    one, many, out = lead + (hkv, 1) + rest, lead + (hkv, heads // hkv) + rest, lead + (heads,) + rest
+    v1 = c.emit("view", [kv.id], {"shape": list(one)}, name=f"{c.fx.name}_{kv.name}_groups", shape=one, dtype=kv.dtype)
+    e = c.emit("expand", [v1], {"shape": list(many)}, name=f"{c.fx.name}_{kv.name}_expand", shape=many, dtype=kv.dtype)
+    return c.b.nodes[c.emit("view", [e], {"shape": list(out)}, name=f"{c.fx.name}_{kv.name}_heads", shape=out, dtype=kv.dtype)]
+
+
+def _h_sdpa(c: _Ctx) -> int:
+    q, k, v = (c.node(a) for a in c.fx.args[:3])
+    mask = _arg(c.fx, 3, "attn_mask")
+    if c.fx.kwargs.get("enable_gqa", _arg(c.fx, 7, "enable_gqa", False)):
+        k, v = _repeat_heads(c, k, q.shape[-3]), _repeat_heads(c, v, q.shape[-3])
+    scale = c.fx.kwargs.get("scale", _arg(c.fx, 6, "scale"))
+    attrs = {"is_causal": bool(_arg(c.fx, 5, "is_causal", False)), "scale": None if scale is None else float(scale)}
+    attrs.update(_sdpa_dropout(c))
+    batch = _numel(q.shape[:-2])
+    tq, tk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    flops = batch * (4.0 * tq * tk * d + 5.0 * tq * tk)  # QK^T and AV matmuls plus the softmax
+    if "rng_site" in attrs:
+        flops += batch * tq * tk * (1 + MASK_OPS_PER_ELEMENT)  # the probabilities' dropout and its mask
+    inputs = [q.id, k.id, v.id] + ([c.tid(mask)] if mask is not None else [])
+    return c.emit("sdpa", inputs, attrs, flops)
+
+
+def _h_cross_entropy(c: _Ctx) -> int:
+    """Mean cross-entropy over the targets that are not `ignore_index`, lowered so that it stays exact
+    when targets are sharded: `count = sum(target != ignore_index)` is its own node (an addend per
+    device when the targets are split, all-reduced to Full before use), and `cross_entropy` sums the
+    per-target losses of its rows and divides by that Full count: an addend of the true mean.
+    torch's mean divides by the same count (and gives nan when every target is ignored, as here)."""
+    logits, target = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    if _arg(c.fx, 2, "weight") is not None or float(_arg(c.fx, 5, "label_smoothing", 0.0)) != 0.0:
+        raise _Unsupported("cross_entropy with class weights or label smoothing")
+    reduction = int(_arg(c.fx, 3, "reduction", 1))
+    if reduction != 1 or logits.rank != 2:
+        raise _Unsupported("cross_entropy other than mean over 2-D logits (flatten the logits first)")
+    ignore = int(_arg(c.fx, 4, "ignore_index", -100))
+    n, v = logits.shape
+    kept = c.emit("ne", [target.id], {"scalar": ignore, "scalar_first": False}, n, name=c.fx.name + "_kept",
+                  shape=(n,), dtype="bool")
+    count = c.emit("sum", [kept], {"dims": [0], "keepdim": False}, n, name=c.fx.name + "_count", shape=(), dtype="int64")
+    return c.emit("cross_entropy", [logits.id, target.id, count], {"ignore_index": ignore}, 6.0 * n * v)
+
+
+def _h_mse(c: _Ctx) -> int:
+    x, y = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    if int(_arg(c.fx, 2, "reduction", 1)) != 1 or x.shape != y.shape:
+        raise _Unsupported("mse_loss other than mean over same-shaped tensors")
+    return c.emit("mse_loss", [x.id, y.id], {"count": x.numel}, 3 * x.numel)
+
+
+_HANDLERS: dict[str, Callable[[_Ctx], int]] = {
+    "linear": _h_linear, "matmul": _h_matmul, "mm": _h_matmul, "bmm": _h_matmul,
+    "rsub": _h_rsub, "transpose": _h_transpose, "t": _h_transpose, "permute": _h_permute,
+    "softmax": _h_softmax, "_softmax": _h_softmax, "log_softmax": _h_softmax, "_log_softmax": _h_softmax,
+    "sum": _h_reduce, "mean": _h_reduce, "layer_norm": _h_layer_norm, "embedding": _h_embedding,
+    "scaled_dot_product_attention": _h_sdpa, "cross_entropy_loss": _h_cross_entropy, "mse_loss": _h_mse,
+    **{op: _h_binary for op in _BINARY}, **{op: _h_unary for op in _UNARY}, **{op: _h_view for op in _VIEWS},
+}
+
+
+# --- shape operators (engine/theory/shape.py) ------------------------------------------------
+def _h_cat(c: _Ctx) -> int:
+    """cat; operands with no element along the cat dim (an empty KV cache, or torch's legacy 1-D
+    empty tensor, which cat skips) add nothing and are dropped; one operand left is an identity."""
+    dim = _norm_dim(_arg(c.fx, 1, "dim", 0), len(c.shape))
+    parts = [p for p in (c.node(t) for t in c.fx.args[0])
+             if not (p.numel == 0 and (p.shape == (0,) or (p.rank == len(c.shape) and p.shape[dim] == 0)))]
+    if len(parts) == 1 and parts[0].shape == c.shape:
+        return c.emit("identity", [parts[0].id])
+    return c.emit("cat", [p.id for p in parts], {"dim": dim})
+
+
+def _h_slice(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(_arg(c.fx, 1, "dim", 0), x.rank)
+    start, end, step = _arg(c.fx, 2, "start"), _arg(c.fx, 3, "end"), _arg(c.fx, 4, "step", 1)
+    size = x.shape[dim]
+    start, end, _ = slice(start, end, step).indices(size)
+    if c.shape == x.shape:
+        return c.emit("identity", [x.id])
+    return c.emit("narrow", [x.id], {"dim": dim, "start": start, "end": max(start, end), "step": int(step)})
+
+
+def _h_narrow(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(c.fx.args[1], x.rank)
+    start = c.fx.args[2] + (x.shape[dim] if c.fx.args[2] < 0 else 0)
+    return c.emit("narrow", [x.id], {"dim": dim, "start": start, "end": start + c.fx.args[3], "step": 1})
+
+
+def _h_select(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(c.fx.args[1], x.rank)
+    index = c.fx.args[2] + (x.shape[dim] if c.fx.args[2] < 0 else 0)
+    return c.emit("select", [x.id], {"dim": dim, "index": index})
+
+
+def _h_expand(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    if x.shape == c.shape:
+        return c.emit("identity", [x.id])
+    return c.emit("expand", [x.id], {"shape": list(c.shape)})
+
+
+def _split_pieces(c: _Ctx, dim: int, sizes: list[int]) -> list[int]:
+    """One `narrow` node per piece of a split along `dim` (getitem then picks its piece)."""
+    x = c.node(c.fx.args[0])
+    shape, out, start = list(x.shape), [], 0
+    for i, size in enumerate(sizes):
+        shape[dim] = size
+        attrs = {"dim": dim, "start": start, "end": start + size, "step": 1}
+        out.append(c.b.add(f"{c.fx.name}_{i}", "narrow", [x.id], tuple(shape), x.dtype, attrs, 0.0, c.seg, c.src))
+        start += size
+    return out
+
+
+def _m_split(c: _Ctx) -> list[int]:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(_arg(c.fx, 2, "dim", 0), x.rank)
+    arg = c.fx.args[1]
+    if c.fx.target._opname == "chunk":
+        step = -(-x.shape[dim] // int(arg))
+        sizes = [min(step, x.shape[dim] - s) for s in range(0, x.shape[dim], step)]
+    elif isinstance(arg, int):
+        sizes = [min(arg, x.shape[dim] - s) for s in range(0, x.shape[dim], arg)]
+    else:
+        sizes = [int(s) for s in arg]
+    return _split_pieces(c, dim, sizes)
+
+
+def _m_unbind(c: _Ctx) -> list[int]:
+    x = c.node(c.fx.args[0])
+    dim = _norm_dim(_arg(c.fx, 1, "dim", 0), x.rank)
+    shape = x.shape[:dim] + x.shape[dim + 1:]
+    return [c.b.add(f"{c.fx.name}_{i}", "select", [x.id], shape, x.dtype, {"dim": dim, "index": i}, 0.0, c.seg, c.src)
+            for i in range(x.shape[dim])]
+
+
+# --- convolution, pooling, batch norm (engine/theory/conv.py, pool.py, batchnorm.py) -----------
+def _ints(v: Any, n: int, default: int) -> list[int]:
+    """An int-or-list argument as a list of n ints (an empty list means `default`)."""
+    if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
+        return [default] * n
+    if isinstance(v, int):
+        return [v] * n
+    return [int(x) for x in v] * (n if len(v) == 1 else 1)
+
+
+def _h_conv(c: _Ctx) -> int:
+    x, w = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    spatial = w.rank - 2
+    if x.rank != w.rank:
+        raise _Unsupported(f"aten.{c.fx.target._opname} of an unbatched input (add a batch dim)")
+    if c.fx.target._opname == "convolution":
+        stride, padding, dilation, transposed, _, groups = c.fx.args[3:9]
+        if transposed:
+            raise _Unsupported("aten.convolution transposed")
+    else:
+        stride, padding = _arg(c.fx, 3, "stride", 1), _arg(c.fx, 4, "padding", 0)
+        dilation, groups = _arg(c.fx, 5, "dilation", 1), _arg(c.fx, 6, "groups", 1)
+    attrs = {"stride": _ints(stride, spatial, 1), "dilation": _ints(dilation, spatial, 1), "groups": int(groups),
+             "padding": padding if isinstance(padding, str) else _ints(padding, spatial, 0)}
+    flops = 2.0 * _numel(c.shape) * math.prod(w.shape[1:])  # a multiply-add per output and filter tap
+    bias = _arg(c.fx, 2, "bias")
+    if bias is None:
+        return c.emit("conv", [x.id, w.id], attrs, flops)
+    conv = c.emit("conv", [x.id, w.id], attrs, flops, name=c.fx.name + "_conv")
+    channels = (w.shape[0],) + (1,) * spatial  # (Cout, 1, 1): broadcast over the positions
+    b = c.emit("view", [c.tid(bias)], {"shape": list(channels)}, name=c.fx.name + "_bias", shape=channels)
+    return c.emit("add", [conv, b], flops=_numel(c.shape))
+
+
+def _spatial(c: _Ctx) -> int:
+    return int(c.fx.target._opname.rstrip("d")[-1])
+
+
+def _h_max_pool(c: _Ctx) -> int:
+    x, n = c.node(c.fx.args[0]), _spatial(c)
+    kernel = _ints(c.fx.args[1], n, 1)
+    attrs = {"spatial": n, "kernel": kernel, "stride": _ints(_arg(c.fx, 2, "stride"), n, 0) if _arg(c.fx, 2, "stride") else kernel,
+             "padding": _ints(_arg(c.fx, 3, "padding", 0), n, 0), "dilation": _ints(_arg(c.fx, 4, "dilation", 1), n, 1),
+             "ceil_mode": bool(_arg(c.fx, 5, "ceil_mode", False))}
+    return c.emit("max_pool", [x.id], attrs, _numel(c.shape) * math.prod(kernel))
+
+
+def _h_avg_pool(c: _Ctx) -> int:
+    x, n = c.node(c.fx.args[0]), _spatial(c)
+    kernel = _ints(c.fx.args[1], n, 1)
+    divisor = _arg(c.fx, 6, "divisor_override")
+    attrs = {"spatial": n, "kernel": kernel, "stride": _ints(_arg(c.fx, 2, "stride"), n, 0) if _arg(c.fx, 2, "stride") else kernel,
+             "padding": _ints(_arg(c.fx, 3, "padding", 0), n, 0), "ceil_mode": bool(_arg(c.fx, 4, "ceil_mode", False)),
+             "count_include_pad": bool(_arg(c.fx, 5, "count_include_pad", True)),
+             "divisor_override": None if divisor is None else int(divisor)}
+    return c.emit("avg_pool", [x.id], attrs, _numel(c.shape) * math.prod(kernel))
+
+
+def _h_adaptive_avg_pool(c: _Ctx) -> int:
+    x, n = c.node(c.fx.args[0]), _spatial(c)
+    size = [int(s) for s in c.shape[-n:]]
+    return c.emit("adaptive_avg_pool", [x.id], {"spatial": n, "output_size": size}, x.numel)
+
+
+def _h_batch_norm(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    w, bias = _arg(c.fx, 1, "weight"), _arg(c.fx, 2, "bias")
+    if not _arg(c.fx, 5, "training", False):
+        raise _Unsupported("aten.batch_norm in eval mode (plan the model in training mode, model.train())")
+    attrs = {"eps": float(_arg(c.fx, 7, "eps", 1e-5)), "has_weight": w is not None, "has_bias": bias is not None}
+    inputs = [x.id] + [c.tid(t) for t in (w, bias) if t is not None]
+    return c.emit("batch_norm", inputs, attrs, 8 * _numel(c.shape))  # statistics, normalise, scale and shift
+
+
+def _m_batch_norm_functional(c: _Ctx) -> list[int | None]:
+    """`_native_batch_norm_legit_functional` (batch norm after functionalization): output 0 is the
+    normalised tensor, as `batch_norm`; the saved statistics and the new running statistics (outputs
+    1-4) only feed buffer updates, which are no part of the loss."""
+    val = c.fx.meta["val"][0]
+    c.shape, c.dtype = _shape(val), _dtype(val)
+    return [_h_batch_norm(c), None, None, None, None]
+
+
+_HANDLERS.update({
+    "conv1d": _h_conv, "conv2d": _h_conv, "conv3d": _h_conv, "convolution": _h_conv,
+    **{f"max_pool{k}d": _h_max_pool for k in (1, 2, 3)}, **{f"avg_pool{k}d": _h_avg_pool for k in (1, 2, 3)},
+    **{f"adaptive_avg_pool{k}d": _h_adaptive_avg_pool for k in (1, 2, 3)},
+    **{f"_adaptive_avg_pool{k}d": _h_adaptive_avg_pool for k in (1, 2, 3)},
+    "batch_norm": _h_batch_norm,
+})
+_HANDLERS.update({
+    "cat": _h_cat, "concat": _h_cat, "slice": _h_slice, "narrow": _h_narrow, "select": _h_select,
+    "expand": _h_expand, "broadcast_to": _h_expand,
+})
+_SPLITS: dict[str, Callable[[_Ctx], list[int | None]]] = {
+    "split": _m_split, "split_with_sizes": _m_split, "chunk": _m_split, "unbind": _m_unbind,
+    "_native_batch_norm_legit_functional": _m_batch_norm_functional,
+}
+"""Multi-output operators: each output becomes its own node, picked by the `getitem` that follows."""
+
+
+# --- einsum, MoE gating and index operators (engine/theory/einsum.py, moe.py, index.py) ---------
+def _h_einsum(c: _Ctx) -> int:
+    equation, operands = c.fx.args[0], [c.node(t) for t in c.fx.args[1]]
+    try:
+        ins, _ = parse_equation(equation)
+    except ValueError as e:
+        raise _Unsupported(f"aten.einsum: {e}") from None
+    sizes = {letter: s for subs, x in zip(ins, operands) for letter, s in zip(subs, x.shape)}
+    flops = (2.0 if len(operands) > 1 else 1.0) * math.prod(sizes.values())  # one multiply-add per index tuple
+    return c.emit("einsum", [x.id for x in operands], {"equation": equation.replace(" ", "")}, flops)
+
+
+def _m_topk(c: _Ctx) -> list[int]:
+    x = c.node(c.fx.args[0])
+    k = int(c.fx.args[1])
+    dim = _norm_dim(_arg(c.fx, 2, "dim", -1), x.rank)
+    attrs = {"k": k, "dim": dim, "largest": bool(_arg(c.fx, 3, "largest", True)), "sorted": bool(_arg(c.fx, 4, "sorted", True))}
+    shape = x.shape[:dim] + (k,) + x.shape[dim + 1:]
+    flops = float(x.numel) * max(1, math.ceil(math.log2(max(k, 2))))  # a selection pass per output rank bit
+    return [c.b.add(f"{c.fx.name}_{part}", f"topk_{part}", [x.id], shape, dtype, attrs, flops, c.seg, c.src)
+            for part, dtype in (("values", x.dtype), ("indices", "int64"))]
+
+
+def _h_one_hot(c: _Ctx) -> int:
+    ids = c.node(c.fx.args[0])
+    return c.emit("one_hot", [ids.id], {"num_classes": int(c.shape[-1])}, _numel(c.shape))
+
+
+def _h_cumsum(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    if c.fx.kwargs.get("dtype") is not None and c.dtype != x.dtype:
+        raise _Unsupported("aten.cumsum with a dtype change")
+    return c.emit("cumsum", [x.id], {"dim": _norm_dim(c.fx.args[1], x.rank)}, _numel(c.shape))
+
+
+def _h_gather(c: _Ctx) -> int:
+    x, idx = c.node(c.fx.args[0]), c.node(c.fx.args[2])
+    if _arg(c.fx, 3, "sparse_grad", False):
+        raise _Unsupported("aten.gather with sparse_grad")
+    return c.emit("gather", [x.id, idx.id], {"dim": _norm_dim(c.fx.args[1], x.rank)}, _numel(c.shape))
+
+
+def _h_arange(c: _Ctx) -> int:
+    nums = [a for a in c.fx.args if isinstance(a, (int, float))]
+    start, end, step = (0, nums[0], 1) if len(nums) == 1 else (nums[0], nums[1], nums[2] if len(nums) > 2 else 1)
+    return c.emit("arange", [], {"start": start, "end": end, "step": step})
+
+
+_HANDLERS.update({
+    "addmm": _h_addmm, "einsum": _h_einsum, "one_hot": _h_one_hot, "cumsum": _h_cumsum, "gather": _h_gather, "arange": _h_arange,
+    **{op: _h_binary for op in _BINARY_ALIASES},
+})
+_SPLITS["topk"] = _m_topk
+
+
+# --- dropout (engine/model/dropout.py: exact, site-keyed masks) ---------------------------------------
+def _site_p(fx: torch.fx.Node) -> float:
+    """The drop probability of a dropout site (p > 0 in training mode), or 0.0 if `fx` is none."""
+    name = getattr(fx.target, "_opname", "") if fx.op == "call_function" else ""
+    if name in ("dropout", "native_dropout"):
+        train = _arg(fx, 2, "train", True)
+        return float(_arg(fx, 1, "p", 0.5)) if train is None or train else 0.0
+    if name == "scaled_dot_product_attention":
+        return float(_arg(fx, 4, "dropout_p", 0.0))
+    return 0.0
+
+
+def number_dropout_sites(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Number the dropout sites of a freshly exported program in forward order (`rng_site`).
+
+    The number counts every dropout call the single-device forward makes, as
+    `engine.model.dropout.SiteKeyedDropout` counts them in eager mode: it is assigned before anything is
+    pruned and kept in the nodes' `custom` metadata, which `run_decompositions` carries to the
+    nodes it makes (functionalization may drop a dead dropout; the others keep their number)."""
+    site = 0
+    for fx in ep.graph_module.graph.nodes:
+        if _site_p(fx) > 0.0:
+            fx.meta["custom"] = {**(fx.meta.get("custom") or {}), "rng_site": site}
+            site += 1
+    return ep
+
+
+def _rng_site(c: _Ctx) -> int:
+    """The site number `number_dropout_sites` gave this node (or the node it was decomposed from)."""
+    site = (c.fx.meta.get("custom") or {}).get("rng_site")
+    if site is None:  # a program that did not come from export_program: number in lowering order
+        c.b.rng_sites += 1
+        return c.b.rng_sites - 1
+    return int(site)
+
+
+def _dropout_attrs(c: _Ctx, p: float, train: bool) -> dict[str, Any]:
+    if not 0.0 <= p <= 1.0:
+        raise _Unsupported(f"dropout with p={p} (must be in [0, 1])")
+    attrs: dict[str, Any] = {"p": p, "train": train}
+    if train and p > 0.0:
+        attrs["rng_site"] = _rng_site(c)
+    return attrs
+
+
+def _dropout_flops(attrs: dict[str, Any], numel: int) -> float:
+    """A multiply per element, plus the hashing of its mask at a site (engine/model/dropout.py)."""
+    return float(numel * (1 + (MASK_OPS_PER_ELEMENT if "rng_site" in attrs else 0)))
+
+
+def _h_dropout(c: _Ctx) -> int:
+    """`aten.dropout(x, p, train)` (what torch.export records for nn.Dropout and F.dropout)."""
+    attrs = _dropout_attrs(c, float(_arg(c.fx, 1, "p", 0.5)), bool(_arg(c.fx, 2, "train", True)))
+    return c.emit("dropout", [c.tid(c.fx.args[0])], attrs, _dropout_flops(attrs, _numel(c.shape)))
+
+
+def _m_native_dropout(c: _Ctx) -> list[int]:
+    """`aten.native_dropout(x, p, train) -> (out, mask)`, as `run_decompositions` leaves dropout:
+    the output is a dropout node; the mask (a second output) is refused if forward uses it."""
+    if any(u.target is operator.getitem and u.args[1] != 0 for u in c.fx.users):
+        raise _Unsupported("aten.native_dropout whose mask is used in forward")
+    x = c.node(c.fx.args[0])
+    train = _arg(c.fx, 2, "train", True)
+    attrs = _dropout_attrs(c, float(_arg(c.fx, 1, "p", 0.5)), True if train is None else bool(train))
+    return [c.b.add(c.fx.name, "dropout", [x.id], x.shape, x.dtype, attrs, _dropout_flops(attrs, x.numel), c.seg, c.src)]
+
+
+def _sdpa_dropout(c: _Ctx) -> dict[str, Any]:
+    """Attention dropout of `scaled_dot_product_attention` as attributes of the one `sdpa` node.
+
+    Kept in the node rather than decomposed into matmul/softmax/dropout/matmul: the attention
+    rules (batch, heads, queries; never the contracted key positions; no query split when causal)
+    and the flop count stay as they are, and the probabilities' mask (..., Tq, Tk) is split along
+    the same dim as the output, so a device derives its block from the output's shard."""
+    p = float(_arg(c.fx, 4, "dropout_p", 0.0))
+    if p == 0.0:
+        return {}
+    if not 0.0 < p <= 1.0:
+        raise _Unsupported(f"scaled_dot_product_attention with dropout_p={p} (must be in [0, 1])")
+    return {"dropout_p": p, "rng_site": _rng_site(c)}
+
+
+_RANDOM_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+                         "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
+                         "randperm", "multinomial", "normal", "uniform"})
+"""Random operators: never kept opaque (each device would draw its own numbers, so the run would
+not be single-device training); only dropout has exact, site-keyed masks."""
+
+
+def _h_random_refused(c: _Ctx) -> int:
+    """Dropout variants with no site-keyed mask: refused with what to use instead."""
+    raise _Unsupported(f"aten.{c.fx.target._opname} (a random operator without exact per-shard masks: "
+                       "use nn.Dropout / F.dropout, whose masks every device derives exactly)")
+
+
+_HANDLERS.update({op: _h_random_refused for op in ("feature_dropout", "alpha_dropout", "feature_alpha_dropout")})
+_HANDLERS["dropout"] = _h_dropout
+_SPLITS["native_dropout"] = _m_native_dropout
+
+
+# --- mask and position arithmetic (engine/theory/index.py) -------------------------------------
+_FILLS = {"ones": 1, "new_ones": 1, "ones_like": 1, "zeros": 0, "new_zeros": 0, "zeros_like": 0,
+          "empty": 0, "new_empty": 0, "empty_like": 0, "full": None, "new_full": None, "full_like": None,
+          "scalar_tensor": None}
+"""Tensors filled with one value; their operand (for `new_*` and `*_like`) gives only a device and
+a shape, so the node has none. `empty*` is filled with 0: its values are never read before written."""
+
+
+def _h_full(c: _Ctx) -> int:
+    op = c.fx.target._opname
+    value = _FILLS[op]
+    if value is None:
+        value = c.fx.args[0] if op == "scalar_tensor" else c.fx.args[1 if op in ("full", "full_like") else 2]
+    if not isinstance(value, (bool, int, float)):
+        raise _Unsupported(f"aten.{op} with a fill value that is not a Python number")
+    value = bool(value) if c.dtype == "bool" else (float(value) if c.dtype.startswith(("float", "bfloat")) else int(value))
+    return c.emit("full", [], {"value": value, "shape": list(c.shape)})
+
+
+def _h_pad(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    pad = [int(p) for p in c.fx.args[1]]
+    opname = c.fx.target._opname
+    mode = "constant" if opname == "constant_pad_nd" else _arg(c.fx, 2, "mode", "constant")
+    value = _arg(c.fx, 2 if opname == "constant_pad_nd" else 3, "value", None)
+    if mode != "constant":
+        raise _Unsupported(f"aten.pad in mode {mode!r}")
+    value = 0 if value is None else (int(value) if float(value).is_integer() and not x.dtype.startswith(("float", "bfloat")) else float(value))
+    return c.emit("pad", [x.id], {"pad": pad, "value": value}, _numel(c.shape))
+
+
+def _h_index(c: _Ctx) -> int:
+    """Advanced indexing `x[i0, i1, ...]` (some slots None, i.e. `:`): x and the index tensors."""
+    x = c.node(c.fx.args[0])
+    slots = list(c.fx.args[1])
+    idx = [c.node(t) for t in slots if t is not None]
+    if any(n.dtype == "bool" for n in idx):
+        raise _Unsupported("aten.index with a boolean mask (its result has a data-dependent shape)")
+    attrs = {"slots": [t is not None for t in slots]}
+    return c.emit("index", [x.id] + [n.id for n in idx], attrs, _numel(c.shape))
+
+
+def _h_repeat_interleave(c: _Ctx) -> int:
+    """`x.repeat_interleave(k, dim)` with an int k is view (.., n, 1, ..) -> expand (.., n, k, ..) ->
+    view (.., n*k, ..): each row repeated k times in place (MoE token replication per top-k slot)."""
+    x = c.node(c.fx.args[0])
+    k, dim = _arg(c.fx, 1, "repeats"), _arg(c.fx, 2, "dim")
+    if not isinstance(k, int):
+        raise _Unsupported("aten.repeat_interleave with a tensor of repeats")
+    if dim is None:  # repeats the flattened tensor
+        if x.rank != 1:
+            x = c.b.nodes[c.emit("view", [x.id], {"shape": [x.numel]}, name=c.fx.name + "_flat", shape=(x.numel,),
+                                 dtype=x.dtype)]
+        dim = 0
+    dim = _norm_dim(dim, x.rank)
+    one = x.shape[:dim + 1] + (1,) + x.shape[dim + 1:]
+    many = x.shape[:dim + 1] + (k,) + x.shape[dim + 1:]
+    v = c.emit("view", [x.id], {"shape": list(one)}, name=c.fx.name + "_unsqueeze", shape=one)
+    e = c.emit("expand", [v], {"shape": list(many)}, name=c.fx.name + "_expand", shape=many)
+    return c.emit("view", [e], {"shape": list(c.shape)})
+
+
+def _h_diff(c: _Ctx) -> int:
+    """`diff(x, n, dim, prepend, append)` as existing ops: cat the prepend/append pieces, then n
+    times `narrow(1:) - narrow(:-1)` (packed-sequence detection in transformers' mask code)."""
+    x = c.node(c.fx.args[0])
+    n, dim = int(_arg(c.fx, 1, "n", 1)), _norm_dim(_arg(c.fx, 2, "dim", -1), x.rank)
+    parts = [p for p in (_arg(c.fx, 3, "prepend"), x, _arg(c.fx, 4, "append")) if p is not None]
+    nodes = [p if isinstance(p, Node) else c.node(p) for p in parts]
+    if any(p.rank != x.rank for p in nodes):
+        raise _Unsupported("aten.diff with a prepend/append of another rank")
+    shape = list(x.shape)
+    shape[dim] = sum(p.shape[dim] for p in nodes)
+    cur = x.id if len(nodes) == 1 else c.emit("cat", [p.id for p in nodes], {"dim": dim}, name=c.fx.name + "_cat",
+                                                shape=tuple(shape))
+    for i in range(n):
+        size = shape[dim]
+        shape[dim] = size - 1
+        out = tuple(shape)
+        hi = c.emit("narrow", [cur], {"dim": dim, "start": 1, "end": size, "step": 1}, name=f"{c.fx.name}_{i}_hi", shape=out)
+        lo = c.emit("narrow", [cur], {"dim": dim, "start": 0, "end": size - 1, "step": 1}, name=f"{c.fx.name}_{i}_lo", shape=out)
+        cur = c.emit("sub", [hi, lo], flops=_numel(out), name=c.fx.name if i == n - 1 else f"{c.fx.name}_{i}", shape=out)
+    return cur
+
+
+def _h_where(c: _Ctx) -> int:
+    """`where(cond, x, y)` and `masked_fill(x, mask, value)` (= where(mask, value, x)); a Python
+    number in place of x or y is kept in attrs, the tensor operands are inputs [cond, x?, y?]."""
+    if c.fx.target._opname == "where":
+        if len(c.fx.args) < 3:
+            raise _Unsupported("aten.where with one operand (its result has a data-dependent shape)")
+        cond, x, y = c.fx.args[:3]
+    else:
+        y, cond, x = c.fx.args[:3]
+    if isinstance(x, torch.fx.Node) and x.meta["val"].dim() == 0 and x.op == "call_function" and x.name in c.b.ids \
+            and c.b.nodes[c.b.ids[x.name]].op == "full":  # a lifted scalar_tensor: keep it a number
+        x = c.b.nodes[c.b.ids[x.name]].attrs["value"]
+    attrs = {"x": None if isinstance(x, torch.fx.Node) else _scalar(x), "y": None if isinstance(y, torch.fx.Node) else _scalar(y)}
+    inputs = [c.tid(cond)] + [c.tid(t) for t in (x, y) if isinstance(t, torch.fx.Node)]
+    return c.emit("where", inputs, attrs, _numel(c.shape))
+
+
+def _h_index_add(c: _Ctx) -> int:
+    """`index_add(x, dim, index, source)` and `scatter_add(x, dim, index, src)` (MoE combine: expert
+    outputs summed back into their tokens); alpha must be 1."""
+    op = c.fx.target._opname
+    if op == "index_add" and _arg(c.fx, 4, "alpha", 1) != 1:
+        raise _Unsupported("aten.index_add with alpha != 1")
+    x, idx, src = c.node(c.fx.args[0]), c.node(c.fx.args[2]), c.node(c.fx.args[3])
+    return c.emit(op, [x.id, idx.id, src.id], {"dim": _norm_dim(c.fx.args[1], x.rank)}, src.numel)
+
+
+def _h_histc(c: _Ctx) -> int:
+    """`histc(x, bins, min, max)`: expert loads of a router (counts per bin)."""
+    x = c.node(c.fx.args[0])
+    attrs = {"bins": int(_arg(c.fx, 1, "bins", 100)), "min": float(_arg(c.fx, 2, "min", 0)), "max": float(_arg(c.fx, 3, "max", 0))}
+    return c.emit("histc", [x.id], attrs, x.numel)
+
+
+_HANDLERS.update({
+    "index_add": _h_index_add, "scatter_add": _h_index_add, "histc": _h_histc,
+    "where": _h_where, "masked_fill": _h_where,
+    "diff": _h_diff,
+    **{op: _h_full for op in _FILLS}, "pad": _h_pad, "constant_pad_nd": _h_pad, "index": _h_index,
+    "repeat_interleave": _h_repeat_interleave,
+})
+
+
+# --- the replicate fallback (engine/theory/opaque.py) ------------------------------------------
+def _encode(value: Any, operands: list[int], b: _Builder) -> Any:
+    """A non-tensor argument as JSON (dtypes, devices, layouts by name); a tensor as its operand index."""
+    if isinstance(value, torch.fx.Node):
+        if value.name not in b.ids:
+            raise _Unsupported(f"operand {value.name}")
+        operands.append(b.ids[value.name])
+        return {"tensor": len(operands) - 1}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, operands, b) for v in value]
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+        return {type(value).__name__: str(value).removeprefix("torch.")}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise _Unsupported(f"argument {value!r}")
+
+
+def _opaque(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> bool:
+    """Keep an ATen op with no rule as opaque node(s), one per tensor output; False if impossible."""
+    target = fx.target
+    if fx.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if target._opname.removesuffix("_") in _RANDOM_OPS:
+        return False
+    operands: list[int] = []
+    try:
+        attrs = {"target": f"{target.namespace}::{target._opname}.{target._overloadname}",
+                 "args": _encode(list(fx.args), operands, b),
+                 "kwargs": {k: _encode(v, operands, b) for k, v in fx.kwargs.items()}}
+    except _Unsupported:
+        return False
+    val = fx.meta.get("val")
+    outs = list(enumerate(val)) if isinstance(val, (tuple, list)) else [(None, val)]
+    if not all(isinstance(v, torch.Tensor) for _, v in outs):
+        return False
+    ids = []
+    for index, v in outs:
+        flops = float(v.numel() + sum(b.nodes[i].numel for i in operands))  # a touch per element: a floor
+        name = fx.name if index is None else f"{fx.name}_{index}"
+        ids.append(b.add(name, "opaque", operands, _shape(v), _dtype(v), {**attrs, "output_index": index}, flops, seg, src))
+    if isinstance(val, (tuple, list)):
+        b.multi[fx.name] = ids
+    else:
+        b.ids[fx.name] = ids[0]
+    return True
+
+
+# --- encoder and vision lowerings (issue 13): unflatten, roll (engine/theory/shift.py) -----------
+def _h_roll(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    shifts, dims = _arg(c.fx, 1, "shifts"), _arg(c.fx, 2, "dims", [])
+    shifts = [int(v) for v in (shifts if isinstance(shifts, (list, tuple)) else [shifts])]
+    dims = [_norm_dim(int(d), x.rank) for d in (dims if isinstance(dims, (list, tuple)) else [dims])]
+    return c.emit("roll", [x.id], {"shifts": shifts, "dims": dims})
+
+
+_HANDLERS.update({"unflatten": _h_view, "roll": _h_roll})
+
+
+# --- the automatic fallback: side arithmetic runs unsharded (issue 13) -------------------------
+def _check_fallback(fallback: str | None) -> None:
+    if fallback not in FALLBACKS:
+        raise ModelError(f"fallback {fallback!r} is not known (choose 'auto', 'replicate' or 'strict', or leave it unset)")
+
+
+@dataclasses.dataclass
+class _Lineage:
+    """Per captured node: whether it carries a gradient (a float that depends on a parameter) and
+    whether it depends on the input batch (on a placeholder). Grown as the builder grows."""
+
+    grad: list[bool] = dataclasses.field(default_factory=list)
+    batch: list[bool] = dataclasses.field(default_factory=list)
+
+    def update(self, nodes: list[Node]) -> None:
+        for n in nodes[len(self.grad):]:
+            floating = n.dtype.startswith(("float", "bfloat", "complex"))
+            self.grad.append(floating and (n.op == "parameter" or any(self.grad[i] for i in n.inputs)))
+            self.batch.append(n.op == "placeholder" or any(self.batch[i] for i in n.inputs))
+
+
+_LINEAGE: "weakref.WeakKeyDictionary[_Builder, _Lineage]" = weakref.WeakKeyDictionary()
+"""The lineage of each live builder (kept beside it, so the builder itself stays as it is)."""
+
+
+def _operand_ids(fx: torch.fx.Node, b: _Builder) -> list[int] | None:
+    """Captured ids of every tensor operand of `fx`; None when one was not captured."""
+    names = [a.name for a in torch.utils._pytree.tree_leaves((fx.args, fx.kwargs)) if isinstance(a, torch.fx.Node)]
+    if any(name not in b.ids for name in names):
+        return None
+    return [b.ids[name] for name in names]
+
+
+def _may_replicate(fallback: str | None, fx: torch.fx.Node, b: _Builder) -> bool:
+    """Whether an op with no rule may be kept opaque under `fallback` (see `FALLBACKS`)."""
+    if fallback == "replicate":
+        return True
+    if fallback == "strict":
+        return False
+    operands = _operand_ids(fx, b)
+    if operands is None:
+        return False
+    lineage = _LINEAGE.setdefault(b, _Lineage())
+    lineage.update(b.nodes)
+    return not any(lineage.grad[i] for i in operands) or not any(lineage.batch[i] for i in operands)
+
+
+def load_model(model: Any, example_inputs: tuple | dict | None = None, *, fallback: str | None = None,
+               **knobs: Any) -> Graph:
+    """The one entry to get a Graph: `"zoo:NAME"` + knobs, a graph JSON path, a Graph, or a module + inputs.
+
+    A module may be any `torch.nn.Module`, e.g. a transformers model built from a config (on the
+    meta device: no weight is allocated); `example_inputs` is a tuple of positional tensors or a
+    dict of keyword tensors. `fallback="replicate"` plans operators with no rule unsharded."""
+    from engine.model import zoo
+
+    if isinstance(model, Graph):
+        return model
+    if isinstance(model, torch.nn.Module):
+        if example_inputs is None:
+            raise ModelError("load_model(module, example_inputs): example_inputs are required for a module")
+        return capture(model, example_inputs, name=type(model).__name__, origin={"module": type(model).__qualname__},
+                       fallback=fallback)
+    if not isinstance(model, str):
+        raise ModelError(f"load_model: expected 'zoo:NAME', a graph JSON path or a torch.nn.Module, got {type(model).__name__}")
+    if model.startswith("zoo:"):
+        name = model[4:]
+        entry = zoo.entry(name)
+        cfg = zoo.make_config(name, **knobs)
+        with torch.device("meta"):
+            module = entry.build(cfg)
+        origin = {"zoo": name, "config": dataclasses.asdict(cfg)}
+        return capture(module, entry.example_inputs(cfg, "meta"), name=name, origin=origin, fallback=fallback)
+    if knobs:
+        raise ModelError(f"knobs {sorted(knobs)} only apply to zoo models ('zoo:NAME')")
+    _check_fallback(fallback)
+    return Graph.load(model)

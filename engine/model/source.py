@@ -1,0 +1,512 @@
+"""Model sources: where a model comes from, so the planner can capture it and the runner rebuild it.
+
+A model spec (the `--model` of `hap plan`, the first argument of `engine.load_model`) is one of
+
+    zoo:NAME                    a zoo model and its knobs               origin {"zoo", "config"}
+    path/to/model.py            a Python file (the contract below)      origin {"file", "sha256", "inputs"}
+    hf:ClassName                a transformers class built from its     origin {"hf", "config", "inputs"}
+                                config only (never a download)
+    graph.json                  a saved graph IR (its own origin)
+
+and the captured graph records its origin, so `hap run` rebuilds the same module on every rank
+from the same seed and makes the same batch of every step (`build_module`, `make_batch`).
+
+The file contract (the same as the workbench's upload):
+
+    def build_model() -> torch.nn.Module   # forward returns the scalar loss (or an output with .loss)
+    def example_inputs() -> tuple | dict   # the forward's arguments
+
+Both create their tensors on the default device: the engine calls them under `torch.device("meta")`
+to plan (no weight is allocated; a model that cannot be built on meta is built on the CPU), the
+runner on the CPU. `example_inputs()` must draw its random data from torch's global RNG
+(`torch.randn`, `torch.randint` without a generator): the runner seeds that RNG with (seed, step)
+before each call, so every step has a new batch, the same on every rank and in the reference run.
+The plan holds no code: it names the file and its sha256, and a changed file is refused.
+
+The `hf:` form takes the class's default config, then a JSON config file, then `key=value`
+overrides (keys of the transformers config), plus the input knobs `batch`, `seq_len` and, for
+vision models whose config has no `image_size`, `image_size`. Inputs follow the class's task:
+token ids, an all-ones attention mask and labels for language models (decoder ids too for
+encoder-decoders), pixel values and class labels for image classifiers.
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from engine.errors import ModelError
+from engine.model.capture import capture
+from engine.model.capture import load_model as _load_other
+from engine.model.capture import loss_of
+from engine.model.graph import Graph
+
+HF_PREFIX = "hf:"
+BATCH_SEED = 100003
+"""Step batches are seeded with seed * BATCH_SEED + step (the zoo's rule)."""
+
+
+def load_model(model: Any, example_inputs: tuple | dict | None = None, *, fallback: str | None = None,
+               config: str | Path | dict | None = None, **knobs: Any) -> Graph:
+    """The one entry to get a Graph: `"zoo:NAME"` + knobs, `"path/model.py"`, `"hf:Class"` + config
+    and knobs, a graph JSON path, a Graph, or a module + example inputs (see engine.model.capture.load_model)."""
+    if isinstance(model, (str, Path)) and str(model).startswith(HF_PREFIX):
+        return capture_hf(hf_spec(str(model), config, knobs), fallback=fallback)
+    if config is not None:
+        raise ModelError("config= (--config) applies to Hugging Face models only ('hf:ClassName')")
+    if isinstance(model, (str, Path)) and str(model).endswith(".py"):
+        if knobs:
+            raise ModelError(f"knobs {sorted(knobs)} do not apply to a model file: set sizes in its build_model()")
+        return capture_file(model, fallback=fallback)
+    return _load_other(model, example_inputs, fallback=fallback, **knobs)
+
+
+# ----------------------------------------------------------------------------- batches as data
+
+
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """How a flat tuple of tensors (capture's input order) becomes the forward's args and kwargs."""
+
+    spec: pytree.TreeSpec
+    tensor_at: tuple[bool, ...]
+    """Which leaves are tensors (the others are constants kept from the example)."""
+    constants: tuple[Any, ...]
+
+    @staticmethod
+    def of(inputs: tuple | dict) -> "CallShape":
+        leaves, spec = pytree.tree_flatten(call_args(inputs))
+        at = tuple(isinstance(x, torch.Tensor) for x in leaves)
+        return CallShape(spec, at, tuple(None if t else x for x, t in zip(leaves, at)))
+
+    def call(self, flat: tuple[torch.Tensor, ...]) -> tuple[tuple, dict]:
+        tensors = iter(flat)
+        leaves = [next(tensors) if t else c for t, c in zip(self.tensor_at, self.constants)]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def call_args(inputs: tuple | dict) -> tuple[tuple, dict]:
+    """(args, kwargs) of example inputs: a dict is keywords, anything else positional (as capture does)."""
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,), {}
+
+
+def flat_tensors(inputs: tuple | dict) -> tuple[torch.Tensor, ...]:
+    """The tensors of example inputs in capture's order (placeholder `index` 0, 1, ...)."""
+    return tuple(x for x in pytree.tree_leaves(call_args(inputs)) if isinstance(x, torch.Tensor))
+
+
+def input_spec(inputs: tuple | dict) -> list[dict[str, Any]]:
+    """Name, shape and dtype of every input tensor, as the plan records them."""
+    out = []
+    for path, x in pytree.tree_flatten_with_path(call_args(inputs))[0]:
+        if isinstance(x, torch.Tensor):
+            out.append({"name": pytree.keystr(path[1:]), "shape": list(x.shape), "dtype": str(x.dtype).removeprefix("torch.")})
+    return out
+
+
+def flat_forward(model: torch.nn.Module, shape: CallShape) -> torch.nn.Module:
+    """`model` itself (parameter names unchanged) with a forward that takes the flat batch and returns the loss."""
+    inner = model.forward
+
+    def forward(*flat: torch.Tensor) -> torch.Tensor:
+        args, kwargs = shape.call(flat)
+        return loss_of(inner(*args, **kwargs))
+
+    model.forward = forward  # an instance attribute: nn.Module.__call__ runs it with the hooks as usual
+    return model
+
+
+# ----------------------------------------------------------------------------- model files
+
+
+def read_model_file(path: str | Path) -> bytes:
+    p = Path(path)
+    if not p.is_file():
+        raise ModelError(f"model file '{p}' not found: give a Python file defining build_model() and example_inputs()")
+    return p.read_bytes()
+
+
+_LOADED: dict[str, ModuleType] = {}
+"""Model files already executed in this process, by sha256 (the runner asks for batches every step)."""
+
+
+def exec_model_file(source: bytes, filename: str) -> ModuleType:
+    """Execute a model file's code (the caller has the user's consent) and check its two functions."""
+    digest = sha256_of(source)
+    if digest in _LOADED:
+        return _LOADED[digest]
+    name = f"hap_model_{digest[:12]}"
+    module = ModuleType(name)
+    module.__file__ = filename
+    sys.modules[name] = module  # dataclasses and pickling look classes up by module name
+    try:
+        exec(compile(source.decode("utf-8"), filename, "exec"), module.__dict__)  # noqa: S102 (consent: see docstring)
+    except Exception as e:  # user code may raise anything; one line
+        del sys.modules[name]
+        raise ModelError(f"model file {filename}: {type(e).__name__}: {first_line(e)}") from None
+    for fn in ("build_model", "example_inputs"):
+        if not callable(module.__dict__.get(fn)):
+            del sys.modules[name]
+            raise ModelError(f"model file {filename}: no function {fn}() defined (the file must define build_model() "
+                             "and example_inputs())")
+    _LOADED[digest] = module
+    return module
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _call(filename: str, what: str, fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except Exception as e:
+        raise ModelError(f"model file {filename}: {what}() failed: {type(e).__name__}: {first_line(e)}") from None
+
+
+def build_on_meta(module: ModuleType, filename: str) -> tuple[torch.nn.Module, tuple | dict]:
+    """The file's model and example inputs on `meta` (nothing allocated), or on the CPU when meta fails."""
+    try:
+        with torch.device("meta"):
+            return module.build_model(), module.example_inputs()
+    except Exception:  # e.g. .item() or numpy at build time: meta tensors hold no data
+        return _call(filename, "build_model", module.build_model), _call(filename, "example_inputs", module.example_inputs)
+
+
+def capture_file(path: str | Path, *, fallback: str | None = None) -> Graph:
+    """Capture the model of a Python file; the graph's origin names the file and its sha256."""
+    p = Path(path)
+    return capture_source(read_model_file(p), p.name, fallback=fallback, path=str(p.resolve()))
+
+
+def capture_source(source: bytes, filename: str, *, fallback: str | None = None, path: str | None = None) -> Graph:
+    """Capture the model of a model file's text (an upload has no `path`: its origin names the file only)."""
+    module = exec_model_file(source, filename)
+    model, inputs = build_on_meta(module, filename)
+    if not isinstance(model, torch.nn.Module):
+        raise ModelError(f"model file {filename}: build_model() returned {type(model).__name__}, not a torch.nn.Module")
+    origin = {"file": path or filename, "sha256": sha256_of(source), "inputs": input_spec(inputs)}
+    return capture(model, inputs, name=Path(filename).stem, origin=origin, fallback=fallback)
+
+
+def checked_file(origin: dict[str, Any]) -> tuple[bytes, str]:
+    """The plan's model file (bytes, name), refused when it changed since the plan was made."""
+    path = Path(origin["file"])
+    if not path.is_file():
+        raise ModelError(f"model file '{path}' of this plan not found: put it back there, or plan again with "
+                         f"`hap plan --model FILE.py`")
+    data = path.read_bytes()
+    if sha256_of(data) != origin.get("sha256"):
+        raise ModelError(f"model file '{path}' changed since the plan was made (sha256 {sha256_of(data)[:12]}... "
+                         f"!= {str(origin.get('sha256'))[:12]}... in the plan): plan again with `hap plan --model {path}`")
+    return data, path.name
+
+
+def file_inputs(module: ModuleType, filename: str, seed: int) -> tuple | dict:
+    """The file's example inputs on the CPU, drawn from torch's global RNG seeded with `seed` (restored after)."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(seed)
+        inputs = _call(filename, "example_inputs", module.example_inputs)
+    if any(t.is_meta for t in flat_tensors(inputs)):
+        raise ModelError(f"model file {filename}: example_inputs() returned meta tensors; the runner needs data: create "
+                         "them without device= (the engine plans them on meta itself)")
+    return inputs
+
+
+# ----------------------------------------------------------------------------- Hugging Face
+
+
+TASKS = (("ForCausalLM", "causal_lm"), ("LMHeadModel", "causal_lm"), ("ForMaskedLM", "masked_lm"),
+         ("ForConditionalGeneration", "seq2seq_lm"), ("ForSeq2SeqLM", "seq2seq_lm"),
+         ("ForSequenceClassification", "sequence_classification"), ("ForImageClassification", "image_classification"))
+"""Class-name suffix -> the task whose inputs and labels the runner draws."""
+HF_CLASSES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MixtralForCausalLM", "GPT2LMHeadModel",
+              "GPTNeoXForCausalLM", "OPTForCausalLM", "PhiForCausalLM", "GemmaForCausalLM", "BertForMaskedLM",
+              "RobertaForMaskedLM", "DistilBertForMaskedLM", "BertForSequenceClassification", "T5ForConditionalGeneration",
+              "BartForConditionalGeneration", "ViTForImageClassification", "ResNetForImageClassification",
+              "ConvNextForImageClassification", "SwinForImageClassification")
+"""Classes offered by the workbench's picker (any class of a task above works from the CLI)."""
+INPUT_KNOBS = ("batch", "seq_len", "image_size")
+DEFAULT_BATCH = 8
+DEFAULT_SEQ_LEN = 128
+DEFAULT_IMAGE_SIZE = 224
+
+
+@dataclass(frozen=True)
+class HFSpec:
+    """A transformers class, its full config and the input sizes: everything to rebuild model and batches."""
+
+    cls: str
+    config: dict[str, Any]
+    """The full config (`to_dict()`), as the plan records it."""
+    task: str
+    inputs: dict[str, int] = field(default_factory=dict)
+    """batch, seq_len (language models) or image_size (vision)."""
+
+    def origin(self) -> dict[str, Any]:
+        return {"hf": self.cls, "config": self.config, "task": self.task, "inputs": dict(self.inputs)}
+
+
+def transformers_module() -> ModuleType:
+    from engine.model.zoo.hf import _transformers  # HF_HUB_OFFLINE=1 and a one-line error without transformers
+
+    return _transformers()
+
+
+def hf_class(name: str) -> type:
+    """The transformers class `name` (one of a supported task); ModelError otherwise."""
+    t = transformers_module()
+    cls = getattr(t, name, None) if name.isidentifier() else None
+    if not isinstance(cls, type) or not hasattr(cls, "config_class"):
+        near = difflib.get_close_matches(name, HF_CLASSES, n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else f" (e.g. {', '.join(HF_CLASSES[:4])})"
+        raise ModelError(f"hf:{name}: transformers has no model class '{name}'{hint}")
+    task_of(name)
+    return cls
+
+
+def task_of(name: str) -> str:
+    for suffix, task in TASKS:
+        if name.endswith(suffix):
+            return task
+    raise ModelError(f"hf:{name}: no inputs known for this class; use a class ending in "
+                     f"{', '.join(s for s, _ in TASKS)}, or write a model file")
+
+
+def parse_value(text: Any) -> Any:
+    """A --set value: JSON when it parses (numbers, true/false, null, lists), else the string itself."""
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def read_config(config: str | Path | dict | None) -> dict[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, dict):
+        return dict(config)
+    p = Path(config)
+    try:
+        d = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise ModelError(f"--config {p}: file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelError(f"--config {p}: not a JSON config ({type(e).__name__}: {first_line(e)})") from None
+    if not isinstance(d, dict):
+        raise ModelError(f"--config {p}: expected a JSON object of config keys, got {type(d).__name__}")
+    return d
+
+
+def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str, Any] | None = None) -> HFSpec:
+    """Parse `hf:Class` + config file/dict + key=value knobs into a full config and input sizes."""
+    name = model[len(HF_PREFIX):].strip()
+    if not name:
+        raise ModelError("hf: needs a class name, e.g. hf:LlamaForCausalLM")
+    cls = hf_class(name)
+    values = {**read_config(config), **{k: parse_value(v) for k, v in (knobs or {}).items()}}
+    default = cls.config_class()
+    known = set(default.to_dict()) | {"num_labels"}
+    inputs = {k: values.pop(k) for k in INPUT_KNOBS if k in values and not (k == "image_size" and k in known)}
+    bad = sorted(k for k in values if k not in known and not hasattr(default, k))
+    if bad:
+        near = difflib.get_close_matches(bad[0], sorted(known), n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        raise ModelError(f"hf:{name}: '{bad[0]}' is not a key of {type(default).__name__} nor an input knob "
+                         f"({', '.join(INPUT_KNOBS)}){hint}")
+    try:
+        cfg = cls.config_class(**values)
+    except Exception as e:  # transformers validates in many ways
+        raise ModelError(f"hf:{name}: bad config: {type(e).__name__}: {first_line(e)}") from None
+    task = task_of(name)
+    return HFSpec(name, json.loads(cfg.to_json_string(use_diff=False)), task, input_sizes(name, cfg, task, inputs))
+
+
+def _positive(name: str, key: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelError(f"hf:{name}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def max_positions(cfg: Any) -> int | None:
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[str, int]:
+    """batch and seq_len (bounded by the model's positions), or batch and image_size."""
+    out = {"batch": _positive(name, "batch", knobs.get("batch", DEFAULT_BATCH))}
+    if task == "image_classification":
+        size = getattr(cfg, "image_size", None) or knobs.get("image_size", DEFAULT_IMAGE_SIZE)
+        out["image_size"] = _positive(name, "image_size", size[0] if isinstance(size, (list, tuple)) else size)
+        return out
+    if "image_size" in knobs:
+        raise ModelError(f"hf:{name}: image_size applies to image classifiers only")
+    limit = max_positions(cfg)
+    seq = _positive(name, "seq_len", knobs.get("seq_len", min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)))
+    if limit is not None and seq > limit:
+        raise ModelError(f"hf:{name}: seq_len {seq} exceeds the model's {limit} positions (max_position_embeddings)")
+    out["seq_len"] = seq
+    return out
+
+
+def hf_config(spec: HFSpec) -> Any:
+    cls = hf_class(spec.cls)
+    return cls.config_class.from_dict(dict(spec.config))
+
+
+def _text(cfg: Any) -> Any:
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+    """The keyword batch of the spec's task (on the current default device; meta for capture)."""
+    cfg = hf_config(spec)
+    b = spec.inputs["batch"]
+    if spec.task == "image_classification":
+        s, c = spec.inputs["image_size"], getattr(cfg, "num_channels", 3)
+        return {"pixel_values": torch.randn(b, c, s, s, generator=generator),
+                "labels": torch.randint(0, cfg.num_labels, (b,), generator=generator)}
+    t, vocab = spec.inputs["seq_len"], _text(cfg).vocab_size
+    out = {"input_ids": torch.randint(0, vocab, (b, t), generator=generator),
+           "attention_mask": torch.ones(b, t, dtype=torch.long)}
+    if spec.task == "seq2seq_lm":
+        out["decoder_input_ids"] = torch.randint(0, vocab, (b, t), generator=generator)
+    if spec.task == "sequence_classification":
+        out["labels"] = torch.randint(0, cfg.num_labels, (b,), generator=generator)
+    else:
+        out["labels"] = torch.randint(0, vocab, (b, t), generator=generator)
+    return out
+
+
+def hf_build(spec: HFSpec) -> torch.nn.Module:
+    """The model, built from its config on the current default device (its own init; never a download)."""
+    try:
+        return hf_class(spec.cls)(hf_config(spec))
+    except ModelError:
+        raise
+    except Exception as e:
+        raise ModelError(f"hf:{spec.cls}: building from the config failed: {type(e).__name__}: {first_line(e)}") from None
+
+
+def capture_hf(spec: HFSpec, *, fallback: str | None = None) -> Graph:
+    """Capture a transformers model on `meta`; the graph's origin holds the class, full config and input sizes."""
+    with torch.device("meta"):
+        model, inputs = hf_build(spec), hf_inputs(spec)
+    return capture(model, inputs, name=spec.cls, origin=spec.origin(), fallback=fallback)
+
+
+def spec_of(origin: dict[str, Any]) -> HFSpec:
+    return HFSpec(origin["hf"], dict(origin["config"]), origin["task"], dict(origin["inputs"]))
+
+
+# ----------------------------------------------------------------------------- the runner's side
+
+
+def check_rebuildable(origin: dict[str, Any]) -> None:
+    """Refuse, before any process starts, a plan whose model the runner cannot rebuild exactly."""
+    if "zoo" in origin:
+        zoo_config(origin)
+    elif "file" in origin:
+        checked_file(origin)
+    elif "hf" in origin:
+        hf_class(origin["hf"])
+    else:
+        what = f"a module object ({origin['module']})" if "module" in origin else "no recorded source"
+        raise ModelError(f"the plan's model comes from {what}, which the runner cannot rebuild: plan a model file "
+                         "(`hap plan --model FILE.py`), a Hugging Face class (`--model hf:Class`) or a zoo model")
+
+
+def zoo_config(origin: dict[str, Any]) -> Any:
+    """The config of a zoo origin, through the same knob checks and bounds as `hap plan --set`
+    (a hand-edited `layers: 1e12` is refused here, not by a crashed rank)."""
+    from engine.model import zoo
+
+    config = origin.get("config", {})
+    if not isinstance(config, dict):
+        raise ModelError(f"model.origin.config must be an object of zoo knobs, got {type(config).__name__}")
+    return zoo.make_config(str(origin["zoo"]), **config)
+
+
+@functools.lru_cache(maxsize=4)
+def checked_module(path: str, sha256: str | None) -> tuple[ModuleType, str]:
+    """The plan's model file, checked against its sha256 and executed once per process (module,
+    name): `make_batch` needs it every step, and reading, hashing and running the file each time
+    was per-step work."""
+    data, filename = checked_file({"file": path, "sha256": sha256})
+    return exec_model_file(data, filename), filename
+
+
+def build_module(origin: dict[str, Any], seed: int) -> torch.nn.Module:
+    """The single-device module of a file or hf origin on the CPU, initialised from `seed`; its
+    forward takes the flat batch of `make_batch` and returns the loss. Every rank builds all of it."""
+    if "file" in origin:
+        module, filename = checked_module(origin["file"], origin.get("sha256"))
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            model = _call(filename, "build_model", module.build_model)
+        return flat_forward(model, CallShape.of(file_inputs(module, filename, seed)))
+    if "hf" in origin:
+        spec = spec_of(origin)
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            model = hf_build(spec)
+            return flat_forward(model, CallShape.of(hf_inputs(spec)))
+    check_rebuildable(origin)
+    raise AssertionError("check_rebuildable refuses every other origin")
+
+
+def make_batch(origin: dict[str, Any], seed: int, step: int) -> tuple[torch.Tensor, ...]:
+    """The global batch of one step as capture orders it, a function of (seed, step) only."""
+    step_seed = seed * BATCH_SEED + step
+    if "file" in origin:
+        module, filename = checked_module(origin["file"], origin.get("sha256"))
+        tensors = flat_tensors(file_inputs(module, filename, step_seed))
+    elif "hf" in origin:
+        with torch.device("cpu"):
+            tensors = flat_tensors(hf_inputs(spec_of(origin), torch.Generator().manual_seed(step_seed)))
+    else:
+        check_rebuildable(origin)
+        raise AssertionError("check_rebuildable refuses every other origin")
+    check_batch(origin, tensors)
+    return tensors
+
+
+def check_batch(origin: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> None:
+    """The batch must have the shapes and dtypes the plan was made for."""
+    want = origin.get("inputs")
+    if not isinstance(want, list):
+        return
+    got = input_spec(tensors)
+    if len(got) != len(want):
+        raise ModelError(f"example_inputs() gave {len(got)} tensors but the plan was made for {len(want)}")
+    for g, w in zip(got, want):
+        if g["shape"] != list(w["shape"]) or g["dtype"] != w["dtype"]:
+            raise ModelError(f"example_inputs() gave input {w['name']} as {g['dtype']}{g['shape']} but the plan was made "
+                             f"for {w['dtype']}{list(w['shape'])}: make example_inputs() return the same shapes every call")
+
+
+def with_model_file(origin: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """The origin with its model file found at `path` (a bundle's copy); the sha256 still decides."""
+    return {**origin, "file": str(path)}

@@ -1,0 +1,560 @@
+"""The cost model (HAP §3.2): stages, communication, computation and memory per device.
+
+A program splits into stages at every synchronising collective. The iteration time is
+
+    t(Q, B) = sum over stages i of [ comm_i(B) + max_j comp_ij(B_j) ]
+
+counted for the forward and the backward pass. Backward stages mirror forward ones: each forward
+collective has a dual in the backward pass (all-gather <-> reduce-scatter, ...). The gradients of
+all Full parameters are all-reduced in one bucket after the backward pass, as the runner (and DDP
+with one bucket) does: one latency, the summed bytes. Computation on device j is
+flops / flops_j, times the ratio B_j when the instruction runs on a sharded dimension; inside a
+virtual device of k GPUs the gradients of its parameters are also all-reduced (k > 1, §3.2).
+Communication is `latency + payload / bandwidth` with the payload conventions of
+`engine.cluster`: the largest shard (max_j B_j) for sharded collectives. An all-reduce (and a grouped
+all-gather), whose payload does not depend on B, is read off the profiled points of its fit where
+the spec has them (`CollectiveFit.time`); gradient buckets and sharded collectives keep the line.
+
+Memory-bound work per parameter byte (not in the paper; measured to matter on small models):
+after the backward pass every device updates its local slice of every parameter (the optimizer
+step, `UPDATE_TRAFFIC` bytes moved per parameter byte) and copies the Full parameters' gradients
+into the bucket and the sum back out (`BUCKET_TRAFFIC`), at the device's `memory_bandwidth_Bps` (not priced
+when the cluster spec leaves it out). Like the sync inside a virtual device, this work is linear
+in the local parameter bytes and is counted in the backward stage that holds the parameter.
+
+Roofline split (not in the paper; optional): when every device gives `activation_bandwidth_Bps`,
+only the matmul-class operators (`FLOPS_BOUND_OPS`) are priced by flops at `flops_per_gpu`; every
+other operator (element-wise ops, norms, softmax, losses, copies) by the bytes it reads and
+writes (`BACKWARD_TRAFFIC` times as many in the backward pass) at that bandwidth. One FLOP/s
+figure over-prices wide models when it was measured on a narrow one (the memory-bound share of
+a step shrinks as the matmuls grow); `hap profile` fits both figures. A matmul-class operator
+also moves the bytes of the weights it reads (and, backward, reads again and writes as gradients,
+`WEIGHT_BACKWARD_TRAFFIC`): these do not shrink with a device's share of the batch, so a small
+local batch is not priced as if its matmuls read a fraction of the weight. Bytes, like flops, scale
+with B_j when the operator runs sharded, except the weights of a batch-parallel rule, which every
+device reads whole; the model stays linear.
+
+Memory per GPU (not in the paper, users need it): parameter, gradient and optimizer state of the
+local slice of every parameter, plus the activations kept for the backward pass (split over the
+k GPUs of a virtual device).
+
+Segments (§5.2): with several segments every segment k has its own ratios B_k; a stage lies
+inside one segment and its work scales with that segment's ratios, and a tensor sharded across a
+boundary is re-split by an all-to-all (`resplit`) whose payload is the larger of the two
+segments' largest shards. Memory sums the segments' terms.
+
+Options (`CostModel(..., options=)`, `engine.options.PlanOptions`): the optimizer sets the state kept
+per parameter byte and the update traffic; every later concern of the options is one term here.
+
+Overlap (`CostModel(..., overlap=)`, `engine.spmd.overlap`): mode `none` is the model above. In the
+modes `ddp` and `duplex` the per-parameter-byte work (update, bucket copies, sync inside a virtual
+device) is a tail after every gradient all-reduce, U = max over devices of its work, and the Full
+parameters' gradients go in DDP's buckets (`engine.spmd.overlap.bucket_slots`), one latency each:
+
+- ddp: forward as above (F). Backward stages run in reverse forward order, each its compute then
+  its dual collective: a chain of W seconds. Bucket k is ready when the backward stage that loaded
+  its earliest-used Full parameter has computed, r_k = W - w_k (w_k: the chain after that point),
+  and the buckets queue on the link: T = F + max(W, max_k (r_k + sum_{j>=k} d_j)) + U.
+- duplex (HiDup): each device's share runs as two half-batches. Per pass, the chain
+  x = (m_0, c_0, m_1, c_1, ...) of per-half collectives m_i (a batch-derived tensor moves half its
+  payload, a parameter-only one all of it) and half computations c_i = max_j comp_ij / 2 costs
+  psi = x_0 + sum_k max(x_k, x_{k+1}) + x_last (Eq. 5 telescoped); T = psi_f + psi_b + sum_k d_k + U.
+
+Activation collectives and gradient buckets are not modelled as contending for the link.
+
+Everything here is linear in B_j (or in max_j B_j) or a max of such terms, which is what makes the
+load balancer an LP.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.cluster.hierarchy import HIER_KEYS, hierarchy_of
+from engine.cluster.spec import Cluster
+from engine.errors import PlanError
+from engine.model.graph import Graph
+from engine.options import OVERLAP_MODES, PlanOptions
+from engine.spmd.breakdown import MEM_ZERO, ZERO, Acc, Breakdown, BucketRecord, Mem, Stage
+from engine.spmd.overlap import batch_derived, bucket_slots, duplex_problem
+from engine.spmd.overlap import price as overlap_price
+from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
+from engine.spmd.segments import RESPLIT, Segmentation, instruction_segments, source_segments
+from engine.theory.core import FULL
+
+DEFAULT_OPTIONS = PlanOptions()
+STATE_BYTES_PER_PARAM_BYTE = {"adam": 4, "sgd": 3, "none": 2}
+"""Bytes kept per byte of parameter: the weight, its gradient, and the optimizer state (Adam: m, v; SGD:
+a momentum buffer, kept in the count so that a plan stays valid with momentum)."""
+UPDATE_TRAFFIC = {"adam": 16.0, "sgd": 3.0, "none": 0.0}
+"""Bytes read and written per parameter byte by one optimizer step, as PyTorch's multi-tensor
+implementations run it: SGD reads w and g and writes w; Adam's passes over g, m, v and w move
+about 16 (these are the runner's optimizers, `runner.train.make_optimizer`)."""
+BACKWARD_TRAFFIC = 2.0
+"""Backward bytes of a memory-bound operator per forward byte: it reads the output's gradient and
+what it saved, and writes its inputs' gradients (about twice the forward's reads and writes)."""
+WEIGHT_BACKWARD_TRAFFIC = 2.0
+"""Backward bytes of a matmul-class operator's weights per forward byte: it reads them again for its
+input's gradient and writes their gradient."""
+BUCKET_TRAFFIC = 4.0
+"""Bytes moved per gradient byte of a Full parameter by the device around its gradient all-reduce:
+building the bucket (read the gradients, write the flat bucket) and copying the sum back (read +
+write). The runner does both on the device outside the collective (`runner.collectives.all_reduce_coalesced`,
+`runner.overlap`), so a slower device takes longer over them, as `hap profile`'s update measurement
+shows. (The all-reduce fit, timed on a fresh copy, also holds one copy: a small overlap, since the
+network moves the bytes far more slowly than the device copies them.)"""
+
+_FIT = {"all_gather.padded": "all_gather", "reduce_scatter": "reduce_scatter", "all_to_all": "all_to_all",
+        RESPLIT: "all_to_all"}
+"""The cluster's fitted collective that prices each collective key (all-reduce and the grouped
+all-gather, priced from `all_reduce` and `broadcast`, are spelled out in `CostModel.comm_terms`)."""
+
+DUAL = {"all_reduce": "all_reduce", "reduce_scatter": "all_gather.padded", "all_gather.padded": "reduce_scatter",
+        "all_gather.grouped": "reduce_scatter", "all_to_all": "all_to_all", "slice": "slice", RESPLIT: RESPLIT,
+        "all_reduce.hier": "all_reduce.hier", "all_gather.hier": "reduce_scatter.hier",
+        "reduce_scatter.hier": "all_gather.hier"}
+"""The collective that runs in the backward pass for each forward collective (its dual), as the runner
+runs it: both flat all-gathers reduce-scatter their gradient (`runner.collectives.AllGather`). A grouped
+all-gather's backward is not priced as m reduces: on gloo those are no faster than one reduce-scatter.
+A hierarchical collective's dual is hierarchical too (`engine.cluster.hierarchy`)."""
+
+FLOPS_BOUND_OPS = frozenset({"linear", "matmul", "einsum", "conv", "sdpa", "opaque"})
+"""Operators priced by their flops at flops_per_gpu even under the roofline split (matmul-class;
+`opaque` ops, whose bytes are unknown, keep their flops estimate)."""
+ZERO_COPY_OPS = frozenset({"view", "permute", "expand", "narrow", "select", "identity", "stage_output"})
+"""Operators that return a view: no bytes moved under the roofline split. (The memory estimate
+still counts the outputs of narrow, select and expand as activations, as it always has.)"""
+NO_ACTIVATION_OPS = frozenset({"view", "permute", "identity", "stage_output"})
+"""Operators that keep nothing for backward: views alias their input; a pipeline stage's end marker
+(`stage_output`, engine/theory/stage.py) computes nothing."""
+GATHER_OPS = frozenset({"embedding", "gather"})
+"""Operators that read only the rows they return from their table (not the whole table)."""
+
+
+@dataclass(frozen=True)
+class DeviceClass:
+    """Devices that are interchangeable for the cost model (same hardware and ratios in every segment)."""
+
+    devices: tuple[int, ...]
+    flops: float
+    memory_bytes: float
+    num_gpus: int
+    sharded_param_s_per_byte: float
+    """Seconds per byte of a sharded parameter's local slice: the gradient all-reduce inside the
+    virtual device (0 for one GPU) and the optimizer update."""
+    full_param_s_per_byte: float
+    """Seconds per byte of a Full parameter: the same, plus the copies into and out of the gradient bucket."""
+    activation_s_per_byte: float
+    """Seconds per byte moved by a memory-bound operator (0 without the roofline split)."""
+    ratios: tuple[float, ...]
+    """The ratio of each of its devices in every segment (empty when grouping by hardware only)."""
+
+
+def device_classes(cluster: Cluster, ratios: list[list[float]] | None, optimizer: str = "adam",
+                   overlap: str = "none") -> tuple[DeviceClass, ...]:
+    """Group devices with equal hardware (and equal ratios per segment, when `ratios[segment][device]` are given).
+    Their compute rates are those of overlap mode `overlap` (`Device.overlap_slowdown`)."""
+    groups: dict[tuple, list[int]] = {}
+    for j, d in enumerate(cluster.devices):
+        mine = () if ratios is None else tuple(round(row[j], 12) for row in ratios)
+        key = (d.flops / d.slowdown(overlap), d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps,
+               d.memory_bandwidth_Bps, d.activation_bandwidth_Bps and d.activation_bandwidth_Bps / d.slowdown(overlap),
+               mine)
+        groups.setdefault(key, []).append(j)
+    out = []
+    for (flops, mem, k, intra, mem_bw, act_bw, _), members in groups.items():
+        sync = 2.0 * (k - 1) / k / intra if k > 1 else 0.0  # ring all-reduce inside the box
+        update = UPDATE_TRAFFIC[optimizer] / mem_bw if mem_bw else 0.0
+        bucket = BUCKET_TRAFFIC / mem_bw if mem_bw and cluster.num_devices > 1 else 0.0
+        mine = () if ratios is None else tuple(row[members[0]] for row in ratios)
+        act = 1.0 / (k * act_bw) if act_bw else 0.0  # the k GPUs of a virtual device split its activations
+        out.append(DeviceClass(tuple(members), flops, float(mem), k, sync + update, sync + update + bucket, act, mine))
+    return tuple(out)
+
+
+def ratio_rows(ratios: list[float] | list[list[float]], segments: int, devices: int) -> list[list[float]]:
+    """Ratios as one row per segment: a flat list (one segment's worth) is shared by every segment."""
+    rows = [list(r) for r in ratios] if ratios and isinstance(ratios[0], (list, tuple)) else [list(ratios)] * segments
+    assert len(rows) == segments and all(len(r) == devices for r in rows), "one ratio per device and segment"
+    return rows
+
+
+class CostModel:
+    """Costs of instructions on a given cluster under given ratios B (one ratio per device)."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
+                 options: PlanOptions = DEFAULT_OPTIONS, segmentation: Segmentation | None = None,
+                 overlap: str = "none") -> None:
+        if overlap not in OVERLAP_MODES:
+            raise PlanError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
+        if overlap == "duplex" and (why := duplex_problem(graph)):
+            raise PlanError(why)
+        self.overlap = overlap
+        self.graph, self.cluster = graph, cluster
+        self.segmentation = segmentation or Segmentation.single(graph)
+        self.ratios = ratio_rows(ratios, self.segmentation.count, cluster.num_devices)
+        self.options = options
+        """The plan's options; each concern they carry (the optimizer's state and update) is one term here."""
+        self.classes = device_classes(cluster, self.ratios, options.optimizer, overlap)
+        self.max_ratios = [max(r) for r in self.ratios]
+        self.state_factor = STATE_BYTES_PER_PARAM_BYTE[options.optimizer]
+        self.requires_grad = _requires_grad(graph)
+        self.roofline = all(d.activation_bandwidth_Bps for d in cluster.devices)
+        self.traffic = [_traffic(graph, n.id) if self.roofline and _memory_bound(n) else 0.0 for n in graph.nodes]
+        """Forward bytes moved by each memory-bound operator (all zero without the roofline split)."""
+        self.fwd_flops = [0.0 if self.traffic[n.id] else n.flops for n in graph.nodes]
+        """Forward flops priced at flops_per_gpu: every operator's, or only the flops-bound ones' under the split."""
+        self.bwd_flops = [0.0 if self.traffic[n.id] else _backward_flops(graph, n.id, self.requires_grad)
+                          for n in graph.nodes]
+        self.bwd_traffic = [BACKWARD_TRAFFIC * b if self.requires_grad[i] else 0.0 for i, b in enumerate(self.traffic)]
+        self.weight_traffic = [_weight_traffic(graph, n.id) if self.roofline and n.op in WEIGHT_READ_OPS else 0.0
+                               for n in graph.nodes]
+        """Forward bytes of the parameters a matmul-class operator reads (under the roofline split): they do
+        not shrink with the local batch, so a device with a small share of it is not priced too cheaply."""
+        self.bwd_weight_traffic = [WEIGHT_BACKWARD_TRAFFIC * b if self.requires_grad[i] else 0.0
+                                   for i, b in enumerate(self.weight_traffic)]
+        self.total_flops = sum(c.flops * len(c.devices) for c in self.classes)
+        intra = [d.intra_bandwidth_Bps for d in cluster.devices if d.num_gpus > 1]
+        self.hierarchy_s_per_byte = 2.0 / min(intra) if intra else 0.0  # gather to / broadcast from GPU 0 (§6)
+        self.levels = hierarchy_of(cluster) if overlap != "duplex" else None  # duplex streams own no machine sub-groups
+        """Machine and peer link levels for the `.hier` collectives (None: not offered on this cluster)."""
+        self.nbytes = [n.nbytes for n in graph.nodes]
+        self._comm_cache: dict[tuple[str, int], float] = {}
+        self.batch_derived = batch_derived(graph) if overlap == "duplex" else []
+        """Duplex: whether each tensor splits with the batch (each half moves half of it)."""
+        self._slots: list[list[int]] | None = None
+
+    @property
+    def slots(self) -> list[list[int]]:
+        """DDP's bucket slots of the graph (`engine.spmd.overlap.bucket_slots`), computed once."""
+        if self._slots is None:
+            self._slots = bucket_slots(self.graph)
+        return self._slots
+
+    # --- communication ---------------------------------------------------------------------
+    def comm_terms(self, key: str, node: int) -> tuple[float, float]:
+        """(constant, per max-ratio) seconds of collective `key` on reference tensor `node`."""
+        return self._terms(key, float(self.nbytes[node]))
+
+    def _terms(self, key: str, nbytes: float) -> tuple[float, float]:
+        """`comm_terms` of a tensor of `nbytes`. The payload of an all-reduce and of a grouped all-gather
+        does not depend on the ratios, so they are read off the fit's measured points where it has them
+        (`CollectiveFit.time`); a sharded collective's payload is max_j B_j times the tensor, and the
+        LP needs it linear in that: it keeps the fitted line."""
+        c = self.cluster.collectives
+        m = self.cluster.num_devices
+        if key == "slice" or m == 1:
+            return 0.0, 0.0
+        h = self.hierarchy_s_per_byte
+        if key in HIER_KEYS:  # not offered: never cheaper than the flat collective the search also sees
+            if self.levels is None:
+                return math.inf, 0.0
+            const, per = self.levels.terms(key, nbytes)
+            return (const + nbytes * h, per) if key == "all_reduce.hier" else (const, per + nbytes * h)
+        if key == "all_reduce":
+            return c["all_reduce"].time(nbytes) + nbytes * h, 0.0
+        if key == "all_gather.grouped":  # m broadcasts of a 1/m share each
+            return m * c["broadcast"].time(nbytes / m) + nbytes * h / m, 0.0
+        fit = c[_FIT[key]]
+        return fit.latency_s, nbytes / fit.bandwidth_Bps + nbytes * h
+
+    def half_comm_terms(self, key: str, node: int) -> tuple[float, float]:
+        """(constant, per max-ratio) seconds of collective `key` on `node` for one duplex half: the
+        latency and half the payload of a batch-derived tensor, all of a parameter-only one's
+        (`engine.spmd.overlap.batch_derived`)."""
+        if not key or node < 0:
+            return 0.0, 0.0
+        const, per = self.comm_terms(key, node)
+        if not self.batch_derived[node] or key == "slice" or self.cluster.num_devices == 1:
+            return const, per
+        if key in ("all_reduce", "all_gather.grouped"):
+            return self._terms(key, self.nbytes[node] / 2)
+        return const, per / 2  # a sharded collective: its constant is the latency
+
+    def grad_bucket_terms(self) -> tuple[float, float]:
+        """(latency, seconds per byte) of an all-reduce of Full parameters' gradients (mode none: the one
+        bucket of them all; ddp and duplex: each bucket)."""
+        if self.cluster.num_devices == 1:
+            return 0.0, 0.0
+        fit = self.cluster.collectives["all_reduce"]
+        return fit.latency_s, 1.0 / fit.bandwidth_Bps + self.hierarchy_s_per_byte
+
+    def comm_time(self, key: str, node: int, segments: tuple[int, ...] = (0,)) -> float:
+        """Seconds of collective `key` on `node` while `segments`' ratios bound its payload."""
+        t = self._comm_cache.get((key, node, segments))
+        if t is None:
+            const, per = self.comm_terms(key, node)
+            t = self._comm_cache[(key, node, segments)] = const + per * max(self.max_ratios[k] for k in segments)
+        return t
+
+    # --- computation -----------------------------------------------------------------------
+    def class_times(self, acc: Acc, segment: int = 0) -> list[float]:
+        return [class_work(acc, c, c.ratios[segment]) for c in self.classes]
+
+    def stage_time(self, acc: Acc, segment: int = 0) -> float:
+        return max(self.class_times(acc, segment))
+
+    def device_times(self, acc: Acc, segment: int = 0) -> list[float]:
+        out = [0.0] * self.cluster.num_devices
+        for c, t in zip(self.classes, self.class_times(acc, segment)):
+            for j in c.devices:
+                out[j] = t
+        return out
+
+    # --- memory ----------------------------------------------------------------------------
+    def memory_by_class(self, mem: Mem, segment: int = 0) -> tuple[float, ...]:
+        """Per-GPU bytes from (sharded state, replicated state, sharded activations, replicated activations)."""
+        s, r, sa, ra = mem
+        return tuple(s * c.ratios[segment] + r + (sa * c.ratios[segment] + ra) / c.num_gpus for c in self.classes)
+
+    def class_memory(self, mems: list[Mem]) -> tuple[float, ...]:
+        """Per-GPU bytes of every class, summed over the segments' memory terms."""
+        out = (0.0,) * len(self.classes)
+        for k, mem in enumerate(mems):
+            out = add(out, self.memory_by_class(mem, k))
+        return out
+
+    def fits(self, class_bytes: tuple[float, ...]) -> bool:
+        return all(b <= c.memory_bytes for b, c in zip(class_bytes, self.classes))
+
+    # --- per-instruction deltas used by the search and by replay ---------------------------
+    def compute_delta(self, node: int, sharded: bool, weights_whole: bool = True) -> tuple[Acc, Acc, Mem]:
+        """(forward work, backward work, memory) added by computing `node`. A sharded rule's work scales
+        with the device's ratio, but the weights it reads only where they are sharded too
+        (`weights_whole` False): a batch-parallel matmul reads the whole weight on every device."""
+        n = self.graph[node]
+        f, b = self.fwd_flops[node], self.bwd_flops[node]
+        tf, tb = self.traffic[node], self.bwd_traffic[node]
+        wf, wb = self.weight_traffic[node], self.bwd_weight_traffic[node]
+        act = float(self.nbytes[node]) + _attention_probs_bytes(self.graph, node) \
+            if self.requires_grad[node] and n.op not in NO_ACTIVATION_OPS else 0.0
+        if sharded and weights_whole:
+            return (f, 0.0, 0.0, 0.0, tf, wf), (b, 0.0, 0.0, 0.0, tb, wb), (0.0, 0.0, act, 0.0)
+        if sharded:
+            return (f, 0.0, 0.0, 0.0, tf + wf, 0.0), (b, 0.0, 0.0, 0.0, tb + wb, 0.0), (0.0, 0.0, act, 0.0)
+        return (0.0, f, 0.0, 0.0, 0.0, tf + wf), (0.0, b, 0.0, 0.0, 0.0, tb + wb), (0.0, 0.0, 0.0, act)
+
+    def weights_whole(self, node: int, forms: tuple[int, ...]) -> bool:
+        """Whether a rule with operand `forms` reads every parameter operand of `node` whole."""
+        return all(f == FULL for t, f in zip(self.graph[node].inputs, forms) if self.graph[t].op == "parameter")
+
+    def load_delta(self, node: int, form: int) -> tuple[Acc, Mem]:
+        """(backward per-parameter-byte work, memory) of loading a leaf in `form`."""
+        n = self.graph[node]
+        if n.op != "parameter":
+            return ZERO, MEM_ZERO
+        nbytes = float(n.nbytes)
+        state = nbytes * self.state_factor
+        if form == FULL:
+            return (0.0, 0.0, 0.0, nbytes, 0.0, 0.0), (0.0, state, 0.0, 0.0)
+        return (0.0, 0.0, nbytes, 0.0, 0.0, 0.0), (state, 0.0, 0.0, 0.0)
+
+
+def class_work(acc: Acc, c: DeviceClass, ratio) -> float:
+    """Seconds of a stage's linear work on one device of class `c` holding `ratio` of the sharded work
+    (`ratio` may be an LP variable: the expression stays linear in it)."""
+    s, r, ss, rs, ts, tr = acc
+    return ((s * ratio + r) / c.flops + ss * ratio * c.sharded_param_s_per_byte + rs * c.full_param_s_per_byte
+            + (ts * ratio + tr) * c.activation_s_per_byte)
+
+
+def _attention_probs_bytes(graph: Graph, node: int) -> float:
+    """Attention with dropout also keeps, for backward, its probabilities (..., Tq, Tk) before and
+    after dropout and the boolean mask: it runs in math form (engine/model/dropout.py); without dropout,
+    attention keeps none of them."""
+    n = graph[node]
+    if n.op != "sdpa" or "rng_site" not in n.attrs:
+        return 0.0
+    from engine.model.dropout import \
+        attention_weights_shape  # here, not at the top: it imports torch, which the CLI's checks must not wait for
+
+    q, k = graph[n.inputs[0]], graph[n.inputs[1]]
+    numel = math.prod(attention_weights_shape(q.shape, k.shape, n.attrs.get("enable_gqa", False)))
+    return float(numel * (2 * (n.nbytes // max(n.numel, 1)) + 1))
+
+
+def _memory_bound(n) -> bool:
+    """Priced by the bytes it moves under the roofline split: neither matmul-class nor a view."""
+    return not n.is_leaf and n.op not in FLOPS_BOUND_OPS and n.op not in ZERO_COPY_OPS
+
+
+WEIGHT_READ_OPS = FLOPS_BOUND_OPS - {"opaque"}
+"""Matmul-class operators whose parameter operands' bytes are priced (an opaque op's bytes are unknown)."""
+
+
+def _weight_traffic(graph: Graph, node: int) -> float:
+    """Bytes of the parameters a matmul-class operator reads in the forward pass."""
+    return float(sum(graph[i].nbytes for i in dict.fromkeys(graph[node].inputs) if graph[i].op == "parameter"))
+
+
+def _traffic(graph: Graph, node: int) -> float:
+    """Bytes a memory-bound operator reads and writes in the forward pass: its output and each
+    distinct input (of a table lookup, only the rows it returns)."""
+    n = graph[node]
+    read = 0.0
+    for i in dict.fromkeys(n.inputs):
+        read += min(graph[i].nbytes, n.nbytes) if n.op in GATHER_OPS and graph[i].op == "parameter" else graph[i].nbytes
+    return float(n.nbytes) + read
+
+
+def add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(x + y for x, y in zip(a, b))
+
+
+def _requires_grad(graph: Graph) -> list[bool]:
+    """Whether each tensor needs a gradient: parameters, what depends on one, and a pipeline stage's
+    input whose gradient goes back to the previous stage (a `cut` placeholder marked `requires_grad`)."""
+    out: list[bool] = []
+    for n in graph.nodes:
+        out.append(n.op == "parameter" or bool(n.attrs.get("requires_grad")) if n.is_leaf
+                   else any(out[i] for i in n.inputs))
+    return out
+
+
+def _backward_flops(graph: Graph, node: int, requires_grad: list[bool]) -> float:
+    """About one forward's flops per operand that needs a gradient (2x for a matmul with a weight)."""
+    n = graph[node]
+    if n.is_leaf or not requires_grad[node]:
+        return 0.0
+    return n.flops * sum(1 for i in dict.fromkeys(n.inputs) if requires_grad[i])
+
+
+def is_sharded(ins: Instruction) -> bool:
+    return ins.post >= 0 or any(f >= 0 for _, f in ins.pre)
+
+
+@dataclass
+class Replayed:
+    """A program's linear terms: its stages, memory per segment, and in the overlap modes its tail
+    work per segment and its gradient buckets."""
+
+    stages: list[Stage]
+    mems: list[Mem]
+    tails: list[Acc]
+    """Per segment, the per-parameter-byte work run after the last all-reduce (ddp, duplex; zero in none)."""
+    buckets: list[tuple[tuple[int, ...], float, int, Acc]]
+    """(parameters, bytes, index in `stages` of the backward stage that readies it, that stage's work
+    before the bucket's earliest-used parameter) per bucket, in launch order (ddp, duplex; empty in
+    none, which lists its one bucket as a stage). Backward runs the stage's work in reverse, so the
+    bucket is ready once the stage's work *from* that parameter's first consumer on is done."""
+
+
+def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage], list[Mem]]:
+    """Split a program into forward and backward stages with linear work terms, and sum its memory
+    terms per segment (`replay_terms` for the overlap modes' tail and buckets)."""
+    r = replay_terms(program, cm)
+    return r.stages, r.mems
+
+
+def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
+    """The stages, memory, tail and buckets of a program under `cm.overlap`.
+
+    Backward stages are listed mirroring the forward ones (they run in reverse order). In mode none
+    the gradient bucket, which runs last, is listed first among them and the per-parameter-byte
+    work is in the stage that loads the parameter; in ddp and duplex that work is the tail and the
+    buckets are listed apart. A segment boundary ends both open stages.
+    """
+    overlapped = cm.overlap != "none"
+    segs = instruction_segments(program, cm.segmentation)
+    sources = source_segments(program, cm.segmentation)
+    stages: list[Stage] = []
+    fwd, bwd = ZERO, ZERO
+    mems = [MEM_ZERO] * cm.segmentation.count
+    tails = [ZERO] * cm.segmentation.count
+    none = ("", -1, 0.0, 0.0, (0,))
+    fwd_open = bwd_open = none
+    bucket_bytes, cur = 0.0, segs[0] if segs else 0
+    n_bwd = 0  # backward stages closed so far: the open one's ordinal
+    program_position: dict[int, int] = {}
+    anchor: dict[int, tuple[int, Acc]] = {}  # Full parameter -> (ordinal of the backward stage that loads it, its work so far)
+    for i, ins in enumerate(program):
+        k = segs[i]
+        if k != cur:  # a boundary: every stage lies inside one segment (§5.2)
+            stages += [Stage("forward", *fwd_open[:4], fwd, cur, fwd_open[4]), Stage("backward", *bwd_open[:4], bwd, cur, bwd_open[4])]
+            fwd_open, bwd_open, fwd, bwd, cur = none, none, ZERO, ZERO, k
+            n_bwd += 1
+        if ins.kind == COMPUTE:
+            f, b, a = cm.compute_delta(ins.node, is_sharded(ins), cm.weights_whole(ins.node, tuple(g for _, g in ins.pre)))
+            fwd, bwd, mems[k] = add(fwd, f), add(bwd, b), add(mems[k], a)
+        elif ins.kind == LOAD:
+            sync, m = cm.load_delta(ins.node, ins.post)
+            mems[k] = add(mems[k], m)
+            if cm.graph[ins.node].op == "parameter" and ins.post == FULL:
+                bucket_bytes += cm.nbytes[ins.node]
+                program_position[ins.node] = i
+                anchor[ins.node] = (n_bwd, bwd)
+            if overlapped:
+                tails[k] = add(tails[k], sync)
+            else:
+                bwd = add(bwd, sync)
+        elif ins.kind == COMM and ins.rule != "slice":
+            over = (sources[i], k) if ins.rule == RESPLIT else (k,)
+            stages.append(Stage("forward", *fwd_open[:4], fwd, k, fwd_open[4]))
+            fwd_open, fwd = (ins.rule, ins.node, *cm.comm_terms(ins.rule, ins.node), over), ZERO
+            if cm.requires_grad[ins.node]:
+                stages.append(Stage("backward", *bwd_open[:4], bwd, k, bwd_open[4]))
+                n_bwd += 1
+                dual = DUAL[ins.rule]
+                bwd_open, bwd = (dual, ins.node, *cm.comm_terms(dual, ins.node), over), ZERO
+    stages += [Stage("forward", *fwd_open[:4], fwd, cur, fwd_open[4]), Stage("backward", *bwd_open[:4], bwd, cur, bwd_open[4])]
+    if not overlapped:
+        if bucket_bytes:
+            latency, per_byte = cm.grad_bucket_terms()
+            first_bwd = next(i for i, s in enumerate(stages) if s.direction == "backward")
+            stages.insert(first_bwd, Stage("backward", "grad_all_reduce", -1, latency + bucket_bytes * per_byte, 0.0, ZERO))
+        return Replayed([s for s in stages if s.comm or any(s.work)], mems, tails, [])
+    buckets = [tuple(p for p in slot if p in anchor) for slot in cm.slots]
+    buckets = [b for b in buckets if b]
+    # the earliest-used member (the first loaded) completes its gradient last
+    ready = [anchor[min(b, key=lambda p: program_position[p])] for b in buckets]
+    kept: list[Stage] = []
+    position: dict[int, int] = {}  # backward ordinal -> index in `kept`
+    ordinal = 0
+    anchors = {r for r, _ in ready} if cm.overlap == "ddp" else set()  # ddp keeps an empty stage that readies a bucket
+    for s in stages:
+        keep = bool(s.comm or any(s.work))
+        if s.direction == "backward":
+            if ordinal in anchors:
+                keep, position[ordinal] = True, len(kept)
+            ordinal += 1
+        if keep:
+            kept.append(s)
+    return Replayed(kept, mems, tails, [(b, float(sum(cm.nbytes[p] for p in b)), position.get(r, -1), pre)
+                                        for b, (r, pre) in zip(buckets, ready)])
+
+
+def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
+    """t(Q, B) with its breakdown per stage and device, and memory per device, priced in `cm.overlap`."""
+    r = replay_terms(program, cm)
+    stages = r.stages
+    comm = [s.comm_const + s.comm_per_max_ratio * max(cm.max_ratios[k] for k in s.comm_segments) for s in stages]
+    comp = [cm.device_times(s.work, s.segment) for s in stages]
+    per_class = cm.class_memory(r.mems)
+    names = [d.name for d in cm.cluster.devices]
+    memory = [0.0] * cm.cluster.num_devices
+    for c, b in zip(cm.classes, per_class):
+        for j in c.devices:
+            memory[j] = b
+    if cm.overlap == "none":
+        return overlap_price(Breakdown(0.0, stages, comm, comp, memory, cm.ratios, devices=names))
+    tail = [0.0] * cm.cluster.num_devices
+    for c in cm.classes:
+        t = sum(class_work(acc, c, c.ratios[k]) for k, acc in enumerate(r.tails))
+        for j in c.devices:
+            tail[j] = t
+    latency, per_byte = cm.grad_bucket_terms()
+    half = []
+    if cm.overlap == "duplex":
+        for s in stages:
+            const, per = cm.half_comm_terms(s.comm, s.comm_node)
+            half.append(const + per * max(cm.max_ratios[k] for k in s.comm_segments))
+    records = [BucketRecord(params, nbytes, latency + nbytes * per_byte, 0.0, 0.0, 0.0, at,
+                            tuple(_left(stages, at, pre, cm)) if cm.overlap == "ddp" else ())
+               for params, nbytes, at, pre in r.buckets]
+    out = Breakdown(0.0, stages, comm, comp, memory, cm.ratios, cm.overlap, records, max(tail), tail, half, names)
+    return overlap_price(out)
+
+
+def _left(stages: list[Stage], at: int, pre: Acc, cm: CostModel) -> list[float]:
+    """Per device, stage `at`'s work after `pre` (what backward runs of it before reaching `pre`'s end)."""
+    return cm.device_times(tuple(x - y for x, y in zip(stages[at].work, pre)), stages[at].segment)

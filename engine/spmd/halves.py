@@ -1,0 +1,66 @@
+"""Duplex halves (HiDup): the plan's model captured at each half's batch, and the plan's program
+and ratios on it. Shared by the planner (which keeps a duplex plan only when its halves exist)
+and the runner (which runs them, runner/duplex.py)."""
+from __future__ import annotations
+
+from engine.errors import ModelError, PlanError
+from engine.model.graph import Graph
+from engine.spmd.plan import Plan
+from engine.spmd.program import LOAD
+from engine.spmd.sizes import shard_key, shard_sizes
+
+
+def batch_of(graph: Graph) -> int:
+    origin = graph.origin
+    return int(origin["config"].get("batch", 0) if "zoo" in origin else origin["inputs"].get("batch", 0))
+
+
+def capture_at(graph: Graph, batch: int) -> Graph:
+    """The plan's model captured at another batch size; it must be the same graph but for sizes."""
+    from engine.model.source import load_model
+
+    origin = graph.origin
+    try:
+        if "zoo" in origin:
+            other = load_model(f"zoo:{origin['zoo']}", **{**origin["config"], "batch": batch})
+        else:
+            from engine.model.source import capture_hf, spec_of
+
+            spec = spec_of(origin)
+            other = capture_hf(type(spec)(spec.cls, spec.config, spec.task, {**spec.inputs, "batch": batch}))
+    except ModelError as e:
+        raise PlanError(f"duplex refused: the model cannot be captured at batch {batch}: {e}") from None
+    same = len(other) == len(graph) and all(
+        (a.name, a.op, a.inputs) == (b.name, b.op, b.inputs) for a, b in zip(graph.nodes, other.nodes))
+    if not same:
+        raise PlanError(f"duplex refused: the model's graph changes with the batch size (captured at {batch}); "
+                        "use --overlap ddp")
+    return other
+
+
+def half_plan(plan: Plan, graph: Graph) -> Plan:
+    """The plan's program and ratios on `graph` (the model at a half's batch size)."""
+    seg = plan.segmentation
+    sizes = shard_sizes(plan.program, graph, plan.ratio_rows, seg)
+    keyed = {shard_key(graph, seg, t, d, k): v for (t, d, k), v in sizes.items()}
+    for node, form in ((ins.node, ins.post) for ins in plan.program if ins.kind == LOAD and ins.post >= 0
+                                           and graph[ins.node].op == "parameter"):
+        if keyed[shard_key(graph, seg, node, form, seg.of_node[node])] != plan.sizes(node, form):
+            raise PlanError(f"duplex refused: the shard of '{graph[node].name}' is linked to the batch, so half "
+                            "batches would change it; use --overlap ddp")
+    return Plan(plan.strategy, graph, plan.cluster_name, plan.cluster_fingerprint, plan.device_names, plan.program,
+                plan.ratios, keyed, plan.predicted_time_s, plan.stages, plan.memory_bytes, segment_of=plan.segment_of,
+                overlap=plan.overlap)
+
+
+def halves_problem(plan: Plan) -> str | None:
+    """Why the runner could not split `plan` into two half-batch programs (None when it can): the
+    model cannot be captured at half the batch, its graph changes with the batch, or a parameter's
+    shard is linked to the batch (its size would change with the half)."""
+    total = batch_of(plan.graph)
+    try:
+        for b in (total // 2, total - total // 2):
+            half_plan(plan, capture_at(plan.graph, b))
+    except PlanError as e:
+        return str(e)
+    return None

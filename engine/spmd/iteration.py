@@ -1,0 +1,271 @@
+"""The Q<->B iteration (HAP §3.1, Eq. 1-2): alternate program synthesis and load balancing.
+
+    B(0) = ratios proportional to device flops
+    Q(s) = argmin_Q t(Q, B(s-1))      (A*, `engine.spmd.synthesis`)
+    B(s) = argmin_B t(Q(s), B)        (LP, `engine.spmd.balance`)
+
+until Q repeats (convergence or oscillation); the best (Q, B) pair seen is kept. The data-parallel
+baselines (`engine.spmd.baselines`) seed the search as incumbents, so a HAP plan is never predicted
+slower than them.
+
+Overlap (`engine.spmd.overlap`): the loop runs with the cost model and the LP of one overlap mode.
+`overlap="auto"` runs it in `ddp` (gradient buckets during backward) and in `duplex` (HiDup's two
+half-batches), each with its share of the time budget, and keeps the faster prediction; duplex
+wins only where it predicts a gain. The ddp plan is also priced with one bucket after backward
+(`none`): every bucket pays a latency, so where backward is too short to hide them, not
+overlapping is faster, and auto keeps that.
+
+With `segments=g > 1` (§5.2) the model is cut into g segments at layer boundaries, B becomes one
+ratio vector per segment, and tensors crossing a boundary are re-split by all-to-alls. The
+one-segment baselines stay candidates, so segments are used only where they pay.
+
+Pipeline stages plan their own graphs with `plan_spmd` too (`engine.pipeline.stage_plan`), which is
+why the loop lives here and not in the top-level planner.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from engine.cluster.spec import Cluster
+from engine.errors import InfeasibleError, PlanError
+from engine.model.graph import Graph
+from engine.options import PlanOptions
+from engine.spmd.balance import balance
+from engine.spmd.baselines import (Candidate, baselines, check_total_memory, left_s, memory_fitted_baseline,
+                                   oom_message, priced_in, proportional_ratios)
+from engine.spmd.breakdown import Breakdown
+from engine.spmd.cost import CostModel, evaluate
+from engine.spmd.halves import halves_problem
+from engine.spmd.overlap import duplex_run_problem
+from engine.spmd.plan import Plan, stage_records
+from engine.spmd.program import Instruction
+from engine.spmd.segments import Segmentation, segment_graph, with_resplits
+from engine.spmd.sizes import realized_ratios, shard_key, shard_sizes
+from engine.spmd.synthesis import SearchProgress, SearchSpace, synthesize
+
+Progress = Callable[[SearchProgress], None]
+"""Called every `options.report_every` expansions of each search (the workbench's live frontier)."""
+
+
+def plan_spmd(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Progress | None = None, *,
+              space: SearchSpace | None = None) -> Plan:
+    """Plan `graph` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
+
+    `options.overlap` is the overlap mode to plan in (`none`, `ddp`, `duplex`), or `auto`: plan in
+    ddp and in duplex (each with an equal share of what is left of the budget), price the ddp plan
+    in none too, and keep the fastest; the plan's search stats record every mode's predicted time
+    (`overlap_s`) and why one was skipped (`overlap_skipped`). `options.segments` > 1 then iterates
+    again with that many runs of layers, each with its own ratios (§5.2), starting from the
+    one-segment plan; the faster of the two is returned. `space` restricts the search (e.g. no
+    hierarchical collectives inside a pipeline stage); the data-parallel seeds are searched in
+    their own spaces."""
+    modes, skipped = overlap_modes(graph, options.overlap)
+    seg = segment_graph(graph, options.segments)
+    start = time.perf_counter()
+    deadline = None if options.time_budget_s is None else start + options.time_budget_s
+    check_total_memory(graph, cluster, options)
+    seeds = baselines(graph, cluster, options, deadline)
+    stats: dict[str, Any] = {
+        "expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
+        "baselines_s": {k: None if c is None else realized_rank(graph, cluster, c, options)[1] for k, c in seeds.items()},
+        "overlap_request": options.overlap, "overlap_s": {}, "overlap_skipped": skipped}
+    loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace())
+    found: dict[str, Candidate] = {}
+    for k, mode in enumerate(modes):
+        share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - k)
+        cand = _plan_in(mode, loop, seg, list(seeds.values()), share)
+        if cand is not None:
+            found[mode] = cand
+            stats["overlap_s"][mode] = realized_rank(graph, cluster, cand, options)[1]
+    if not found:
+        raise InfeasibleError(oom_message(graph, cluster, options, deadline=deadline))
+    if options.overlap == "auto" and "ddp" in found:
+        found["none"] = priced_in(found["ddp"], graph, cluster, options, "none")
+        stats["overlap_s"]["none"] = realized_rank(graph, cluster, found["none"], options)[1]
+    # modes in order (ddp, duplex, none): a tie keeps the earlier, so duplex or none is chosen only for a predicted gain
+    while True:
+        best = min(found.values(), key=lambda c: realized_rank(graph, cluster, c, options))
+        stats["elapsed_s"] = time.perf_counter() - start
+        stats["segments"] = best.segmentation.count
+        made = make_plan("hap", graph, cluster, best, options, loop.history, stats)
+        problem = halves_problem(made) if made.overlap == "duplex" else None
+        if problem is None:
+            return made
+        if options.overlap == "duplex" or len(found) == 1:
+            raise PlanError(f"model '{graph.name}': {problem}")
+        del found["duplex"]  # its halves cannot run this program: keep the best of the other modes
+        stats["overlap_skipped"]["duplex"] = problem
+
+
+def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]]:
+    """The overlap modes to plan in for `overlap`, and the modes `auto` skips with the reason
+    (duplex for a model whose half batches would not compute the same, e.g. training-mode BatchNorm)."""
+    problem = duplex_run_problem(graph) if overlap in ("auto", "duplex") else None
+    if overlap == "duplex" and problem:
+        raise PlanError(f"model '{graph.name}': {problem}")
+    if overlap == "auto":
+        return (["ddp"], {"duplex": problem}) if problem else (["ddp", "duplex"], {})
+    return [overlap], {}
+
+
+def _plan_in(mode: str, loop: "Loop", seg: Segmentation, seeds: list[Candidate | None],
+             deadline: float | None) -> Candidate | None:
+    """The best plan of the Q<->B loop in one overlap mode, seeded with the baselines priced in it;
+    asked for segments, the one-segment loop gets half of `deadline`'s time, so the segmented one still runs."""
+    graph, cluster, options = loop.graph, loop.cluster, loop.options
+    unique = {id(c): c for c in seeds if c is not None}.values()
+    priced = [priced_in(c, graph, cluster, options, mode) for c in unique]
+    if not priced:
+        priced = [c for c in [memory_fitted_baseline(graph, cluster, options, mode, deadline)] if c is not None]
+    best = min(priced, key=lambda c: c.cost, default=None)
+    now = time.perf_counter()
+    loop.overlap = mode
+    loop.deadline = deadline if seg.count == 1 or deadline is None else now + (deadline - now) / 2
+    best = loop.run(Segmentation.single(graph), [proportional_ratios(cluster)], best)
+    if seg.count > 1 and best is not None:
+        loop.deadline = deadline
+        best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
+    if best is None:
+        return None
+    return min([best, *priced], key=lambda c: realized_rank(graph, cluster, c, options))  # whole units may reorder them
+
+
+@dataclass
+class Loop:
+    """The Q<->B iteration for one segmentation, recording history and search statistics."""
+
+    graph: Graph
+    cluster: Cluster
+    options: PlanOptions
+    progress: Progress | None
+    deadline: float | None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+    overlap: str = "none"
+    """The overlap mode the cost model and the LP price in."""
+    space: SearchSpace = SearchSpace()
+    """What the search may use (all of the theory, unless a caller restricts it)."""
+
+    def cost_model(self, ratios: list[list[float]], seg: Segmentation) -> CostModel:
+        return CostModel(self.graph, self.cluster, ratios, self.options, seg, overlap=self.overlap)
+
+    def run(self, seg: Segmentation, ratios: list[list[float]], best: Candidate | None,
+            incumbent: tuple[Instruction, ...] | None = None) -> Candidate | None:
+        incumbent = incumbent or (best.program if best is not None and best.segmentation.count == 1 else None)
+        seen: set = set()
+        rebalanced = False
+        for _ in range(self.options.max_iterations):
+            if best is not None and self.deadline is not None and time.perf_counter() > self.deadline:
+                break  # the budget is spent: no new Q<->B iteration, keep the best found
+            it = self.stats["iterations"]  # searches so far, over every mode and segmentation: tags stay 0, 1, 2, ...
+            report = None if self.progress is None else (lambda p, it=it: self.progress(_tag(p, it)))
+            try:
+                res = synthesize(self.graph, self.cost_model(ratios, seg), space=self.space,
+                                 time_budget_s=left_s(self.deadline), progress=report,
+                                 beam_width=self.options.beam_width, incumbent=incumbent,
+                                 report_every=self.options.report_every)
+            except InfeasibleError:  # nothing fits under these ratios: let the LP (memory constraints) move them once
+                moved = None if incumbent is None or rebalanced else self.memory_feasible_ratios(incumbent, seg)
+                if moved is None:
+                    break  # keep the best found (or explain in plan())
+                ratios, rebalanced = moved, True
+                continue
+            _accumulate(self.stats, res)
+            self._record(it, "Q", res.cost, ratios, seg)
+            best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap))
+            key = tuple(res.program)
+            if key in seen:
+                break
+            seen.add(key)
+            moved = self.memory_feasible_ratios(res.program, seg)
+            if moved is None:
+                break  # this program cannot fit under any ratios; keep the best found
+            cost = evaluate(res.program, self.cost_model(moved, seg)).total_s
+            self._record(it, "B", cost, moved, seg)
+            best = _better(best, Candidate(res.program, moved, cost, seg, self.overlap))
+            ratios, incumbent = moved, res.program
+        return best
+
+    def memory_feasible_ratios(self, program: tuple[Instruction, ...], seg: Segmentation) -> list[list[float]] | None:
+        """The LP's ratios for `program` (Eq. 2), which respect every device's memory; None if none do."""
+        try:
+            return balance(program, self.graph, self.cluster, options=self.options, segmentation=seg,
+                           time_limit_s=left_s(self.deadline) or 30.0, overlap=self.overlap).by_segment
+        except InfeasibleError:
+            return None
+
+    def _record(self, it: int, step: str, cost: float, ratios: list[list[float]], seg: Segmentation) -> None:
+        self.history.append({"iteration": it, "step": step, "predicted_time_s": cost, "ratios": ratios,
+                             "segments": seg.count, "overlap": self.overlap})
+
+
+def _tag(p: SearchProgress, iteration: int) -> SearchProgress:
+    p.iteration = iteration
+    return p
+
+
+def _accumulate(stats: dict[str, Any], res) -> None:
+    stats["expanded"] += res.expanded
+    stats["generated"] += res.generated
+    stats["optimal"] = stats["optimal"] and res.optimal
+    stats["iterations"] += 1
+    stats.setdefault("frontier", []).extend(
+        {"expanded": p.expanded, "queue_size": p.queue_size, "best_cost": p.best_cost,
+         "lowest_open_score": p.lowest_open_score, "elapsed_s": p.elapsed_s} for p in res.frontier)
+
+
+def _better(a: Candidate | None, b: Candidate) -> Candidate:
+    return b if a is None or b.cost < a.cost * (1 - 1e-12) else a
+
+
+def plan_of(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
+            *, options: PlanOptions = PlanOptions(), segmentation: Segmentation | None = None, strategy: str = "hap",
+            overlap: str = "none") -> Plan:
+    """The Plan of a given program and ratios (one flat list, or one row per segment) priced in
+    `overlap`: for programs made by hand or by a restricted search, e.g. in tests and ablations."""
+    seg = segmentation or Segmentation.single(graph)
+    cm = CostModel(graph, cluster, ratios, options, seg, overlap=overlap)
+    cand = Candidate(program, cm.ratios, evaluate(program, cm).total_s, seg, overlap)
+    return make_plan(strategy, graph, cluster, cand, options, [], {})
+
+
+def breakdown_of(the_plan: Plan, cluster: Cluster) -> Breakdown:
+    """The cost model's breakdown of a plan on `cluster` at the plan's ratios and in its overlap
+    mode: per stage and device, the buckets and the tail (what the Timeline page draws)."""
+    cm = CostModel(the_plan.graph, cluster, the_plan.ratio_rows, the_plan.options, the_plan.segmentation,
+                   overlap=the_plan.overlap)
+    return evaluate(the_plan.program, cm)
+
+
+def realized(graph: Graph, cluster: Cluster, cand: Candidate, options: PlanOptions):
+    """(integer shard sizes, realized ratios, cost-model breakdown at them) of a candidate: what the
+    runner will execute, so the plan predicts the time of its whole units, not of the LP's fractions."""
+    seg = cand.segmentation
+    sizes = shard_sizes(cand.program, graph, cand.ratios, seg)
+    ratios = realized_ratios(graph, sizes, cand.ratios)
+    return sizes, ratios, evaluate(cand.program, CostModel(graph, cluster, ratios, options, seg, overlap=cand.overlap))
+
+
+def realized_rank(graph: Graph, cluster: Cluster, cand: Candidate, options: PlanOptions) -> tuple[bool, float]:
+    """(overflows a device at whole units, predicted time): rounding the LP's ratios to whole units
+    can push a device past its memory, so a candidate that still fits comes first."""
+    b = realized(graph, cluster, cand, options)[2]
+    over = any(m > d.memory_bytes_per_gpu for m, d in zip(b.memory_bytes, cluster.devices))
+    return over, b.total_s
+
+
+def make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, options: PlanOptions,
+              history: list[dict[str, Any]], stats: dict[str, Any]) -> Plan:
+    """The Plan of a candidate at whole units, recording the options it was planned with."""
+    seg = cand.segmentation
+    int_sizes, ratios, b = realized(graph, cluster, cand, options)
+    sizes = {shard_key(graph, seg, t, d, k): s for (t, d, k), s in int_sizes.items()}
+    return Plan(strategy=strategy, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
+                device_names=[d.name for d in cluster.devices], machines=[d.machine for d in cluster.devices],
+                program=cand.program,
+                ratios={str(k): list(r) for k, r in enumerate(ratios)}, shard_sizes=sizes, predicted_time_s=b.total_s,
+                stages=stage_records(b, graph), memory_bytes=b.memory_bytes, history=history,
+                search={**stats, "optimizer": options.optimizer, "options": options.to_dict()},
+                segment_of=list(seg.of_node) if seg.count > 1 else [], overlap=cand.overlap)

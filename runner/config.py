@@ -1,0 +1,164 @@
+"""A run's configuration: the runner's options (`RunConfig`, parsed once) and the launch environment (`DistEnv`).
+
+Plain data read by every rank entry (`runner.launch`, `runner.pipeline`) and by the supervisors.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from engine import limits
+from runner.train import GRAD_SYNC
+
+FAULT_ENV = "HAP_RUNNER_FAULT"
+
+
+NODE_ENV = "HAP_NODE_RANK"
+"""Set by a bundle's launch files: the bundle node this torchrun runs (see engine.bundle.archive.plan_rank)."""
+
+
+DEVICE_CHECK = ("warn", "error", "off")
+
+
+MAX_LR = 1e6
+"""A learning rate above this is a typo."""
+
+
+MAX_TIMEOUT_S = 7 * 86400.0
+"""Process-group timeout: a week (timedelta overflows on 1e308 seconds)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """What to run; one per launch, identical on every rank."""
+
+    plan: str
+    """Path of the plan JSON (from `hap plan --out`)."""
+    steps: int = 5
+    """Optimizer steps to run."""
+    verify: bool = False
+    """Rank 0 re-runs the steps on one device and compares losses and final parameters."""
+    metrics: str | None = None
+    """JSON-lines file: one record per step and rank."""
+    seed: int = 0
+    """Seed of the model initialisation and of the batches (the same on every rank)."""
+    optimizer: str = "sgd"
+    """`sgd` or `adam`."""
+    lr: float = 0.05
+    """Learning rate."""
+    speeds: str | None = None
+    """Emulated speed factor per rank, e.g. `1,1,0.5,0.5` (see runner.timing)."""
+    timing: bool = False
+    """Record per-instruction compute and communication seconds in the metrics."""
+    grad_sync: str = "bucket"
+    """`bucket` (one all-reduce of all Full parameters' gradients) or `per-param` (see runner.train.GRAD_SYNC)."""
+    emulate_link: str | None = None
+    """A cluster JSON whose collective fits every collective is padded to (runner.timing.EmulatedLink):
+    a slower network emulated on one box, for benches."""
+    timeout_s: float = 120.0
+    """Process-group timeout: a collective waiting longer than this fails instead of hanging."""
+    save_params: str | None = None
+    """Rank 0 writes the final parameters, gathered to full shape, here (`torch.save`)."""
+    checkpoint_dir: str | None = None
+    """Folder of sharded checkpoints (see runner.checkpoint), on a file system every rank sees."""
+    checkpoint_every: int = 0
+    """Save a checkpoint after every N steps (0: only after the last step, when --checkpoint-dir is set)."""
+    resume: bool = False
+    """Continue from the newest complete checkpoint in checkpoint_dir (from step 0 when there is none)."""
+    device_check: str = "warn"
+    """Bundles: a rank on another GPU type than its plan device is reported (`warn`), fatal (`error`) or not checked (`off`)."""
+    elastic: str | None = None
+    """Cluster spec JSON of the plan's devices: when a rank fails, `hap run` re-plans without its device and
+    continues from the newest complete checkpoint (runner.elastic); the ranks themselves ignore it."""
+    emulate_links: bool = False
+    """Pipeline plans: each stage-to-stage transfer takes at least its predicted time (runner.pipeline)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.steps > limits.MAX_STEPS:
+            raise ValueError(f"--steps must be at most {limits.MAX_STEPS}, got {self.steps}")
+        if not -2**63 <= self.seed < 2**64:  # the range torch.manual_seed accepts
+            raise ValueError(f"--seed must be in -2**63..2**64-1, got {self.seed}")
+        if self.optimizer not in ("sgd", "adam"):
+            raise ValueError(f"--optimizer must be sgd or adam, got '{self.optimizer}'")
+        if not limits.in_range(self.lr, 0, MAX_LR) or self.lr == 0:
+            raise ValueError(f"--lr must be a positive number up to {MAX_LR:g}, got {self.lr}")
+        if self.grad_sync not in GRAD_SYNC:
+            raise ValueError(f"--grad-sync must be {' or '.join(GRAD_SYNC)}, got '{self.grad_sync}'")
+        if not limits.in_range(self.timeout_s, 0, MAX_TIMEOUT_S) or self.timeout_s == 0:
+            raise ValueError(f"--timeout must be a positive number of seconds up to {MAX_TIMEOUT_S:g}, got {self.timeout_s}")
+        if not 0 <= self.checkpoint_every <= limits.MAX_STEPS:
+            raise ValueError(f"--checkpoint-every must be in 0..{limits.MAX_STEPS}, got {self.checkpoint_every}")
+        if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
+            what = "--resume" if self.resume else "--checkpoint-every"
+            raise ValueError(f"{what} needs --checkpoint-dir DIR (where the checkpoints are)")
+        if self.elastic and not self.checkpoint_dir:
+            raise ValueError("--elastic needs --checkpoint-dir DIR (a failed job continues from its checkpoints)")
+        if self.device_check not in DEVICE_CHECK:
+            raise ValueError(f"--device-check must be {', '.join(DEVICE_CHECK)}, got '{self.device_check}'")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the launch, as torchrun (or a Slurm script) sets it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+    @staticmethod
+    def from_environ(env: Mapping[str, str] = os.environ) -> "DistEnv":
+        missing = [k for k in ("RANK", "WORLD_SIZE") if k not in env]
+        if missing:
+            raise ValueError(f"{' and '.join(missing)} not set: runner.launch runs under torchrun; "
+                             "start it with `hap run PLAN.json` or `torchrun --nproc-per-node=N -m runner.launch PLAN.json`")
+        world = int(env["WORLD_SIZE"])
+        return DistEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])),
+                       int(env.get("LOCAL_WORLD_SIZE", world)))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hap run", description="Train a plan over torch.distributed "
+                                "(starts torchrun on this machine unless RANK and WORLD_SIZE are already set by torchrun or a Slurm script).")
+    p.add_argument("plan", help="plan JSON from `hap plan --out`, or a launch bundle (folder or zip) from `hap export`")
+    p.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
+    p.add_argument("--verify", action="store_true", help="compare losses and final parameters with single-device training")
+    p.add_argument("--metrics", metavar="FILE", help="write JSON-lines metrics, one record per step and rank")
+    p.add_argument("--seed", type=int, default=0, help="seed of the model and the batches (default 0)")
+    p.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
+    p.add_argument("--lr", type=float, default=0.05, help="learning rate (default 0.05)")
+    p.add_argument("--speeds", metavar="F,F,..", help="emulated speed factor per rank in (0, 1], e.g. 1,1,0.5,0.5")
+    p.add_argument("--timing", action="store_true", help="record per-instruction compute and communication times")
+    p.add_argument("--grad-sync", choices=list(GRAD_SYNC), default="bucket",
+                   help="all-reduce Full parameters' gradients in one bucket after backward (default) or one per parameter during backward")
+    p.add_argument("--emulate-link", metavar="CLUSTER",
+                   help="pad every collective to its time under this cluster JSON's collective fits (emulates a slower network)")
+    p.add_argument("--timeout", dest="timeout_s", type=float, default=120.0, metavar="S",
+                   help="fail a collective that waits longer than S seconds (default 120)")
+    p.add_argument("--save-params", metavar="FILE", help="rank 0 saves the final gathered parameters (torch.save)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="sharded checkpoints go here (one file per rank and checkpoint)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="save a checkpoint every N steps (default 0: after the last step only)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest complete checkpoint in --checkpoint-dir (step 0 if none)")
+    p.add_argument("--device-check", choices=list(DEVICE_CHECK), default="warn",
+                   help="bundles: report (warn, default), refuse (error) or ignore (off) a rank on another GPU type than planned")
+    p.add_argument("--elastic", metavar="CLUSTER.json",
+                   help="when a rank fails, re-plan on this cluster without its device and continue from the newest checkpoint")
+    p.add_argument("--emulate-links", action="store_true",
+                   help="pipeline plans: sleep each transfer between stages to its predicted time (slow links on one box)")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> RunConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return RunConfig(**vars(args))
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,48 @@
+"""The `hap` console entry: the engine's planning commands, plus `hap run` and `hap profile`.
+
+It sits above both the engine and the runner (the runner may import the engine; the engine never
+imports the runner), so the planning commands stay importable without torch.distributed and the two
+execution commands live with the code they run.
+
+    hap run plan.json|BUNDLE [--steps N] [--verify] [--metrics FILE] [--seed S]   (`hap run PLAN --help`)
+    hap profile --out cluster.json [--parquet raw.parquet] [--nproc N] [--speeds 1,0.5]   (`hap profile --help`)
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+from engine import cli as planning
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from runner.cli import main as run_main
+
+    return run_main([args.plan, *args.options])
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from runner.profile import main as profile_main
+
+    return profile_main(args.options)
+
+
+def add_commands(sub: Any) -> None:
+    """`run` and `profile`, beside the planning commands."""
+    r = sub.add_parser("run", help="train a plan over torch.distributed (starts torchrun on this machine)",
+                       epilog="options after PLAN go to the runner: see `hap run PLAN --help`")
+    r.add_argument("plan", help="plan JSON from `hap plan --out`, or a launch bundle (folder or zip) from `hap export`")
+    r.add_argument("options", nargs=argparse.REMAINDER, help="--steps N --verify --metrics FILE --seed S ...")
+    r.set_defaults(func=cmd_run)
+    f = sub.add_parser("profile", add_help=False, help="measure this cluster (FLOP/s, collectives) and write a cluster spec",
+                       description="options go to the profiler: see `hap profile --help`")
+    f.set_defaults(func=cmd_profile)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return planning.main(argv, more=add_commands)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
