@@ -4,6 +4,7 @@ Ranks start from a warm parent: a forkserver that imported torch, the engine and
 the whole test session (`multiprocessing.set_forkserver_preload`), so a rank costs a fork, not a fresh
 interpreter importing torch (seconds each on 2 cores). Every call still gets its own processes, its
 own `file://` rendezvous and the caller's environment and working folder as they are at the call;
+what the ranks print is relayed to the caller's stdout and stderr when they end (so `capfd` sees it);
 results come back through files, never through a queue (a large result in a queue deadlocks `join`);
 an outer deadline kills the processes and fails the test instead of hanging.
 """
@@ -52,6 +53,8 @@ def _entry(rank: int, fn: Callable, world_size: int, workdir: str, args: tuple, 
            cwd: str) -> None:
     out = Path(workdir)
     status = 0
+    for fd, name in ((1, "stdout"), (2, "stderr")):  # the forkserver's streams are not the caller's: files
+        os.dup2(os.open(out / f"rank{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     try:
         os.environ.clear()
         os.environ.update(environ)
@@ -93,6 +96,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any
             if p.is_alive():
                 p.kill()
                 p.join(5)
+        _relay(workdir, world_size)
     return [pickle.loads((workdir / f"rank{r}.pkl").read_bytes()) for r in range(world_size)]
 
 
@@ -109,6 +113,17 @@ def _wait(procs: list, deadline: float, workdir: Path, world_size: int, timeout_
             if p.exitcode != 0:
                 raise AssertionError(f"rank {procs.index(p)} exited with status {p.exitcode}{_errors(workdir)}")
             running.remove(p)
+
+
+def _relay(workdir: Path, world_size: int) -> None:
+    """Every rank's output onto this process's stdout and stderr (as a spawned rank's would be, for capfd)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for r in range(world_size):
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            path = workdir / f"rank{r}.{name}"
+            if path.exists():
+                os.write(fd, path.read_bytes())
 
 
 def _errors(workdir: Path) -> str:
