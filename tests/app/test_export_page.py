@@ -57,7 +57,7 @@ def test_bundle_of_an_uploaded_model_file_ships_the_upload(cpu_cluster):
     from app import services
     from engine.model.source import capture_source
 
-    text = (ROOT / "tests" / "model_files" / "cumprod_mlp.py").read_bytes()
+    text = (ROOT / "tests" / "fixtures" / "model_files" / "cumprod_mlp.py").read_bytes()
     plan = engine.plan(capture_source(text, "net.py", fallback="replicate"), cpu_cluster)
     data, message = services.bundle_zip(plan.to_json(), services.cluster_json(cpu_cluster))
     assert data is None and "not found" in message  # the upload has no path on this machine

@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, cluster_dict
 from test_runner_cli import hap
 
-CUMPROD = ROOT / "tests" / "model_files" / "cumprod_mlp.py"
+CUMPROD = ROOT / "tests" / "fixtures" / "model_files" / "cumprod_mlp.py"
 
 
 def test_a_model_file_with_an_op_without_rule_plans_and_verifies_on_3_uneven_ranks(tmp_path):

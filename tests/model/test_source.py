@@ -18,7 +18,7 @@ from engine.bundle.archive import check_bundle, export_bundle, model_file_of, op
 from engine.errors import ModelError
 from engine.model import source
 
-MODEL_FILES = ROOT / "tests" / "model_files"
+MODEL_FILES = ROOT / "tests" / "fixtures" / "model_files"
 CUMPROD = MODEL_FILES / "cumprod_mlp.py"
 TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
              "vocab_size": 64, "max_position_embeddings": 32}

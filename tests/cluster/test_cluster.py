@@ -14,7 +14,7 @@ from engine.cluster.spec import (COLLECTIVES, FREE_BANDWIDTH_BPS, Cluster, Colle
                                  nominal_collectives)
 from engine.errors import ClusterError
 
-SAMPLES = Path(__file__).resolve().parent.parent / "sample_clusters"
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_clusters"
 SAMPLE_FILES = sorted(SAMPLES.glob("*.json"))
 GiB16 = 17179869184
 
