@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -15,6 +16,9 @@ import pytest
 import engine
 from engine.cluster.spec import Cluster
 from engine.model.graph import Graph, Node
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: the workers share the cores; one thread each, set before
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # any test module imports torch, which reads it then
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_clusters"

@@ -150,7 +150,7 @@ def test_vit_at_the_papers_batch_beats_data_parallel_within_memory(testbed) -> N
     flops-proportional share of the batch in 16 GiB, so HAP keeps the blocks data parallel (their
     activations outweigh their weights) and gives the V100s as much as their memory holds."""
     g = graph("vit", batch=64 * testbed.num_devices)
-    p = engine.plan(g, testbed)
+    p = engine.plan(g, testbed, overlap="ddp")  # as the baselines are priced; duplex: tests/spmd/test_overlap.py
     below_every_baseline(p)
     assert all(m <= d.memory_bytes_per_gpu for m, d in zip(p.memory_bytes, testbed.devices))
     assert [i.rule for i in p.program if i.kind == "compute" and g[i.node].op == "sdpa"] == ["batch"] * 12
@@ -163,7 +163,7 @@ def test_vit_at_the_papers_batch_beats_data_parallel_within_memory(testbed) -> N
 
 def test_vit_beats_data_parallel_on_the_machine_level_testbed() -> None:
     """On 8 virtual devices of 8 GPUs (intra-machine sync counted) at the default batch."""
-    p = engine.plan(graph("vit"), engine.load_cluster(sample_path("hap_paper_testbed_machines")))
+    p = engine.plan(graph("vit"), engine.load_cluster(sample_path("hap_paper_testbed_machines")), overlap="ddp")
     below_every_baseline(p)
 
 
