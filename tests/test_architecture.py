@@ -40,31 +40,30 @@ def test_the_import_contracts_hold():
     assert "0 broken" in r.stdout
 
 
-def test_a_planted_cycle_inside_a_function_fails_the_contracts(tmp_path):
-    """model.graph importing the plan (from inside a function, as cycles used to be hidden) breaks the
-    layers and makes a cycle; the report names the import."""
+def plant(tmp_path: Path, module: str, body: str) -> subprocess.CompletedProcess:
+    """The contracts run on a copy of the packages where `module` (a path) ends with a function whose body
+    is `body`: an import hidden in a function counts like any other."""
     repo = copy_tree(tmp_path)
-    graph = repo / "engine" / "model" / "graph.py"
-    graph.write_text(graph.read_text() + "\n\ndef _planted():\n    from engine.spmd.plan import Plan\n    return Plan\n")
-    r = lint(repo)
+    path = repo / module
+    path.write_text(path.read_text() + "\n\ndef _planted():\n" + "".join(f"    {line}\n" for line in body.splitlines()))
+    return lint(repo)
+
+
+def test_a_planted_cycle_inside_a_function_fails_the_contracts(tmp_path):
+    """model.graph importing the plan breaks the layers and makes a cycle; the report names the import."""
+    r = plant(tmp_path, "engine/model/graph.py", "from engine.spmd.plan import Plan\nreturn Plan")
     assert r.returncode != 0
     assert "engine.model.graph -> engine.spmd.plan" in r.stdout
     assert "No cycles are allowed in engine" in r.stdout
 
 
 def test_a_cycle_between_two_runner_modules_fails(tmp_path):
-    repo = copy_tree(tmp_path)
-    config = repo / "runner" / "config.py"
-    config.write_text(config.read_text() + "\n\ndef _planted():\n    from runner import launch\n    return launch\n")
-    r = lint(repo)
+    r = plant(tmp_path, "runner/config.py", "from runner import launch\nreturn launch")
     assert r.returncode != 0 and "No cycles are allowed in runner" in r.stdout
 
 
 def test_the_engine_importing_the_runner_fails(tmp_path):
-    repo = copy_tree(tmp_path)
-    cli = repo / "engine" / "cli.py"
-    cli.write_text(cli.read_text() + "\n\ndef _planted():\n    import runner.cli\n    return runner.cli\n")
-    r = lint(repo)
+    r = plant(tmp_path, "engine/cli.py", "import runner.cli\nreturn runner.cli")
     assert r.returncode != 0 and "engine is not allowed to import runner" in r.stdout
 
 

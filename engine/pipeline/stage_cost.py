@@ -98,8 +98,9 @@ def transfer_level(cluster: Cluster, a: SubCluster, b: SubCluster) -> str:
 
 
 def transfer_s(cluster: Cluster, level: str, nbytes: float) -> float:
-    """Seconds to send `nbytes` point to point over `level`."""
-    if nbytes <= 0:
+    """Seconds to send `nbytes` point to point over `level`. A cluster with no links at all (one device, as
+    `hap profile` on one rank describes it) sends nothing over any: its stages share the device."""
+    if nbytes <= 0 or not cluster.network.bandwidth_Bps:
         return 0.0
     bandwidth = cluster.network.bandwidth_Bps.get(level) or min(cluster.network.bandwidth_Bps.values())
     return cluster.network.latency_s + nbytes / bandwidth

@@ -197,3 +197,14 @@ def test_fixed_pipeline_refuses_stages_outside_the_layers_with_a_plan_error(mlp4
     IndexError from looking up a cut that does not exist."""
     with pytest.raises(PlanError, match="must be consecutive non-empty runs of layers"):
         fixed_pipeline(mlp4, load_sample("cpu_4_uneven"), stages, 2)
+
+
+def test_a_cluster_without_links_plans_a_one_stage_pipeline(mlp4):
+    """`hap profile` on one rank writes a spec with no link levels; the pipeline planner priced a transfer
+    over them with min() of nothing (a ValueError traceback from `hap plan --parallelism pipeline`)."""
+    d = {"schema_version": 1, "name": "one", "description": "one GPU as hap profile writes it", "sources": [],
+         "devices": [{"name": "rank-0", "gpu_model": "gpu", "machine": "vm", "flops_per_gpu": 1e13,
+                      "memory_bytes_per_gpu": 2**34}],
+         "network": {"latency_s": 0.0, "bandwidth_Bps": {}, "collectives": {}}}
+    plan = engine.plan(mlp4, Cluster.from_dict(d), parallelism="pipeline")
+    assert len(plan.stages) == 1 and plan.stages[0].devices == (0,) and plan.boundaries == ()
