@@ -6,7 +6,7 @@ zoo model, a plan of `zoo:mlp` on `cpu_4_uneven`, that plan's launch bundle or i
 0, negative, NaN, infinity, 1e308, 10**12, a string for a number, a list duplicated or truncated, a
 nested object replaced, a number at a bound, a shape, index or name changed) and feeds it to the
 API the CLI wraps (cluster: `load_cluster` + `plan`; graph: `Graph.from_dict` + `plan`; plan:
-`Plan.from_json` + `listing`; bundle: `check_files` and, when valid, `open_bundle`, or
+`engine.load_plan` + `listing`; bundle: `check_files` and, when valid, `open_bundle`, or
 `check_bundle` of the zip; CLI: `engine.cli.main` and `runner.cli.main` with torchrun stubbed out,
 `runner.profile.parse_args`). No process is ever started.
 Every case runs under a SIGALRM time limit; plans get a 0.3 s search budget. The mutations and the
@@ -44,7 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the engine, and the mutation 
 import fuzzing  # noqa: E402  (tests/fuzzing.py, imported as pytest imports it)
 
 LABELS = {"cluster": "cluster spec → `load_cluster` + `plan`", "graph": "graph JSON → `Graph.from_dict` + `plan`",
-          "plan": "plan JSON → `Plan.from_json` + `listing`", "bundle": "bundle → `check_files` + `open_bundle`",
+          "plan": "plan JSON → `engine.load_plan` + `listing`", "bundle": "bundle → `check_files` + `open_bundle`",
           "cli": "CLI arguments → `hap` / `hap run` / `hap profile` (no process started)"}
 
 

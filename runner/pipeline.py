@@ -1,4 +1,4 @@
-"""Run a pipeline plan (`engine.pipeline.partition.PipelinePlan`): stages on device groups, microbatches in the planned order.
+"""Run a pipeline plan (`engine.pipeline.plan.PipelinePlan`): stages on device groups, microbatches in the planned order.
 
 Every rank builds the single-device model from the seed and keeps the parameters of its stage.
 

@@ -264,7 +264,7 @@ def find_cluster(plan: AnyPlan, cluster: str | Path | Cluster | None) -> Cluster
 
 
 def validated(plan: AnyPlan) -> AnyPlan:
-    """`plan` after the validator's checks (a plan made in code has not been through `read_plan`)."""
+    """`plan` after the validator's checks (a plan made in code has not been through `engine.load_plan`)."""
     if plan.parallelism == "spmd":
         validate_plan(plan)  # type: ignore[arg-type]
     elif plan.graph is None:
