@@ -63,11 +63,10 @@ def free_port() -> int:
 def parse_command(command: Sequence[str]) -> tuple[int, str, list[str]]:
     """(world size, module, argv) of the command `runner.torchrun.torchrun_command` makes; any other is refused."""
     command = list(command)
-    nproc = next((a for a in command if a.startswith("--nproc-per-node=")), None)
-    at = command.index(nproc) + 1 if nproc else len(command)
-    if nproc is None or command[at:at + 1] != ["-m"] or len(command) < at + 2:
-        raise ValueError(f"not a torchrun command of runner.torchrun: {command}")
-    world_size, module, argv = int(nproc.split("=", 1)[1]), command[at + 1], command[at + 2:]
+    try:  # [python, -m, torch.distributed.run, --standalone, --nproc-per-node=N, -m, MODULE, *ARGV]
+        world_size, module, argv = int(command[4].removeprefix("--nproc-per-node=")), command[6], command[7:]
+    except (IndexError, ValueError):
+        world_size, module, argv = 0, "", []
     if command != torchrun_command(world_size, argv, module):
         raise ValueError(f"not a torchrun command of runner.torchrun: {command}")
     return world_size, module, argv
