@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import ROOT
+from hap_inprocess import run_hap
 from test_cli import assert_one_line_error
 
 import engine
@@ -22,11 +20,6 @@ MODEL_FILES = ROOT / "tests" / "fixtures" / "model_files"
 CUMPROD = MODEL_FILES / "cumprod_mlp.py"
 TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
              "vocab_size": 64, "max_position_embeddings": 32}
-
-
-def hap(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runner.hap", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +84,7 @@ def test_hap_run_refuses_a_changed_model_file_before_any_rank_starts(tmp_path):
     plan = engine.plan(engine.load_model(str(path), fallback="replicate"), engine.load_cluster(ROOT / "sample_clusters" / "cpu_2.json"))
     plan.save(tmp_path / "p.json")
     path.write_text(path.read_text() + "\n# edited\n")
-    r = hap("run", str(tmp_path / "p.json"), "--steps", "1")
+    r = run_hap("run", str(tmp_path / "p.json"), "--steps", "1")
     assert r.returncode == 2 and "changed since the plan was made" in r.stderr and "torchrun" not in r.stderr
 
 
@@ -105,7 +98,7 @@ def test_model_file_errors_are_one_line_model_errors(tmp_path):
         if message:
             with pytest.raises(ModelError, match=message):
                 engine.load_model(str(tmp_path / name))
-    r = hap("plan", "--model", str(tmp_path / "missing.py"), "--cluster", "sample_clusters/cpu_2.json")
+    r = run_hap("plan", "--model", str(tmp_path / "missing.py"), "--cluster", "sample_clusters/cpu_2.json")
     assert "model file" in assert_one_line_error(r.returncode, r.stdout, r.stderr)
     module = source.exec_model_file((tmp_path / "meta.py").read_bytes(), "meta.py")
     with pytest.raises(ModelError, match="returned meta tensors"):
@@ -135,10 +128,10 @@ def test_hf_spec_errors_are_one_line_model_errors(spec, config, knobs, message):
 def test_hap_plan_reports_a_bad_hf_config_in_one_line(tmp_path):
     pytest.importorskip("transformers")
     (tmp_path / "cfg.json").write_text("[1, 2]")
-    r = hap("plan", "--model", "hf:BertForMaskedLM", "--config", str(tmp_path / "cfg.json"), "--cluster",
+    r = run_hap("plan", "--model", "hf:BertForMaskedLM", "--config", str(tmp_path / "cfg.json"), "--cluster",
             "sample_clusters/cpu_2.json")
     assert "expected a JSON object of config keys" in assert_one_line_error(r.returncode, r.stdout, r.stderr)
-    r = hap("plan", "--model", "zoo:mlp", "--config", str(tmp_path / "cfg.json"), "--cluster", "sample_clusters/cpu_2.json")
+    r = run_hap("plan", "--model", "zoo:mlp", "--config", str(tmp_path / "cfg.json"), "--cluster", "sample_clusters/cpu_2.json")
     assert "applies to Hugging Face models only" in assert_one_line_error(r.returncode, r.stdout, r.stderr)
 
 

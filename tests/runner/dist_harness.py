@@ -1,4 +1,5 @@
-"""Run a function on m local rank processes joined by a gloo group (tests only; `hap run` uses torchrun).
+"""Run a function on m local rank processes joined by a gloo group (tests only; `hap run` uses torchrun,
+which warm_run.py replaces by ranks started here for the tests of what `hap run` does).
 
 Ranks start from a warm parent: a forkserver that imported torch, the engine and the runner once for
 the whole test session (`multiprocessing.set_forkserver_preload`), so a rank costs a fork, not a fresh
@@ -25,9 +26,10 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0
-PRELOAD = ["torch", "torch.distributed", "torch.fx", "engine", "engine.model.source", "engine.theory",
-           "runner.launch", "runner.pipeline", "runner.train", "runner.reshard", "dist_harness"]
-"""Imported once, in the forkserver, before any rank forks from it."""
+PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch._dynamo", "torch.optim", "engine", "engine.model.source",
+           "engine.theory", "runner.launch", "runner.pipeline", "runner.train", "runner.reshard", "dist_harness", "warm_run"]
+"""Imported once, in the forkserver, before any rank forks from it. torch._dynamo among them: the first
+optimizer a process builds imports it (torch.optim's `_disable_dynamo`), 10 s per rank on 2 cores."""
 START_METHOD = os.environ.get("HAP_TEST_START_METHOD", "forkserver")
 """`forkserver` (warm ranks); `spawn` gives every rank a fresh interpreter, to rule the harness out."""
 

@@ -2,28 +2,19 @@
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import ROOT
+from hap_inprocess import run_hap
+from warm_run import warm_hap
 
 import engine
 from engine.cluster.spec import FREE_BANDWIDTH_BPS, fit_collective
 from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, UPDATE_MIN_BYTES, ProfileConfig, _byte_size,
                             collective_points, device_compute, device_flops, model_config, one_device_plan, parse_args,
                             rank_rates, roofline_fit, update_tensors)
-
-
-def hap(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`python -m engine.cli ARGS` outside any launch (no RANK/WORLD_SIZE), this checkout importable."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "runner.hap", *args], env=env, cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
 
 
 TINY_MLP = ["--set", "layers=1", "--set", "in_features=32", "--set", "hidden=64", "--set", "batch=16"]
@@ -216,7 +207,7 @@ def profiled(tmp_path_factory) -> tuple[Path, Path, str]:
     """`hap profile` on 2 gloo ranks with small sizes and few repeats: (spec, parquet, stderr)."""
     folder = tmp_path_factory.mktemp("profile")
     spec, raw = folder / "cluster.json", folder / "raw.parquet"
-    r = hap("profile", "--out", str(spec), "--parquet", str(raw), "--nproc", "2", "--speeds", "1,0.5",
+    r = warm_hap("profile", "--out", str(spec), "--parquet", str(raw), "--nproc", "2", "--speeds", "1,0.5",
             "--sizes", "4K,64K,256K", "--matmul", "64,128", "--repeats", "3", "--warmup", "1",
             "--model", "zoo:mlp", *TINY_MLP, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
@@ -336,9 +327,9 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
 def test_a_plan_made_from_the_profiled_spec_runs(profiled, tmp_path):
     spec, _, _ = profiled
     plan = tmp_path / "plan.json"
-    r = hap("plan", "--model", "zoo:gpt", *TINY_GPT, "--cluster", str(spec), "--out", str(plan), "--optimizer", "sgd")
+    r = run_hap("plan", "--model", "zoo:gpt", *TINY_GPT, "--cluster", str(spec), "--out", str(plan), "--optimizer", "sgd")
     assert r.returncode == 0, r.stderr
-    r = hap("run", str(plan), "--steps", "2", "--speeds", "1,0.5")
+    r = warm_hap("run", str(plan), "--steps", "2", "--speeds", "1,0.5")
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "step    1" in r.stdout
 
@@ -350,13 +341,13 @@ def test_a_plan_made_from_the_profiled_spec_runs(profiled, tmp_path):
     (["--parquet", "no/such/dir/raw.parquet"], "--parquet no/such/dir/raw.parquet: directory"),
 ])
 def test_hap_profile_refuses_bad_input_in_one_line_before_starting_ranks(args, message, tmp_path):
-    r = hap("profile", "--out", str(tmp_path / "c.json"), *args, timeout=60)
+    r = warm_hap("profile", "--out", str(tmp_path / "c.json"), *args, timeout=60)
     assert r.returncode == 2 and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and "torch.distributed" not in r.stderr
 
 
 def test_hap_rejects_unknown_arguments_of_other_commands():
-    r = hap("capture", "--model", "zoo:mlp", "--out", "x.json", "--bogus", timeout=60)
+    r = run_hap("capture", "--model", "zoo:mlp", "--out", "x.json", "--bogus")
     assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
 
 
@@ -380,7 +371,7 @@ def test_one_rank_writes_no_collectives_and_its_spec_plans(tmp_path):
     """One rank cannot measure a collective (the H100 run fitted 1e30 B/s to local copies): its spec
     has none, says so, and a one-device cluster still loads and plans."""
     spec = tmp_path / "one.json"
-    r = hap("profile", "--out", str(spec), "--nproc", "1", "--sizes", "4K,64K", "--matmul", "64", "--repeats", "2",
+    r = warm_hap("profile", "--out", str(spec), "--nproc", "1", "--sizes", "4K,64K", "--matmul", "64", "--repeats", "2",
             "--model", "zoo:mlp", *TINY_MLP, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     assert "collectives: none measured on one rank" in r.stdout
@@ -390,6 +381,6 @@ def test_one_rank_writes_no_collectives_and_its_spec_plans(tmp_path):
     cluster = engine.load_cluster(spec)
     assert len(cluster.devices) == 1
     plan = tmp_path / "plan.json"
-    r = hap("plan", "--model", "zoo:mlp", *TINY_MLP, "--cluster", str(spec), "--out", str(plan))
+    r = run_hap("plan", "--model", "zoo:mlp", *TINY_MLP, "--cluster", str(spec), "--out", str(plan))
     assert r.returncode == 0, r.stderr
     assert json.loads(plan.read_text())["predicted_time_s"] > 0

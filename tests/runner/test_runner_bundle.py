@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import ROOT, sample_path
 from test_runner_cli import TINY_GPT, hap
+from warm_run import warm_hap
 
 import engine
 from engine.bundle.archive import export_bundle
@@ -52,7 +53,7 @@ def test_hap_run_refuses_an_edited_bundle_by_name_before_starting_any_rank(bundl
     b = copy_bundle(bundle4, tmp_path / "b")
     (b / "cluster.json").write_text((b / "cluster.json").read_text().replace("20000000000.0", "30000000000.0"))
     (b / "extra.py").write_text("print('hi')")
-    r = hap("run", str(b), "--steps", "1", timeout=60)
+    r = warm_hap("run", str(b), "--steps", "1", timeout=60)
     assert r.returncode == 2
     assert "changed file: cluster.json" in r.stderr and "extra file: extra.py" in r.stderr
     assert "torch.distributed" not in r.stderr and "step" not in r.stdout
@@ -64,7 +65,7 @@ def test_hap_run_refuses_a_zip_with_an_entry_escaping_the_folder(bundle4, tmp_pa
         for p in sorted(bundle4.iterdir()):
             out.write(p, f"gpt4/{p.name}")
         out.writestr("gpt4/../../evil.sh", "echo pwned")
-    r = hap("run", str(z), "--steps", "1", timeout=60)
+    r = warm_hap("run", str(z), "--steps", "1", timeout=60)
     assert r.returncode == 2 and "escapes the bundle folder" in r.stderr
     assert not (tmp_path.parent / "evil.sh").exists()
 

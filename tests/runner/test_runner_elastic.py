@@ -9,6 +9,7 @@ import pytest
 from runner_plans import cluster
 from test_runner_checkpoint import sharded_plan
 from test_runner_cli import hap
+from warm_run import warm_hap
 
 from engine.planner import load_plan
 from engine.spmd.plan import Plan
@@ -29,6 +30,7 @@ def write_job(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_a_rank_killed_at_step_7_of_20_the_job_finishes_on_3_ranks_as_single_device_training(tmp_path):
+    """End to end: torchrun's summary names the killed rank, and the supervisor starts torchrun again."""
     plan_path, cluster_path = write_job(tmp_path)
     metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
     r = hap("run", str(plan_path), "--steps", "20", "--elastic", str(cluster_path), "--checkpoint-every", "2",
@@ -56,7 +58,7 @@ def test_a_cluster_that_is_not_the_plans_is_refused_before_any_rank_starts(tmp_p
     plan_path, _ = write_job(tmp_path)
     other = tmp_path / "other.json"
     other.write_text(json.dumps(cluster(3).to_dict()))
-    r = hap("run", str(plan_path), "--elastic", str(other), "--checkpoint-dir", str(tmp_path / "c"))
+    r = warm_hap("run", str(plan_path), "--elastic", str(other), "--checkpoint-dir", str(tmp_path / "c"))
     assert r.returncode == 2 and "are not the plan's" in r.stderr and "Traceback" not in r.stderr
 
 

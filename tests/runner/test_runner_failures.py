@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import sample_path
 from test_runner_cli import TINY_GPT, hap
+from warm_run import warm_hap
 
 import engine
 from engine.bundle.archive import export_bundle
@@ -48,6 +49,7 @@ def truncated(plan4: Path, dest: Path) -> Path:
 
 
 def test_hap_run_refuses_a_truncated_plan_in_one_line_before_torchrun(plan4, tmp_path):
+    """Through the real command: no torchrun line (such as its OMP_NUM_THREADS warning) may reach stderr."""
     r = hap("run", str(truncated(plan4, tmp_path / "p.json")), "--steps", "1", timeout=60)
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("hap run: error: plan: program: the program looks truncated")
@@ -66,14 +68,14 @@ def test_hap_run_refuses_a_bundle_whose_plan_is_inconsistent(plan4, tmp_path):
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["files"]["plan.json"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     (folder / "manifest.json").write_text(json.dumps(manifest))
-    r = hap("run", str(folder), "--steps", "1", timeout=60)
+    r = warm_hap("run", str(folder), "--steps", "1", timeout=60)
     assert r.returncode == 2, r.stderr
     assert re.search(rf'plan.json: plan: shard_sizes\["{re.escape(key)}"\]: .* sums to', r.stderr), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_a_rank_that_raises_is_named_first_with_its_exception_and_the_log_holds_every_traceback(plan4):
-    r = hap("run", str(plan4), "--steps", "3", env={FAULT_ENV: "3:1:raise"}, timeout=120)
+    r = warm_hap("run", str(plan4), "--steps", "3", env={FAULT_ENV: "3:1:raise"}, timeout=120)
     assert r.returncode != 0
     lines = r.stderr.splitlines()
     head = "hap run: rank 3 failed: RuntimeError: HAP_RUNNER_FAULT=3:1:raise: injected fault in rank 3 at step 1"

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import init_gloo, run_ranks
+from hap_inprocess import run_hap
 from runner_plans import collectives_of, forced_plan
 from test_runner_collectives import SIZES, inputs, out_grads, reference
 from test_runner_equivalence import check_equivalence
+from warm_run import warm_hap
 
 import engine
 import runner.collectives as C
@@ -74,13 +76,11 @@ def test_plans_forced_to_one_hierarchical_collective_train_like_one_device(key, 
 def test_hap_plan_then_hap_run_verify_on_two_machines_of_two(tmp_path):
     """The engine picks a hierarchical collective on cpu_2x2 (its machines are 8x faster inside than
     between) and `hap run --verify` trains that plan on 4 ranks like one device."""
-    from test_runner_cli import hap
-
     plan_path = tmp_path / "plan.json"
-    made = hap("plan", "--model", "zoo:mlp", "--set", "layers=2", "--set", "in_features=64", "--set", "hidden=128",
+    made = run_hap("plan", "--model", "zoo:mlp", "--set", "layers=2", "--set", "in_features=64", "--set", "hidden=128",
                "--set", "batch=32", "--cluster", "sample_clusters/cpu_2x2.json", "--out", str(plan_path))
     assert made.returncode == 0, made.stdout + made.stderr
     assert collectives_of(load_plan(plan_path)) & set(HIER_KEYS)
-    r = hap("run", str(plan_path), "--steps", "3", "--verify", timeout=300)
+    r = warm_hap("run", str(plan_path), "--steps", "3", "--verify", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verify: OK" in r.stdout

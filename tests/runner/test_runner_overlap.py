@@ -17,7 +17,7 @@ import torch
 from conftest import sample_path
 from dist_harness import run_ranks
 from runner_plans import MODELS, cluster
-from test_runner_cli import hap
+from warm_run import warm_hap
 
 import engine
 from engine.errors import PlanError
@@ -114,7 +114,7 @@ def test_hap_run_verifies_a_duplex_plan_on_cpu_4_uneven(tmp_path):
     gpt = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, batch=8)
     plan = dataclasses.replace(engine.plan(gpt, sample_path("cpu_4_uneven")), overlap="duplex")
     plan.save(tmp_path / "plan.json")
-    r = hap("run", str(tmp_path / "plan.json"), "--steps", "5", "--verify", timeout=300)
+    r = warm_hap("run", str(tmp_path / "plan.json"), "--steps", "5", "--verify", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verify: OK" in r.stdout
 

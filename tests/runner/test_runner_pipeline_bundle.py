@@ -15,8 +15,8 @@ import pytest
 from conftest import ROOT
 from runner_plans import cluster
 from test_runner_bundle import TWO_MACHINES, copy_bundle, free_port
-from test_runner_cli import hap
 from test_runner_pipeline import graph, hap_stage_plan
+from warm_run import warm_hap
 
 import engine
 from engine.bundle.archive import export_bundle
@@ -44,7 +44,7 @@ def two_machine_plan():
 
 
 def test_hap_run_pipeline_bundle_zip_verify_on_4_gloo_ranks_exits_0(pipe_bundle):
-    r = hap("run", str(pipe_bundle.with_name("mlp4.zip")), "--steps", "5", "--verify", timeout=240)
+    r = warm_hap("run", str(pipe_bundle.with_name("mlp4.zip")), "--steps", "5", "--verify", timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "step 4: loss" in r.stdout and "pipeline: 2 stages, 1f1b, 2 microbatches" in r.stdout
     assert "verify: OK" in r.stdout and "largest parameter relative difference" in r.stdout
@@ -55,14 +55,14 @@ def test_hap_run_refuses_a_tampered_pipeline_bundle_before_starting_any_rank(pip
     plan = json.loads((b / "plan.json").read_text())
     plan["microbatches"] = 4
     (b / "plan.json").write_text(json.dumps(plan, indent=1))
-    r = hap("run", str(b), "--steps", "1", timeout=60)
+    r = warm_hap("run", str(b), "--steps", "1", timeout=60)
     assert r.returncode == 2
     assert "changed file: plan.json" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert "torch.distributed" not in r.stderr and "step" not in r.stdout
 
 
 def test_hap_run_refuses_runner_options_a_pipeline_run_would_ignore(pipe_bundle, tmp_path):
-    r = hap("run", str(pipe_bundle), "--checkpoint-dir", str(tmp_path), timeout=60)
+    r = warm_hap("run", str(pipe_bundle), "--checkpoint-dir", str(tmp_path), timeout=60)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "--checkpoint-dir is not supported for pipeline plans yet" in r.stderr
 
