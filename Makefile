@@ -19,8 +19,13 @@ install: $(BIN)/.installed
 run: install
 	$(BIN)/hap ui --port 8501
 
+# The whole suite in two passes: everything on $(WORKERS) workers (pytest-xdist; ranks start from a warm
+# forkserver, tests/runner/dist_harness.py), then the few tests that measure wall-clock time, alone.
+# Each pass lists its slowest tests.
+WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not serial" --durations=25
+	$(BIN)/python -m pytest -m serial --durations=5
 
 bench: install
 	$(BIN)/python bench/synthesis.py

@@ -24,6 +24,7 @@ def _spin(seconds: float) -> None:
         pass
 
 
+@pytest.mark.serial  # a wall-clock measurement: alone on the machine (`make test`'s second pass)
 def test_pacer_stretches_computation_by_one_over_speed_before_each_collective():
     pacer = Pacer(0.25)
     pacer.begin_step()
@@ -36,6 +37,7 @@ def test_pacer_stretches_computation_by_one_over_speed_before_each_collective():
     assert out["comm_s"] == pytest.approx(0.01, abs=0.01)
 
 
+@pytest.mark.serial  # a wall-clock measurement: alone on the machine (`make test`'s second pass)
 def test_time_spent_waiting_for_a_core_counts_toward_the_emulated_slow_down():
     """A window of 20 ms CPU time that also waited 20 ms (here: slept, as when ranks share a core) lasts
     20 / 0.5 = 40 ms at speed 0.5, not 60: the pacer pads the window to c / f."""
