@@ -348,6 +348,13 @@ Commands = Callable[[Any], None]
 """Adds subcommands to the parser's subparsers (the runner's `run` and `profile`, `runner.hap`)."""
 
 
+def _add_fallback(p: argparse.ArgumentParser) -> None:
+    """The --fallback option of every command that captures a model."""
+    p.add_argument("--fallback", choices=["auto", "replicate", "strict"], default=None,
+                   help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "
+                        "'replicate' every such op, 'strict' none")
+
+
 def build_parser(more: Commands | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hap", description="Plan SPMD training of one model on a heterogeneous GPU cluster (HAP).")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -372,9 +379,7 @@ def build_parser(more: Commands | None = None) -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=limits.bounded_int(1, 4096, "a microbatch count"), default=None, metavar="N",
                    help="pipeline plans: fix the number of microbatches B (default: searched)")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
-    p.add_argument("--fallback", choices=["auto", "replicate", "strict"], default=None,
-                   help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "
-                        "'replicate' every such op, 'strict' none")
+    _add_fallback(p)
     p.set_defaults(func=cmd_plan)
     rp = sub.add_parser("replan", help="plan an existing plan's model on a changed cluster and show what the switch moves")
     rp.add_argument("plan", help="the old plan JSON (its model is embedded)")
@@ -390,9 +395,7 @@ def build_parser(more: Commands | None = None) -> argparse.ArgumentParser:
     c.add_argument("--set", action="append", metavar="KEY=VALUE", help=SET_HELP)
     c.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     c.add_argument("--out", required=True)
-    c.add_argument("--fallback", choices=["auto", "replicate", "strict"], default=None,
-                   help="operators with no sharding rule: 'auto' (default) runs mask/position arithmetic unsharded, "
-                        "'replicate' every such op, 'strict' none")
+    _add_fallback(c)
     c.set_defaults(func=cmd_capture)
     e = sub.add_parser("export", help="write a launch bundle (plan, cluster, model, torchrun/Slurm/Kubernetes files)")
     e.add_argument("plan", help="plan JSON from `hap plan --out` (SPMD or pipeline)")

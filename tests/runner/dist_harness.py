@@ -18,6 +18,7 @@ import pickle
 import sys
 import time
 import traceback
+import types
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -44,6 +45,22 @@ def context() -> Any:
         if START_METHOD == "forkserver":
             _context.set_forkserver_preload(PRELOAD)
     return _context
+
+
+def start(procs: list) -> None:
+    """Start the rank processes (and the forkserver, on first use) with a bare `__main__`.
+
+    multiprocessing re-runs the parent's main file in every child it starts. Under pytest that is
+    pytest's own, but Streamlit's AppTest leaves the page it ran (app/main.py) as `__main__`, and
+    every rank of a later test in the same process then ran the whole page first: 10 s a rank on 2 cores.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        sys.modules["__main__"] = main
 
 
 def init_gloo(rank: int, world_size: int, init_method: str, timeout_s: float = 60.0) -> None:
@@ -88,8 +105,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, workdir: Path, *args: Any
     environ, cwd = dict(os.environ), os.getcwd()
     procs = [ctx.Process(target=_entry, args=(r, fn, world_size, str(workdir), args, environ, cwd), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    start(procs)
     deadline = time.monotonic() + timeout_s
     try:
         _wait(procs, deadline, workdir, world_size, timeout_s)

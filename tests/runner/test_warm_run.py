@@ -3,9 +3,13 @@ environment its ranks get, the summary its failures end with (read by `hap run` 
 from __future__ import annotations
 
 import inspect
+import os
 import re
+import sys
+import types
 
 import pytest
+from dist_harness import run_ranks
 from warm_run import failure_summary, parse_command, rank_environ
 
 from runner.torchrun import failed_rank, failed_ranks, torchrun_command
@@ -42,3 +46,19 @@ def test_its_failure_summary_is_torchruns_as_hap_run_reads_it():
     assert "torch.distributed.elastic.multiprocessing.errors.ChildFailedError" in text and "runner.launch FAILED" in text
     assert failed_rank(text) == (1, 1)  # the root cause: the first failure seen (the lowest rank, as torchrun)
     assert sorted(failed_ranks(text)) == [(1, 1), (3, -9)]
+
+
+def _main_ran(rank: int, world_size: int, init_method: str, marker: str) -> bool:
+    return os.path.exists(marker)
+
+
+def test_ranks_never_rerun_the_main_file_a_streamlit_apptest_leaves_behind(tmp_path, monkeypatch):
+    """AppTest leaves the page it ran as `__main__`; multiprocessing would run it again in every rank."""
+    marker = tmp_path / "page-ran"
+    page = tmp_path / "page.py"
+    page.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    main = types.ModuleType("__main__")
+    main.__file__ = str(page)
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    assert run_ranks(_main_ran, 2, tmp_path / "ranks", str(marker)) == [False, False]
+    assert not marker.exists() and sys.modules["__main__"] is main

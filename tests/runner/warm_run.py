@@ -143,8 +143,7 @@ class WarmTorchrun:
                                   args=(self.module, argv, rank_environ(base, r, self.world_size, port, run_id),
                                         os.getcwd(), str(self.workdir), r))
                       for r in range(self.world_size)]
-        for p in self.procs:
-            p.start()
+        dist_harness.start(self.procs)
         self.stderr: Iterator[str] = self._supervise()
 
     def _supervise(self) -> Iterator[str]:
