@@ -352,8 +352,6 @@ PLAN_FOCUS = (("program",), ("ratios",), ("shard_sizes",), ("cluster",), ("graph
 
 def plan_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
     """A mutated plan JSON, parsed and listed."""
-    from engine.spmd.plan import Plan
-
     doc, said = mutate_json(fx.plan_json, choose, focus=PLAN_FOCUS, semantic_share=True)
     text = dumps(doc)
 

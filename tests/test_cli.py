@@ -12,7 +12,6 @@ import sys
 import pytest
 from conftest import GIB, ROOT, sample_dict, sample_path
 
-from engine import Plan
 from engine.cli import main
 from engine.planner import load_plan
 

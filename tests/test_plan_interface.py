@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from conftest import ROOT, sample_path

@@ -56,7 +56,7 @@ def test_captures_with_rules_for_every_node_and_only_side_arithmetic_opaque(capt
 def test_plans_and_beats_or_matches_every_baseline(captured, cluster: str) -> None:
     name, g = captured
     cl = engine.load_cluster(sample_path(cluster))
-    p: Plan = engine.plan(g, cl, time_budget_s=5.0)
+    p: Plan = engine.plan(g, cl, time_budget_s=30.0)  # ample: under load a 5 s budget cut the baselines' own searches short
     assert p.predicted_time_s > 0
     assert all(m <= d.memory_bytes_per_gpu for m, d in zip(p.memory_bytes, cl.devices))
     assert any(v is not None for v in p.search["baselines_s"].values()), \

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, sample_path
-from test_runner_cli import TINY_GPT, hap
+from test_runner_cli import TINY_GPT
 from warm_run import warm_hap
 
 import engine
@@ -34,8 +34,9 @@ def bundle4(tmp_path_factory) -> Path:
 
 
 def test_hap_run_bundle_zip_verify_on_4_gloo_ranks_exits_0(bundle4, tmp_path):
+    """Warm (the real torchrun runs bundles in the two-node launch below and in test_plan_interface)."""
     metrics = tmp_path / "m.jsonl"
-    r = hap("run", str(bundle4.with_name("gpt4.zip")), "--steps", "5", "--verify", "--metrics", str(metrics))
+    r = warm_hap("run", str(bundle4.with_name("gpt4.zip")), "--steps", "5", "--verify", "--metrics", str(metrics))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "hap run: device check ok: rank 0: CPU, as planned for device cpu-0" in r.stdout
     assert "verify: OK" in r.stdout and "largest parameter relative difference" in r.stdout

@@ -12,7 +12,6 @@ from test_runner_cli import hap
 from warm_run import warm_hap
 
 from engine.planner import load_plan
-from engine.spmd.plan import Plan
 from runner.config import FAULT_ENV, RunConfig
 from runner.elastic import EVENT, no_switch, relaunch_argv, steps_reached
 from runner.launch import MetricsFile

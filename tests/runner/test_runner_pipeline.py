@@ -8,6 +8,7 @@ import pytest
 import torch
 from dist_harness import init_gloo, run_ranks
 from runner_plans import MODELS, cluster, with_sharded_stages
+from warm_run import warm_hap
 
 import engine
 from engine.errors import PlanError
@@ -89,13 +90,13 @@ def test_two_stages_of_two_ranks_with_hap_sharding_inside(model, schedule, tmp_p
     assert result.ok(1e-4), result.render()
 
 
-def test_hap_run_pipeline_plan_verify_end_to_end(tmp_path):
-    from test_runner_cli import hap
-
+def test_hap_run_pipeline_plan_verify(tmp_path):
+    """`hap run` of a pipeline plan, warm (torchrun itself runs one in test_plan_interface and in the
+    two-node pipeline bundle launch)."""
     plan = hap_stage_plan("mlp")
     path = tmp_path / "pipeline.json"
     path.write_text(json.dumps(plan.to_dict()))
-    r = hap("run", str(path), "--steps", "5", "--verify", "--emulate-links", timeout=240)
+    r = warm_hap("run", str(path), "--steps", "5", "--verify", "--emulate-links", timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verify: OK" in r.stdout and "step 4: loss" in r.stdout
 

@@ -205,14 +205,16 @@ def test_exact_astar_equals_brute_force_minimum_among_programs_that_fit_memory(g
     graph = graphs[graph_name]
     spec = sample_dict("cpu_4_uneven")
     cm = CostModel(graph, engine.load_cluster(spec), list(ratios))
-    memories = [evaluate(p, cm).memory_bytes for p in enumerate_programs(graph, cm)]
+    programs = list(enumerate_programs(graph, cm))  # enumerated once, priced twice
+    memories = [evaluate(p, cm).memory_bytes for p in programs]
     lo = [min(m[j] for m in memories) for j in range(4)]
     hi = [max(m[j] for m in memories) for j in range(4)]
     capacity = [int(a + 0.3 * (b - a)) + 1 for a, b in zip(lo, hi)]  # binds: some programs fit, some don't
     tight = with_memory(spec, capacity)
     cm_tight = CostModel(graph, tight, list(ratios))
-    best, _ = brute_force(graph, cm_tight, capacity)
-    unconstrained, _ = brute_force(graph, cm_tight)
+    priced = [evaluate(p, cm_tight) for p in programs]
+    best = min((b.total_s for b in priced if all(m <= c for m, c in zip(b.memory_bytes, capacity))), default=math.inf)
+    unconstrained = min(b.total_s for b in priced)
     assert math.isfinite(best)
     result = synthesize(graph, cm_tight)
     assert result.optimal is True
