@@ -25,7 +25,7 @@ run: install
 WORKERS ?= 2
 test: install
 	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not serial" --durations=25
-	$(BIN)/python -m pytest -m serial --durations=5
+	$(BIN)/python -m pytest -m serial --durations=5 tests/runner/test_runner_timing.py
 
 bench: install
 	$(BIN)/python bench/synthesis.py

@@ -23,6 +23,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: the workers share the co
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_clusters"
 GIB = 2**30
+SERIAL_FILE = "tests/runner/test_runner_timing.py"
+"""Where the `serial` tests live: `make test`'s second pass collects this file only."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse a `serial` test outside SERIAL_FILE, which `make test` would never run alone."""
+    stray = [i.nodeid for i in items if i.get_closest_marker("serial") and i.nodeid.split("::")[0] != SERIAL_FILE]
+    if stray:
+        raise pytest.UsageError(f"serial tests must live in {SERIAL_FILE} (make test runs that file alone): {stray}")
 
 
 # ----------------------------------------------------------------------------- hand-built graphs
