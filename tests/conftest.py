@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -25,6 +26,13 @@ SAMPLES = ROOT / "sample_clusters"
 GIB = 2**30
 SERIAL_FILE = "tests/runner/test_runner_timing.py"
 """Where the `serial` tests live: `make test`'s second pass collects this file only."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous or a server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -15,7 +15,7 @@ import io
 import os
 import subprocess
 from pathlib import Path
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, TextIO
 
 import runner.hap
 from runner.config import FAULT_ENV
@@ -53,6 +53,13 @@ def exit_status(code: object) -> int:
     return code if isinstance(code, int) else 1
 
 
+def exit_status_of(e: SystemExit, err: TextIO) -> int:
+    """The exit status of `sys.exit(code)`; a message code is printed to `err`, as Python does at exit."""
+    if e.code is not None and not isinstance(e.code, int):
+        print(e.code, file=err)
+    return exit_status(e.code)
+
+
 def run_hap(*args: str, env: Mapping[str, str] | None = None, cwd: str | Path = ROOT) -> subprocess.CompletedProcess:
     """`hap ARGS` in this process: its exit status (argparse's SystemExit included), stdout and stderr."""
     out, err = io.StringIO(), io.StringIO()
@@ -60,7 +67,5 @@ def run_hap(*args: str, env: Mapping[str, str] | None = None, cwd: str | Path = 
         try:
             code = exit_status(runner.hap.main(list(args)))
         except SystemExit as e:  # argparse: a usage error (2) or --help (0)
-            if e.code is not None and not isinstance(e.code, int):
-                print(e.code, file=err)
-            code = exit_status(e.code)
+            code = exit_status_of(e, err)
     return subprocess.CompletedProcess(["hap", *args], code, out.getvalue(), err.getvalue())

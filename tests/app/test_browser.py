@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from conftest import free_port
 
 from engine.planner import load_plan
 
@@ -31,12 +31,6 @@ WAIT_MS = 180_000
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
                                 reason=f"{CHROMIUM} is absent: install Debian's chromium (`apt-get install -y chromium`, "
                                        "as .ci/run does) to run the real-browser test")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:

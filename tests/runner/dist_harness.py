@@ -21,7 +21,7 @@ import traceback
 import types
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -63,6 +63,16 @@ def start(procs: list) -> None:
         sys.modules["__main__"] = main
 
 
+def enter_rank(workdir: str | Path, rank: int, environ: Mapping[str, str], cwd: str) -> None:
+    """Make this forked process rank `rank` of the caller: its stdout and stderr in files of `workdir`
+    (the forkserver's streams are not the caller's), the caller's environment and working folder."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(Path(workdir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+
+
 def init_gloo(rank: int, world_size: int, init_method: str, timeout_s: float = 60.0) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=timeout_s))
@@ -72,12 +82,8 @@ def _entry(rank: int, fn: Callable, world_size: int, workdir: str, args: tuple, 
            cwd: str) -> None:
     out = Path(workdir)
     status = 0
-    for fd, name in ((1, "stdout"), (2, "stderr")):  # the forkserver's streams are not the caller's: files
-        os.dup2(os.open(out / f"rank{rank}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    enter_rank(out, rank, environ, cwd)
     try:
-        os.environ.clear()
-        os.environ.update(environ)
-        os.chdir(cwd)
         torch.set_num_threads(1)
         result = fn(rank, world_size, f"file://{out / 'rendezvous'}", *args)
         (out / f"rank{rank}.pkl").write_bytes(pickle.dumps(result))

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, sample_path
+from conftest import ROOT, free_port, sample_path
 from test_runner_cli import TINY_GPT
 from warm_run import warm_hap
 
@@ -112,12 +111,6 @@ def test_checkpoint_files_are_loaded_with_weights_only():
     source = Path(launch.__file__).with_name("checkpoint.py").read_text()
     loads = [ln for ln in source.splitlines() if "torch.load(" in ln]
     assert loads and all("weights_only=True" in ln for ln in loads)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 TWO_MACHINES = {"schema_version": 1, "name": "cpu_2x2", "description": "two pretend machines of 2 CPU ranks",

@@ -30,7 +30,6 @@ import importlib
 import multiprocessing.connection as mp_connection
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import dist_harness
 import torch
-from hap_inprocess import ROOT, exit_status, run_hap
+from conftest import free_port
+from hap_inprocess import ROOT, exit_status, exit_status_of, run_hap
 
 import runner.torchrun
 from runner.rank_setup import exit_process
@@ -52,12 +52,6 @@ DEFAULT_TIMEOUT_S = 300.0
 """After this long the ranks still running are killed and the launch fails (instead of hanging the test)."""
 STOP_GRACE_S = 10.0
 """Between the SIGTERM to the ranks still running after a failure and their SIGKILL (torchrun waits 30 s)."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_command(command: Sequence[str]) -> tuple[int, str, list[str]]:
@@ -90,11 +84,7 @@ def rank_environ(env: Mapping[str, str], rank: int, world_size: int, port: int, 
 def rank_main(module: str, argv: list[str], environ: dict[str, str], cwd: str, workdir: str, rank: int) -> None:
     """One rank as `python -m MODULE ARGV` would be under torchrun: its environment, working folder and
     thread count, its output in files of `workdir`, its exit status what MODULE's main returns or raises."""
-    for fd, name in ((1, "stdout"), (2, "stderr")):  # the forkserver's streams are not the test's
-        os.dup2(os.open(Path(workdir, f"rank{rank}.{name}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
+    dist_harness.enter_rank(workdir, rank, environ, cwd)
     if environ.get("OMP_NUM_THREADS", "").isdigit():  # what a fresh interpreter's torch reads at import
         torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
     sys.argv = [module, *argv]
@@ -106,9 +96,7 @@ def run_main(main: Callable[[], Any]) -> int:
     try:
         return exit_status(main())
     except SystemExit as e:
-        if e.code is not None and not isinstance(e.code, int):
-            print(e.code, file=sys.stderr)
-        return exit_status(e.code)
+        return exit_status_of(e, sys.stderr)
     except BaseException:
         traceback.print_exc()
         return 1

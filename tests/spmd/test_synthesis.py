@@ -52,6 +52,10 @@ def loss_form(program: tuple[Instruction, ...], graph: Graph) -> int | None:
     return forms[-1] if forms else None
 
 
+def fits(memory_bytes: list[float], capacity: list[float]) -> bool:
+    return all(m <= c for m, c in zip(memory_bytes, capacity))
+
+
 def brute_force(graph: Graph, cm: CostModel, capacity: list[float] | None = None,
                 space: SearchSpace | None = None) -> tuple[float, int]:
     """(min cost, number of complete programs) over the enumeration; programs over `capacity` are skipped."""
@@ -59,7 +63,7 @@ def brute_force(graph: Graph, cm: CostModel, capacity: list[float] | None = None
     for program in enumerate_programs(graph, cm, space):
         count += 1
         b = evaluate(program, cm)
-        if capacity is not None and any(m > c for m, c in zip(b.memory_bytes, capacity)):
+        if capacity is not None and not fits(b.memory_bytes, capacity):
             continue
         best = min(best, b.total_s)
     return best, count
@@ -213,7 +217,7 @@ def test_exact_astar_equals_brute_force_minimum_among_programs_that_fit_memory(g
     tight = with_memory(spec, capacity)
     cm_tight = CostModel(graph, tight, list(ratios))
     priced = [evaluate(p, cm_tight) for p in programs]
-    best = min((b.total_s for b in priced if all(m <= c for m, c in zip(b.memory_bytes, capacity))), default=math.inf)
+    best = min((b.total_s for b in priced if fits(b.memory_bytes, capacity)), default=math.inf)
     unconstrained = min(b.total_s for b in priced)
     assert math.isfinite(best)
     result = synthesize(graph, cm_tight)
