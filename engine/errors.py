@@ -23,3 +23,7 @@ class PlanError(HapError, ValueError):
 
 class InfeasibleError(HapError):
     """No distributed program fits the cluster (e.g. it runs out of device memory)."""
+
+
+class BundleError(HapError, ValueError):
+    """A launch bundle cannot be made (the plan does not fit the runner) or is invalid (changed, unsafe)."""

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine.bundle import archive as bundle
+from engine.bundle.unpack import is_bundle, safe_extract
 from engine.cluster.spec import Cluster
 from engine.errors import HapError
 from engine.model import source
@@ -69,14 +70,14 @@ class Inputs:
 
 def open_source(path: str, scratch_prefix: str = "hap-bundle-") -> tuple[str, bundle.OpenedBundle | None, str | None]:
     """(plan path, opened bundle, scratch folder) of a plan file or a checked bundle (a zip is extracted safely)."""
-    if not bundle.is_bundle(path):
+    if not is_bundle(path):
         return path, None, None
     scratch = None
     folder = path
     if os.path.isfile(path):
         scratch = tempfile.mkdtemp(prefix=scratch_prefix)
         try:
-            folder = str(bundle.safe_extract(path, scratch))
+            folder = str(safe_extract(path, scratch))
         except HapError:
             shutil.rmtree(scratch, ignore_errors=True)
             raise

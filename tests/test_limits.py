@@ -13,7 +13,7 @@ import engine
 from engine import limits
 from engine.cli import main
 from engine.cluster.spec import load_cluster
-from engine.errors import ClusterError, ModelError, PlanError
+from engine.errors import BundleError, ClusterError, ModelError, PlanError
 from engine.model.graph import Graph
 from engine.model.zoo import make_config
 from engine.options import PlanOptions
@@ -87,14 +87,15 @@ def test_hap_export_refuses_unbalanced_run_args_and_a_nameless_out_in_one_line(t
 
 
 def test_a_bundle_zip_is_refused_by_its_declared_size_before_inflating(tmp_path, monkeypatch) -> None:
-    from engine.bundle import archive as bundle
+    from engine.bundle.archive import zip_bytes
+    from engine.bundle.unpack import read_zip
 
     path = tmp_path / "b.zip"
-    path.write_bytes(bundle.zip_bytes({"manifest.json": b"{}" * 600, "plan.json": b"x"}, "b"))
-    assert bundle.read_zip(path)["plan.json"] == b"x"
+    path.write_bytes(zip_bytes({"manifest.json": b"{}" * 600, "plan.json": b"x"}, "b"))
+    assert read_zip(path)["plan.json"] == b"x"
     monkeypatch.setattr(limits, "MAX_BUNDLE_BYTES", 1000)
-    with pytest.raises(bundle.BundleError, match=r"2 files of 1201 bytes unpacked, more than a bundle holds"):
-        bundle.read_zip(path)
+    with pytest.raises(BundleError, match=r"2 files of 1201 bytes unpacked, more than a bundle holds"):
+        read_zip(path)
 
 
 def test_a_damaged_bundle_zip_is_one_bundle_error(tmp_path) -> None:

@@ -34,34 +34,27 @@ import platform
 import re
 import stat
 import zipfile
-import zlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, Sequence
 
-from engine import limits
 from engine.bundle.launch_files import (DEFAULT_IMAGE, DEFAULT_RDZV_PORT, LaunchNode, LaunchSettings, job_name,
                                         launch_node_script, pytorchjob_yaml, rank_table, readme_text, slurm_script,
                                         trainjob_yaml)
+from engine.bundle.unpack import EXECUTABLE, MANIFEST, is_bundle, read_folder, read_zip
 from engine.cluster.spec import Cluster, load_cluster
-from engine.errors import HapError, PlanError
+from engine.errors import BundleError, HapError, PlanError
 from engine.pipeline.plan import PIPELINE_PLAN_KIND, check_pipeline_plan
 from engine.planner import AnyPlan, load_plan
 from engine.spmd.plan import read_plan_json
 from engine.spmd.validate import check_devices, validate_plan
 
 BUNDLE_SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
 ANNOTATIONS = "hspmd_annotations.json"
 """The plan in Hetu's HSPMD vocabulary (`hap export --annotations`, engine.elastic.annotations)."""
-EXECUTABLE = ("launch_node.sh", "slurm.sbatch")
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "sample_clusters"
 _ZIP_DATE = (1980, 1, 1, 0, 0, 0)
-
-
-class BundleError(HapError, ValueError):
-    """A bundle cannot be made (the plan does not fit the runner) or is invalid (changed, unsafe)."""
 
 
 # ----------------------------------------------------------------------------- nodes and ranks
@@ -364,63 +357,6 @@ class BundleReport:
         return "\n".join(warned + [f"bundle {self.path}: INVALID"] + [f"  {p}" for p in self.problems])
 
 
-def is_bundle(path: str | Path) -> bool:
-    """A folder holding manifest.json, or a zip file."""
-    p = Path(path)
-    return (p.is_dir() and (p / MANIFEST).is_file()) or (p.is_file() and zipfile.is_zipfile(p))
-
-
-def unsafe_member(info: zipfile.ZipInfo) -> str | None:
-    """Why a zip entry would escape the extraction folder (absolute path, `..`, symlink), or None."""
-    name = info.filename
-    mode = info.external_attr >> 16
-    if stat.S_ISLNK(mode):
-        return f"zip entry '{name}' is a symbolic link"
-    if name.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", name) or "\\" in name:
-        return f"zip entry '{name}' has an absolute or Windows path"
-    if ".." in PurePosixPath(name).parts:
-        return f"zip entry '{name}' escapes the bundle folder ('..')"
-    return None
-
-
-def read_zip(path: str | Path) -> dict[str, bytes]:
-    """The files of a bundle zip (relative to its one top folder, if it has one); refuses unsafe entries."""
-    try:
-        with zipfile.ZipFile(path) as z:
-            infos = [i for i in z.infolist() if not i.is_dir()]
-            declared = sum(i.file_size for i in infos)
-            if len(infos) > limits.MAX_BUNDLE_FILES or declared > limits.MAX_BUNDLE_BYTES:
-                raise BundleError(f"{path}: {len(infos)} files of {declared} bytes unpacked, more than a bundle holds "
-                                  f"({limits.MAX_BUNDLE_FILES} files, {limits.MAX_BUNDLE_BYTES} bytes); refusing the zip")
-            for info in infos:
-                why = unsafe_member(info)
-                if why:
-                    raise BundleError(f"{path}: {why}; refusing the whole zip")
-            data = {i.filename: z.read(i) for i in infos}
-    except BundleError:
-        raise
-    except (zipfile.BadZipFile, zlib.error, NotImplementedError, EOFError, OSError, ValueError) as e:
-        # a damaged or foreign zip: a bad header, corrupt deflate data, an unsupported method or version
-        raise BundleError(f"{path}: not a readable zip: {type(e).__name__}: {' '.join(str(e).split())}") from None
-    tops = {n.split("/", 1)[0] for n in data}
-    if len(tops) == 1 and all("/" in n for n in data):
-        data = {n.split("/", 1)[1]: b for n, b in data.items()}
-    return data
-
-
-def read_folder(path: str | Path) -> dict[str, bytes]:
-    """The files of a bundle folder (symbolic links refused)."""
-    root = Path(path)
-    out: dict[str, bytes] = {}
-    for p in sorted(root.rglob("*")):
-        rel = p.relative_to(root).as_posix()
-        if p.is_symlink():
-            raise BundleError(f"{root}: '{rel}' is a symbolic link; a bundle holds plain files only")
-        if p.is_file():
-            out[rel] = p.read_bytes()
-    return out
-
-
 def check_files(files: dict[str, bytes], label: str) -> BundleReport:
     """Validate a bundle's files: manifest, every sha256, no extra file, plan, cluster and world sizes."""
     report = BundleReport(label)
@@ -542,21 +478,6 @@ def check_bundle(path: str | Path) -> BundleReport:
     except BundleError as e:
         return BundleReport(str(path), [str(e)])
     return check_files(files, str(path))
-
-
-def safe_extract(zip_path: str | Path, dest: str | Path) -> Path:
-    """Extract a bundle zip into `dest` (checked entry by entry); returns the folder holding manifest.json."""
-    files = read_zip(zip_path)
-    root = Path(dest).resolve()
-    for name, data in files.items():
-        target = (root / name).resolve()
-        if root != target and root not in target.parents:
-            raise BundleError(f"{zip_path}: zip entry '{name}' escapes the bundle folder; refusing the whole zip")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
-        if name in EXECUTABLE:
-            target.chmod(0o755)
-    return root
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import yaml
 from conftest import cluster_dict, sample_dict, sample_path
 
 import engine
-from engine.bundle.archive import (BundleError, LaunchNode, check_bundle, export_bundle, gpu_type_check, launch_nodes,
-                                   read_zip, safe_extract, unsafe_member)
+from engine.bundle.archive import BundleError, LaunchNode, check_bundle, export_bundle, gpu_type_check, launch_nodes
+from engine.bundle.unpack import read_zip, safe_extract, unsafe_member
 from engine.cli import main
 from engine.planner import load_plan
 

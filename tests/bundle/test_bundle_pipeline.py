@@ -15,7 +15,8 @@ from conftest import cluster_dict, sample_path
 
 import engine
 from engine.bundle.archive import (BundleError, check_bundle, export_bundle, open_bundle, plan_parallelism,
-                                   plan_warnings, read_zip)
+                                   plan_warnings)
+from engine.bundle.unpack import read_zip
 from engine.cli import main
 from engine.errors import PlanError
 from engine.pipeline.partition import fixed_pipeline
