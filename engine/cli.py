@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engine import limits
+from engine.bundle.grammar import digest_arg
+from engine.bundle.launch_files import cluster_launch_warnings
 from engine.errors import HapError
 from engine.options import OPTIMIZERS, PARALLELISMS, PLAN_OVERLAPS, PlanOptions
 from engine.planner import BASELINES, OVERLAP_MEANING, PARALLELISM_MEANING
@@ -154,6 +156,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     options = plan_options(args)
     _knobs(args.set or [])  # bad options, knobs and a bad cluster fail in milliseconds, before the model is built
     cluster = load_cluster(args.cluster)
+    for warning in cluster_launch_warnings(cluster):
+        print(f"warning: {warning}", file=sys.stderr)
     graph = _load_graph(args)
     result = plan(graph, cluster, progress=_progress_printer(), options=options)
     if sys.stderr.isatty():
@@ -256,7 +260,7 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from engine import load_plan
-    from engine.bundle.archive import export_bundle, plan_warnings
+    from engine.bundle.archive import bundle_digest, export_bundle, plan_warnings
 
     try:
         run_args = shlex.split(args.run_args or "")
@@ -268,18 +272,22 @@ def cmd_export(args: argparse.Namespace) -> int:
                         annotations=args.annotations)
     for warning in plan_warnings(plan, args.cluster):
         print(f"warning: {warning}", file=sys.stderr)
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest_bytes = (out / "manifest.json").read_bytes()
+    manifest = json.loads(manifest_bytes)
+    digest = bundle_digest({"manifest.json": manifest_bytes})
     kind = "" if plan.parallelism == "spmd" else f"{plan.parallelism} plan, "
     print(f"bundle {out}: {kind}{plan.world_size} ranks on {len(manifest['nodes'])} node(s), "
           f"{len(manifest['files'])} files" + (f"; zip {out.with_name(out.name + '.zip')}" if args.zip else ""))
-    print(f"check it with `hap bundle check {out}`; run it with `hap run {out}` or see {out / 'README.md'}")
+    print(f"check it with `hap bundle check {out} --digest {digest}`; run it with `hap run {out} --digest {digest}` "
+          f"or see {out / 'README.md'}")
+    print(f"digest sha256:{digest}  (send it apart from the bundle; it names this bundle and no other)")
     return 0
 
 
 def cmd_bundle_check(args: argparse.Namespace) -> int:
     from engine.bundle.archive import check_bundle
 
-    report = check_bundle(args.bundle)
+    report = check_bundle(args.bundle, args.digest)
     print(report.render(), file=sys.stdout if report.ok else sys.stderr)
     return 0 if report.ok else 1
 
@@ -416,8 +424,12 @@ def build_parser(more: Commands | None = None) -> argparse.ArgumentParser:
     bc = bsub.add_parser("check", help="validate a bundle without running it", epilog=BUNDLE_EXIT_CODES,
                          description="Check a bundle folder or zip: manifest, sha256 of every file, no extra or "
                                      "missing file, plan and cluster parse, the plan validated against the theory and "
-                                     "re-priced on the cluster (engine.spmd.validate), world size of the launch scripts.")
+                                     "re-priced on the cluster (engine.spmd.validate), and every launch file and the "
+                                     "README written again from plan, cluster and the recorded export settings and "
+                                     "compared (a hand-edited script is refused even with its hash edited too).")
     bc.add_argument("bundle", help="bundle folder or zip from `hap export`")
+    bc.add_argument("--digest", metavar="SHA256", type=digest_arg,
+                    help="also require this digest (the sha256 of manifest.json that `hap export` printed)")
     bc.set_defaults(func=cmd_bundle_check)
     u = sub.add_parser("ui", help="serve the Streamlit workbench (binds 127.0.0.1 by default)")
     u.add_argument("--port", type=int, default=8501, help="TCP port (default 8501)")

@@ -50,7 +50,7 @@ def main(argv: Sequence[str]) -> int:
         return run_elastic(cfg, argv)
     scratch = None
     try:
-        plan_path, opened, scratch = open_source(cfg.plan)
+        plan_path, opened, scratch = open_source(cfg.plan, digest=cfg.digest)
         source = str(Path(plan_path).parent) if scratch else cfg.plan  # the ranks run the extracted folder
         plan = load_plan(plan_path)  # validated (engine.spmd.validate): an inconsistent plan stops here
         world_size = plan.world_size

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from engine import limits
+from engine.bundle.grammar import digest_arg
 from runner.train import GRAD_SYNC
 
 FAULT_ENV = "HAP_RUNNER_FAULT"
@@ -69,6 +70,8 @@ class RunConfig:
     """Continue from the newest complete checkpoint in checkpoint_dir (from step 0 when there is none)."""
     device_check: str = "warn"
     """Bundles: a rank on another GPU type than its plan device is reported (`warn`), fatal (`error`) or not checked (`off`)."""
+    digest: str | None = None
+    """Bundles: run only the bundle whose manifest.json has this sha256 (the digest `hap export` printed)."""
     elastic: str | None = None
     """Cluster spec JSON of the plan's devices: when a rank fails, `hap run` re-plans without its device and
     continues from the newest complete checkpoint (runner.elastic); the ranks themselves ignore it."""
@@ -147,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest complete checkpoint in --checkpoint-dir (step 0 if none)")
     p.add_argument("--device-check", choices=list(DEVICE_CHECK), default="warn",
                    help="bundles: report (warn, default), refuse (error) or ignore (off) a rank on another GPU type than planned")
+    p.add_argument("--digest", metavar="SHA256", type=digest_arg,
+                   help="bundles: refuse any bundle but the one `hap export` printed this digest for")
     p.add_argument("--elastic", metavar="CLUSTER.json",
                    help="when a rank fails, re-plan on this cluster without its device and continue from the newest checkpoint")
     p.add_argument("--emulate-links", action="store_true",

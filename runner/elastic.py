@@ -141,7 +141,7 @@ def run_elastic(cfg: Any, argv: Sequence[str]) -> int:
     """Run the job; after each rank failure re-plan without its device and continue (see the module doc)."""
 
     try:
-        if open_source(cfg.plan)[1] is not None:
+        if open_source(cfg.plan, digest=cfg.digest)[1] is not None:
             raise ValueError("--elastic runs a plan file, not a bundle (a switch writes new plans)")
         plan = load_plan(cfg.plan)
         cluster = check_cluster(plan, cfg.elastic)

@@ -556,7 +556,7 @@ def pipeline_inputs(cfg: Any) -> tuple[PipelinePlan, Any, str | None]:
 
 
     check_pipeline_options(cfg)
-    plan_path, opened, scratch = open_source(cfg.plan, "hap-pipeline-")
+    plan_path, opened, scratch = open_source(cfg.plan, "hap-pipeline-", cfg.digest)
     try:
         env = bundle_rank(DistEnv.from_environ(), opened)
         plan = load_pipeline_plan(plan_path, env.world_size, bundle.model_file_of(opened) if opened else None)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from engine.bundle import archive as bundle
 from engine.bundle.unpack import is_bundle, safe_extract
 from engine.cluster.spec import Cluster
-from engine.errors import HapError
+from engine.errors import BundleError, HapError
 from engine.model import source
 from engine.planner import load_plan
 from engine.spmd.plan import Plan
@@ -68,9 +68,14 @@ class Inputs:
     """Temporary folder a bundle zip was extracted to (removed at the end)."""
 
 
-def open_source(path: str, scratch_prefix: str = "hap-bundle-") -> tuple[str, bundle.OpenedBundle | None, str | None]:
-    """(plan path, opened bundle, scratch folder) of a plan file or a checked bundle (a zip is extracted safely)."""
+def open_source(path: str, scratch_prefix: str = "hap-bundle-",
+                digest: str | None = None) -> tuple[str, bundle.OpenedBundle | None, str | None]:
+    """(plan path, opened bundle, scratch folder) of a plan file or a checked bundle (a zip is extracted safely);
+    with `digest` (`--digest`), only the bundle whose manifest.json has that sha256."""
     if not is_bundle(path):
+        if digest is not None:
+            raise BundleError(f"--digest checks a launch bundle, but {path} is a plan file: run the bundle "
+                              "`hap export` made from it, or leave --digest out")
         return path, None, None
     scratch = None
     folder = path
@@ -82,7 +87,7 @@ def open_source(path: str, scratch_prefix: str = "hap-bundle-") -> tuple[str, bu
             shutil.rmtree(scratch, ignore_errors=True)
             raise
     try:
-        opened = bundle.open_bundle(folder)
+        opened = bundle.open_bundle(folder, digest)
     except HapError:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -106,7 +111,7 @@ def bundle_rank(env: DistEnv, opened: bundle.OpenedBundle | None, environ: Mappi
 
 def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) -> Inputs:
     """Everything about the inputs that can fail, checked before any process group starts."""
-    plan_path, opened, scratch = open_source(cfg.plan)
+    plan_path, opened, scratch = open_source(cfg.plan, digest=cfg.digest)
     try:
         env = bundle_rank(env or DistEnv(0, world_size, 0, world_size), opened)
         plan = load_spmd_plan(plan_path, world_size, bundle.model_file_of(opened) if opened else None)

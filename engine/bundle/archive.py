@@ -39,9 +39,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
-from engine.bundle.launch_files import (DEFAULT_IMAGE, DEFAULT_RDZV_PORT, LaunchNode, LaunchSettings, job_name,
-                                        launch_node_script, pytorchjob_yaml, rank_table, readme_text, slurm_script,
-                                        trainjob_yaml)
+from engine.bundle import grammar
+from engine.bundle.launch_files import (DEFAULT_IMAGE, ExportSettings, LaunchNode, launch_node_script, launch_settings,
+                                        pytorchjob_yaml, rank_table, readme_text, slurm_script, trainjob_yaml)
 from engine.bundle.unpack import EXECUTABLE, MANIFEST, is_bundle, read_folder, read_zip
 from engine.cluster.spec import Cluster, load_cluster
 from engine.errors import BundleError, HapError, PlanError
@@ -50,7 +50,9 @@ from engine.planner import AnyPlan, load_plan
 from engine.spmd.plan import read_plan_json
 from engine.spmd.validate import check_devices, validate_plan
 
-BUNDLE_SCHEMA_VERSION = 1
+BUNDLE_SCHEMA_VERSION = 2
+"""2: the manifest records the export settings (`export`) and every generated file is checked by writing it
+again. Bundles of schema 1 still check and run; their launch files are vouched for only by their hashes."""
 ANNOTATIONS = "hspmd_annotations.json"
 """The plan in Hetu's HSPMD vocabulary (`hap export --annotations`, engine.elastic.annotations)."""
 SAMPLES_DIR = Path(__file__).resolve().parents[2] / "sample_clusters"
@@ -136,29 +138,38 @@ def model_source(plan: AnyPlan, model_file: str | Path | None = None) -> tuple[d
     """model.json's content and the extra files of the bundle: the plan's model file (from the path
     its origin names, or `model_file`), checked against the sha256 the plan recorded."""
     origin = plan.graph.origin
-    src: dict[str, Any] = {"kind": "hap.model_source", "name": plan.graph.name,
-                           "fingerprint": plan.graph.fingerprint()}
     files: dict[str, bytes] = {}
     if model_file is not None or "file" in origin:
         path = Path(model_file if model_file is not None else origin["file"])
         if not path.is_file():
             raise BundleError(f"model file '{path}' not found: give --model-file with the Python file that defines the model")
+        if why := grammar.file_name_problem(path.name):
+            raise BundleError(f"model file name {why}: rename the file (and plan again) to ship it in a bundle")
         data = path.read_bytes()
         if "sha256" in origin and sha256(data) != origin["sha256"]:
             raise BundleError(f"model file '{path}' is not the plan's (sha256 {sha256(data)[:12]}... != "
                               f"{str(origin['sha256'])[:12]}...): it changed since the plan was made; plan again")
         files[f"model/{path.name}"] = data
-        src["file"] = f"model/{path.name}"
+    return model_json(plan, next(iter(files), None)), files
+
+
+def model_json(plan: AnyPlan, file: str | None) -> dict[str, Any]:
+    """model.json's content: how the runner rebuilds the plan's model (`file` is the bundle's model/NAME)."""
+    origin = plan.graph.origin
+    src: dict[str, Any] = {"kind": "hap.model_source", "name": plan.graph.name,
+                           "fingerprint": plan.graph.fingerprint()}
+    if file is not None:
+        src["file"] = file
     if "zoo" in origin:
         src.update(zoo=origin["zoo"], config=origin.get("config", {}))
     elif "hf" in origin:
         src.update(hf=origin["hf"], config=origin.get("config", {}), inputs=origin.get("inputs", {}))
-    elif not files:
+    elif file is None:
         raise BundleError(f"plan's model '{plan.graph.name}' is not a zoo model and names no model file or hf class "
                           f"(origin {origin}); pass --model-file with the Python file that defines it")
     else:
         src["origin"] = origin
-    return src, files
+    return src
 
 
 def bundled_model_file(files: dict[str, bytes], plan: AnyPlan) -> tuple[str | None, list[str]]:
@@ -196,19 +207,30 @@ def package_versions() -> dict[str, str]:
 
 
 def bundle_files(plan: AnyPlan, cluster: Cluster, *, model_file: str | Path | None = None,
-                 nodes: Sequence[LaunchNode] | None = None, rdzv_endpoint: str | None = None,
-                 image: str = DEFAULT_IMAGE, run_args: Sequence[str] = (), created: str | None = None,
-                 annotations: bool = False) -> dict[str, bytes]:
-    """Every file of the bundle (path -> bytes), manifest included; `annotations` adds the plan's
-    HSPMD annotations (engine.elastic.annotations) as ANNOTATIONS."""
+                 nodes: Sequence[LaunchNode] | None = None, settings: ExportSettings = ExportSettings(),
+                 created: str | None = None) -> dict[str, bytes]:
+    """Every file of the bundle (path -> bytes), manifest included. BundleError, naming the field, when
+    a value that would reach a launch file is outside its grammar (engine.bundle.grammar)."""
     nodes = launch_nodes(plan, cluster) if nodes is None else check_nodes(plan, cluster, nodes)
-    endpoint = rdzv_endpoint or f"{nodes[0].machine}:{DEFAULT_RDZV_PORT}"
-    gpus = any(d.gpu_model.strip().lower() != "cpu" for d in cluster.devices)
-    s = LaunchSettings(job=job_name(plan), rdzv_endpoint=endpoint, image=image, gpus=gpus, run_args=tuple(run_args))
     source, extra = model_source(plan, model_file)
     files: dict[str, bytes] = {"plan.json": plan.to_json().encode(),
-                               "cluster.json": (json.dumps(cluster.to_dict(), indent=1) + "\n").encode(),
-                               "model.json": (json.dumps(source, indent=1) + "\n").encode(), **extra}
+                               "cluster.json": (json.dumps(cluster.to_dict(), indent=1) + "\n").encode(), **extra}
+    files.update(generated_files(plan, cluster, nodes, settings, source.get("file")))
+    files[MANIFEST] = manifest_json(files, plan, cluster, nodes, created, source, settings).encode()
+    return files
+
+
+GENERATED = ("model.json", "launch_node.sh", "slurm.sbatch", "pytorchjob.yaml", "trainjob.yaml", ANNOTATIONS,
+             "README.md")
+"""The files that are a pure function of plan.json, cluster.json, the nodes and the export settings:
+`hap bundle check` writes them again and compares."""
+
+
+def generated_files(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], settings: ExportSettings,
+                    model_file: str | None) -> dict[str, bytes]:
+    """model.json, the launch files, the annotations (when asked for) and the README, as `hap export` writes them."""
+    s = launch_settings(plan, cluster, nodes, settings)
+    files = {"model.json": (json.dumps(model_json(plan, model_file), indent=1) + "\n").encode()}
     skipped: dict[str, str] = {}
     texts = {"launch_node.sh": launch_node_script(nodes, s), "slurm.sbatch": slurm_script(nodes, s),
              "pytorchjob.yaml": pytorchjob_yaml(nodes, s), "trainjob.yaml": trainjob_yaml(nodes, s)}
@@ -218,7 +240,7 @@ def bundle_files(plan: AnyPlan, cluster: Cluster, *, model_file: str | Path | No
                             f"({', '.join(str(n.nproc) for n in nodes)}); use launch_node.sh or slurm.sbatch"
         else:
             files[name] = text.encode()
-    if annotations:
+    if settings.annotations:
         if plan.parallelism != "spmd":
             raise BundleError("--annotations: HSPMD annotations describe an SPMD plan's sharded tensors, and a "
                               f"{plan.parallelism} plan has none; export it without --annotations")
@@ -226,21 +248,36 @@ def bundle_files(plan: AnyPlan, cluster: Cluster, *, model_file: str | Path | No
 
         files[ANNOTATIONS] = (json.dumps(annotations_json(plan), indent=1) + "\n").encode()
     files["README.md"] = readme_text(plan, cluster, nodes, s, skipped).encode()
-    files[MANIFEST] = manifest_json(files, plan, cluster, nodes, created, source).encode()
     return files
 
 
 def manifest_json(files: dict[str, bytes], plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode],
-                  created: str | None, source: dict[str, Any]) -> str:
+                  created: str | None, source: dict[str, Any], settings: ExportSettings) -> str:
     manifest = {"kind": "hap.bundle", "schema_version": BUNDLE_SCHEMA_VERSION,
                 "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 "packages": package_versions(), "parallelism": plan.parallelism, "world_size": plan.world_size,
                 "model": {k: source[k] for k in ("name", "zoo", "hf", "file") if k in source},
+                "export": settings.to_dict(),
                 "nodes": [{"node_rank": n.node_rank, "machine": n.machine, "nproc": n.nproc, "ranks": list(n.ranks)}
                           for n in nodes],
                 "ranks": rank_table(cluster, nodes),
                 "files": {name: {"sha256": sha256(data), "bytes": len(data)} for name, data in sorted(files.items())}}
     return json.dumps(manifest, indent=1) + "\n"
+
+
+def bundle_digest(files: dict[str, bytes]) -> str:
+    """The bundle's digest: the sha256 of manifest.json, which holds the sha256 of every other file."""
+    return sha256(files[MANIFEST])
+
+
+def digest_problem(files: dict[str, bytes], expected: str) -> str | None:
+    """Why the bundle is not the one whose digest is `expected` (hex, optionally `sha256:`-prefixed), or None."""
+    want = expected.strip().lower().removeprefix("sha256:")
+    have = bundle_digest(files) if MANIFEST in files else "(no manifest.json)"
+    if have == want:
+        return None
+    return (f"digest mismatch: this bundle's manifest.json has sha256 {have}, not the {want} given by --digest; "
+            "it is not the bundle that was exported (ask its author for the digest `hap export` printed)")
 
 
 def find_cluster(plan: AnyPlan, cluster: str | Path | Cluster | None) -> Cluster:
@@ -298,8 +335,9 @@ def export_bundle(plan: AnyPlan | str | Path, cluster: Cluster | str | Path | No
     """
     plan = load_plan(plan) if isinstance(plan, (str, Path)) else validated(plan)
     cl = find_cluster(plan, cluster)
-    files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, rdzv_endpoint=rdzv_endpoint, image=image,
-                         run_args=run_args, annotations=annotations)
+    settings = ExportSettings(rdzv_endpoint=rdzv_endpoint, image=image, run_args=tuple(run_args),
+                              annotations=annotations)
+    files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, settings=settings)
     out = Path(out_dir)
     if not out.name:  # '', '.' or '/': the bundle (and its zip) needs a folder name of its own
         raise BundleError(f"--out {str(out_dir)!r} names no new folder: give one, e.g. --out bundle")
@@ -368,6 +406,9 @@ def check_files(files: dict[str, bytes], label: str) -> BundleReport:
         listed = manifest["files"]
         if manifest.get("kind") != "hap.bundle" or not isinstance(listed, dict):
             raise ValueError("kind is not hap.bundle")
+        if manifest.get("schema_version") not in range(1, BUNDLE_SCHEMA_VERSION + 1):
+            raise ValueError(f"schema_version {json.dumps(manifest.get('schema_version'))[:40]} is not one this "
+                             f"hap-workbench reads (1..{BUNDLE_SCHEMA_VERSION}); a newer one made it?")
     except (ValueError, KeyError, TypeError) as e:
         report.problems.append(f"{MANIFEST} does not parse as a bundle manifest: {e}")
         return report
@@ -389,10 +430,67 @@ def check_files(files: dict[str, bytes], label: str) -> BundleReport:
     report.problems += _size_problems(files, manifest, plan)
     if not report.problems:
         try:  # the plan against the bundle's cluster: devices, and the predicted time re-priced or the fingerprint
-            report.warnings += check_on_cluster(plan, load_cluster(json.loads(files["cluster.json"])))
+            cluster = load_cluster(json.loads(files["cluster.json"]))
+            report.warnings += check_on_cluster(plan, cluster)
         except PlanError as e:
             report.problems.append(f"plan.json: {e}")
+            return report
+        if manifest.get("schema_version") == 1:
+            report.warnings.append(OLD_SCHEMA_WARNING)
+        else:
+            report.problems += regeneration_problems(files, manifest, plan, cluster)
     return report
+
+
+OLD_SCHEMA_WARNING = (f"{MANIFEST}: schema 1 (made before hap-workbench recorded its export settings): its launch "
+                      "files are vouched for by their hashes only, not written again and compared; `hap run` does "
+                      "not use them, and `hap export` makes a bundle whose launch files are checked")
+
+
+def regeneration_problems(files: dict[str, bytes], manifest: dict[str, Any], plan: AnyPlan,
+                          cluster: Cluster) -> list[str]:
+    """The generated files (GENERATED) written again from plan.json, cluster.json, the manifest's nodes and export
+    settings, and compared: a hand-edited launch script is refused even when its hash was edited too."""
+    inputs = {"plan.json", "cluster.json", MANIFEST}
+    models = sorted(n for n in files if n.startswith("model/"))
+    strays = sorted(n for n in files if n not in inputs and n not in GENERATED and n not in models[:1])
+    if strays:
+        return [f"{name}: not a file `hap export` writes; a bundle holds only its plan, cluster, model and "
+                "generated files" for name in strays]
+    try:
+        settings = ExportSettings.from_dict(manifest.get("export"), f"{MANIFEST} export")
+        nodes = check_nodes(plan, cluster, manifest_nodes(manifest, plan.world_size))
+        expected = generated_files(plan, cluster, nodes, settings, models[0] if models else None)
+    except BundleError as e:
+        return [str(e)]
+    problems = []
+    for name in GENERATED:
+        have, want = files.get(name), expected.get(name)
+        if have is None and want is not None:
+            problems.append(f"{name}: missing, but `hap export` writes it for this plan and these export settings")
+        elif have is not None and want is None:
+            problems.append(f"{name}: `hap export` does not write this file for this plan and these export settings")
+        elif have != want:
+            problems.append(f"{name}: not the file `hap export` writes for this plan, cluster and export settings "
+                            f"({first_difference(have, want)}); export the bundle again")
+    return problems
+
+
+def first_difference(have: bytes, want: bytes) -> str:
+    """'line N is ... where export writes ...' for the first line where two texts differ (both shown quoted)."""
+    a, b = have.decode(errors="replace").split("\n"), want.decode(errors="replace").split("\n")
+    for i in range(max(len(a), len(b))):
+        x, y = (a[i] if i < len(a) else None), (b[i] if i < len(b) else None)
+        if x != y:
+            return f"line {i + 1} is {_quoted(x)} where export writes {_quoted(y)}"
+    return "the same lines, other bytes"
+
+
+def _quoted(line: str | None) -> str:
+    if line is None:
+        return "past the end"
+    text = repr(line)
+    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def _file_problems(files: dict[str, bytes], listed: dict[str, Any]) -> list[str]:
@@ -465,8 +563,9 @@ def manifest_nodes(manifest: dict[str, Any], world_size: int) -> tuple[LaunchNod
     return tuple(out)
 
 
-def check_bundle(path: str | Path) -> BundleReport:
-    """Validate a bundle folder or zip without running it (`hap bundle check`)."""
+def check_bundle(path: str | Path, digest: str | None = None) -> BundleReport:
+    """Validate a bundle folder or zip without running it (`hap bundle check`); with `digest`, also that it
+    is the bundle whose manifest.json has that sha256 (the digest `hap export` printed)."""
     p = Path(path)
     try:
         if p.is_dir():
@@ -477,6 +576,8 @@ def check_bundle(path: str | Path) -> BundleReport:
             return BundleReport(str(path), [f"{path} not found: give a bundle folder or zip from `hap export`"])
     except BundleError as e:
         return BundleReport(str(path), [str(e)])
+    if digest is not None and (why := digest_problem(files, digest)):
+        return BundleReport(str(path), [why])
     return check_files(files, str(path))
 
 
@@ -490,9 +591,10 @@ class OpenedBundle:
     nodes: tuple[LaunchNode, ...]
 
 
-def open_bundle(folder: str | Path) -> OpenedBundle:
-    """Check a bundle folder (`hap run` and every rank call this before the first step); BundleError if invalid."""
-    report = check_bundle(folder)
+def open_bundle(folder: str | Path, digest: str | None = None) -> OpenedBundle:
+    """Check a bundle folder (`hap run` and every rank call this before the first step), and its digest when
+    given (`--digest`); BundleError if invalid."""
+    report = check_bundle(folder, digest)
     if not report.ok:
         raise BundleError(f"bundle {folder} is invalid: " + "; ".join(report.problems))
     f = Path(folder)

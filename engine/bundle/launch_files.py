@@ -1,17 +1,26 @@
 """The launch files of a bundle: torchrun per node, Slurm, Kubeflow PyTorchJob and TrainJob, README.
 
-Each is plain text built from the bundle's nodes (engine.bundle.archive.launch_nodes); the YAML is written
-without a yaml dependency, deterministically (block style, strings double-quoted).
+Each is plain text, a pure function of the plan, the cluster, the bundle's nodes
+(engine.bundle.archive.launch_nodes) and the export settings (`ExportSettings`, recorded whole in
+the manifest), so `hap bundle check` can write them again and compare. The YAML is written without a
+yaml dependency, deterministically (block style, strings JSON-quoted).
 Rank r runs plan device r; node k runs a consecutive block of ranks, as torchrun numbers them.
+
+No value from the plan, the cluster or an option is ever code: every one is checked against its
+grammar first (engine.bundle.grammar; `launch_problems`), shell gets it through `shlex.quote`, YAML
+as a quoted scalar, and none can start a new line.
 """
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+import shlex
+from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
+from engine.bundle import grammar
 from engine.cluster.spec import Cluster
+from engine.errors import BundleError
 from engine.planner import AnyPlan
 
 DEFAULT_RDZV_PORT = 29500
@@ -47,24 +56,126 @@ def rank_table(cluster: Cluster, nodes: Sequence[LaunchNode]) -> list[dict[str, 
 
 
 @dataclass(frozen=True, kw_only=True)
+class ExportSettings:
+    """Everything `hap export` is told besides the plan, the cluster and the nodes.
+
+    The manifest records every field (`to_dict`), so the launch files can be regenerated and compared;
+    a field added here (e.g. a scheduler partition) is recorded, regenerated and grammar-checked the
+    same way once `problems` checks it.
+    """
+
+    rdzv_endpoint: str | None = None
+    """HOST:PORT of the c10d rendezvous; None is node 0's machine, port DEFAULT_RDZV_PORT."""
+    image: str = DEFAULT_IMAGE
+    """Container image holding hap-workbench and the bundle at CONTAINER_BUNDLE_DIR (Kubernetes)."""
+    run_args: tuple[str, ...] = ()
+    """Runner options written into the Kubernetes files (e.g. --steps 100), where nobody types them."""
+    annotations: bool = False
+    """Ship the plan's HSPMD annotations (engine.elastic.annotations)."""
+
+    OPTIONS = {"rdzv_endpoint": "--rdzv-endpoint", "image": "--image", "run_args": "--run-args",
+               "annotations": "--annotations"}
+    """The `hap export` option of each field, for messages."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "ExportSettings":
+        """The settings a manifest records; BundleError naming the first unknown or mistyped field."""
+        if not isinstance(d, dict):
+            raise BundleError(f"{where}: must be an object of export settings, got {json.dumps(d)[:80]}")
+        known = {f.name for f in fields(cls)}
+        for key in d:
+            if key not in known:
+                raise BundleError(f"{where}.{key}: not an export setting of this hap-workbench (a newer one made the "
+                                  f"bundle?); known: {', '.join(sorted(known))}")
+        types = {"rdzv_endpoint": (str, type(None)), "image": str, "run_args": list, "annotations": bool}
+        for key, want in types.items():
+            if key in d and not isinstance(d[key], want):
+                raise BundleError(f"{where}.{key}: wrong type {type(d[key]).__name__}")
+        values = dict(d)
+        if "run_args" in values:
+            values["run_args"] = tuple(values["run_args"])
+        return cls(**values)
+
+    def problems(self) -> list[str]:
+        """Why a field is outside its grammar, one line each naming the option and what is allowed."""
+        checks = [("rdzv_endpoint", None if self.rdzv_endpoint is None else grammar.endpoint_problem(self.rdzv_endpoint)),
+                  ("image", grammar.image_problem(self.image)), ("run_args", grammar.run_args_problem(self.run_args))]
+        return [f"{self.OPTIONS[name]}: {why}" for name, why in checks if why]
+
+
+@dataclass(frozen=True, kw_only=True)
 class LaunchSettings:
-    """What the launch scripts need besides the nodes."""
+    """What the launch scripts need besides the nodes: the export settings and what the plan decides."""
 
     job: str
-    """Job name (DNS-1123: lower-case letters, digits, '-'), used for rendezvous id, Slurm and Kubernetes."""
+    """Job name (a Kubernetes name), used for rendezvous id, Slurm and Kubernetes."""
     rdzv_endpoint: str
     """HOST:PORT of the c10d rendezvous (node 0's machine by default)."""
     image: str = DEFAULT_IMAGE
-    """Container image holding hap-workbench and the bundle at CONTAINER_BUNDLE_DIR (Kubernetes)."""
     gpus: bool = True
     """Ask launchers for one GPU per rank (False for CPU clusters)."""
     run_args: tuple[str, ...] = ()
-    """Runner options written into the Kubernetes files (e.g. --steps 100), where nobody types them."""
 
 
 def job_name(plan: AnyPlan) -> str:
     raw = f"hap-{plan.graph.name}-{plan.cluster_name}"
-    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw.lower())).strip("-")[:52]
+    return re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", raw.lower())).strip("-")[:52].rstrip("-")
+
+
+def default_endpoint(machine: str) -> str:
+    """node 0's machine at the default port ([ADDR]:PORT when the machine is an IPv6 address)."""
+    host = f"[{machine}]" if ":" in machine and not machine.startswith("[") else machine
+    return f"{host}:{DEFAULT_RDZV_PORT}"
+
+
+def launch_settings(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], s: ExportSettings) -> LaunchSettings:
+    """The launch scripts' settings, refused (BundleError, one line naming the field) unless every value
+    that reaches a generated file is within its grammar (`launch_problems`)."""
+    problems = launch_problems(plan, cluster, nodes, s)
+    if problems:
+        raise BundleError(f"{problems[0]} (refused: it would be written into the launch files)")
+    gpus = any(d.gpu_model.strip().lower() != "cpu" for d in cluster.devices)
+    return LaunchSettings(job=job_name(plan), rdzv_endpoint=s.rdzv_endpoint or default_endpoint(nodes[0].machine),
+                          image=s.image, gpus=gpus, run_args=tuple(s.run_args))
+
+
+def launch_problems(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], s: ExportSettings) -> list[str]:
+    """Every value outside its grammar among those the generated files hold, one line each naming the field."""
+    out = [f"node {n.node_rank} machine {why}; rename the machine in the cluster spec"
+           for n in nodes if (why := grammar.host_problem(n.machine))]
+    out += s.problems()
+    out += shown_name_problems(cluster)
+    for what, value in (("model name", plan.graph.name), ("plan cluster name", plan.cluster_name)):
+        if why := grammar.text_problem(value):
+            out.append(f"{what}: {why}")
+    if why := grammar.k8s_name_problem(job_name(plan)):
+        out.append(f"job name (from the model and cluster names): {why}")
+    return out
+
+
+def shown_name_problems(cluster: Cluster) -> list[str]:
+    """The cluster's names that the README and the comments show, outside their grammar."""
+    out = [f"cluster name: {why}" for why in [grammar.text_problem(cluster.name)] if why]
+    for r, d in enumerate(cluster.devices):
+        for what, value in (("name", d.name), ("gpu_model", d.gpu_model)):
+            if why := grammar.text_problem(value):
+                out.append(f"cluster device {r} {what}: {why}")
+    return out
+
+
+def cluster_launch_warnings(cluster: Cluster) -> list[str]:
+    """What `hap export` would refuse in this cluster spec (machines that are no host names, names with control
+    characters), for `hap plan` and the workbench to warn about: a person who only plans is not stopped."""
+    devices: dict[str, list[int]] = {}
+    for r, d in enumerate(cluster.devices):
+        devices.setdefault(d.machine, []).append(r)
+    out = [f"machine of cluster device{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}"
+           f"{', ...' if len(rs) > 8 else ''}: {why}; `hap export` will refuse it, rename the machine"
+           for machine, rs in devices.items() if (why := grammar.host_problem(machine))]
+    return out + [f"{p}; `hap export` will refuse it" for p in shown_name_problems(cluster)]
 
 
 def torchrun_args(nnodes: int, node_rank: str, nproc: str, endpoint: str, rdzv_id: str) -> list[str]:
@@ -73,8 +184,17 @@ def torchrun_args(nnodes: int, node_rank: str, nproc: str, endpoint: str, rdzv_i
             f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}"]
 
 
+def _line(value: str) -> str:
+    """A value as written into a comment or prose: refused if it could start a new line (the grammar already
+    keeps such values out; this keeps any caller of these functions from writing one)."""
+    if grammar.text_problem(value):
+        raise BundleError(f"{value!r} cannot be written into a launch file: {grammar.text_problem(value)}")
+    return value
+
+
 def launch_node_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
     """`bash launch_node.sh NODE_RANK [runner options]`: one torchrun line per node."""
+    q = shlex.quote
     lines = ["#!/usr/bin/env bash",
              "# Run on every node of the job, each with its own NODE_RANK (see README.md):",
              "#   bash launch_node.sh NODE_RANK [runner options, e.g. --steps 100 --checkpoint-dir DIR --resume]",
@@ -83,12 +203,13 @@ def launch_node_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
              'BUNDLE_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
              f'NODE_RANK="${{1:?usage: launch_node.sh NODE_RANK [runner options] (NODE_RANK 0..{len(nodes) - 1})}}"',
              "shift",
-             f'RDZV_ENDPOINT="${{HAP_RDZV_ENDPOINT:-{s.rdzv_endpoint}}}"',
+             f"DEFAULT_RDZV_ENDPOINT={q(s.rdzv_endpoint)}",
+             'RDZV_ENDPOINT="${HAP_RDZV_ENDPOINT:-$DEFAULT_RDZV_ENDPOINT}"',
              "export HAP_NODE_RANK=\"$NODE_RANK\"  # the runner maps (node, local rank) to the plan's rank",
              'case "$NODE_RANK" in']
     for n in nodes:
-        args = torchrun_args(len(nodes), str(n.node_rank), str(n.nproc), '"$RDZV_ENDPOINT"', s.job)
-        lines.append(f"  {n.node_rank})  # machine {n.machine}: ranks {_span(n.ranks)}")
+        args = torchrun_args(len(nodes), str(n.node_rank), str(n.nproc), '"$RDZV_ENDPOINT"', q(s.job))
+        lines.append(f"  {n.node_rank})  # machine {_line(n.machine)}: ranks {_span(n.ranks)}")
         lines.append(f'    exec torchrun {" ".join(args)} -m runner.launch "$BUNDLE_DIR" "$@" ;;')
     lines += [f'  *) echo "launch_node.sh: NODE_RANK must be 0..{len(nodes) - 1}, got $NODE_RANK" >&2; exit 2 ;;',
               "esac", ""]
@@ -101,6 +222,8 @@ def _span(ranks: Sequence[int]) -> str:
 
 def slurm_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
     """`sbatch slurm.sbatch [runner options]`: one task per node, each runs torchrun (c10d on the first host)."""
+    if grammar.k8s_name_problem(s.job):  # an #SBATCH line is read by sbatch, not by a shell: no quoting helps there
+        raise BundleError(f"job name {grammar.k8s_name_problem(s.job)}")
     nproc = [n.nproc for n in nodes]
     uniform = len(set(nproc)) == 1
     head = ["#!/usr/bin/env bash", f"#SBATCH --job-name={s.job}", f"#SBATCH --nodes={len(nodes)}",
@@ -126,7 +249,7 @@ def slurm_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
         body = (f'srun --ntasks={len(nodes)} --ntasks-per-node=1 bash -c \'NPROC=({table}); '
                 f'export HAP_NODE_RANK="$SLURM_NODEID"; exec torchrun '
                 f'{" ".join(args)} -m runner.launch "$0" "$@"\' "$BUNDLE_DIR" "$@"')
-    comment = [f"# node {n.node_rank} (SLURM_NODEID): ranks {_span(n.ranks)}, planned for machine {n.machine}"
+    comment = [f"# node {n.node_rank} (SLURM_NODEID): ranks {_span(n.ranks)}, planned for machine {_line(n.machine)}"
                for n in nodes]
     return "\n".join(head + comment + [body, ""])
 

@@ -265,7 +265,7 @@ def test_launch_node_script_has_one_torchrun_line_per_node(bundle_a100):
     for k, line in enumerate(lines):
         assert f"--nnodes=2 --node-rank={k} --nproc-per-node=2 --rdzv-backend=c10d" in line
         assert '--rdzv-endpoint="$RDZV_ENDPOINT"' in line and '-m runner.launch "$BUNDLE_DIR" "$@"' in line
-    assert 'HAP_RDZV_ENDPOINT:-m0:29500' in text
+    assert "DEFAULT_RDZV_ENDPOINT=m0:29500" in text and 'RDZV_ENDPOINT="${HAP_RDZV_ENDPOINT:-$DEFAULT_RDZV_ENDPOINT}"' in text
     assert subprocess.run(["bash", "-n", str(bundle_a100 / "launch_node.sh")], timeout=30).returncode == 0
 
 
@@ -409,7 +409,7 @@ def test_nodes_can_be_given_by_hand_when_they_hold_the_ranks_in_order(plan4, tmp
     out = export_bundle(plan4, None, tmp_path / "b", nodes=two, rdzv_endpoint="host-a:1234")
     lines = [ln for ln in (out / "launch_node.sh").read_text().splitlines() if "exec torchrun" in ln]
     assert len(lines) == 2 and all("--nnodes=2" in ln and "--nproc-per-node=2" in ln for ln in lines)
-    assert "HAP_RDZV_ENDPOINT:-host-a:1234" in (out / "launch_node.sh").read_text()
+    assert "DEFAULT_RDZV_ENDPOINT=host-a:1234" in (out / "launch_node.sh").read_text()
     assert check_bundle(out).ok
     with pytest.raises(BundleError, match="must be numbered 0.. and hold ranks 0..3 in order"):
         export_bundle(plan4, None, tmp_path / "c", nodes=[LaunchNode(0, "a", (0, 2)), LaunchNode(1, "b", (1, 3))])

@@ -230,13 +230,23 @@ def bundle(good, cluster, tmp_path_factory) -> Path:
     return export_bundle(load_plan(copy.deepcopy(good)), cluster, tmp_path_factory.mktemp("b") / "bundle")
 
 
-def with_plan(bundle: Path, d: dict[str, Any], dest: Path) -> Path:
-    """A copy of the bundle whose plan.json is `d`, its manifest updated (so only the plan is wrong)."""
+def with_plan(bundle: Path, d: dict[str, Any], dest: Path, *, regenerate: bool = False) -> Path:
+    """A copy of the bundle whose plan.json is `d`, its manifest updated (so only the plan is wrong); with
+    `regenerate`, the files generated from the plan (the README shows its predicted time) written again too."""
     shutil.copytree(bundle, dest)
     data = json.dumps(d, indent=1).encode()
     (dest / "plan.json").write_bytes(data)
     manifest = json.loads((dest / "manifest.json").read_text())
-    manifest["files"]["plan.json"] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    if regenerate:
+        from engine.bundle.archive import ExportSettings, generated_files, manifest_nodes
+
+        plan, cluster = load_plan(data.decode()), engine.load_cluster(str(dest / "cluster.json"))
+        nodes = manifest_nodes(manifest, plan.world_size)
+        for name, text in generated_files(plan, cluster, nodes, ExportSettings.from_dict(manifest["export"], "export"), None).items():
+            (dest / name).write_bytes(text)
+    for f in sorted(dest.iterdir()):
+        if f.name != "manifest.json":
+            manifest["files"][f.name] = {"sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "bytes": f.stat().st_size}
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return dest
 
@@ -423,7 +433,7 @@ def test_a_cluster_of_another_world_size_is_refused(good):
 def test_hap_bundle_check_prints_the_repricing_warning_in_one_line(good, bundle, tmp_path, capsys):
     d = copy.deepcopy(good)
     d["predicted_time_s"] *= 3
-    assert hap_main(["bundle", "check", str(with_plan(bundle, d, tmp_path / "b"))]) == 0
+    assert hap_main(["bundle", "check", str(with_plan(bundle, d, tmp_path / "b", regenerate=True))]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("warning: the plan predicts") and out[-1].endswith(")") and "OK" in out[-1]
 
