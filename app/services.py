@@ -22,6 +22,8 @@ import streamlit as st
 import engine
 from engine import Cluster, Graph, HapError, ModelError, PipelinePlan, Plan, PlanOptions
 from engine import compare as engine_compare
+from engine.bundle.archive import MANIFEST, bundle_digest
+from engine.bundle.launch_files import cluster_launch_warnings
 from engine.model import source as engine_source
 from engine.model.zoo import ZOO
 from engine.pipeline import partition as engine_partition
@@ -292,9 +294,11 @@ def model_file_of(plan: Plan) -> tuple[str, bytes] | None:
 
 
 @st.cache_data(show_spinner="Building the launch bundle ...", max_entries=4)
-def bundle_zip(plan_json: str, cluster_text: str, model_file: tuple[str, bytes] | None = None) -> tuple[bytes | None, str]:
-    """A launch bundle made by `hap export PLAN --out DIR --zip [--model-file F]`: (zip bytes or None,
-    the command's one-line message). `model_file` is (name, bytes) of an uploaded model file."""
+def bundle_zip(plan_json: str, cluster_text: str,
+               model_file: tuple[str, bytes] | None = None) -> tuple[bytes | None, str, str | None]:
+    """A launch bundle made by `hap export PLAN --out DIR --zip [--model-file F]`: (zip bytes or None, the
+    command's one-line message, the bundle's digest: the sha256 of its manifest.json, or None).
+    `model_file` is (name, bytes) of an uploaded model file."""
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         (d / "plan.json").write_text(plan_json)
@@ -309,8 +313,15 @@ def bundle_zip(plan_json: str, cluster_text: str, model_file: tuple[str, bytes] 
         zips = sorted(d.rglob("*.zip"))
         if res.returncode != 0 or not zips:
             lines = (res.stderr or res.stdout).strip().splitlines()
-            return None, lines[-1] if lines else f"hap export exited with status {res.returncode}"
-        return zips[0].read_bytes(), (res.stdout.strip().splitlines() or [""])[-1]
+            return None, lines[-1] if lines else f"hap export exited with status {res.returncode}", None
+        digest = bundle_digest({MANIFEST: (d / "bundle" / MANIFEST).read_bytes()})
+        return zips[0].read_bytes(), (res.stdout.strip().splitlines() or [""])[0], digest
+
+
+def launch_warnings(cluster: Cluster) -> list[str]:
+    """What `hap export` would refuse in this cluster (machines that are no host names, names with control
+    characters): shown while planning, so nobody is stopped before export (engine.bundle.launch_files)."""
+    return cluster_launch_warnings(cluster)
 
 
 # ----------------------------------------------------------------------------- session defaults

@@ -47,6 +47,8 @@ except HapError as e:
     services.show_error(e)
 
 cluster = st.session_state[services.Keys.CLUSTER]
+for warning in services.launch_warnings(cluster):
+    st.warning(warning, icon=":material/warning:")
 st.graphviz_chart(ui.cluster_dot(cluster), width="stretch")
 st.dataframe(pd.DataFrame([{"collective": k, "latency_s": f.latency_s, "bandwidth_Bps": f.bandwidth_Bps}
                            for k, f in cluster.collectives.items()]), hide_index=True)

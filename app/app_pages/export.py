@@ -1,6 +1,4 @@
-"""Export: download the plan (and a launch bundle once `engine.bundle` exists) and the commands to run it."""
-import importlib.util
-
+"""Export: download the plan and its launch bundle (with the bundle digest to pass along), and the commands to run it."""
 import streamlit as st
 
 from app import services
@@ -15,16 +13,18 @@ st.download_button("Download plan.json (pipeline)" if pipeline else "Download pl
                    file_name="plan.json", mime="application/json", type="primary", key="export.plan")
 st.download_button("Download cluster.json", services.cluster_json(cluster), file_name="cluster.json",
                    mime="application/json", key="export.cluster")
-if importlib.util.find_spec("engine.bundle") is not None:
-    bundle, message = services.bundle_zip(services.plan_json(plan), services.cluster_json(cluster),
-                                          services.model_file_of(plan))
-    if bundle is not None:
-        st.download_button("Download launch bundle (zip)", bundle, file_name="hap_bundle.zip", mime="application/zip",
-                           key="export.bundle")
-    else:
-        st.error(f"hap export: {message}")
+bundle, message, digest = services.bundle_zip(services.plan_json(plan), services.cluster_json(cluster),
+                                              services.model_file_of(plan))
+if bundle is not None:
+    st.download_button("Download launch bundle (zip)", bundle, file_name="hap_bundle.zip", mime="application/zip",
+                       key="export.bundle")
+    st.markdown("**Bundle digest** (the sha256 of its manifest.json, which holds the sha256 of every other file). "
+                "Send it apart from the bundle, e.g. in chat while the zip goes by mail, so whoever runs it can check "
+                "that it is this bundle and no other:")
+    st.code(f"sha256:{digest}\n\nhap bundle check hap_bundle.zip --digest {digest}\n"
+            f"hap run hap_bundle.zip --digest {digest} --steps 5 --verify", language="bash")
 else:
-    st.caption("Launch bundles (`hap export`) are not part of this build yet: the plan alone runs with `hap run`.")
+    st.error(f"hap export: {message}")
 st.subheader("Run it")
 if pipeline:
     st.markdown("On one machine, one process per device (NCCL on the GPUs where CUDA is present, else gloo on the CPU):")

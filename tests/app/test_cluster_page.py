@@ -77,3 +77,16 @@ def test_cluster_dot_groups_devices_by_machine():
     assert dot.count("subgraph cluster_m") == len(cluster.machines) == 8
     assert dot.count("shape=box, label=") == 64
     assert "1.3 GB/s" in dot and "10 GB/s" in dot
+
+
+def test_a_machine_export_would_refuse_is_warned_about_while_planning(app, cpu_cluster):
+    import dataclasses
+
+    devices = [dataclasses.replace(d, machine="m0;touch x") if d.machine == "m0" else d for d in cpu_cluster.devices]
+    at = app
+    at.session_state[Keys.CLUSTER] = dataclasses.replace(cpu_cluster, devices=tuple(devices))
+    at = open_page(at, "cluster")
+    no_exception(at)
+    assert [w.value for w in at.warning if "hap export" in w.value] == [
+        "machine of cluster devices 0, 1: 'm0;touch x' is not a host name (RFC 1123: dot-separated labels of letters, "
+        "digits and '-') or an IPv4/IPv6 address; `hap export` will refuse it, rename the machine"]

@@ -1,11 +1,10 @@
-"""Export page: plan download, bundle when the engine has one, the commands to run the plan."""
+"""Export page: plan download, the launch bundle and its digest, the commands to run the plan."""
 from __future__ import annotations
 
-import importlib.util
+import hashlib
 import io
 import zipfile
 
-import pytest
 from ui_helpers import ROOT, app, cpu_cluster, no_exception, open_page, tiny_plan  # noqa: F401 (fixtures)
 
 import engine
@@ -17,11 +16,9 @@ def test_export_offers_the_plan_and_the_run_commands(app, tiny_plan):
     no_exception(at)
     labels = [b.proto.label for b in at.get("download_button")]
     assert labels[:2] == ["Download plan.json", "Download cluster.json"]
-    commands = at.code[0].value
+    commands = next(c.value for c in at.code if "hap run plan.json" in c.value)
     assert "hap run plan.json --steps 5 --verify" in commands
     assert f"--nproc-per-node={tiny_plan.world_size}" in commands
-    if importlib.util.find_spec("engine.bundle") is None:
-        assert any("not part of this build" in c.value for c in at.caption)
 
 
 def test_the_downloaded_text_is_the_plan(tiny_plan):
@@ -30,38 +27,37 @@ def test_the_downloaded_text_is_the_plan(tiny_plan):
     assert again.to_json() == tiny_plan.to_json()
 
 
-HAS_BUNDLE = importlib.util.find_spec("engine.bundle") is not None
-
-
-@pytest.mark.skipif(not HAS_BUNDLE, reason="engine.bundle (`hap export`) is not in this build yet")
 def test_bundle_zip_holds_the_plan(tiny_plan, cpu_cluster):
     from app import services
 
-    data, message = services.bundle_zip(tiny_plan.to_json(), services.cluster_json(cpu_cluster))
+    data, message, digest = services.bundle_zip(tiny_plan.to_json(), services.cluster_json(cpu_cluster))
     assert data is not None, message
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         name = next(n for n in zf.namelist() if n.endswith("plan.json"))
         assert load_plan(zf.read(name).decode()).to_json() == tiny_plan.to_json()
+        manifest = zf.read(next(n for n in zf.namelist() if n.endswith("manifest.json")))
+        assert digest == hashlib.sha256(manifest).hexdigest()
 
 
-@pytest.mark.skipif(not HAS_BUNDLE, reason="engine.bundle (`hap export`) is not in this build yet")
 def test_export_page_offers_the_bundle(app):
     at = open_page(app, "export")
     no_exception(at)
     assert not at.error, [e.value for e in at.error]
     assert "Download launch bundle (zip)" in [b.proto.label for b in at.get("download_button")]
+    digest = at.code[0].value.splitlines()[0]
+    assert digest.startswith("sha256:") and len(digest) == 7 + 64
+    assert f"hap run hap_bundle.zip --digest {digest[7:]}" in at.code[0].value
 
 
-@pytest.mark.skipif(not HAS_BUNDLE, reason="engine.bundle (`hap export`) is not in this build yet")
 def test_bundle_of_an_uploaded_model_file_ships_the_upload(cpu_cluster):
     from app import services
     from engine.model.source import capture_source
 
     text = (ROOT / "tests" / "fixtures" / "model_files" / "cumprod_mlp.py").read_bytes()
     plan = engine.plan(capture_source(text, "net.py", fallback="replicate"), cpu_cluster)
-    data, message = services.bundle_zip(plan.to_json(), services.cluster_json(cpu_cluster))
-    assert data is None and "not found" in message  # the upload has no path on this machine
-    data, message = services.bundle_zip(plan.to_json(), services.cluster_json(cpu_cluster), ("net.py", text))
+    data, message, digest = services.bundle_zip(plan.to_json(), services.cluster_json(cpu_cluster))
+    assert data is None and digest is None and "not found" in message  # the upload has no path on this machine
+    data, message, _ = services.bundle_zip(plan.to_json(), services.cluster_json(cpu_cluster), ("net.py", text))
     assert data is not None, message
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         assert zf.read(next(n for n in zf.namelist() if n.endswith("model/net.py"))) == text

@@ -1,6 +1,7 @@
 """`hap run BUNDLE` (issue 6): checked before the first step, safe zips, GPU-type report, verify passes."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -35,7 +36,9 @@ def bundle4(tmp_path_factory) -> Path:
 def test_hap_run_bundle_zip_verify_on_4_gloo_ranks_exits_0(bundle4, tmp_path):
     """Warm (the real torchrun runs bundles in the two-node launch below and in test_plan_interface)."""
     metrics = tmp_path / "m.jsonl"
-    r = warm_hap("run", str(bundle4.with_name("gpt4.zip")), "--steps", "5", "--verify", "--metrics", str(metrics))
+    digest = hashlib.sha256((bundle4 / "manifest.json").read_bytes()).hexdigest()  # the digest `hap export` printed
+    r = warm_hap("run", str(bundle4.with_name("gpt4.zip")), "--steps", "5", "--verify", "--metrics", str(metrics),
+                 "--digest", digest)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "hap run: device check ok: rank 0: CPU, as planned for device cpu-0" in r.stdout
     assert "verify: OK" in r.stdout and "largest parameter relative difference" in r.stdout
@@ -57,6 +60,21 @@ def test_hap_run_refuses_an_edited_bundle_by_name_before_starting_any_rank(bundl
     assert r.returncode == 2
     assert "changed file: cluster.json" in r.stderr and "extra file: extra.py" in r.stderr
     assert "torch.distributed" not in r.stderr and "step" not in r.stdout
+
+
+def test_hap_run_refuses_a_tampered_bundle_by_its_digest_and_without_it_by_regeneration(bundle4, tmp_path):
+    digest = hashlib.sha256((bundle4 / "manifest.json").read_bytes()).hexdigest()
+    b = copy_bundle(bundle4, tmp_path / "b")
+    script = (b / "launch_node.sh").read_text().replace("set -euo pipefail", "set -euo pipefail; touch pwned")
+    (b / "launch_node.sh").write_text(script)
+    manifest = json.loads((b / "manifest.json").read_text())
+    manifest["files"]["launch_node.sh"]["sha256"] = hashlib.sha256(script.encode()).hexdigest()
+    (b / "manifest.json").write_text(json.dumps(manifest))
+    r = warm_hap("run", str(b), "--steps", "1", "--digest", digest, timeout=60)
+    assert r.returncode == 2 and "digest mismatch" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    r = warm_hap("run", str(b), "--steps", "1", timeout=60)
+    assert r.returncode == 2 and "launch_node.sh: not the file `hap export` writes" in r.stderr
+    assert "step" not in r.stdout
 
 
 def test_hap_run_refuses_a_zip_with_an_entry_escaping_the_folder(bundle4, tmp_path):
