@@ -374,9 +374,12 @@ def readme_text(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], s:
 {plan.predicted_time_s * 1e3:.2f} ms. Every node needs `hap-workbench` installed (it provides
 `torchrun` and `runner.launch`) and this folder at the same path (or on a shared file system).
 
-Check the bundle first (exit 0 valid, 1 invalid: a changed, extra or missing file is named, 2 usage error):
+Check the bundle first, with the digest its author sent you apart from it (`hap export` printed it;
+exit 0 valid, 1 invalid: a changed, extra or missing file is named, 2 usage error):
 
-    hap bundle check .
+    hap bundle check . --digest SHA256
+
+and pass `--digest SHA256` to `hap run` and the launch scripts too: every rank then refuses any other bundle.
 
 ## Which command to run where
 
