@@ -148,7 +148,8 @@ def launch_problems(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode]
            for n in nodes if (why := grammar.host_problem(n.machine))]
     out += s.problems()
     out += shown_name_problems(cluster)
-    for what, value in (("model name", plan.graph.name), ("plan cluster name", plan.cluster_name)):
+    for what, value in (("model name", plan.graph.name), ("plan cluster name", plan.cluster_name),
+                        ("plan summary", plan_summary(plan))):
         if why := grammar.text_problem(value):
             out.append(f"{what}: {why}")
     if why := grammar.k8s_name_problem(job_name(plan)):

@@ -321,3 +321,24 @@ def test_sample_clusters_export_without_a_warning():
         from engine.bundle.launch_files import cluster_launch_warnings
 
         assert cluster_launch_warnings(engine.load_cluster(sample_dict(path.stem))) == [], path
+
+
+def test_a_bundle_whose_cluster_and_nodes_were_edited_to_a_hostile_machine_is_refused_naming_it(made, tmp_path):
+    _, _, bundle, _ = made
+    bad = shutil.copytree(bundle, tmp_path / "bad")
+    cluster = json.loads((bad / "cluster.json").read_text())
+    for device in cluster["devices"][:2]:  # node 0's two devices
+        device["machine"] = "m0$(touch pwned)"
+    text = json.dumps(cluster, indent=1) + "\n"
+    (bad / "cluster.json").write_text(text)
+    plan = (bad / "plan.json").read_text().replace('"m0"', '"m0$(touch pwned)"')  # the plan's machines too
+    (bad / "plan.json").write_text(plan)
+    manifest = json.loads((bad / MANIFEST).read_text())
+    manifest["nodes"][0]["machine"] = "m0$(touch pwned)"
+    for name, data in (("cluster.json", text), ("plan.json", plan)):
+        manifest["files"][name] = {"sha256": hashlib.sha256(data.encode()).hexdigest(), "bytes": len(data)}
+    (bad / MANIFEST).write_text(json.dumps(manifest))
+    assert check_bundle(bad).problems == ["node 0 machine 'm0$(touch pwned)' is not a host name (RFC 1123: "
+                                          "dot-separated labels of letters, digits and '-') or an IPv4/IPv6 address; "
+                                          "rename the machine in the cluster spec (refused: it would be written into "
+                                          "the launch files)"]
