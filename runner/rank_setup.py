@@ -10,10 +10,11 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from engine.spmd.plan import Plan
 from runner import checkpoint, reshard
 from runner.config import NODE_ENV, DistEnv, RunConfig
 from runner.duplex import check_duplex
+from runner.scratch import scratch_folder, sigterm_exits
 from runner.timing import EmulatedLink, Pacer, parse_speeds
 
 
@@ -68,25 +70,41 @@ class Inputs:
     """Temporary folder a bundle zip was extracted to (removed at the end)."""
 
 
+def extracts(path: str) -> bool:
+    """Whether opening `path` extracts a bundle zip into a scratch folder (which must then be removed)."""
+    return os.path.isfile(path) and is_bundle(path)
+
+
 def open_source(path: str, scratch_prefix: str = "hap-bundle-") -> tuple[str, bundle.OpenedBundle | None, str | None]:
-    """(plan path, opened bundle, scratch folder) of a plan file or a checked bundle (a zip is extracted safely)."""
+    """(plan path, opened bundle, scratch folder) of a plan file or a checked bundle (a zip is extracted safely);
+    the caller removes the scratch folder, guarding its block with `runner.scratch.sigterm_exits`."""
     if not is_bundle(path):
         return path, None, None
-    scratch = None
-    folder = path
-    if os.path.isfile(path):
+    if not os.path.isfile(path):
+        return checked_bundle(path, None)
+    with sigterm_exits():
         scratch = tempfile.mkdtemp(prefix=scratch_prefix)
         try:
-            folder = str(safe_extract(path, scratch))
-        except HapError:
+            return checked_bundle(safe_extract(path, scratch), scratch)
+        except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
-    try:
-        opened = bundle.open_bundle(folder)
-    except HapError:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
-        raise
+
+
+@contextmanager
+def opened_source(path: str, scratch_prefix: str = "hap-bundle-") -> Iterator[tuple[str, bundle.OpenedBundle | None,
+                                                                                  str | None]]:
+    """`open_source` for the block: a zip's scratch folder is removed on every way out of it, SIGTERM included."""
+    if not extracts(path):
+        yield open_source(path, scratch_prefix)
+        return
+    with scratch_folder(scratch_prefix) as scratch:
+        yield checked_bundle(safe_extract(path, scratch), scratch)
+
+
+def checked_bundle(folder: str | Path, scratch: str | None) -> tuple[str, bundle.OpenedBundle, str | None]:
+    """(plan path, opened bundle, scratch folder) of a bundle folder checked against its manifest."""
+    opened = bundle.open_bundle(folder)
     return str(opened.plan_path), opened, scratch
 
 
