@@ -21,6 +21,7 @@ Run from the repository root:
     PYTHONPATH=. python bench/fuzz.py                         # 1000 cases of each kind (a few minutes)
     PYTHONPATH=. python bench/fuzz.py --cases 200 --kind cluster --kind graph
     PYTHONPATH=. python bench/fuzz.py --seed 7 --timeout 20   # other cases, a longer hang limit
+    PYTHONPATH=. python bench/fuzz.py --zip-bomb              # issue 24: a 3 GiB-entry zip, time and peak memory
 
 It prints the table and every distinct raw exception or hang with the mutations that produce it
 (replay case i of a kind with `random.Random(f"{seed}/{kind}/{i}")`), and writes the same to
@@ -93,6 +94,78 @@ def bug_list(reports: list[KindReport]) -> str:
     return "\n".join(lines) if lines else "no raw exception and no hang"
 
 
+ZIP_BOMB_GIB = 3
+"""Size of the zero-filled entry issue 24 reported (3 GiB in a 3 MB zip)."""
+
+
+def bomb_zip(work: Path, gib: int = ZIP_BOMB_GIB) -> tuple[Path, Path]:
+    """(a real bundle zip of zoo:mlp on cpu_4_uneven, a copy with one extra entry of `gib` GiB of zeros), the
+    extra entry deflated as it streams in 1 MiB chunks, so the bomb never sits in memory."""
+    import shutil
+    import zipfile
+
+    import engine
+    from engine.bundle.archive import export_bundle
+
+    cluster = fuzzing.SAMPLES / "cpu_4_uneven.json"
+    plan = engine.plan(engine.load_model("zoo:mlp", **fuzzing.SMALL_MLP), cluster, time_budget_s=5)
+    folder = export_bundle(plan, cluster, work / "bundle", zip=True)
+    real, bomb = folder.with_name("bundle.zip"), work / "bomb.zip"
+    shutil.copyfile(real, bomb)
+    zeros = bytes(1 << 20)
+    with zipfile.ZipFile(bomb, "a", zipfile.ZIP_DEFLATED, compresslevel=9) as z, z.open("bundle/zeros.bin", "w", force_zip64=True) as f:
+        for _ in range(gib << 10):
+            f.write(zeros)
+    return real, bomb
+
+
+_PEAK = """import os, sys
+pid = os.fork()
+if pid == 0:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.execvp(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)
+"""
+"""Runs a command from a bare `python -S` (Linux counts a child's peak RSS from its parent's at fork, so the bench
+process, which imported torch, must not fork it) and prints its exit status and peak RSS in KiB."""
+
+
+def measured(cmd: list[str]) -> tuple[float, int, str, float]:
+    """(wall seconds, exit status, first two stderr lines, peak RSS in MB) of one command."""
+    import os
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    start = time.perf_counter()
+    r = subprocess.run([sys.executable, "-S", "-c", _PEAK, *cmd], capture_output=True, text=True, env=env)
+    seconds = time.perf_counter() - start
+    code, kib = (int(x) for x in r.stdout.split())
+    said = " / ".join(line.strip() for line in r.stderr.strip().splitlines()[:2])
+    return seconds, code, said, kib / 1024
+
+
+def zip_bomb_report(gib: int = ZIP_BOMB_GIB) -> str:
+    """Issue 24's acceptance figures: `hap bundle check` and `hap run` on the bomb zip, beside the real zip and
+    the peak RSS of a bare `import torch` (the baseline of anything that imports torch)."""
+    hap = str(Path(sys.executable).with_name("hap"))
+    rows = ["| command | wall s | exit | peak RSS MB | stderr (first two lines) |", "|---|---|---|---|---|"]
+    with tempfile.TemporaryDirectory(prefix="hap-zip-bomb-") as work:
+        start = time.perf_counter()
+        real, bomb = bomb_zip(Path(work), gib)
+        made = time.perf_counter() - start
+        cases = [("python -c 'import torch' (baseline)", [sys.executable, "-c", "import torch"]),
+                 ("hap bundle check REAL.zip", [hap, "bundle", "check", str(real)]),
+                 ("hap bundle check BOMB.zip", [hap, "bundle", "check", str(bomb)]),
+                 ("hap run BOMB.zip --steps 1", [hap, "run", str(bomb), "--steps", "1"])]
+        for label, cmd in cases:
+            seconds, code, first, rss = measured(cmd)
+            rows.append(f"| `{label}` | {seconds:.2f} | {code} | {rss:.0f} | {first[:220]} |")
+        sizes = f"real zip {real.stat().st_size} bytes; bomb zip {bomb.stat().st_size} bytes " \
+                f"(+{gib} GiB of zeros deflated, built in {made:.0f} s)"
+    return "\n".join([sizes, "", *rows])
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", type=int, default=1000, help="cases per input kind (default 1000)")
@@ -101,11 +174,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=10.0, help="seconds after which a case counts as a hang (default 10)")
     p.add_argument("--json", metavar="FILE", default=str(ROOT / "bench" / "results" / "fuzz.json"),
                    help="where to write the counts and the bugs found as JSON (default bench/results/fuzz.json)")
+    p.add_argument("--zip-bomb", action="store_true",
+                   help=f"instead of fuzzing, time `hap bundle check` and `hap run` on a bundle zip with one extra "
+                        f"{ZIP_BOMB_GIB} GiB entry of zeros (issue 24) and print their peak memory")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.zip_bomb:
+        print(zip_bomb_report())
+        return 0
     kinds = args.kind or list(fuzzing.KINDS)
     with tempfile.TemporaryDirectory(prefix="hap-fuzz-") as work:
         fx = fuzzing.make_fixtures(work)

@@ -54,10 +54,18 @@ MAX_KNOB_FLOAT = 2.0**20
 """Magnitude of a float zoo knob (dropout, width, capacity_factor)."""
 
 MAX_BUNDLE_FILES = 10_000
-"""Files in a launch bundle zip (an export writes about ten)."""
-MAX_BUNDLE_BYTES = 2**32
-"""Unpacked bytes of a launch bundle zip, checked from its directory before anything is inflated (a zip bomb
-declares terabytes); the plan JSON of a 10B-parameter model is megabytes."""
+"""Entries in a launch bundle (zip or folder); an export writes about ten."""
+MAX_BUNDLE_BYTES = 2**28
+"""Unpacked bytes of a whole launch bundle (256 MiB), checked from the zip's directory or the folder's lstat before
+anything is read: a bundle is read into memory, and the plan JSON of a 96-layer GPT on 8 devices is 3 MB."""
+MAX_BUNDLE_ENTRY_BYTES = 2**27
+"""Unpacked bytes of one bundle file (128 MiB): forty times the largest plan JSON measured, yet a 3 GiB entry of
+zeros (issue 24's zip bomb) is refused from the directory without inflating a byte."""
+MAX_BUNDLE_RATIO = 200
+"""Largest uncompressed/compressed ratio of a zip entry above `BUNDLE_RATIO_FLOOR_BYTES`: real bundle files
+measure 1.5-23 (the plan JSON the most), while deflated zeros reach about 1000, the mark of a zip bomb."""
+BUNDLE_RATIO_FLOOR_BYTES = 2**20
+"""Entries smaller than this (1 MiB unpacked) may compress by any ratio: they cannot cost memory."""
 
 MAX_TIME_BUDGET_S = 86400.0
 """A search time budget of more than a day is a typo."""

@@ -19,25 +19,25 @@ stops every rank; the command then exits with 128 + the signal number.
 
 A launch bundle (folder or zip from `hap export`) is checked against its manifest before
 torchrun starts (a changed, extra or missing file is refused by name, exit status 2); a zip is
-extracted once, safely, into a temporary folder that the ranks then run from.
+extracted once, safely, into a temporary folder that the ranks then run from; that folder is
+removed however the command ends (SIGTERM included: runner.scratch), after torchrun has exited.
 """
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from engine.bundle.archive import check_on_cluster, model_file_of
+from engine.bundle.archive import OpenedBundle, check_on_cluster, model_file_of
 from engine.errors import HapError
 from engine.pipeline.plan import PipelinePlan
 from engine.planner import load_plan
 from runner import launch
-from runner.config import parse_args
+from runner.config import RunConfig, parse_args
 from runner.elastic import run_elastic
 from runner.pipeline import check_pipeline_options, load_pipeline_plan
-from runner.rank_setup import check_inputs, exit_process, open_source
+from runner.rank_setup import check_inputs, exit_process, opened_source
 from runner.torchrun import run_torchrun, under_launcher
 
 
@@ -48,33 +48,30 @@ def main(argv: Sequence[str]) -> int:
     if cfg.elastic:
 
         return run_elastic(cfg, argv)
-    scratch = None
     try:
-        plan_path, opened, scratch = open_source(cfg.plan, digest=cfg.digest)
-        source = str(Path(plan_path).parent) if scratch else cfg.plan  # the ranks run the extracted folder
-        plan = load_plan(plan_path)  # validated (engine.spmd.validate): an inconsistent plan stops here
-        world_size = plan.world_size
-        warnings = check_on_cluster(plan, opened.cluster) if opened else []
-        if isinstance(plan, PipelinePlan):  # its own runner (runner.pipeline), one rank per device
-            module = "runner.pipeline"
-            check_pipeline_options(cfg)
-            load_pipeline_plan(plan_path, world_size, model_file_of(opened) if opened else None)
-        else:
-            module = "runner.launch"
-            check_inputs(dataclasses.replace(cfg, plan=source), world_size)
+        with opened_source(cfg.plan, digest=cfg.digest) as (plan_path, opened, scratch):  # a zip's folder removed on every way out
+            source = str(Path(plan_path).parent) if scratch else cfg.plan  # the ranks run the extracted folder
+            module, world_size, warnings = check_launch(cfg, plan_path, opened, source)
+            for warning in warnings:
+                print(f"warning: {warning}", file=sys.stderr)
+            sys.stdout.flush()
+            return run_torchrun(world_size, with_source(argv, cfg.plan, source), module=module)
     except (HapError, ValueError, OSError) as e:
         print(f"hap run: error: {e}", file=sys.stderr)
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
         return 2
-    for warning in warnings:
-        print(f"warning: {warning}", file=sys.stderr)
-    sys.stdout.flush()
-    try:
-        return run_torchrun(world_size, with_source(argv, cfg.plan, source), module=module)
-    finally:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def check_launch(cfg: RunConfig, plan_path: str, opened: OpenedBundle | None,
+                 source: str) -> tuple[str, int, list[str]]:
+    """(rank module, world size, warnings) once the plan and options are checked as every rank will check them."""
+    plan = load_plan(plan_path)  # validated (engine.spmd.validate): an inconsistent plan stops here
+    warnings = check_on_cluster(plan, opened.cluster) if opened else []
+    if isinstance(plan, PipelinePlan):  # its own runner (runner.pipeline), one rank per device
+        check_pipeline_options(cfg)
+        load_pipeline_plan(plan_path, plan.world_size, model_file_of(opened) if opened else None)
+        return "runner.pipeline", plan.world_size, warnings
+    check_inputs(dataclasses.replace(cfg, plan=source), plan.world_size)
+    return "runner.launch", plan.world_size, warnings
 
 
 def with_source(argv: Sequence[str], old: str, new: str) -> list[str]:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from engine.bundle.unpack import is_bundle
 from engine.cluster.spec import Cluster, load_cluster
 from engine.elastic.replan import replan, without_devices
 from engine.errors import HapError
@@ -38,7 +39,7 @@ from engine.planner import load_plan
 from engine.spmd.plan import Plan
 from runner import checkpoint
 from runner.config import FAULT_ENV
-from runner.rank_setup import check_inputs, open_source
+from runner.rank_setup import check_inputs
 from runner.torchrun import run_torchrun
 
 SWITCH_ENV = "HAP_ELASTIC_SWITCH"
@@ -141,7 +142,7 @@ def run_elastic(cfg: Any, argv: Sequence[str]) -> int:
     """Run the job; after each rank failure re-plan without its device and continue (see the module doc)."""
 
     try:
-        if open_source(cfg.plan, digest=cfg.digest)[1] is not None:
+        if is_bundle(cfg.plan):  # asked without extracting a zip (which left its scratch folder behind)
             raise ValueError("--elastic runs a plan file, not a bundle (a switch writes new plans)")
         plan = load_plan(cfg.plan)
         cluster = check_cluster(plan, cfg.elastic)

@@ -10,16 +10,31 @@ execution commands live with the code they run.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import zipfile
 from typing import Any, Sequence
 
 from engine import cli as planning
+from engine.bundle.unpack import check_zip
+from engine.errors import HapError
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from runner.cli import main as run_main
+    try:
+        check_zip_first(args.plan)
+    except HapError as e:
+        print(f"hap run: error: {e}", file=sys.stderr)
+        return 2
+    from runner.cli import main as run_main  # imports torch: seconds and hundreds of MB
 
     return run_main([args.plan, *args.options])
+
+
+def check_zip_first(path: str) -> None:
+    """Refuse a bundle zip by its directory before torch is imported, so a zip bomb costs milliseconds (issue 24)."""
+    if os.path.isfile(path) and zipfile.is_zipfile(path):
+        check_zip(path)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:

@@ -55,8 +55,9 @@ from engine.spmd.plan import Plan
 from runner import checkpoint, elastic, reshard
 from runner.config import FAULT_ENV, DistEnv, RunConfig, parse_args
 from runner.failure import record_failure
-from runner.rank_setup import (Inputs, apply_cpu_threads, check_inputs, device_report, exit_process, init_distributed,
-                               make_pacer, pick_device, run_key)
+from runner.rank_setup import (Inputs, apply_cpu_threads, check_inputs, device_report, exit_process, extracts,
+                               init_distributed, make_pacer, pick_device, run_key)
+from runner.scratch import sigterm_exits
 from runner.train import RankState, make_batch, setup_rank, train_step
 from runner.verify import verify
 
@@ -184,18 +185,20 @@ def report_device(inputs: Inputs, cfg: RunConfig, env: DistEnv, device: torch.de
 
 
 def run(cfg: RunConfig, env: DistEnv, init_method: str | None = None) -> int:
-    """Train (and verify) on this rank; the exit status (0 ok, 1 verification failed, 2 bad input)."""
-    try:
-        inputs = check_inputs(cfg, env.world_size, env)
-    except (HapError, ValueError, OSError) as e:
-        record_failure(env.rank, e)
-        print(f"hap run: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        return run_checked(cfg, inputs.env, inputs, init_method)
-    finally:
-        if inputs.scratch:
-            shutil.rmtree(inputs.scratch, ignore_errors=True)
+    """Train (and verify) on this rank; the exit status (0 ok, 1 verification failed, 2 bad input).
+    A bundle zip's scratch folder is removed however the rank ends, SIGTERM from torchrun included."""
+    with sigterm_exits(extracts(cfg.plan)):
+        try:
+            inputs = check_inputs(cfg, env.world_size, env)
+        except (HapError, ValueError, OSError) as e:
+            record_failure(env.rank, e)
+            print(f"hap run: error: {e}", file=sys.stderr)
+            return 2
+        try:
+            return run_checked(cfg, inputs.env, inputs, init_method)
+        finally:
+            if inputs.scratch:
+                shutil.rmtree(inputs.scratch, ignore_errors=True)
 
 
 def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str | None) -> int:

@@ -58,7 +58,8 @@ from engine.theory.core import FULL, PARTIAL
 from runner import collectives as C
 from runner.config import DistEnv, parse_args
 from runner.program import ProgramPiece, RankProgram, build_rank_program, shard
-from runner.rank_setup import bundle_rank, open_source, pick_device
+from runner.rank_setup import bundle_rank, extracts, open_source, pick_device
+from runner.scratch import sigterm_exits
 from runner.stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans,
                                   loss_weights, microbatch_leaves, stage_inputs, stage_outputs, stage_params,
                                   stage_rank_program, sync_stage_gradients, tied_weight_error)
@@ -573,22 +574,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     to the rank's own scratch folder) and the rank joins as the plan device its bundle node gives it."""
 
     cfg = parse_args(argv)
-    try:
-        plan, env, scratch = pipeline_inputs(cfg)
-    except (HapError, ValueError) as e:
-        print(f"hap run: error: {e}", file=sys.stderr)
-        return 2
-    try:
-        backend, device = pick_device(env.local_rank)
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timedelta(seconds=cfg.timeout_s))
-        status = run_rank(plan, env.rank, cfg, device)
-    except (HapError, ValueError) as e:  # ValueError: more ranks on this machine than GPUs
-        print(f"hap run: error: {e}", file=sys.stderr)
-        status = 2
-    finally:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
+    with sigterm_exits(extracts(cfg.plan)):  # a zip's scratch folder goes however the rank ends, SIGTERM included
+        try:
+            plan, env, scratch = pipeline_inputs(cfg)
+        except (HapError, ValueError) as e:
+            print(f"hap run: error: {e}", file=sys.stderr)
+            return 2
+        try:
+            backend, device = pick_device(env.local_rank)
+            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=timedelta(seconds=cfg.timeout_s))
+            status = run_rank(plan, env.rank, cfg, device)
+        except (HapError, ValueError) as e:  # ValueError: more ranks on this machine than GPUs
+            print(f"hap run: error: {e}", file=sys.stderr)
+            status = 2
+        finally:
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
     sys.stdout.flush()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -10,10 +10,11 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -21,13 +22,14 @@ import torch.distributed as dist
 from engine.bundle import archive as bundle
 from engine.bundle.unpack import is_bundle, safe_extract
 from engine.cluster.spec import Cluster
-from engine.errors import BundleError, HapError
+from engine.errors import BundleError
 from engine.model import source
 from engine.planner import load_plan
 from engine.spmd.plan import Plan
 from runner import checkpoint, reshard
 from runner.config import NODE_ENV, DistEnv, RunConfig
 from runner.duplex import check_duplex
+from runner.scratch import scratch_folder, sigterm_exits
 from runner.timing import EmulatedLink, Pacer, parse_speeds
 
 
@@ -68,30 +70,47 @@ class Inputs:
     """Temporary folder a bundle zip was extracted to (removed at the end)."""
 
 
+def extracts(path: str) -> bool:
+    """Whether opening `path` extracts a bundle zip into a scratch folder (which must then be removed)."""
+    return os.path.isfile(path) and is_bundle(path)
+
+
 def open_source(path: str, scratch_prefix: str = "hap-bundle-",
                 digest: str | None = None) -> tuple[str, bundle.OpenedBundle | None, str | None]:
     """(plan path, opened bundle, scratch folder) of a plan file or a checked bundle (a zip is extracted safely);
-    with `digest` (`--digest`), only the bundle whose manifest.json has that sha256."""
+    with `digest` (`--digest`), only the bundle whose manifest.json has that sha256. The caller removes the
+    scratch folder, guarding its block with `runner.scratch.sigterm_exits`."""
     if not is_bundle(path):
         if digest is not None:
             raise BundleError(f"--digest checks a launch bundle, but {path} is a plan file: run the bundle "
                               "`hap export` made from it, or leave --digest out")
         return path, None, None
-    scratch = None
-    folder = path
-    if os.path.isfile(path):
+    if not os.path.isfile(path):
+        return checked_bundle(path, None, digest)
+    with sigterm_exits():
         scratch = tempfile.mkdtemp(prefix=scratch_prefix)
         try:
-            folder = str(safe_extract(path, scratch))
-        except HapError:
+            return checked_bundle(safe_extract(path, scratch), scratch, digest)
+        except BaseException:
             shutil.rmtree(scratch, ignore_errors=True)
             raise
-    try:
-        opened = bundle.open_bundle(folder, digest)
-    except HapError:
-        if scratch:
-            shutil.rmtree(scratch, ignore_errors=True)
-        raise
+
+
+@contextmanager
+def opened_source(path: str, scratch_prefix: str = "hap-bundle-", digest: str | None = None
+                  ) -> Iterator[tuple[str, bundle.OpenedBundle | None, str | None]]:
+    """`open_source` for the block: a zip's scratch folder is removed on every way out of it, SIGTERM included."""
+    if not extracts(path):
+        yield open_source(path, scratch_prefix, digest)
+        return
+    with scratch_folder(scratch_prefix) as scratch:
+        yield checked_bundle(safe_extract(path, scratch), scratch, digest)
+
+
+def checked_bundle(folder: str | Path, scratch: str | None,
+                   digest: str | None = None) -> tuple[str, bundle.OpenedBundle, str | None]:
+    """(plan path, opened bundle, scratch folder) of a bundle folder checked against its manifest (and `digest`)."""
+    opened = bundle.open_bundle(folder, digest)
     return str(opened.plan_path), opened, scratch
 
 
