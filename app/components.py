@@ -14,7 +14,9 @@ import pandas as pd
 
 from engine import Cluster, Graph, PipelinePlan, Plan
 from engine.compare import LANES, lane_figures
+from engine.errors import HapError
 from engine.planner import OVERLAP_MEANING  # noqa: F401 (pages show it)
+from engine.readers import check_size, parse_json
 from engine.spmd.program import COMM, COMPUTE, LOAD
 from engine.theory import COLLECTIVES, collectives_from, form_long, form_str, leaf_forms, op_rules
 from engine.theory.core import FULL, PARTIAL
@@ -286,21 +288,24 @@ def history_rows(plan: Plan) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- timeline
 
 
+class MetricsError(HapError, ValueError):
+    """An uploaded metrics file is not the JSON lines `hap run --metrics` writes."""
+
+
 def parse_metrics(text: str) -> list[dict[str, Any]]:
-    """Records of a runner metrics file (JSON lines, one per step and rank; see runner.launch)."""
+    """Records of a runner metrics file (JSON lines, one per step and rank; see runner.launch), each
+    line parsed within engine.readers' bounds (the upload is a user's file like any other)."""
+    check_size(len(text), "metrics file", MetricsError)
     records = []
     for k, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"metrics file line {k}: not JSON ({e.msg}); upload the file written by `hap run --metrics`") from None
+        rec = parse_json(line, f"metrics file line {k}", MetricsError)
         if not isinstance(rec, dict) or "rank" not in rec or "step" not in rec:
-            raise ValueError(f"metrics file line {k}: a record needs 'step' and 'rank' (written by `hap run --metrics`)")
+            raise MetricsError(f"metrics file line {k}: a record needs 'step' and 'rank' (written by `hap run --metrics`)")
         records.append(rec)
     if not records:
-        raise ValueError("metrics file: empty; run `hap run PLAN --metrics FILE --timing` to record one")
+        raise MetricsError("metrics file: empty; run `hap run PLAN --metrics FILE --timing` to record one")
     return records
 
 

@@ -28,6 +28,7 @@ from engine.model import source as engine_source
 from engine.model.zoo import ZOO
 from engine.pipeline import partition as engine_partition
 from engine.pipeline import schedule as engine_schedule
+from engine.readers import parse_json
 
 from . import components as ui
 
@@ -105,12 +106,9 @@ def zoo_model(name: str, knobs: tuple[tuple[str, Any], ...]) -> Graph:
 
 @st.cache_data(max_entries=16)
 def graph_from_json(data: bytes) -> Graph:
-    """A graph-IR JSON upload (safe: plain data); ModelError with the engine's message if malformed."""
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"graph JSON: not valid JSON ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    return Graph.from_dict(d)
+    """A graph-IR JSON upload (safe: plain data); ModelError with the engine's message if malformed,
+    too large, too deep or holding an over-long number (engine.readers)."""
+    return Graph.from_dict(parse_json(data, "graph JSON", ModelError))
 
 
 PYTHON_CONVENTION = """\
@@ -151,10 +149,7 @@ def hf_is_vision(cls: str) -> bool:
 @st.cache_data(show_spinner="Building the Hugging Face model from its config and capturing it ...", max_entries=16)
 def hf_model(cls: str, config_text: str, batch: int, seq_len: int | None) -> Graph:
     """A transformers class built from its default config updated by `config_text` (JSON), captured on meta."""
-    try:
-        config = json.loads(config_text or "{}")
-    except json.JSONDecodeError as e:
-        raise ModelError(f"hf:{cls} config: not valid JSON (line {e.lineno} column {e.colno}: {e.msg})") from None
+    config = parse_json(config_text or "{}", f"hf:{cls} config", ModelError)
     if not isinstance(config, dict):
         raise ModelError(f"hf:{cls} config: expected a JSON object of config keys, got {type(config).__name__}")
     knobs = {"batch": batch} if seq_len is None else {"batch": batch, "seq_len": seq_len}
@@ -181,12 +176,9 @@ def sample_cluster(name: str) -> Cluster:
 
 @st.cache_data(max_entries=16)
 def cluster_from_json(data: bytes) -> Cluster:
-    """A cluster JSON upload; ClusterError with the engine's one-line message if malformed."""
-    try:
-        d = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise engine.ClusterError(f"cluster JSON: not valid JSON ({type(e).__name__}: {str(e).splitlines()[0]})") from None
-    return engine.load_cluster(d)
+    """A cluster JSON upload; ClusterError with the engine's one-line message if malformed, too large,
+    too deep or holding an over-long number (engine.readers)."""
+    return engine.load_cluster(parse_json(data, "cluster JSON", engine.ClusterError))
 
 
 def cluster_with_edits(cluster: Cluster, devices: list[dict[str, Any]], links: list[dict[str, Any]],

@@ -8,7 +8,9 @@ nested object replaced, a number at a bound, a shape, index or name changed) and
 API the CLI wraps (cluster: `load_cluster` + `plan`; graph: `Graph.from_dict` + `plan`; plan:
 `engine.load_plan` + `listing`; bundle: `check_files` and, when valid, `open_bundle`, or
 `check_bundle` of the zip; CLI: `engine.cli.main` and `runner.cli.main` with torchrun stubbed out,
-`runner.profile.parse_args`). No process is ever started.
+`runner.profile.parse_args`; file: a hostile file of issue 24 (deep nesting, a long number, a sparse
+file over the byte cap, a FIFO, /dev/zero, a directory, bytes that are not UTF-8, a BOM, cut JSON)
+given to every flag that takes a file, or hostile bytes to a workbench upload). No process is ever started.
 Every case runs under a SIGALRM time limit; plans get a 0.3 s search budget. The mutations and the
 outcome rules are `tests/fuzzing.py`, shared with `tests/test_fuzz.py`.
 
@@ -46,7 +48,8 @@ import fuzzing  # noqa: E402  (tests/fuzzing.py, imported as pytest imports it)
 
 LABELS = {"cluster": "cluster spec → `load_cluster` + `plan`", "graph": "graph JSON → `Graph.from_dict` + `plan`",
           "plan": "plan JSON → `engine.load_plan` + `listing`", "bundle": "bundle → `check_files` + `open_bundle`",
-          "cli": "CLI arguments → `hap` / `hap run` / `hap profile` (no process started)"}
+          "cli": "CLI arguments → `hap` / `hap run` / `hap profile` (no process started)",
+          "file": "hostile file → every flag that takes a file, and the workbench uploads"}
 
 
 @dataclass

@@ -74,6 +74,21 @@ MAX_SEGMENTS = 1024
 MAX_STEPS = 10**9
 """Training steps of one run."""
 
+MAX_INPUT_BYTES = 256 * 2**20
+"""Bytes of one JSON input (plan, graph, cluster, config) read by engine.readers: the graph JSON of
+zoo:gpt at GPT-3 XL size (24 layers, hidden 2048) is 0.26 MB and a pipeline plan of zoo:gpt 0.6 MB
+(graphs grow with layers, not width), so 256 MiB is hundreds of times any real one, yet /dev/zero or
+a sparse file stops here."""
+MAX_MODEL_FILE_BYTES = 16 * 2**20
+"""Bytes of a user's Python model file (the zoo's largest module is about 20 kB)."""
+MAX_JSON_DEPTH = 64
+"""Nesting of arrays and objects in a JSON input: measured, clusters nest 3 levels, graphs 5, SPMD
+plans 6 and a pipeline plan of zoo:gpt 9 (a node's attrs may add MAX_ATTR_DEPTH = 8); Python's json
+recurses into a RecursionError near 1000."""
+MAX_JSON_NUMBER_CHARS = 100
+"""Characters of one number in a JSON input: a float's repr has at most 24 and a 2**64 count 20,
+while Python's int() refuses more than 4300 digits with a ValueError."""
+
 
 def is_number(value: Any) -> bool:
     """True for a finite int/float that is not a bool."""

@@ -57,6 +57,7 @@ from typing import Any, Callable, Mapping
 
 from engine import limits
 from engine.errors import ClusterError
+from engine.readers import read_json
 
 SCHEMA_VERSION = 1
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
@@ -416,18 +417,8 @@ def load_cluster(source: str | Path | Mapping[str, Any] | Cluster) -> Cluster:
 
 
 def _read_json(path: Path, shown: str) -> Any:
-    """Parse a JSON file, turning IO and syntax problems into one-line ClusterErrors."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ClusterError(f"cluster file {shown!r} not found") from None
-    except OSError as exc:
-        raise ClusterError(f"cluster file {shown!r} cannot be read: {exc.strerror or exc}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ClusterError(
-            f"cluster file {shown!r} is not valid JSON: line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    """Parse a JSON file within engine.readers' bounds, turning every problem into a one-line ClusterError."""
+    return read_json(path, f"cluster file {shown!r}", ClusterError)
 
 
 # ----------------------------------------------------------------------------- validation primitives

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine import limits
 from engine.errors import ModelError
+from engine.readers import read_json
 
 SCHEMA_VERSION = 1
 LEAF_OPS = ("placeholder", "parameter", "buffer")
@@ -171,16 +172,8 @@ class Graph:
 
     @staticmethod
     def load(path: str | Path) -> "Graph":
-        p = Path(path)
-        if not p.exists():
-            raise ModelError(f"graph file '{p}' not found")
-        try:
-            d = json.loads(p.read_text())
-        except (OSError, UnicodeDecodeError) as e:
-            raise ModelError(f"graph file '{p}' cannot be read: {e.__class__.__name__}: {e}") from None
-        except json.JSONDecodeError as e:
-            raise ModelError(f"graph file '{p}' is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
-        return Graph.from_dict(d)
+        """The graph of a graph JSON file, read within engine.readers' bounds (ModelError in one line)."""
+        return Graph.from_dict(read_json(path, f"graph file '{path}'", ModelError))
 
 
 def _is_int(x: Any) -> bool:

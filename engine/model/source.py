@@ -44,11 +44,13 @@ from typing import Any, Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from engine import limits
 from engine.errors import ModelError
 from engine.model.capture import capture
 from engine.model.capture import load_model as _load_other
 from engine.model.capture import loss_of
 from engine.model.graph import Graph
+from engine.readers import check_size, read_bytes, read_json
 
 HF_PREFIX = "hf:"
 BATCH_SEED = 100003
@@ -135,10 +137,16 @@ def flat_forward(model: torch.nn.Module, shape: CallShape) -> torch.nn.Module:
 
 
 def read_model_file(path: str | Path) -> bytes:
+    """A model file's bytes, bounded by MAX_MODEL_FILE_BYTES; ModelError when missing or no regular file."""
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ModelError(f"model file '{p}' not found: give a Python file defining build_model() and example_inputs()")
-    return p.read_bytes()
+    return _read_source(p, f"model file '{p}'")
+
+
+def _read_source(path: Path, what: str) -> bytes:
+    """Python source read within engine.readers' bounds (no FIFO, device or oversized file)."""
+    return read_bytes(path, what, ModelError, max_bytes=limits.MAX_MODEL_FILE_BYTES, expect="a Python file (.py)")
 
 
 _LOADED: dict[str, ModuleType] = {}
@@ -197,6 +205,7 @@ def capture_file(path: str | Path, *, fallback: str | None = None) -> Graph:
 
 def capture_source(source: bytes, filename: str, *, fallback: str | None = None, path: str | None = None) -> Graph:
     """Capture the model of a model file's text (an upload has no `path`: its origin names the file only)."""
+    check_size(len(source), f"model file {filename}", ModelError, limits.MAX_MODEL_FILE_BYTES)
     module = exec_model_file(source, filename)
     model, inputs = build_on_meta(module, filename)
     if not isinstance(model, torch.nn.Module):
@@ -208,10 +217,10 @@ def capture_source(source: bytes, filename: str, *, fallback: str | None = None,
 def checked_file(origin: dict[str, Any]) -> tuple[bytes, str]:
     """The plan's model file (bytes, name), refused when it changed since the plan was made."""
     path = Path(origin["file"])
-    if not path.is_file():
+    if not path.exists():
         raise ModelError(f"model file '{path}' of this plan not found: put it back there, or plan again with "
                          f"`hap plan --model FILE.py`")
-    data = path.read_bytes()
+    data = _read_source(path, f"model file '{path}' of this plan")
     if sha256_of(data) != origin.get("sha256"):
         raise ModelError(f"model file '{path}' changed since the plan was made (sha256 {sha256_of(data)[:12]}... "
                          f"!= {str(origin.get('sha256'))[:12]}... in the plan): plan again with `hap plan --model {path}`")
@@ -295,7 +304,7 @@ def parse_value(text: Any) -> Any:
         return text
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, an int past 4300 digits, deep brackets: the knob checks say why
         return text
 
 
@@ -305,12 +314,9 @@ def read_config(config: str | Path | dict | None) -> dict[str, Any]:
     if isinstance(config, dict):
         return dict(config)
     p = Path(config)
-    try:
-        d = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ModelError(f"--config {p}: file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelError(f"--config {p}: not a JSON config ({type(e).__name__}: {first_line(e)})") from None
+    if not p.exists():
+        raise ModelError(f"--config {p}: file not found")
+    d = read_json(p, f"--config {p}", ModelError)
     if not isinstance(d, dict):
         raise ModelError(f"--config {p}: expected a JSON object of config keys, got {type(d).__name__}")
     return d
@@ -321,8 +327,8 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
     name = model[len(HF_PREFIX):].strip()
     if not name:
         raise ModelError("hf: needs a class name, e.g. hf:LlamaForCausalLM")
+    values = {**read_config(config), **{k: parse_value(v) for k, v in (knobs or {}).items()}}  # before transformers loads
     cls = hf_class(name)
-    values = {**read_config(config), **{k: parse_value(v) for k, v in (knobs or {}).items()}}
     default = cls.config_class()
     known = set(default.to_dict()) | {"num_labels"}
     inputs = {k: values.pop(k) for k in INPUT_KNOBS if k in values and not (k == "image_size" and k in known)}

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from engine.errors import ModelError, PlanError
+from engine.readers import parse_json, read_json
 from engine.model.graph import Graph
 from engine.options import PlanOptions
 from engine.spmd.breakdown import Breakdown
@@ -155,22 +156,14 @@ def stage_records(b: Breakdown, graph: Graph) -> list[StageRecord]:
 
 def read_plan_json(text_or_path: str | Path) -> Any:
     """The JSON value of a plan file (a path) or of a plan's JSON text, refused in one line when
-    empty, missing, unreadable or not JSON (both kinds of plan are read this way)."""
+    empty, missing, not a regular file, too large, too deep or not JSON (both kinds of plan are read
+    this way; engine.readers sets the bounds)."""
     text = str(text_or_path)
     if not text.strip():
         raise PlanError("plan is empty: give a plan file path or the plan's JSON text")
-    if not text.lstrip().startswith(("{", "[")):
-        p = Path(text)
-        if not p.is_file():
-            raise PlanError(f"plan file '{p}' not found" if not p.exists() else f"'{p}' is not a plan file")
-        try:
-            text = p.read_text()
-        except (OSError, UnicodeDecodeError) as e:
-            raise PlanError(f"plan file '{p}' cannot be read: {e}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise PlanError(f"plan is not valid JSON: line {e.lineno} column {e.colno}: {e.msg}") from None
+    if text.lstrip().startswith(("{", "[")):
+        return parse_json(text, "plan", PlanError)
+    return read_json(text, f"plan file '{text}'", PlanError)
 
 
 def plan_from_checked_dict(d: dict[str, Any]) -> Plan:

@@ -37,7 +37,7 @@ def test_malformed_cluster_uploads_show_the_engine_message(app, cpu_cluster):
     at.radio(key="cluster.kind").set_value("Upload JSON").run()
     at.file_uploader(key="cluster.upload").set_value(("c.json", b"[1, 2", "application/json")).run()
     no_exception(at)
-    assert len(at.error) == 1 and "cluster JSON: not valid JSON" in at.error[0].value
+    assert len(at.error) == 1 and "cluster JSON is not valid JSON" in at.error[0].value
     bad = json.loads((ROOT / "sample_clusters" / "cpu_2.json").read_text())
     bad["devices"][0]["flops_per_gpu"] = -3
     at.file_uploader(key="cluster.upload").set_value(("c.json", json.dumps(bad).encode(), "application/json")).run()

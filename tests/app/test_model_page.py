@@ -68,7 +68,7 @@ def test_malformed_graph_json_shows_the_one_line_error(app, tiny_graph):
     at.file_uploader(key="model.json").set_value(("bad.json", b"{not json", "application/json"))
     at.run()
     no_exception(at)
-    assert len(at.error) == 1 and "graph JSON: not valid JSON" in at.error[0].value
+    assert len(at.error) == 1 and "graph JSON is not valid JSON" in at.error[0].value
     assert "\n" not in at.error[0].value
     at.file_uploader(key="model.json").set_value(("other.json", json.dumps({"kind": "x"}).encode(), "application/json"))
     at.run()
@@ -158,7 +158,7 @@ def test_hugging_face_config_errors_show_one_line(app):
     at.text_area(key=key).set_value('{"hidden_size": 64,').run()
     at.button(key="model.hf.load").click().run()
     no_exception(at)
-    assert len(at.error) == 1 and "config: not valid JSON" in at.error[0].value and "\n" not in at.error[0].value
+    assert len(at.error) == 1 and "config is not valid JSON" in at.error[0].value and "\n" not in at.error[0].value
     at.text_area(key=key).set_value('{"hiden_size": 64}').run()
     at.button(key="model.hf.load").click().run()
     assert "did you mean 'hidden_size'" in at.error[0].value
