@@ -8,9 +8,13 @@ nested object replaced, a number at a bound, a shape, index or name changed) and
 API the CLI wraps (cluster: `load_cluster` + `plan`; graph: `Graph.from_dict` + `plan`; plan:
 `engine.load_plan` + `listing`; bundle: `check_files` and, when valid, `open_bundle`, or
 `check_bundle` of the zip; CLI: `engine.cli.main` and `runner.cli.main` with torchrun stubbed out,
-`runner.profile.parse_args`; file: a hostile file of issue 24 (deep nesting, a long number, a sparse
+`runner.profile.parse_args`; hostile_file: a hostile file of issue 24 (deep nesting, a long number, a sparse
 file over the byte cap, a FIFO, /dev/zero, a directory, bytes that are not UTF-8, a BOM, cut JSON)
-given to every flag that takes a file, or hostile bytes to a workbench upload). No process is ever started.
+given to every flag that takes a file, or hostile bytes to a workbench upload). No process is ever started,
+except by the hostile_bundle kind (tests/hostile_bundle.py): hostile strings in every value that reaches a
+generated file, exported and, when export accepts them, the bundle's `launch_node.sh` and `slurm.sbatch` run
+by bash with a PATH of stubs only (a case is raw when anything but the expected torchrun line runs or a file
+appears); generated files edited with their hashes re-signed; zip bombs; corrupt zips.
 Every case runs under a SIGALRM time limit; plans get a 0.3 s search budget. The mutations and the
 outcome rules are `tests/fuzzing.py`, shared with `tests/test_fuzz.py`.
 
@@ -49,7 +53,9 @@ import fuzzing  # noqa: E402  (tests/fuzzing.py, imported as pytest imports it)
 LABELS = {"cluster": "cluster spec → `load_cluster` + `plan`", "graph": "graph JSON → `Graph.from_dict` + `plan`",
           "plan": "plan JSON → `engine.load_plan` + `listing`", "bundle": "bundle → `check_files` + `open_bundle`",
           "cli": "CLI arguments → `hap` / `hap run` / `hap profile` (no process started)",
-          "file": "hostile file → every flag that takes a file, and the workbench uploads"}
+          "hostile_bundle": "hostile bundle → `hap export` + generated scripts run under stubs, tampered and bomb "
+                            "zips → `hap bundle check`",
+          "hostile_file": "hostile file → every flag that takes a file, and the workbench uploads"}
 
 
 @dataclass
@@ -61,6 +67,10 @@ class KindReport:
     bugs: dict[str, list[str]] = field(default_factory=dict)
     """Raw exception or hang detail -> the mutations that produced it (first few)."""
     seconds: float = 0.0
+    scripts: int = 0
+    """Generated launch scripts run under stubs (hostile bundles)."""
+    created: int = 0
+    """Files those scripts created (must be 0)."""
 
 
 def run_kind(fx: fuzzing.Fixtures, kind: str, cases: int, seed: int, timeout_s: float) -> KindReport:
@@ -72,6 +82,8 @@ def run_kind(fx: fuzzing.Fixtures, kind: str, cases: int, seed: int, timeout_s: 
         run, said = fuzzing.CASES[kind](fx, rng.randrange)
         outcome = fuzzing.classify(run, timeout_s)
         report.counts[outcome.kind] += 1
+        report.scripts += outcome.scripts
+        report.created += outcome.created
         if outcome.kind in ("raw", "hang"):
             report.bugs.setdefault(f"{outcome.kind}: {outcome.detail}", []).append(f"case {i}: {said}")
     report.seconds = time.perf_counter() - start
@@ -84,7 +96,9 @@ def table(reports: list[KindReport]) -> str:
     for r in reports:
         c = r.counts
         rows.append(f"| {LABELS[r.kind]} | {sum(c.values())} | {c['error']} | {c['accepted']} | {c['raw']} | {c['hang']} |")
-    return "\n".join(rows)
+    scripts = [r for r in reports if r.scripts]
+    notes = [f"\n{r.kind}: {r.scripts} generated scripts run under stubs, {r.created} files created" for r in scripts]
+    return "\n".join(rows) + "".join(notes)
 
 
 def bug_list(reports: list[KindReport]) -> str:
@@ -203,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # bench/results/ is git-ignored
         Path(args.json).write_text(json.dumps({"seed": args.seed, "cases": args.cases, "kinds": {
-            r.kind: {"counts": dict(r.counts), "seconds": r.seconds, "bugs": r.bugs} for r in reports}}, indent=1))
+            r.kind: {"counts": dict(r.counts), "seconds": r.seconds, "bugs": r.bugs, "scripts": r.scripts,
+                     "created": r.created} for r in reports}}, indent=1))
     return 0
 
 

@@ -31,13 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import hostile
-
 from engine.planner import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_clusters"
-KINDS = ("cluster", "graph", "plan", "bundle", "cli", "file")
+KINDS = ("cluster", "graph", "plan", "bundle", "cli", "hostile_bundle", "hostile_file")
 OUTCOMES = ("error", "accepted", "raw", "hang")
 
 Chooser = Callable[[int], int]
@@ -215,6 +213,10 @@ class Outcome:
 
     kind: str
     detail: str = ""
+    scripts: int = 0
+    """Generated launch scripts this case ran under stubs (hostile bundles)."""
+    created: int = 0
+    """Files those scripts created: must stay 0."""
 
 
 class CaseTimeout(BaseException):
@@ -530,104 +532,25 @@ def _no_processes() -> Iterator[None]:
                 os.environ[key] = value
 
 
-# ----------------------------------------------------------------------------- hostile files (issue 24)
+# ----------------------------------------------------------------------------- hostile inputs (issue 24)
 
 
-FILE_CLUSTER = "cpu_4_uneven"
-"""The cluster of the fixture plan: a cluster file's content starts from it (so --elastic may accept it)."""
+def hostile_file_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
+    """A hostile file handed to a flag that takes one, or hostile bytes to an upload (tests/hostile.py)."""
+    from hostile import file_case
+
+    return file_case(fx, choose)
 
 
-def file_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
-    """A hostile file (tests/hostile.py: deep nesting, a long number, over the byte cap, a FIFO, a
-    device, a directory, not UTF-8, a BOM, cut) handed to one flag that takes a file, run in-process
-    as the `cli` kind does; one case in five is hostile bytes given to a workbench upload instead."""
-    from engine import limits
+def hostile_bundle_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
+    """What a bundle's author could do to whoever runs it (tests/hostile_bundle.py)."""
+    from hostile_bundle import hostile_case
 
-    if choose(5) == 0:
-        return upload_case(fx, choose)
-    flag = hostile.FLAGS[choose(len(hostile.FLAGS))]
-    kind = hostile.KINDS[choose(len(hostile.KINDS))]
-    base, where = hostile_base(fx, flag.base, choose)
-    text, said = hostile_text(kind, choose)
-    cap = limits.MAX_MODEL_FILE_BYTES if flag.suffix == ".py" else limits.MAX_INPUT_BYTES
-    cap += choose(cap) if kind == "huge" else 0
-
-    def run() -> Outcome:
-        with tempfile.TemporaryDirectory(dir=fx.workdir) as folder:
-            path = hostile.make(kind, Path(folder), f"input{flag.suffix}", base=base, text=text, cap=cap)
-            args = flag.args(path, str(fx.plan_path), str(SAMPLES / f"{FILE_CLUSTER}.json"), folder)
-            return run_cli("run", args[1:], fx.workdir) if args[0] == "run" else run_cli("hap", args, fx.workdir)
-
-    return run, f"{flag.name} <- {kind}{said}{placed(kind, base, where)}"
-
-
-def placed(kind: str, base: str, where: str) -> str:
-    """Where the hostile text sits in its document (empty when it is the whole file)."""
-    return where if kind in ("deep", "number") and hostile.MARK in base else ""
-
-
-def hostile_base(fx: Fixtures, name: str, choose: Chooser) -> tuple[str, str]:
-    """The text of a valid document of kind `name` (cluster, plan, graph, config, python), half the time
-    with hostile.MARK at a random leaf (where deep nesting or a long number goes), and where it is."""
-    if name == "python":
-        return f"VALUE = {hostile.MARK}\n", " in a Python file"
-    if name == "config":
-        return f"[1, {hostile.MARK}]", " in a config list"
-    docs = {"cluster": fx.clusters[FILE_CLUSTER], "plan": fx.plan_json}
-    doc = copy.deepcopy(docs.get(name) or fx.graph_jsons[sorted(fx.graph_jsons)[choose(len(fx.graph_jsons))]])
-    if choose(2):
-        return dumps(doc), ""
-    path = pick_path(doc, choose)
-    return dumps(_set(doc, path, hostile.MARK_VALUE)), f" at {show_path(path)}"
-
-
-def hostile_text(kind: str, choose: Chooser) -> tuple[str, str]:
-    """Deep nesting (500..200 000 levels) or a long number (300..20 000 digits) for `kind`, else ""."""
-    if kind == "deep":
-        depth, bracket, closed = 500 + choose(199_501), "[{"[choose(2)], bool(choose(2))
-        return hostile.deep(depth, bracket, closed), f" ({depth} x {bracket}{', closed' if closed else ''})"
-    if kind == "number":
-        digits, form = 300 + choose(19_701), hostile.NUMBER_FORMS[choose(len(hostile.NUMBER_FORMS))]
-        return hostile.long_number(digits, form), f" ({digits} digits, {form})"
-    return "", ""
-
-
-UPLOADS = ("graph JSON", "cluster JSON", "metrics", "hf config", "Python model")
-"""The workbench's upload parsers (app.services, app.components), fed bytes rather than a path."""
-
-
-def upload_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
-    """Hostile bytes (every hostile.CONTENT kind but 'huge', which tests/test_readers.py covers with a
-    lowered cap) given to one of the workbench's upload parsers."""
-    target = UPLOADS[choose(len(UPLOADS))]
-    kind = [k for k in hostile.CONTENT if k != "huge"][choose(len(hostile.CONTENT) - 1)]
-    name = {"graph JSON": "graph", "cluster JSON": "cluster", "metrics": "plan", "hf config": "config"}.get(target, "python")
-    base, where = hostile_base(fx, name, choose)
-    text, said = hostile_text(kind, choose)
-    data = hostile.content(kind, base=base, text=text)
-
-    def run() -> None:
-        import streamlit.logger
-
-        streamlit.logger.set_log_level("error")  # no "no runtime found" warning per call outside `streamlit run`
-        from app import components, services
-
-        if target == "graph JSON":
-            services.graph_from_json(data)
-        elif target == "cluster JSON":
-            services.cluster_from_json(data)
-        elif target == "metrics":
-            components.parse_metrics(data.decode("utf-8", errors="replace"))  # as the timeline page decodes it
-        elif target == "hf config":
-            services.hf_model("BertForMaskedLM", data.decode("utf-8", errors="replace"), 2, 8)
-        else:
-            services.model_from_python(data, "upload.py")
-
-    return run, f"upload {target} <- {kind}{said}{placed(kind, base, where)}"
+    return hostile_case(fx, choose)
 
 
 CASES: dict[str, Callable[[Fixtures, Chooser], tuple[Callable[[], Any], str]]] = {
     "cluster": cluster_case, "graph": graph_case, "plan": plan_case, "bundle": bundle_case, "cli": cli_case,
-    "file": file_case}
+    "hostile_bundle": hostile_bundle_case, "hostile_file": hostile_file_case}
 """For each input kind: build one mutated case (what to run, what was mutated)."""
 

@@ -1,6 +1,6 @@
-"""Hostile files of issue 24 (bounded readers), made for `tests/test_readers.py` and the `file` kind of
-`tests/fuzzing.py`: deep nesting, over-long numbers, files over the byte cap (sparse: no disk used),
-non-regular files (a FIFO with no writer, /dev/zero, /dev/urandom, a directory, a link to a FIFO),
+"""Hostile files of issue 24 (bounded readers), made for `tests/test_readers.py` and the `hostile_file` fuzz
+kind (`file_case` below, registered in `tests/fuzzing.py`): deep nesting, over-long numbers, files over the
+byte cap (sparse: no disk used), non-regular files (a FIFO with no writer, /dev/zero, /dev/urandom, a directory, a link to a FIFO),
 bytes that are not UTF-8, a byte-order mark and cut JSON.
 
 A base document (the valid input of a flag) may hold `MARK` where deep nesting or a long number is
@@ -8,9 +8,14 @@ spliced in, so the bad part sits inside an otherwise valid cluster, plan or grap
 """
 from __future__ import annotations
 
+import copy
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
+
+from fuzzing import SAMPLES, Chooser, Fixtures, Outcome, _set, dumps, pick_path, run_cli, show_path
 
 MARK_VALUE = "@hostile@"
 """A string value a base document holds where the hostile text goes (json.dumps writes it as MARK)."""
@@ -127,3 +132,99 @@ FLAGS = (
     FileFlag("run --elastic", ("run", "{PLAN}", "--elastic", "{F}", "--checkpoint-dir", "{OUT}/ckpt"), "cluster"),
 )
 """Every flag of `hap` that reads a user's file (`hap run` is the runner's; a bundle is engine.bundle's)."""
+
+
+# ----------------------------------------------------------------------------- the hostile_file fuzz kind
+
+
+FILE_CLUSTER = "cpu_4_uneven"
+"""The cluster of the fixture plan: a cluster file's content starts from it (so --elastic may accept it)."""
+
+
+def file_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
+    """A hostile file (tests/py: deep nesting, a long number, over the byte cap, a FIFO, a
+    device, a directory, not UTF-8, a BOM, cut) handed to one flag that takes a file, run in-process
+    as the `cli` kind does; one case in five is hostile bytes given to a workbench upload instead."""
+    from engine import limits
+
+    if choose(5) == 0:
+        return upload_case(fx, choose)
+    flag = FLAGS[choose(len(FLAGS))]
+    kind = KINDS[choose(len(KINDS))]
+    base, where = hostile_base(fx, flag.base, choose)
+    text, said = hostile_text(kind, choose)
+    cap = limits.MAX_MODEL_FILE_BYTES if flag.suffix == ".py" else limits.MAX_INPUT_BYTES
+    cap += choose(cap) if kind == "huge" else 0
+
+    def run() -> Outcome:
+        with tempfile.TemporaryDirectory(dir=fx.workdir) as folder:
+            path = make(kind, Path(folder), f"input{flag.suffix}", base=base, text=text, cap=cap)
+            args = flag.args(path, str(fx.plan_path), str(SAMPLES / f"{FILE_CLUSTER}.json"), folder)
+            return run_cli("run", args[1:], fx.workdir) if args[0] == "run" else run_cli("hap", args, fx.workdir)
+
+    return run, f"{flag.name} <- {kind}{said}{placed(kind, base, where)}"
+
+
+def placed(kind: str, base: str, where: str) -> str:
+    """Where the hostile text sits in its document (empty when it is the whole file)."""
+    return where if kind in ("deep", "number") and MARK in base else ""
+
+
+def hostile_base(fx: Fixtures, name: str, choose: Chooser) -> tuple[str, str]:
+    """The text of a valid document of kind `name` (cluster, plan, graph, config, python), half the time
+    with MARK at a random leaf (where deep nesting or a long number goes), and where it is."""
+    if name == "python":
+        return f"VALUE = {MARK}\n", " in a Python file"
+    if name == "config":
+        return f"[1, {MARK}]", " in a config list"
+    docs = {"cluster": fx.clusters[FILE_CLUSTER], "plan": fx.plan_json}
+    doc = copy.deepcopy(docs.get(name) or fx.graph_jsons[sorted(fx.graph_jsons)[choose(len(fx.graph_jsons))]])
+    if choose(2):
+        return dumps(doc), ""
+    path = pick_path(doc, choose)
+    return dumps(_set(doc, path, MARK_VALUE)), f" at {show_path(path)}"
+
+
+def hostile_text(kind: str, choose: Chooser) -> tuple[str, str]:
+    """Deep nesting (500..200 000 levels) or a long number (300..20 000 digits) for `kind`, else ""."""
+    if kind == "deep":
+        depth, bracket, closed = 500 + choose(199_501), "[{"[choose(2)], bool(choose(2))
+        return deep(depth, bracket, closed), f" ({depth} x {bracket}{', closed' if closed else ''})"
+    if kind == "number":
+        digits, form = 300 + choose(19_701), NUMBER_FORMS[choose(len(NUMBER_FORMS))]
+        return long_number(digits, form), f" ({digits} digits, {form})"
+    return "", ""
+
+
+UPLOADS = ("graph JSON", "cluster JSON", "metrics", "hf config", "Python model")
+"""The workbench's upload parsers (app.services, app.components), fed bytes rather than a path."""
+
+
+def upload_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
+    """Hostile bytes (every CONTENT kind but 'huge', which tests/test_readers.py covers with a
+    lowered cap) given to one of the workbench's upload parsers."""
+    target = UPLOADS[choose(len(UPLOADS))]
+    kind = [k for k in CONTENT if k != "huge"][choose(len(CONTENT) - 1)]
+    name = {"graph JSON": "graph", "cluster JSON": "cluster", "metrics": "plan", "hf config": "config"}.get(target, "python")
+    base, where = hostile_base(fx, name, choose)
+    text, said = hostile_text(kind, choose)
+    data = content(kind, base=base, text=text)
+
+    def run() -> None:
+        import streamlit.logger
+
+        streamlit.logger.set_log_level("error")  # no "no runtime found" warning per call outside `streamlit run`
+        from app import components, services
+
+        if target == "graph JSON":
+            services.graph_from_json(data)
+        elif target == "cluster JSON":
+            services.cluster_from_json(data)
+        elif target == "metrics":
+            components.parse_metrics(data.decode("utf-8", errors="replace"))  # as the timeline page decodes it
+        elif target == "hf config":
+            services.hf_model("BertForMaskedLM", data.decode("utf-8", errors="replace"), 2, 8)
+        else:
+            services.model_from_python(data, "upload.py")
+
+    return run, f"upload {target} <- {kind}{said}{placed(kind, base, where)}"

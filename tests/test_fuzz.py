@@ -19,7 +19,8 @@ from engine.planner import load_plan
 
 CASE_TIMEOUT_S = 30.0
 """A case past this is a hang (plans run with a 0.3 s budget; a slow shared CI core is allowed for)."""
-EXAMPLES = {"cluster": 60, "graph": 60, "plan": 60, "bundle": 60, "cli": 40, "file": 40}
+EXAMPLES = {"cluster": 60, "graph": 60, "plan": 60, "bundle": 60, "cli": 40, "hostile_bundle": 40,
+            "hostile_file": 40}
 
 
 @pytest.fixture(scope="module")
