@@ -9,7 +9,8 @@ A case is one of:
   `launch_node.sh` and `slurm.sbatch` are run by bash with a PATH of stubs (tests/launch_stubs.py) and must
   call torchrun with the expected argv, nothing else, and create no file; the bundle must also check OK.
 * **a tampered bundle**: a generated file changed (a command line inserted, a byte changed) with every hash
-  in the manifest re-signed, or the recorded export settings edited; `check_files` must refuse it.
+  in the manifest re-signed, the recorded export settings edited, or a JSON file replaced by deep nesting or a
+  long number; `check_files` must refuse it in one line.
 * **a zip bomb**: a highly compressed entry, a central directory declaring huge sizes, too many entries.
 * **a corrupt zip**: bytes overwritten, cut, the encryption flag or the compression method changed.
 
@@ -176,7 +177,19 @@ def tamper_case(fx: Any, choose: Chooser) -> tuple[Callable[[], Any], str]:
 
     files = dict(fx.bundle_files)
     manifest = json.loads(files[MANIFEST])
-    if choose(4) == 0:
+    how = choose(5)
+    if how == 1:  # a JSON file of the bundle made hostile (deep nesting, a long number), re-signed
+        import hostile
+
+        name = ("plan.json", "cluster.json", "model.json", MANIFEST)[choose(4)]
+        text = hostile.deep(1000 + choose(200_000)) if choose(2) else f"[{hostile.long_number(300 + choose(20_000))}]"
+        files[name] = text.encode()
+        said = f"{name} replaced by {text[:12]}... ({len(text)} characters)"
+        if name != MANIFEST:
+            manifest["files"] = {n: {"sha256": sha256(b), "bytes": len(b)} for n, b in files.items() if n != MANIFEST}
+            files[MANIFEST] = (json.dumps(manifest, indent=1) + "\n").encode()
+        return _refused(files, said), said
+    if how == 0:
         key = ("rdzv_endpoint", "image", "run_args", "annotations", "partition")[choose(5)]
         value: Any = hostile_string(BASES.get(key, "x"), choose)[0]
         if key == "run_args":
@@ -202,16 +215,22 @@ def tamper_case(fx: Any, choose: Chooser) -> tuple[Callable[[], Any], str]:
         said = f"{name} line {at + 1} changed ({('inserted', 'edited', 'appended')[how]})"
         manifest["files"] = {n: {"sha256": sha256(b), "bytes": len(b)} for n, b in files.items() if n != MANIFEST}
     files[MANIFEST] = (json.dumps(manifest, indent=1) + "\n").encode()
+    return _refused(files, said), said + " (manifest re-signed)"
 
+
+def _refused(files: dict[str, bytes], said: str) -> Callable[[], Any]:
+    """A run that checks the tampered files: refused in one line, or a raw outcome when they are accepted."""
     def run() -> Any:
         from engine.bundle.archive import check_files
 
         report = check_files(files, "bundle")
         if report.ok:
             return _outcome("raw", f"tampered bundle accepted: {said}")
+        if "\n" in report.problems[0]:
+            return _outcome("raw", f"bundle problem of several lines: {report.problems[0][:300]!r}")
         return _outcome("error", report.problems[0])
 
-    return run, said + " (manifest re-signed)"
+    return run
 
 
 # ----------------------------------------------------------------------------- zips

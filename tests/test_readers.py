@@ -84,6 +84,15 @@ def test_every_file_flag_refuses_a_hostile_file_in_one_line(flag, kind, plan_fil
     assert Path(path).name in line and "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("kind", ["huge", *hostile.NON_REGULAR])
+def test_export_model_file_refuses_what_is_no_regular_python_file_of_sane_size(kind, plan_file, tmp_path):
+    """`hap export --model-file F` only hashes and copies F, so only its kind and size can be wrong."""
+    path = hostile_file(kind, tmp_path, ".py")
+    r = run_hap("export", plan_file, "--out", str(tmp_path / "bundle"), "--model-file", path)
+    assert r.returncode == 2 and Path(path).name in one_error_line(r.stderr)
+    assert not (tmp_path / "bundle").exists()
+
+
 def test_messages_name_what_the_file_is(tmp_path):
     cases = {"dev_zero": "a character device", "fifo": "a FIFO", "directory": "a directory", "fifo_link": "a FIFO",
              "huge": "larger than 256 MiB", "not_utf8": "not UTF-8", "deep": "nested 100000 levels deep",

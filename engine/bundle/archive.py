@@ -39,12 +39,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
+from engine import limits
 from engine.bundle import grammar
 from engine.bundle.launch_files import (DEFAULT_IMAGE, ExportSettings, LaunchNode, launch_node_script, launch_settings,
                                         pytorchjob_yaml, rank_table, readme_text, slurm_script, trainjob_yaml)
 from engine.bundle.unpack import EXECUTABLE, MANIFEST, is_bundle, read_folder, read_zip
 from engine.cluster.spec import Cluster, load_cluster
 from engine.errors import BundleError, HapError, PlanError
+from engine.readers import parse_json, read_bytes
 from engine.pipeline.plan import PIPELINE_PLAN_KIND, check_pipeline_plan
 from engine.planner import AnyPlan, load_plan
 from engine.spmd.plan import read_plan_json
@@ -141,11 +143,12 @@ def model_source(plan: AnyPlan, model_file: str | Path | None = None) -> tuple[d
     files: dict[str, bytes] = {}
     if model_file is not None or "file" in origin:
         path = Path(model_file if model_file is not None else origin["file"])
-        if not path.is_file():
+        if not path.exists():
             raise BundleError(f"model file '{path}' not found: give --model-file with the Python file that defines the model")
         if why := grammar.file_name_problem(path.name):
             raise BundleError(f"model file name {why}: rename the file (and plan again) to ship it in a bundle")
-        data = path.read_bytes()
+        data = read_bytes(path, f"model file '{path}'", BundleError, max_bytes=limits.MAX_MODEL_FILE_BYTES,
+                          expect="a Python file (.py)")
         if "sha256" in origin and sha256(data) != origin["sha256"]:
             raise BundleError(f"model file '{path}' is not the plan's (sha256 {sha256(data)[:12]}... != "
                               f"{str(origin['sha256'])[:12]}...): it changed since the plan was made; plan again")
@@ -179,7 +182,7 @@ def bundled_model_file(files: dict[str, bytes], plan: AnyPlan) -> tuple[str | No
     if "file" not in origin:
         return None, []
     try:
-        rel = json.loads(files.get("model.json", b"{}")).get("file")
+        rel = parse_json(files.get("model.json", b"{}"), "model.json", BundleError).get("file")
     except (ValueError, AttributeError):
         return None, ["model.json does not parse"]
     if not isinstance(rel, str) or rel not in files:
@@ -402,7 +405,7 @@ def check_files(files: dict[str, bytes], label: str) -> BundleReport:
         report.problems.append(f"{MANIFEST} missing: not a bundle (make one with `hap export PLAN --out DIR`)")
         return report
     try:
-        manifest = json.loads(files[MANIFEST])
+        manifest = parse_json(files[MANIFEST], MANIFEST, BundleError)
         listed = manifest["files"]
         if manifest.get("kind") != "hap.bundle" or not isinstance(listed, dict):
             raise ValueError("kind is not hap.bundle")
@@ -430,7 +433,7 @@ def check_files(files: dict[str, bytes], label: str) -> BundleReport:
     report.problems += _size_problems(files, manifest, plan)
     if not report.problems:
         try:  # the plan against the bundle's cluster: devices, and the predicted time re-priced or the fingerprint
-            cluster = load_cluster(json.loads(files["cluster.json"]))
+            cluster = load_cluster(parse_json(files["cluster.json"], "cluster.json", BundleError))
             report.warnings += check_on_cluster(plan, cluster)
         except PlanError as e:
             report.problems.append(f"plan.json: {e}")
@@ -521,7 +524,7 @@ def _size_problems(files: dict[str, bytes], manifest: dict[str, Any], plan: AnyP
         out.append(str(e))
         nodes = ()
     try:
-        cluster = load_cluster(json.loads(files.get("cluster.json", b"null")))
+        cluster = load_cluster(parse_json(files.get("cluster.json", b"null"), "cluster.json", BundleError))
         if [d.name for d in cluster.devices] != list(plan.device_names):
             out.append(f"cluster.json: devices {_short([d.name for d in cluster.devices])} are not the plan's {_short(plan.device_names)}")
     except (HapError, ValueError) as e:
@@ -598,7 +601,7 @@ def open_bundle(folder: str | Path, digest: str | None = None) -> OpenedBundle:
     if not report.ok:
         raise BundleError(f"bundle {folder} is invalid: " + "; ".join(report.problems))
     f = Path(folder)
-    manifest = json.loads((f / MANIFEST).read_text())
+    manifest = parse_json(read_bytes(f / MANIFEST, f"{folder}/{MANIFEST}", BundleError), MANIFEST, BundleError)
     nodes = manifest_nodes(manifest, load_plan(f / "plan.json").world_size)
     return OpenedBundle(f, f / "plan.json", load_cluster(f / "cluster.json"), nodes)
 
@@ -609,7 +612,8 @@ def plan_parallelism(path: str | Path) -> str | None:
     p = Path(path)
     try:
         if is_bundle(p):
-            d = json.loads((p / "plan.json").read_bytes() if p.is_dir() else read_zip(p)["plan.json"])
+            data = read_bytes(p / "plan.json", f"{p}/plan.json", BundleError) if p.is_dir() else read_zip(p)["plan.json"]
+            d = parse_json(data, "plan.json", BundleError)
         else:
             d = read_plan_json(str(p))
     except (HapError, KeyError, ValueError, OSError):
