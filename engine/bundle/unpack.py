@@ -90,8 +90,8 @@ def open_zip(path: str | Path) -> Iterator[zipfile.ZipFile]:
 def zip_failure(path: str | Path, e: BaseException) -> BaseException:
     """The one-line BundleError for an exception `zipfile` raised (RuntimeError only when it is about encryption)."""
     text = " ".join(str(e).split())[:200]
-    if isinstance(e, RuntimeError) and "encrypt" not in text:
-        return e
+    if isinstance(e, RuntimeError) and not isinstance(e, NotImplementedError) and "encrypt" not in text:
+        return e  # NotImplementedError is a RuntimeError: zipfile's "zip file version 18.5" must not pass as raw
     if isinstance(e, zipfile.BadZipFile) and "CRC" in text:
         what = "CRC mismatch (an entry's data changed)"
     elif isinstance(e, (EOFError, zlib.error)):

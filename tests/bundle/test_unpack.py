@@ -141,6 +141,13 @@ def test_a_compression_method_other_than_stored_or_deflated_is_refused(tmp_path,
     refused(path, rf"uses compression method {method}; a bundle uses stored or deflated only")
 
 
+def test_an_entry_needing_a_newer_zip_version_is_one_line(tmp_path):
+    """zipfile raises NotImplementedError, a RuntimeError that is not about encryption (fuzzing found it raw)."""
+    data = bytearray(zip_of({"b/plan.json": b"{}"}))
+    struct.pack_into("<H", data, data.index(b"PK\x01\x02") + 6, 185)  # version needed to extract: 18.5
+    refused(write(tmp_path, bytes(data)), r"not a readable zip: unsupported zip feature: NotImplementedError: zip file version 18.5")
+
+
 def test_duplicate_names_are_refused(tmp_path, no_inflating):
     path = write(tmp_path, zip_of([("b/plan.json", b"{}"), ("b/plan.json", b"[]")]))
     refused(path, r"zip entry 'b/plan.json' appears twice")
