@@ -208,20 +208,21 @@ def check_graph_dict(d: dict[str, Any], where: str = "graph JSON: ") -> None:
     _check_origin(d.get("origin", {}), f"{where}origin")
 
 
-ORIGIN_FIELDS: dict[str, type] = {"zoo": str, "hf": str, "file": str, "sha256": str, "task": str, "config": dict,
-                                  "inputs": dict}
-"""Where a graph came from (engine.model.source): the fields the planner and the runner read back."""
+ORIGIN_FIELDS: dict[str, tuple[type, ...]] = {"zoo": (str,), "hf": (str,), "file": (str,), "sha256": (str,),
+                                              "task": (str,), "config": (dict,), "inputs": (dict, list)}
+"""Where a graph came from (engine.model.source): the fields the planner and the runner read back (a model
+file's inputs are a list of shapes, an hf class's a dict of knobs)."""
 
 
 def _check_origin(origin: dict[str, Any], where: str) -> None:
     """The origin's known fields have their types, and a batch size in config/inputs is an integer: the
     overlap planner and the runner rebuild the model from them."""
-    for key, kind in ORIGIN_FIELDS.items():
-        if key in origin and not isinstance(origin[key], kind):
-            raise ModelError(f"{where}.{key} must be a {'JSON object' if kind is dict else kind.__name__}, "
-                             f"got {type(origin[key]).__name__}")
+    for key, kinds in ORIGIN_FIELDS.items():
+        if key in origin and not isinstance(origin[key], kinds):
+            allowed = " or ".join({dict: "a JSON object", list: "a list", str: "a string"}[k] for k in kinds)
+            raise ModelError(f"{where}.{key} must be {allowed}, got {type(origin[key]).__name__}")
     for key in ("config", "inputs"):
-        batch = origin.get(key, {}).get("batch")
+        batch = origin[key].get("batch") if isinstance(origin.get(key), dict) else None
         if batch is not None and not (_is_int(batch) and 0 < batch <= 2**31):
             raise ModelError(f"{where}.{key}.batch must be a positive integer, got {batch!r}")
 
