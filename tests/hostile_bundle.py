@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 from launch_stubs import expected_torchrun, run_script, slurm_env
 
+from engine.bundle.launch_files import DEFAULT_RDZV_TIMEOUT_S
+
 PIECES = ("$(touch pwned)", "`touch pwned`", ";touch pwned", "&& touch pwned", "|touch pwned", ">pwned", "\ntouch pwned",
           "\r\ntouch pwned", "'", '"', "\\", "#", "*", "~", "{a,b}", "$HOME", "${IFS}", "\u2028", "\u202e", "é", "中",
           "\U0001F600", "\x00", "\t", "\x1b[31m", " ", "-", "--help", "..", "/", "%", "!", "&", "(", ")", "\u0085")
@@ -132,7 +134,8 @@ def run_generated(fx: Any, files: dict[str, bytes]) -> Any:
         runs = []
         for n in nodes:
             run = run_script(bundle / "launch_node.sh", [str(n["node_rank"]), *RUN_ARGS], root)
-            want = [expected_torchrun(len(nodes), n["node_rank"], n["nproc"], endpoint, job, str(bundle), RUN_ARGS)]
+            want = [expected_torchrun(len(nodes), n["node_rank"], n["nproc"], endpoint, job, str(bundle), RUN_ARGS,
+                                      join_timeout=DEFAULT_RDZV_TIMEOUT_S)]
             runs.append(("launch_node.sh", run, want))
         hosts = [f"n{k}" for k in range(len(nodes))]
         run = run_script(bundle / "slurm.sbatch", RUN_ARGS, root, env=slurm_env(bundle, hosts))

@@ -116,10 +116,11 @@ def run_script(script: Path, args: list[str], root: Path, env: dict[str, str] | 
 
 
 def expected_torchrun(nnodes: int, node_rank: int, nproc: int, endpoint: str, rdzv_id: str, bundle: str,
-                      args: list[str]) -> list[str]:
-    """The argv a bundle's launch line gives torchrun."""
+                      args: list[str], join_timeout: int | None = None) -> list[str]:
+    """The argv a bundle's launch line gives torchrun (launch_node.sh also passes the rendezvous join timeout)."""
+    conf = [] if join_timeout is None else [f"--rdzv-conf=join_timeout={join_timeout}"]
     return [f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", "-m", "runner.launch", bundle, *args]
+            f"--rdzv-endpoint={endpoint}", f"--rdzv-id={rdzv_id}", *conf, "-m", "runner.launch", bundle, *args]
 
 
 def slurm_env(bundle: Path, hosts: list[str], job_id: str = "42") -> dict[str, str]:

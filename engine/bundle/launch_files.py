@@ -24,6 +24,8 @@ from engine.errors import BundleError
 from engine.planner import AnyPlan
 
 DEFAULT_RDZV_PORT = 29500
+DEFAULT_RDZV_TIMEOUT_S = 600
+"""How long launch_node.sh waits for every node to join the rendezvous (torchrun's own default)."""
 DEFAULT_IMAGE = "hap-workbench:latest"
 CONTAINER_BUNDLE_DIR = "/workspace/bundle"
 
@@ -199,19 +201,36 @@ def launch_node_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
     lines = ["#!/usr/bin/env bash",
              "# Run on every node of the job, each with its own NODE_RANK (see README.md):",
              "#   bash launch_node.sh NODE_RANK [runner options, e.g. --steps 100 --checkpoint-dir DIR --resume]",
-             "# HAP_RDZV_ENDPOINT=HOST:PORT overrides the rendezvous (node 0's machine by default).",
+             "# HAP_RDZV_ENDPOINT=HOST:PORT overrides the rendezvous (node 0's machine by default);",
+             f"# HAP_RDZV_TIMEOUT=S is how long a node waits for the others to join (default {DEFAULT_RDZV_TIMEOUT_S} s).",
              "set -euo pipefail",
              'BUNDLE_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
              f'NODE_RANK="${{1:?usage: launch_node.sh NODE_RANK [runner options] (NODE_RANK 0..{len(nodes) - 1})}}"',
              "shift",
              f"DEFAULT_RDZV_ENDPOINT={q(s.rdzv_endpoint)}",
              'RDZV_ENDPOINT="${HAP_RDZV_ENDPOINT:-$DEFAULT_RDZV_ENDPOINT}"',
+             f'RDZV_TIMEOUT="${{HAP_RDZV_TIMEOUT:-{DEFAULT_RDZV_TIMEOUT_S}}}"',
+             'case "$RDZV_TIMEOUT" in',
+             "  ''|*[!0-9]*) echo \"launch_node.sh: HAP_RDZV_TIMEOUT must be a whole number of seconds, got $RDZV_TIMEOUT\" >&2; exit 2 ;;",
+             "esac",
              "export HAP_NODE_RANK=\"$NODE_RANK\"  # the runner maps (node, local rank) to the plan's rank",
+             "# torchrun reports a rendezvous that timed out as a bare RendezvousTimeoutError: say what it means",
+             "explain_timeout() {",
+             "  while IFS= read -r line; do",
+             "    printf '%s\\n' \"$line\" >&2",
+             "    case \"$line\" in *RendezvousTimeoutError*)",
+             f'      printf \'%s\\n\' "launch_node.sh: node $NODE_RANK waited $RDZV_TIMEOUT s at $RDZV_ENDPOINT but not all '
+             f'{len(nodes)} nodes joined: start \\`bash launch_node.sh K\\` on every node K in 0..{len(nodes) - 1} with the same '
+             f'HAP_RDZV_ENDPOINT, or raise HAP_RDZV_TIMEOUT" >&2 ;;',
+             "    esac",
+             "  done",
+             "}",
              'case "$NODE_RANK" in']
     for n in nodes:
         args = torchrun_args(len(nodes), str(n.node_rank), str(n.nproc), '"$RDZV_ENDPOINT"', q(s.job))
+        args.append('--rdzv-conf=join_timeout="$RDZV_TIMEOUT"')
         lines.append(f"  {n.node_rank})  # machine {_line(n.machine)}: ranks {_span(n.ranks)}")
-        lines.append(f'    exec torchrun {" ".join(args)} -m runner.launch "$BUNDLE_DIR" "$@" ;;')
+        lines.append(f'    exec torchrun {" ".join(args)} -m runner.launch "$BUNDLE_DIR" "$@" 2> >(explain_timeout) ;;')
     lines += [f'  *) echo "launch_node.sh: NODE_RANK must be 0..{len(nodes) - 1}, got $NODE_RANK" >&2; exit 2 ;;',
               "esac", ""]
     return "\n".join(lines)
@@ -386,7 +405,8 @@ and pass `--digest SHA256` to `hap run` and the launch scripts too: every rank t
 
 - One machine (all ranks local): `hap run . --steps 100` (starts torchrun for you).
 - torchrun on each node, node 0's machine hosts the c10d rendezvous
-  (`HAP_RDZV_ENDPOINT=HOST:PORT` overrides `{s.rdzv_endpoint}`):
+  (`HAP_RDZV_ENDPOINT=HOST:PORT` overrides `{s.rdzv_endpoint}`; a node waits `HAP_RDZV_TIMEOUT`
+  seconds, default {DEFAULT_RDZV_TIMEOUT_S}, for the others to join, then stops saying which were missing):
 
 {node_lines}
 

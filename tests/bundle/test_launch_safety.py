@@ -166,7 +166,7 @@ def test_launch_node_runs_exactly_torchrun_with_the_runner_options_as_given(made
         assert run.returncode == 0 and run.unexpected() == [], run
         assert run.calls_of("dirname") == [[str(bundle / "launch_node.sh")]]
         assert run.calls_of("torchrun") == [expected_torchrun(2, node, 2, "m0:29500", "hap-mlp-two-machines",
-                                                              str(bundle), hostile)]
+                                                              str(bundle), hostile, join_timeout=600)]
         assert [cmd for cmd, _ in run.calls] == ["dirname", "torchrun"]
 
 

@@ -140,20 +140,30 @@ TWO_MACHINES = {"schema_version": 1, "name": "cpu_2x2", "description": "two pret
                 "network": {"latency_s": 5e-5, "bandwidth_Bps": {"intra_machine": 2e9, "inter_machine": 1e9}}}
 
 
-def test_launch_node_script_on_two_nodes_rendezvous_over_c10d_and_verifies(tmp_path):
+@pytest.fixture(scope="module")
+def bundle_2x2(tmp_path_factory) -> Path:
+    """A bundle of a small MLP on sample_clusters/cpu_2x2.json: machines m0 and m1, two CPU devices each."""
+    graph = engine.load_model("zoo:mlp", layers=1, in_features=8, hidden=16, classes=4, batch=12)
+    cluster = engine.load_cluster(sample_path("cpu_2x2"))
+    return export_bundle(engine.plan(graph, cluster, optimizer="sgd"), cluster, tmp_path_factory.mktemp("b22") / "b")
+
+
+def launch_env(**extra: str) -> dict[str, str]:
+    """This machine's environment for a launch script: no rank variables, this venv's torchrun first on PATH."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", config.FAULT_ENV)}
+    env.update(PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]),
+               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), **extra)
+    return env
+
+
+def test_launch_node_script_on_two_nodes_rendezvous_over_c10d_and_verifies(bundle_2x2, tmp_path):
     """Both nodes' generated torchrun lines started on this machine form one 4-rank job, and node k
     runs the bundle's ranks of node k whichever order the c10d rendezvous gave the nodes."""
-    graph = engine.load_model("zoo:mlp", layers=1, in_features=8, hidden=16, classes=4, batch=12)
-    cluster = engine.load_cluster(TWO_MACHINES)
-    out = export_bundle(engine.plan(graph, cluster, optimizer="sgd"), cluster, tmp_path / "b")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", config.FAULT_ENV)}
-    env.update(HAP_RDZV_ENDPOINT=f"127.0.0.1:{free_port()}",
-               PATH=os.pathsep.join([os.path.dirname(sys.executable), env["PATH"]]),
-               PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
+    env = launch_env(HAP_RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
     args = ["--steps", "3", "--verify"]  # every node passes the same runner options
     nodes = {}
     for k in (1, 0):  # node 1 first: its agent usually gets the lower pid, so c10d numbers it first
-        nodes[k] = subprocess.Popen(["bash", str(out / "launch_node.sh"), str(k), *args], env=env, cwd=tmp_path,
+        nodes[k] = subprocess.Popen(["bash", str(bundle_2x2 / "launch_node.sh"), str(k), *args], env=env, cwd=tmp_path,
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         time.sleep(0.5)
     nodes = [nodes[0], nodes[1]]
@@ -165,8 +175,21 @@ def test_launch_node_script_on_two_nodes_rendezvous_over_c10d_and_verifies(tmp_p
     assert [p.returncode for p in nodes] == [0, 0], "\n".join(logs)[-4000:]
     assert "verify: OK" in "".join(logs) and "on 4 ranks (gloo)" in "".join(logs)
     for k, log in enumerate(logs):  # whatever order the rendezvous chose, node k runs its bundle ranks
-        for local, name in enumerate(("a", "b")[k] + f"-{i}" for i in range(2)):
-            assert f"rank {2 * k + local}: CPU, as planned for device {name}" in log, log[-3000:]
+        for local in range(2):
+            assert f"rank {2 * k + local}: CPU, as planned for device cpu-m{k}-{local}" in log, log[-3000:]
+
+
+def test_a_node_that_never_arrives_ends_the_launch_with_a_clear_message_within_the_timeout(bundle_2x2, tmp_path):
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = launch_env(HAP_RDZV_ENDPOINT=endpoint, HAP_RDZV_TIMEOUT="3")
+    r = subprocess.run(["bash", str(bundle_2x2 / "launch_node.sh"), "0", "--steps", "1"], env=env, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert (f"launch_node.sh: node 0 waited 3 s at {endpoint} but not all 2 nodes joined: start `bash launch_node.sh K` "
+            "on every node K in 0..1 with the same HAP_RDZV_ENDPOINT, or raise HAP_RDZV_TIMEOUT") in r.stderr, r.stderr[-2000:]
+    bad = subprocess.run(["bash", str(bundle_2x2 / "launch_node.sh"), "0"], env={**env, "HAP_RDZV_TIMEOUT": "5s"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "HAP_RDZV_TIMEOUT must be a whole number of seconds, got 5s" in bad.stderr
 
 
 def test_a_rank_joins_as_the_plan_device_its_bundle_node_and_local_rank_give(tmp_path):
