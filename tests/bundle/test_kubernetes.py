@@ -223,6 +223,16 @@ def test_a_gpu_product_outside_the_label_grammar_is_refused(tiny_gpt, tmp_path, 
         export(tiny_gpt, spec, tmp_path / "b")
 
 
+def test_gpu_product_round_trips_through_the_cluster_spec_and_must_be_a_string():
+    spec = two_machines(("A100-40GB", "P100-PCIE-16GB"), ("NVIDIA-A100-SXM4-40GB", None))
+    cluster = engine.load_cluster(spec)
+    assert [d.gpu_product for d in cluster.devices] == ["NVIDIA-A100-SXM4-40GB"] * 2 + [None] * 2
+    assert engine.load_cluster(cluster.to_dict()) == cluster and "gpu_product" not in cluster.to_dict()["devices"][2]
+    spec["devices"][0]["gpu_product"] = 100
+    with pytest.raises(engine.errors.ClusterError, match=r"devices\[0\]\.gpu_product: must be a string"):
+        engine.load_cluster(spec)
+
+
 def test_label_value_grammar():
     assert all(grammar.label_value_problem(v) is None for v in ("A100-40GB", "Tesla-P100-PCIE-16GB", "a.b_c", "x" * 63))
     assert all(grammar.label_value_problem(v) for v in ("", "a b", "a/b", "-a", "a-", "x" * 64, 100))
