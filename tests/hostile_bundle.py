@@ -37,11 +37,11 @@ PIECES = ("$(touch pwned)", "`touch pwned`", ";touch pwned", "&& touch pwned", "
           "\U0001F600", "\x00", "\t", "\x1b[31m", " ", "-", "--help", "..", "/", "%", "!", "&", "(", ")", "\u0085")
 """Pieces a hostile value is made of: command substitution, separators, redirections, new lines, quotes,
 globs, variables, Unicode line separators and direction overrides, control characters, option-looking words."""
-FIELDS = ("machine", "device_name", "gpu_model", "cluster_name", "graph_name", "node_machine", "rdzv_endpoint",
-          "image", "run_arg")
+FIELDS = ("machine", "device_name", "gpu_model", "gpu_product", "cluster_name", "graph_name", "node_machine",
+          "rdzv_endpoint", "image", "run_arg")
 """Every value from a spec, a plan or a flag that reaches a generated file."""
-BASES = {"machine": "m0", "device_name": "cpu-0", "gpu_model": "cpu", "cluster_name": "c", "graph_name": "mlp",
-         "node_machine": "m0", "rdzv_endpoint": "m0:29500", "image": "hap:1", "run_arg": "--steps"}
+BASES = {"machine": "m0", "device_name": "cpu-0", "gpu_model": "cpu", "gpu_product": "A100-40GB", "cluster_name": "c",
+         "graph_name": "mlp", "node_machine": "m0", "rdzv_endpoint": "m0:29500", "image": "hap:1", "run_arg": "--steps"}
 RUN_ARGS = ["--steps", "3", "$(touch pwned)", "a;touch pwned", "x\ntouch pwned", "'\""]
 """Runner options given to the scripts at run time: data, whatever they hold."""
 
@@ -88,7 +88,7 @@ def string_case(fx: Any, choose: Chooser) -> tuple[Callable[[], Any], str]:
     if field == "machine":
         for d in cluster["devices"]:
             d["machine"] = value
-    elif field in ("device_name", "gpu_model"):
+    elif field in ("device_name", "gpu_model", "gpu_product"):
         cluster["devices"][choose(len(cluster["devices"]))][{"device_name": "name"}.get(field, field)] = value
     elif field == "cluster_name":
         cluster["name"] = value
@@ -171,7 +171,8 @@ def _outcome(kind: str, detail: str, scripts: int = 0, created: int = 0) -> Any:
 # ----------------------------------------------------------------------------- tampered bundles
 
 
-GENERATED_TEXT = ("launch_node.sh", "slurm.sbatch", "pytorchjob.yaml", "trainjob.yaml", "README.md", "model.json")
+GENERATED_TEXT = ("launch_node.sh", "slurm.sbatch", "pytorchjob.yaml", "trainjob.yaml", "jobset.yaml", "README.md",
+                  "model.json")
 
 
 def tamper_case(fx: Any, choose: Chooser) -> tuple[Callable[[], Any], str]:

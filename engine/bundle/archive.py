@@ -12,6 +12,8 @@ A bundle is a folder (optionally also a zip of it) holding
     slurm.sbatch     `srun torchrun ...` for Slurm
     pytorchjob.yaml  a Kubeflow `kubeflow.org/v1` PyTorchJob (Master + Workers)
     trainjob.yaml    a Kubeflow Trainer v2 TrainJob (runtime `torch-distributed`)
+    jobset.yaml      a JobSet, one replicated job per node pinned to its GPU type, instead of the two
+                     above when one pod template cannot fit every node
     README.md        which command to run where
     manifest.json    sha256 of every other file, package versions, creation time, world size,
                      and the rank -> device map
@@ -41,8 +43,8 @@ from typing import Any, Sequence
 
 from engine import limits
 from engine.bundle import grammar
-from engine.bundle.launch_files import (DEFAULT_IMAGE, ExportSettings, LaunchNode, launch_node_script, launch_settings,
-                                        pytorchjob_yaml, rank_table, readme_text, slurm_script, trainjob_yaml)
+from engine.bundle.launch_files import (DEFAULT_IMAGE, ExportSettings, LaunchNode, kubernetes_files, launch_node_script,
+                                        launch_settings, rank_table, readme_text, slurm_script)
 from engine.bundle.unpack import EXECUTABLE, MANIFEST, is_bundle, read_folder, read_zip
 from engine.cluster.spec import Cluster, load_cluster
 from engine.errors import BundleError, HapError, PlanError
@@ -223,8 +225,8 @@ def bundle_files(plan: AnyPlan, cluster: Cluster, *, model_file: str | Path | No
     return files
 
 
-GENERATED = ("model.json", "launch_node.sh", "slurm.sbatch", "pytorchjob.yaml", "trainjob.yaml", ANNOTATIONS,
-             "README.md")
+GENERATED = ("model.json", "launch_node.sh", "slurm.sbatch", "pytorchjob.yaml", "trainjob.yaml", "jobset.yaml",
+             ANNOTATIONS, "README.md")
 """The files that are a pure function of plan.json, cluster.json, the nodes and the export settings:
 `hap bundle check` writes them again and compares."""
 
@@ -234,15 +236,10 @@ def generated_files(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode]
     """model.json, the launch files, the annotations (when asked for) and the README, as `hap export` writes them."""
     s = launch_settings(plan, cluster, nodes, settings)
     files = {"model.json": (json.dumps(model_json(plan, model_file), indent=1) + "\n").encode()}
-    skipped: dict[str, str] = {}
-    texts = {"launch_node.sh": launch_node_script(nodes, s), "slurm.sbatch": slurm_script(nodes, s),
-             "pytorchjob.yaml": pytorchjob_yaml(nodes, s), "trainjob.yaml": trainjob_yaml(nodes, s)}
-    for name, text in texts.items():
-        if text is None:
-            skipped[name] = "its worker pods share one template, but the nodes run different numbers of ranks " \
-                            f"({', '.join(str(n.nproc) for n in nodes)}); use launch_node.sh or slurm.sbatch"
-        else:
-            files[name] = text.encode()
+    texts = {"launch_node.sh": launch_node_script(nodes, s), "slurm.sbatch": slurm_script(nodes, s)}
+    manifests, skipped = kubernetes_files(nodes, s)
+    for name, text in {**texts, **manifests}.items():
+        files[name] = text.encode()
     if settings.annotations:
         if plan.parallelism != "spmd":
             raise BundleError("--annotations: HSPMD annotations describe an SPMD plan's sharded tensors, and a "
@@ -535,7 +532,7 @@ def _size_problems(files: dict[str, bytes], manifest: dict[str, Any], plan: AnyP
         if sum(procs) != w or nnodes != {len(procs)}:
             out.append(f"launch_node.sh: {len(procs)} torchrun lines with --nnodes {sorted(nnodes)} and "
                        f"--nproc-per-node {procs} (sum {sum(procs)}) do not launch {w} ranks")
-    for name in ("slurm.sbatch", "pytorchjob.yaml"):
+    for name in ("slurm.sbatch", "pytorchjob.yaml", "jobset.yaml"):
         if name in files:
             text = files[name].decode(errors="replace")
             nnodes = {int(x) for x in _NNODES.findall(text)}

@@ -7,6 +7,8 @@ start a new line in any file (a comment included). Each value has the strictest 
 * machines (and the host of a rendezvous endpoint): a host name per RFC 1123, or an IPv4/IPv6 literal;
 * ports: 1-65535;
 * job names: a Kubernetes name (RFC 1123 label: lower-case letters, digits, '-', at most 63);
+* Kubernetes label values (the GPU product a manifest's nodeSelector asks for): at most 63 letters,
+  digits, '-', '_' and '.', starting and ending with a letter or digit;
 * images: an OCI image reference (`[registry[:port]/]path[:tag][@algorithm:hex]`);
 * runner arguments: option words of letters, digits and `_ . , : = / @ + % -` (no shell metacharacters);
 * file names: the POSIX portable file name characters;
@@ -26,6 +28,7 @@ from typing import Any
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*\.?")
 _K8S_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?")
 _DOMAIN_PART = r"(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])"
 _PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
 _IMAGE = re.compile(
@@ -47,6 +50,8 @@ HOST_RULE = "a host name (RFC 1123: dot-separated labels of letters, digits and 
 ENDPOINT_RULE = ("HOST:PORT with HOST a host name (RFC 1123) or an IPv4 address, [ADDR]:PORT for IPv6, "
                  "and PORT in 1..65535")
 K8S_RULE = "a Kubernetes name: lower-case letters, digits and '-', starting and ending with a letter or digit, at most 63"
+LABEL_VALUE_RULE = ("a Kubernetes label value: letters, digits, '-', '_' and '.', starting and ending with a letter "
+                    "or digit, at most 63")
 IMAGE_RULE = "an OCI image reference such as registry.example.com:5000/team/hap-workbench:1.0 (lower-case path, optional :tag, @sha256:...)"
 RUN_ARG_RULE = "runner options made of letters, digits and _ . , : = / @ + % - (e.g. --steps 100 --checkpoint-dir /mnt/ckpt)"
 FILE_NAME_RULE = "a file name of letters, digits, '.', '_' and '-' that does not start with '.' or '-'"
@@ -103,6 +108,13 @@ def k8s_name_problem(value: Any) -> str | None:
     if isinstance(value, str) and _K8S_NAME.fullmatch(value):
         return None
     return f"{_shown(value)} is not {K8S_RULE}"
+
+
+def label_value_problem(value: Any) -> str | None:
+    """None for a non-empty Kubernetes label value (a nodeSelector's value), else why not."""
+    if isinstance(value, str) and _LABEL_VALUE.fullmatch(value):
+        return None
+    return f"{_shown(value)} is not {LABEL_VALUE_RULE}"
 
 
 def image_problem(value: Any) -> str | None:

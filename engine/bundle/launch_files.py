@@ -1,10 +1,16 @@
-"""The launch files of a bundle: torchrun per node, Slurm, Kubeflow PyTorchJob and TrainJob, README.
+"""The launch files of a bundle: torchrun per node, Slurm, Kubeflow PyTorchJob and TrainJob or a JobSet, README.
 
 Each is plain text, a pure function of the plan, the cluster, the bundle's nodes
 (engine.bundle.archive.launch_nodes) and the export settings (`ExportSettings`, recorded whole in
 the manifest), so `hap bundle check` can write them again and compare. The YAML is written without a
 yaml dependency, deterministically (block style, strings JSON-quoted).
 Rank r runs plan device r; node k runs a consecutive block of ranks, as torchrun numbers them.
+
+Kubernetes: every pod asks for its node's GPU count and selects machines by their GPU type (the
+`nvidia.com/gpu.product` label of GPU feature discovery; a device's `gpu_product`, else its `gpu_model`).
+A PyTorchJob has one Worker template and a TrainJob one trainer, so they are written only when every
+machine has one GPU type (and, for them, as many ranks); any other plan gets `jobset.yaml`, a JobSet
+with one replicated job per node that knows its node number.
 
 No value from the plan, the cluster or an option is ever code: every one is checked against its
 grammar first (engine.bundle.grammar; `launch_problems`), shell gets it through `shlex.quote`, YAML
@@ -19,7 +25,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Sequence
 
 from engine.bundle import grammar
-from engine.cluster.spec import Cluster
+from engine.cluster.spec import Cluster, Device
 from engine.errors import BundleError
 from engine.planner import AnyPlan
 
@@ -28,6 +34,8 @@ DEFAULT_RDZV_TIMEOUT_S = 600
 """How long launch_node.sh waits for every node to join the rendezvous (torchrun's own default)."""
 DEFAULT_IMAGE = "hap-workbench:latest"
 CONTAINER_BUNDLE_DIR = "/workspace/bundle"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""The node label GPU feature discovery sets to the GPU's product name; nodeSelectors pin GPU types by it."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +128,10 @@ class LaunchSettings:
     gpus: bool = True
     """Ask launchers for one GPU per rank (False for CPU clusters)."""
     run_args: tuple[str, ...] = ()
+    products: tuple[str | None, ...] = ()
+    """Per node, the GPU product label value its pods select (None: not pinned, see `unpinned`)."""
+    unpinned: tuple[str, ...] = ()
+    """Why a node's pods select no GPU type, one line each (written as comments into the manifests)."""
 
 
 def job_name(plan: AnyPlan) -> str:
@@ -140,8 +152,28 @@ def launch_settings(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode]
     if problems:
         raise BundleError(f"{problems[0]} (refused: it would be written into the launch files)")
     gpus = any(d.gpu_model.strip().lower() != "cpu" for d in cluster.devices)
+    pins = [node_product(cluster, n) if gpus else (None, None) for n in nodes]
     return LaunchSettings(job=job_name(plan), rdzv_endpoint=s.rdzv_endpoint or default_endpoint(nodes[0].machine),
-                          image=s.image, gpus=gpus, run_args=tuple(s.run_args))
+                          image=s.image, gpus=gpus, run_args=tuple(s.run_args), products=tuple(p for p, _ in pins),
+                          unpinned=tuple(why for _, why in pins if why))
+
+
+def device_product(d: Device) -> str:
+    """The GPU product label value a device's machine carries: its `gpu_product`, else its `gpu_model`."""
+    return d.gpu_product if d.gpu_product is not None else d.gpu_model
+
+
+def node_product(cluster: Cluster, node: LaunchNode) -> tuple[str | None, str | None]:
+    """(label value, None) for the GPU type node's pods select, or (None, why the node is not pinned)."""
+    values = {device_product(cluster.devices[r]) for r in node.ranks}
+    if len(values) > 1:
+        return None, (f"node {node.node_rank} (machine {_line(node.machine)}) holds several GPU types, "
+                      "one label cannot select it")
+    (value,) = values
+    if grammar.label_value_problem(value):
+        return None, (f"node {node.node_rank} (machine {_line(node.machine)}) selects no GPU type: gpu_model "
+                      f"{_line(value)} is no label value; give its devices a gpu_product")
+    return value, None
 
 
 def launch_problems(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], s: ExportSettings) -> list[str]:
@@ -156,6 +188,10 @@ def launch_problems(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode]
             out.append(f"{what}: {why}")
     if why := grammar.k8s_name_problem(job_name(plan)):
         out.append(f"job name (from the model and cluster names): {why}")
+    elif why := grammar.k8s_name_problem(jobset_host(job_name(plan), len(nodes) - 1)):
+        out.append(f"JobSet pod host name of node {len(nodes) - 1}: {why}")
+    out += [f"cluster device {r} gpu_product: {why}" for r, d in enumerate(cluster.devices)
+            if d.gpu_product is not None and (why := grammar.label_value_problem(d.gpu_product))]
     return out
 
 
@@ -307,28 +343,56 @@ def _yaml(value: Any, indent: int = 0) -> list[str]:
     return lines
 
 
-def _container(s: LaunchSettings, args: list[str], nproc: int) -> dict[str, Any]:
+def _container(s: LaunchSettings, args: list[str], nproc: int, env: dict[str, str] | None = None) -> dict[str, Any]:
     c: dict[str, Any] = {"name": "pytorch", "image": s.image, "imagePullPolicy": "IfNotPresent",
                          "workingDir": CONTAINER_BUNDLE_DIR, "command": ["torchrun"], "args": args}
+    if env:
+        c["env"] = [{"name": k, "value": v} for k, v in env.items()]
     if s.gpus:
         c["resources"] = {"limits": {"nvidia.com/gpu": nproc}}
     return c
 
 
+def _pod_spec(s: LaunchSettings, node: LaunchNode, container: dict[str, Any], restart: str) -> dict[str, Any]:
+    """A pod spec running `container`, on a machine of node's GPU type when it has one to select."""
+    spec: dict[str, Any] = {"restartPolicy": restart}
+    product = s.products[node.node_rank] if s.products else None
+    if product is not None:
+        spec["nodeSelector"] = {GPU_PRODUCT_LABEL: product}
+    spec["containers"] = [container]
+    return spec
+
+
+def _pin_comments(s: LaunchSettings) -> list[str]:
+    """The header lines saying which GPU type the pods select, and which nodes select none."""
+    if not s.gpus:
+        return []
+    return [f"# Pods select machines by the node label {GPU_PRODUCT_LABEL} (GPU feature discovery)."] + \
+        [f"# {_line(why)}" for why in s.unpinned]
+
+
+def one_gpu_type(s: LaunchSettings) -> bool:
+    """Whether one pod template fits every node's GPU type (CPU clusters: always)."""
+    return not s.gpus or len(set(s.products)) <= 1
+
+
 def pytorchjob_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | None:
-    """A Kubeflow PyTorchJob; None when workers would need different process counts (one Worker template)."""
+    """A Kubeflow PyTorchJob; None when workers would need different process counts or GPU types (one Worker
+    template)."""
     workers = nodes[1:]
-    if len({n.nproc for n in workers}) > 1:
+    if len({n.nproc for n in workers}) > 1 or not one_gpu_type(s):
         return None
     header = ["# Kubeflow training operator PyTorchJob (kubeflow.org/v1): kubectl apply -f pytorchjob.yaml",
               f"# The image must hold hap-workbench and this bundle at {CONTAINER_BUNDLE_DIR} (see README.md).",
-              "# The operator sets RANK (the pod's node rank), MASTER_ADDR and MASTER_PORT in every pod."]
+              "# The operator sets RANK (the pod's node rank), MASTER_ADDR and MASTER_PORT in every pod.",
+              *_pin_comments(s)]
 
     def replica(n: LaunchNode, count: int) -> dict[str, Any]:
         args = torchrun_args(len(nodes), "$(RANK)", str(n.nproc), "$(MASTER_ADDR):$(MASTER_PORT)", s.job)
         args += ["-m", "runner.launch", CONTAINER_BUNDLE_DIR, *s.run_args]
-        return {"replicas": count, "restartPolicy": "OnFailure",
-                "template": {"spec": {"containers": [_container(s, args, n.nproc)]}}}
+        pod = _pod_spec(s, n, _container(s, args, n.nproc), "OnFailure")
+        del pod["restartPolicy"]  # the replica's restartPolicy rules here
+        return {"replicas": count, "restartPolicy": "OnFailure", "template": {"spec": pod}}
 
     specs = {"Master": replica(nodes[0], 1)}
     if workers:
@@ -339,13 +403,17 @@ def pytorchjob_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | Non
 
 
 def trainjob_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | None:
-    """A Kubeflow Trainer v2 TrainJob on the `torch-distributed` runtime; None unless every node runs as many ranks."""
-    if len({n.nproc for n in nodes}) > 1:
+    """A Kubeflow Trainer v2 TrainJob on the `torch-distributed` runtime; None unless every node runs as many
+    ranks on one GPU type."""
+    if len({n.nproc for n in nodes}) > 1 or not one_gpu_type(s):
         return None
     header = ["# Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1): kubectl apply -f trainjob.yaml",
               f"# The image must hold hap-workbench and this bundle at {CONTAINER_BUNDLE_DIR} (see README.md).",
               "# The torch-distributed runtime sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR",
               "# and PET_MASTER_PORT, which torchrun reads as its defaults."]
+    if s.gpus and s.products and s.products[0] is not None:
+        header.append(f"# It asks for GPUs, not their type: run it where every GPU is a {_line(s.products[0])} "
+                      f"(or use pytorchjob.yaml, which selects {GPU_PRODUCT_LABEL}).")
     trainer: dict[str, Any] = {"image": s.image, "numNodes": len(nodes), "numProcPerNode": nodes[0].nproc,
                                "command": ["torchrun", "-m", "runner.launch", CONTAINER_BUNDLE_DIR, *s.run_args]}
     if s.gpus:
@@ -353,6 +421,60 @@ def trainjob_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | None:
     doc = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": {"name": s.job},
            "spec": {"runtimeRef": {"name": "torch-distributed"}, "trainer": trainer}}
     return "\n".join(header + _yaml(doc) + [""])
+
+
+def jobset_replica_name(node_rank: int) -> str:
+    """The JobSet replicated job running bundle node `node_rank` (short: it is part of every pod's host name)."""
+    return f"n{node_rank}"
+
+
+def jobset_host(job: str, node_rank: int) -> str:
+    """The host name JobSet gives the one pod of node `node_rank`: <jobset>-<replicated job>-<job index>-<pod index>."""
+    return f"{job}-{jobset_replica_name(node_rank)}-0-0"
+
+
+def jobset_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | None:
+    """A JobSet (jobset.x-k8s.io/v1alpha2) with one replicated job per node, each pinned to its GPU type;
+    None when a PyTorchJob fits (pytorchjob_yaml)."""
+    if pytorchjob_yaml(nodes, s) is not None:
+        return None
+    endpoint = f"{jobset_host(s.job, 0)}.{s.job}:{DEFAULT_RDZV_PORT}"
+    header = ["# JobSet (jobset.x-k8s.io/v1alpha2, needs the JobSet controller): kubectl apply -f jobset.yaml",
+              f"# The image must hold hap-workbench and this bundle at {CONTAINER_BUNDLE_DIR} (see README.md).",
+              "# One replicated job per bundle node (n0, n1, ...), each one pod that passes its node number to",
+              "# torchrun and HAP_NODE_RANK; node 0's pod hosts the c10d rendezvous (the JobSet's headless service):",
+              f"# {endpoint}",
+              *_pin_comments(s)]
+
+    def replicated(n: LaunchNode) -> dict[str, Any]:
+        args = torchrun_args(len(nodes), str(n.node_rank), str(n.nproc), endpoint, s.job)
+        args += ["-m", "runner.launch", CONTAINER_BUNDLE_DIR, *s.run_args]
+        container = _container(s, args, n.nproc, {"HAP_NODE_RANK": str(n.node_rank)})
+        job = {"parallelism": 1, "completions": 1, "backoffLimit": 0,
+               "template": {"spec": _pod_spec(s, n, container, "Never")}}
+        return {"name": jobset_replica_name(n.node_rank), "replicas": 1, "template": {"spec": job}}
+
+    doc = {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet", "metadata": {"name": s.job},
+           "spec": {"network": {"enableDNSHostnames": True}, "failurePolicy": {"maxRestarts": 0},
+                    "replicatedJobs": [replicated(n) for n in nodes]}}
+    return "\n".join(header + _yaml(doc) + [""])
+
+
+def kubernetes_files(nodes: Sequence[LaunchNode], s: LaunchSettings) -> tuple[dict[str, str], dict[str, str]]:
+    """({file: text}, {file: why not written, for the README}) of the Kubernetes manifests: PyTorchJob and
+    TrainJob where one template fits every node, else a JobSet (never listed as missing: it replaces them)."""
+    texts = {"pytorchjob.yaml": pytorchjob_yaml(nodes, s), "trainjob.yaml": trainjob_yaml(nodes, s),
+             "jobset.yaml": jobset_yaml(nodes, s)}
+    counts = ", ".join(str(n.nproc) for n in nodes)
+    if not one_gpu_type(s):
+        one = (f"one pod template cannot select the machines' different GPU types "
+               f"({', '.join(str(p) for p in s.products)})")
+    else:
+        one = f"its worker pods share one template, but the nodes run different numbers of ranks ({counts})"
+    fallback = "use jobset.yaml" if texts["jobset.yaml"] else "use pytorchjob.yaml"
+    skipped = {k: f"{one}; {fallback}, launch_node.sh or slurm.sbatch" for k in ("pytorchjob.yaml", "trainjob.yaml")
+               if texts[k] is None}
+    return {k: v for k, v in texts.items() if v is not None}, skipped
 
 
 def plan_summary(plan: AnyPlan) -> str:
@@ -388,6 +510,10 @@ def readme_text(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], s:
     node_lines = "\n".join(f"    bash launch_node.sh {n.node_rank}   # on machine {n.machine} ({n.nproc} ranks: {_span(n.ranks)})"
                            for n in nodes)
     not_made = "".join(f"\n- `{f}` was not generated: {why}." for f, why in skipped.items())
+    k8s_use = (f"`jobset.yaml` (`{s.image}` now), then `kubectl apply -f jobset.yaml` (JobSet controller; one\n"
+               "  replicated job per node)" if "pytorchjob.yaml" in skipped else
+               f"`pytorchjob.yaml` (`{s.image}` now), then `kubectl apply -f pytorchjob.yaml` (Kubeflow training\n"
+               "  operator); with Kubeflow Trainer v2, `kubectl apply -f trainjob.yaml`")
     return f"""# Launch bundle: {plan.graph.name} on {cluster.name}
 
 {plan_summary(plan)} for {plan.world_size} ranks on {len(nodes)} node(s), predicted iteration
@@ -411,11 +537,12 @@ and pass `--digest SHA256` to `hap run` and the launch scripts too: every rank t
 {node_lines}
 
 - Slurm: `sbatch slurm.sbatch --steps 100` from this folder (one `srun` task per node, each runs torchrun).
-- Kubernetes (Kubeflow training operator): build an image holding hap-workbench and this folder
+- Kubernetes: build an image holding hap-workbench and this folder
   at `{CONTAINER_BUNDLE_DIR}` (e.g. `FROM` your PyTorch image, `pip install hap-workbench`,
-  `COPY . {CONTAINER_BUNDLE_DIR}`), set it in `pytorchjob.yaml` (`{s.image}` now), then
-  `kubectl apply -f pytorchjob.yaml`; with Kubeflow Trainer v2, `kubectl apply -f trainjob.yaml`.
-  Their runner options come from `hap export --run-args '...'` (append more to the container
+  `COPY . {CONTAINER_BUNDLE_DIR}`), set it in {k8s_use}.
+  Pods ask for their node's GPUs and select machines by `{GPU_PRODUCT_LABEL}` (a device's
+  `gpu_product` in the cluster spec, else its `gpu_model`). Their runner options come from
+  `hap export --run-args '...'` (append more to the container
   args).{not_made}
 
 {PIPELINE_RUN_OPTIONS if pipeline else SPMD_RUN_OPTIONS}
@@ -423,7 +550,7 @@ and pass `--digest SHA256` to `hap run` and the launch scripts too: every rank t
 ## Ranks and devices
 
 Rank r runs plan device r; node k runs a consecutive block of ranks. torchrun's c10d rendezvous
-orders the nodes itself, so `launch_node.sh` and `slurm.sbatch` pass the node number
+orders the nodes itself, so `launch_node.sh`, `slurm.sbatch` and `jobset.yaml` pass the node number
 (`HAP_NODE_RANK`) and every rank joins as the rank this table gives it.{"" if pipeline else " " + SPMD_DEVICE_CHECK}
 
 | rank | node | local rank | machine | device | GPU type |

@@ -68,7 +68,7 @@ SLOWDOWN_MODES: tuple[str, ...] = ("ddp", "duplex")
 """The overlap modes a device's `overlap_slowdown` may name (`engine.spmd.overlap.OVERLAP_MODES` less `none`)."""
 
 _TOP_KEYS = ("schema_version", "name", "description", "sources", "devices", "network")
-_DEVICE_KEYS = ("name", "gpu_model", "machine", "group", "num_gpus", "flops_per_gpu",
+_DEVICE_KEYS = ("name", "gpu_model", "gpu_product", "machine", "group", "num_gpus", "flops_per_gpu",
                 "memory_bytes_per_gpu", "memory_bandwidth_Bps", "activation_bandwidth_Bps", "intra_bandwidth_Bps",
                 "overlap_slowdown", "count")
 _NETWORK_KEYS = ("latency_s", "bandwidth_Bps", "collectives")
@@ -93,6 +93,8 @@ _RANGES: dict[str, tuple[float, float]] = {
 _HINTS: dict[str, str] = {
     "name": "a unique name, e.g. 'a100-0'",
     "gpu_model": "the GPU model, e.g. 'V100-SXM2-16GB'",
+    "gpu_product": "the nvidia.com/gpu.product node label of its machines (GPU feature discovery), e.g. "
+                   "'NVIDIA-A100-SXM4-40GB'; omit it when gpu_model is that label",
     "machine": "the machine (box) holding the device, e.g. 'm0'",
     "group": "a set of machines on a fast fabric, or '' for none",
     "num_gpus": "GPUs inside this virtual device, e.g. 1 or 8",
@@ -126,6 +128,9 @@ class Device:
     """Unique name of the device."""
     gpu_model: str
     """GPU model, e.g. 'A100-SXM4-40GB'; used to group devices in what-if scaling."""
+    gpu_product: str | None = None
+    """The `nvidia.com/gpu.product` label (GPU feature discovery) of the machines holding this GPU, e.g.
+    'NVIDIA-A100-SXM4-40GB', which Kubernetes manifests select nodes by; None: gpu_model is that label."""
     machine: str
     """Machine (box) id; devices sharing a machine are in one box."""
     group: str = ""
@@ -163,7 +168,9 @@ class Device:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field."""
         return {
-            "name": self.name, "gpu_model": self.gpu_model, "machine": self.machine,
+            "name": self.name, "gpu_model": self.gpu_model,
+            **({"gpu_product": self.gpu_product} if self.gpu_product is not None else {}),
+            "machine": self.machine,
             "group": self.group, "num_gpus": self.num_gpus, "flops_per_gpu": self.flops_per_gpu,
             "memory_bytes_per_gpu": self.memory_bytes_per_gpu,
             **({"memory_bandwidth_Bps": self.memory_bandwidth_Bps} if self.memory_bandwidth_Bps is not None else {}),
@@ -581,6 +588,8 @@ def _parse_device_entry(entry: Any, path: str, room: int) -> list[Device]:
     base = Device(
         name=name,
         gpu_model=_text(_require(entry, "gpu_model", field_path("gpu_model")), field_path("gpu_model"), "gpu_model"),
+        gpu_product=(None if entry.get("gpu_product") is None else
+                     _text(entry["gpu_product"], field_path("gpu_product"), "gpu_product")),
         machine=_text(_require(entry, "machine", field_path("machine")), field_path("machine"), "machine"),
         group=_text(entry.get("group", ""), field_path("group"), "group", allow_empty=True),
         num_gpus=_positive_int(entry.get("num_gpus", 1), field_path("num_gpus"), "num_gpus"),

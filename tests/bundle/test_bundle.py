@@ -24,8 +24,9 @@ from engine.cli import main
 from engine.planner import load_plan
 
 TINY_GPT = dict(layers=1, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, batch=8)
-EXPECTED_FILES = {"plan.json", "cluster.json", "model.json", "launch_node.sh", "slurm.sbatch", "pytorchjob.yaml",
-                  "trainjob.yaml", "README.md", "manifest.json"}
+EXPECTED_FILES = {"plan.json", "cluster.json", "model.json", "launch_node.sh", "slurm.sbatch", "jobset.yaml",
+                  "README.md", "manifest.json"}
+"""The files of the a100x2_p100x2 bundle: two GPU types, so a JobSet instead of a PyTorchJob and a TrainJob."""
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,13 @@ def plan4(tiny_gpt):
 def plan_a100(tiny_gpt):
     """dp-even plan on sample_clusters/a100x2_p100x2.json: 2 machines of 2 GPUs, two GPU types."""
     return engine.evaluate(tiny_gpt, engine.load_cluster(sample_path("a100x2_p100x2")), "dp-even", optimizer="sgd")
+
+
+@pytest.fixture(scope="module")
+def bundle_uniform(tiny_gpt, tmp_path_factory) -> Path:
+    """2 machines of 2 A100s each: one GPU type, so a PyTorchJob and a TrainJob."""
+    spec = cluster_of(["m0", "m0", "m1", "m1"])
+    return export_bundle(plan_on(tiny_gpt, spec), spec, tmp_path_factory.mktemp("u") / "bundle")
 
 
 @pytest.fixture(scope="module")
@@ -323,8 +331,8 @@ def test_slurm_script_gives_each_node_its_own_process_count(tiny_gpt, tmp_path):
     assert check_bundle(out).ok
 
 
-def test_pytorchjob_yaml_parses_with_replicas_nnodes_nproc_rendezvous_and_command(bundle_a100):
-    job = yaml.safe_load((bundle_a100 / "pytorchjob.yaml").read_text())
+def test_pytorchjob_yaml_parses_with_replicas_nnodes_nproc_rendezvous_and_command(bundle_uniform):
+    job = yaml.safe_load((bundle_uniform / "pytorchjob.yaml").read_text())
     assert job["apiVersion"] == "kubeflow.org/v1" and job["kind"] == "PyTorchJob"
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert set(specs) == {"Master", "Worker"}
@@ -333,21 +341,24 @@ def test_pytorchjob_yaml_parses_with_replicas_nnodes_nproc_rendezvous_and_comman
         (c,) = specs[role]["template"]["spec"]["containers"]
         assert c["name"] == "pytorch" and c["command"] == ["torchrun"]
         assert c["args"][:6] == ["--nnodes=2", "--node-rank=$(RANK)", "--nproc-per-node=2", "--rdzv-backend=c10d",
-                                 "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)", f"--rdzv-id={bundle_a100_job()}"]
+                                 "--rdzv-endpoint=$(MASTER_ADDR):$(MASTER_PORT)", "--rdzv-id=hap-gpt-nodes"]
         assert c["args"][6:] == ["-m", "runner.launch", "/workspace/bundle"]
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 2
+        assert specs[role]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "A100-SXM4-40GB"}
 
 
-def test_runner_options_go_into_the_kubernetes_files(plan_a100, tmp_path):
-    out = export_bundle(plan_a100, None, tmp_path / "b", run_args=["--steps", "100", "--resume", "--checkpoint-dir", "/ckpt"])
+def test_runner_options_go_into_the_kubernetes_files(tiny_gpt, tmp_path):
+    spec = cluster_of(["m0", "m0", "m1", "m1"])
+    out = export_bundle(plan_on(tiny_gpt, spec), spec, tmp_path / "b",
+                        run_args=["--steps", "100", "--resume", "--checkpoint-dir", "/ckpt"])
     specs = yaml.safe_load((out / "pytorchjob.yaml").read_text())["spec"]["pytorchReplicaSpecs"]
     assert specs["Worker"]["template"]["spec"]["containers"][0]["args"][-7:] == \
         ["runner.launch", "/workspace/bundle", "--steps", "100", "--resume", "--checkpoint-dir", "/ckpt"]
     assert yaml.safe_load((out / "trainjob.yaml").read_text())["spec"]["trainer"]["command"][-2:] == ["--checkpoint-dir", "/ckpt"]
 
 
-def test_trainjob_yaml_parses_with_nodes_and_processes(bundle_a100):
-    job = yaml.safe_load((bundle_a100 / "trainjob.yaml").read_text())
+def test_trainjob_yaml_parses_with_nodes_and_processes(bundle_uniform):
+    job = yaml.safe_load((bundle_uniform / "trainjob.yaml").read_text())
     assert job["apiVersion"] == "trainer.kubeflow.org/v1alpha1" and job["kind"] == "TrainJob"
     assert job["spec"]["runtimeRef"] == {"name": "torch-distributed"}
     trainer = job["spec"]["trainer"]
