@@ -292,7 +292,8 @@ def test_launch_node_script_runs_torchrun_with_this_nodes_arguments(bundle_a100,
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["HAP_NODE_RANK=1", "--nnodes=2", "--node-rank=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
-                                     "--rdzv-endpoint=m0:29500", f"--rdzv-id={bundle_a100_job()}", "-m",
+                                     "--rdzv-endpoint=m0:29500", f"--rdzv-id={bundle_a100_job()}",
+                                     "--rdzv-conf=join_timeout=600", "-m",
                                      "runner.launch", str(bundle_a100), "--steps", "7"]
     bad = subprocess.run(["bash", str(bundle_a100 / "launch_node.sh"), "2"], env=env, capture_output=True,
                          text=True, timeout=30)
