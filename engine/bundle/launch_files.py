@@ -478,6 +478,25 @@ compares its GPU (`torch.cuda.get_device_name`) with the planned type and report
 naming the rank and both types (`--device-check error` makes it fatal)."""
 
 
+def _slurm_hardware_note(s: LaunchSettings) -> str:
+    """What pins each node's hardware under Slurm, or the risk when nothing does."""
+    if any(s.node_slurm):
+        return ("It is a heterogeneous job where the machines differ: component k runs node k, asking for its machine's "
+                "GPU type (the cluster spec's `slurm` hints: feature -> --constraint, gres_type -> --gres, nodelist), and "
+                "a rank on another GPU type stops the run (`--device-check error`).")
+    return ("Nothing pins the hardware: the cluster spec gives no `slurm` hints (a device's `slurm`: `feature`, "
+            "`gres_type`, `nodelist`), so Slurm may place a node on GPUs other than planned and the plan's ratios "
+            "no longer hold; add them to the spec and export again.")
+
+
+def _setup_note(s: LaunchSettings) -> str:
+    """The README's word on the shipped prelude."""
+    if not s.setup:
+        return ""
+    return (f"\n  Both scripts source `{SETUP_FILE}` (the author's prelude: module loads, environment activation) "
+            "on every node before torchrun; read it before you run the bundle.")
+
+
 def readme_text(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], s: LaunchSettings,
                 skipped: dict[str, str]) -> str:
     """The bundle's README: which command to run where, and the rank -> device map."""
@@ -508,7 +527,10 @@ and pass `--digest SHA256` to `hap run` and the launch scripts too: every rank t
 
 {node_lines}
 
-- Slurm: `sbatch slurm.sbatch --steps 100` from this folder (one `srun` task per node, each runs torchrun).
+- Slurm: `mkdir -p {LOG_DIR} && sbatch slurm.sbatch --steps 100` from this folder (one `srun` task per node,
+  each runs torchrun). The job's output goes to `{LOG_DIR}/JOBNAME-JOBID.out`, beside this folder and never in
+  it (every rank refuses a bundle holding a file it does not list); Slurm does not create that folder.
+  {_slurm_hardware_note(s)}{_setup_note(s)}
 - Kubernetes (Kubeflow training operator): build an image holding hap-workbench and this folder
   at `{CONTAINER_BUNDLE_DIR}` (e.g. `FROM` your PyTorch image, `pip install hap-workbench`,
   `COPY . {CONTAINER_BUNDLE_DIR}`), set it in `pytorchjob.yaml` (`{s.image}` now), then
