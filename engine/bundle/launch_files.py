@@ -145,6 +145,8 @@ class LaunchSettings:
     """Per bundle node, the GPU types of its machine (as shown in comments)."""
     setup: bool = False
     """Source SETUP_FILE before torchrun."""
+    strict_device_check: bool = True
+    """A heterogeneous job passes `--device-check error` (SPMD plans; a pipeline run refuses the option)."""
 
 
 SETUP_FILE = "setup.sh"
@@ -176,7 +178,8 @@ def launch_settings(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode]
                           image=s.image, gpus=gpus, run_args=tuple(s.run_args),
                           sbatch=tuple((k, v) for k in ExportSettings.SLURM if (v := getattr(s, k)) is not None),
                           node_slurm=tuple(_node_slurm(cluster, n) for n in nodes),
-                          node_gpu=tuple(_gpu_types(cluster, n) for n in nodes), setup=s.setup)
+                          node_gpu=tuple(_gpu_types(cluster, n) for n in nodes), setup=s.setup,
+                          strict_device_check=plan.parallelism == "spmd")
 
 
 def _node_slurm(cluster: Cluster, node: LaunchNode) -> tuple[tuple[str, str], ...]:
@@ -367,9 +370,11 @@ def _plain_srun(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
 def _het_srun(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
     """One srun over every component: component k runs bundle node k (HAP_NODE_RANK=k, written in, not read from
     SLURM_NODEID, which a heterogeneous step numbers across components); a GPU-type mismatch stops the run
-    (--device-check error before the user's options, which may override it)."""
+    (--device-check error before the user's options, which may override it; SPMD plans only). srun reads every bare
+    ':' as the next component, so a runner option ':' cannot be passed (the runner takes none)."""
+    strict = " --device-check error" if s.strict_device_check else ""
     parts = [f'--het-group={n.node_rank} --ntasks=1 {_task_command(str(n.node_rank), str(n.nproc), len(nodes), s)} '
-             f'"$BUNDLE_DIR" --device-check error "$@"' for n in nodes]
+             f'"$BUNDLE_DIR"{strict} "$@"' for n in nodes]
     return "srun " + " \\\n  : ".join(parts)
 
 
