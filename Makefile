@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench clean slurm-packages
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -20,12 +20,24 @@ run: install
 	$(BIN)/hap ui --port 8501
 
 # The whole suite in two passes: everything on $(WORKERS) workers (pytest-xdist; ranks start from a warm
-# forkserver, tests/runner/dist_harness.py), then the few tests that measure wall-clock time, alone.
+# forkserver, tests/runner/dist_harness.py), then, alone, the few tests that measure wall-clock time and the
+# bundles submitted to a real Slurm (one slurmctld per machine; tests/runner/slurm_harness.py).
 # Each pass lists its slowest tests.
 WORKERS ?= 2
-test: install
+test: install slurm-packages
 	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not serial" --durations=25
-	$(BIN)/python -m pytest -m serial --durations=5 tests/runner/test_runner_timing.py
+	$(BIN)/python -m pytest -m serial --durations=8 tests/runner/test_runner_timing.py tests/runner/test_slurm.py
+
+# The Slurm tests' system packages, installed only when missing and only where apt-get and root allow;
+# elsewhere a line says why and those tests skip, naming the reason.
+slurm-packages:
+	@if command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ]; then \
+		if command -v munged >/dev/null 2>&1 || [ -x /usr/sbin/munged ]; then exit 0; fi; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then echo "slurm-packages: no apt-get here; the Slurm tests will skip"; \
+	elif [ "$$(id -u)" != 0 ]; then echo "slurm-packages: not root, cannot install slurm-wlm munge; the Slurm tests will skip"; \
+	else DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null \
+		|| (apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >/dev/null) \
+		|| echo "slurm-packages: apt-get could not install slurm-wlm munge; the Slurm tests will skip"; fi
 
 bench: install
 	$(BIN)/python bench/synthesis.py

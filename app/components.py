@@ -119,8 +119,9 @@ def _node_label(n, form: str | None, comm: list[str] | None) -> str:
 
 
 def device_rows(cluster: Cluster) -> list[dict[str, Any]]:
-    """Devices as editable table rows (the JSON fields of a device)."""
-    return [d.to_dict() for d in cluster.devices]
+    """Devices as editable table rows (the JSON fields of a device, less the Slurm hints: a nested object no table
+    cell holds; `services.cluster_with_edits` keeps them by device name)."""
+    return [{k: v for k, v in d.to_dict().items() if k != "slurm"} for d in cluster.devices]
 
 
 def link_rows(cluster: Cluster) -> list[dict[str, Any]]:

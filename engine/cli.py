@@ -269,7 +269,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)  # either kind, validated: an inconsistent plan is refused here
     out = export_bundle(plan, args.cluster, args.out, zip=args.zip, model_source=args.model_file,
                         rdzv_endpoint=args.rdzv_endpoint, image=args.image, run_args=run_args,
-                        annotations=args.annotations)
+                        annotations=args.annotations, setup=args.setup,
+                        slurm={"partition": args.partition, "account": args.account, "time": args.time,
+                               "qos": args.qos})
     for warning in plan_warnings(plan, args.cluster):
         print(f"warning: {warning}", file=sys.stderr)
     manifest_bytes = (out / "manifest.json").read_bytes()
@@ -418,6 +420,12 @@ def build_parser(more: Commands | None = None) -> argparse.ArgumentParser:
                    "e.g. '--steps 1000 --checkpoint-dir /ckpt --checkpoint-every 100 --resume'")
     e.add_argument("--annotations", action="store_true",
                    help="also write hspmd_annotations.json: every tensor in Hetu's HSPMD terms (DG/DS union, HSize, HDim)")
+    e.add_argument("--partition", metavar="P", help="Slurm partition, written into slurm.sbatch (#SBATCH --partition)")
+    e.add_argument("--account", metavar="A", help="Slurm account (#SBATCH --account)")
+    e.add_argument("--time", metavar="T", help="Slurm time limit, e.g. 30, 2:00:00 or 1-12 (#SBATCH --time)")
+    e.add_argument("--qos", metavar="Q", help="Slurm quality of service (#SBATCH --qos)")
+    e.add_argument("--setup", metavar="FILE", help="a shell prelude (module loads, environment activation) shipped "
+                   "as setup.sh and sourced on every node before torchrun by slurm.sbatch and launch_node.sh")
     e.set_defaults(func=cmd_export)
     b = sub.add_parser("bundle", help="launch bundle tools")
     bsub = b.add_subparsers(dest="bundle_command", required=True)

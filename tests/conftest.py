@@ -24,8 +24,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: the workers share the co
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_clusters"
 GIB = 2**30
-SERIAL_FILE = "tests/runner/test_runner_timing.py"
-"""Where the `serial` tests live: `make test`'s second pass collects this file only."""
+SERIAL_FILES = ("tests/runner/test_runner_timing.py", "tests/runner/test_slurm.py")
+"""Where the `serial` tests live: `make test`'s second pass collects these files only (wall-clock measurements,
+and the real Slurm, whose daemons are one per machine)."""
 
 
 def free_port() -> int:
@@ -36,10 +37,11 @@ def free_port() -> int:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Refuse a `serial` test outside SERIAL_FILE, which `make test` would never run alone."""
-    stray = [i.nodeid for i in items if i.get_closest_marker("serial") and i.nodeid.split("::")[0] != SERIAL_FILE]
+    """Refuse a `serial` test outside SERIAL_FILES, which `make test` would never run alone."""
+    stray = [i.nodeid for i in items if i.get_closest_marker("serial") and i.nodeid.split("::")[0] not in SERIAL_FILES]
     if stray:
-        raise pytest.UsageError(f"serial tests must live in {SERIAL_FILE} (make test runs that file alone): {stray}")
+        raise pytest.UsageError(f"serial tests must live in {', '.join(SERIAL_FILES)} (make test runs those alone): "
+                                f"{stray}")
 
 
 # ----------------------------------------------------------------------------- hand-built graphs

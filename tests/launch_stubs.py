@@ -3,7 +3,8 @@
 The stubs record their argv as JSON lines in one log: `torchrun` (records, starts nothing), the few
 commands the scripts are meant to call (`dirname` and `head` record and then run the real program;
 `scontrol show hostnames` and `srun` are emulated: srun runs its command once per task with
-SLURM_NODEID set), and traps for commands an injected value would reach for (`touch`, `rm`, `sh`,
+SLURM_NODEID set, and a heterogeneous step's components (`--het-group=K ... : --het-group=K ...`) one after
+another, each once, with SLURM_HET_GROUP=K so the stub torchrun's log can tell them apart), and traps for commands an injected value would reach for (`touch`, `rm`, `sh`,
 `curl`, ...), which only record. A run is safe when the log holds exactly the expected calls, no
 "command not found" was printed, and no file appeared anywhere the script could write (its working
 folder, the bundle, HOME and TMPDIR). Shared by tests/bundle/test_launch_safety.py and the hostile-bundle
@@ -37,18 +38,29 @@ if name == "scontrol":
         print("\\n".join(os.environ.get("STUB_HOSTS", "n0").split(",")))
     sys.exit(0)
 if name == "srun":
-    args = sys.argv[1:]
-    tasks = 1
-    while args and args[0].startswith("-"):
-        if args[0].startswith("--ntasks="):
-            tasks = int(args[0].split("=", 1)[1])
-        args = args[1:]
-    if args and args[0] == "bash":
-        args = ["/bin/bash", *args[1:]]
-    status = 0
     import subprocess
-    for node in range(tasks):
-        status |= subprocess.run(args, env={{**os.environ, "SLURM_NODEID": str(node)}}).returncode
+    components, part = [], []
+    for arg in sys.argv[1:]:
+        if arg == ":":  # as srun reads it: every bare ':' starts the next component
+            components.append(part)
+            part = []
+        else:
+            part.append(arg)
+    components.append(part)
+    status = 0
+    for args in components:
+        tasks, group = 1, None
+        while args and args[0].startswith("-"):
+            if args[0].startswith("--ntasks="):
+                tasks = int(args[0].split("=", 1)[1])
+            if args[0].startswith("--het-group="):
+                group = args[0].split("=", 1)[1]
+            args = args[1:]
+        if args and args[0] == "bash":
+            args = ["/bin/bash", *args[1:]]
+        extra = {{}} if group is None else {{"SLURM_HET_GROUP": group}}
+        for node in range(tasks):
+            status |= subprocess.run(args, env={{**os.environ, "SLURM_NODEID": str(node), **extra}}).returncode
     sys.exit(status)
 sys.exit(0)
 """
@@ -125,6 +137,7 @@ def expected_torchrun(nnodes: int, node_rank: int, nproc: int, endpoint: str, rd
 
 def slurm_env(bundle: Path, hosts: list[str], job_id: str = "42") -> dict[str, str]:
     """What Slurm sets for a batch script (the parts slurm.sbatch reads)."""
+    het = {f"SLURM_JOB_NODELIST_HET_GROUP_{k}": host for k, host in enumerate(hosts)}
     return {"SLURM_SUBMIT_DIR": str(bundle), "SLURM_JOB_NODELIST": ",".join(hosts), "SLURM_JOB_ID": job_id,
-            "STUB_HOSTS": ",".join(hosts)}
+            "STUB_HOSTS": ",".join(hosts), **het}
 

@@ -43,8 +43,8 @@ from typing import Any, Sequence
 
 from engine import limits
 from engine.bundle import grammar
-from engine.bundle.launch_files import (DEFAULT_IMAGE, ExportSettings, LaunchNode, kubernetes_files, launch_node_script,
-                                        launch_settings, rank_table, readme_text, slurm_script)
+from engine.bundle.launch_files import (DEFAULT_IMAGE, SETUP_FILE, ExportSettings, LaunchNode, kubernetes_files,
+                                        launch_node_script, launch_settings, rank_table, readme_text, slurm_script)
 from engine.bundle.unpack import EXECUTABLE, MANIFEST, is_bundle, read_folder, read_zip
 from engine.cluster.spec import Cluster, load_cluster
 from engine.errors import BundleError, HapError, PlanError
@@ -213,11 +213,17 @@ def package_versions() -> dict[str, str]:
 
 def bundle_files(plan: AnyPlan, cluster: Cluster, *, model_file: str | Path | None = None,
                  nodes: Sequence[LaunchNode] | None = None, settings: ExportSettings = ExportSettings(),
-                 created: str | None = None) -> dict[str, bytes]:
+                 created: str | None = None, setup: bytes | None = None) -> dict[str, bytes]:
     """Every file of the bundle (path -> bytes), manifest included. BundleError, naming the field, when
-    a value that would reach a launch file is outside its grammar (engine.bundle.grammar)."""
+    a value that would reach a launch file is outside its grammar (engine.bundle.grammar).
+    `setup` is the prelude shipped as SETUP_FILE (an input like the model file: hashed, never regenerated)."""
     nodes = launch_nodes(plan, cluster) if nodes is None else check_nodes(plan, cluster, nodes)
+    if (setup is not None) != settings.setup:
+        raise BundleError(f"--setup: the export settings say setup={settings.setup} but "
+                          f"{'no' if setup is None else 'a'} {SETUP_FILE} was given")
     source, extra = model_source(plan, model_file)
+    if setup is not None:
+        extra = {**extra, SETUP_FILE: setup}
     files: dict[str, bytes] = {"plan.json": plan.to_json().encode(),
                                "cluster.json": (json.dumps(cluster.to_dict(), indent=1) + "\n").encode(), **extra}
     files.update(generated_files(plan, cluster, nodes, settings, source.get("file")))
@@ -326,18 +332,26 @@ def plan_warnings(plan: AnyPlan, cluster: Cluster | str | Path | None) -> list[s
 def export_bundle(plan: AnyPlan | str | Path, cluster: Cluster | str | Path | None, out_dir: str | Path, *,
                   zip: bool = False, model_source: str | Path | None = None,
                   nodes: Sequence[LaunchNode] | None = None, rdzv_endpoint: str | None = None,
-                  image: str = DEFAULT_IMAGE, run_args: Sequence[str] = (), annotations: bool = False) -> Path:
+                  image: str = DEFAULT_IMAGE, run_args: Sequence[str] = (), annotations: bool = False,
+                  slurm: dict[str, str | None] | None = None, setup: str | Path | None = None) -> Path:
     """Write the bundle folder `out_dir` (and `out_dir`.zip with `zip=True`); returns the folder.
 
     `model_source` is a user's model file to ship (zoo plans carry their name and config);
     `nodes` overrides the grouping of devices into nodes (default: by the cluster's machines);
-    `run_args` are runner options for the Kubernetes files (the scripts take them on their command line).
+    `run_args` are runner options for the Kubernetes files (the scripts take them on their command line);
+    `slurm` the #SBATCH settings (partition, account, time, qos; ExportSettings.SLURM); `setup` a prelude file
+    shipped as SETUP_FILE and sourced before torchrun on every node.
     """
     plan = load_plan(plan) if isinstance(plan, (str, Path)) else validated(plan)
     cl = find_cluster(plan, cluster)
+    unknown = sorted(set(slurm or {}) - set(ExportSettings.SLURM))
+    if unknown:
+        raise BundleError(f"slurm settings: {', '.join(unknown)} unknown; known: {', '.join(ExportSettings.SLURM)}")
     settings = ExportSettings(rdzv_endpoint=rdzv_endpoint, image=image, run_args=tuple(run_args),
-                              annotations=annotations)
-    files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, settings=settings)
+                              annotations=annotations, setup=setup is not None, **(slurm or {}))
+    prelude = None if setup is None else read_bytes(Path(setup), f"--setup file '{setup}'", BundleError,
+                                                    max_bytes=limits.MAX_MODEL_FILE_BYTES)
+    files = bundle_files(plan, cl, model_file=model_source, nodes=nodes, settings=settings, setup=prelude)
     out = Path(out_dir)
     if not out.name:  # '', '.' or '/': the bundle (and its zip) needs a folder name of its own
         raise BundleError(f"--out {str(out_dir)!r} names no new folder: give one, e.g. --out bundle")
@@ -452,6 +466,9 @@ def regeneration_problems(files: dict[str, bytes], manifest: dict[str, Any], pla
     """The generated files (GENERATED) written again from plan.json, cluster.json, the manifest's nodes and export
     settings, and compared: a hand-edited launch script is refused even when its hash was edited too."""
     inputs = {"plan.json", "cluster.json", MANIFEST}
+    export = manifest.get("export")
+    if isinstance(export, dict) and export.get("setup") is True:
+        inputs.add(SETUP_FILE)  # the author's prelude: an input, covered by its hash, not written again
     models = sorted(n for n in files if n.startswith("model/"))
     strays = sorted(n for n in files if n not in inputs and n not in GENERATED and n not in models[:1])
     if strays:
@@ -463,7 +480,8 @@ def regeneration_problems(files: dict[str, bytes], manifest: dict[str, Any], pla
         expected = generated_files(plan, cluster, nodes, settings, models[0] if models else None)
     except BundleError as e:
         return [str(e)]
-    problems = []
+    problems = [] if not settings.setup or SETUP_FILE in files else \
+        [f"{SETUP_FILE}: missing, but the manifest's export settings say the bundle ships one (--setup)"]
     for name in GENERATED:
         have, want = files.get(name), expected.get(name)
         if have is None and want is not None:

@@ -12,6 +12,8 @@ start a new line in any file (a comment included). Each value has the strictest 
 * images: an OCI image reference (`[registry[:port]/]path[:tag][@algorithm:hex]`);
 * runner arguments: option words of letters, digits and `_ . , : = / @ + % -` (no shell metacharacters);
 * file names: the POSIX portable file name characters;
+* Slurm names (partition, account, QOS, node feature, GRES type): letters, digits, '_', '.', '-';
+* Slurm node lists: host list expressions such as gpu[01-04],gpu7; Slurm time limits as sbatch --time reads them;
 * names only shown in prose (devices, GPU types, cluster and model names): any printable single line.
 
 Every checker returns None for a good value, else a one-line reason naming what is allowed; the
@@ -38,6 +40,10 @@ _IMAGE = re.compile(
     r"(?:@(?P<digest>[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}))?")
 _RUN_ARG = re.compile(r"[A-Za-z0-9_.,:=/@+%-]+")
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
+_SLURM_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+_SLURM_NODELIST = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*(?:\[[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*\][A-Za-z0-9_.-]*)*"
+                             r"(?:,[A-Za-z0-9_][A-Za-z0-9_.-]*(?:\[[0-9]+(?:-[0-9]+)?(?:,[0-9]+(?:-[0-9]+)?)*\][A-Za-z0-9_.-]*)*)*")
+_SLURM_TIME = re.compile(r"[0-9]{1,6}(?::[0-9]{1,2}){0,2}|[0-9]{1,4}-[0-9]{1,2}(?::[0-9]{1,2}){0,2}|UNLIMITED|INFINITE")
 _DIGEST = re.compile(r"(?:sha256:)?[0-9a-fA-F]{64}")
 
 MAX_HOST_CHARS = 253
@@ -55,6 +61,10 @@ LABEL_VALUE_RULE = ("a Kubernetes label value: letters, digits, '-', '_' and '.'
 IMAGE_RULE = "an OCI image reference such as registry.example.com:5000/team/hap-workbench:1.0 (lower-case path, optional :tag, @sha256:...)"
 RUN_ARG_RULE = "runner options made of letters, digits and _ . , : = / @ + % - (e.g. --steps 100 --checkpoint-dir /mnt/ckpt)"
 FILE_NAME_RULE = "a file name of letters, digits, '.', '_' and '-' that does not start with '.' or '-'"
+SLURM_NAME_RULE = "a Slurm name: letters, digits, '_', '.' and '-', not starting with '.' or '-', at most 64"
+SLURM_NODELIST_RULE = "a Slurm node list such as gpu[01-04],gpu7 (host names, bracketed numeric ranges, commas)"
+SLURM_TIME_RULE = ("a Slurm time limit: MINUTES, MINUTES:SECONDS, HOURS:MINUTES:SECONDS, DAYS-HOURS, "
+                   "DAYS-HOURS:MINUTES, DAYS-HOURS:MINUTES:SECONDS or UNLIMITED")
 TEXT_RULE = f"printable text on one line (no control characters), at most {MAX_TEXT_CHARS} characters"
 
 
@@ -141,6 +151,27 @@ def file_name_problem(value: Any) -> str | None:
     if isinstance(value, str) and len(value) <= 255 and _FILE_NAME.fullmatch(value):
         return None
     return f"{_shown(value)} is not {FILE_NAME_RULE}"
+
+
+def slurm_name_problem(value: Any) -> str | None:
+    """None for a Slurm partition, account, QOS, feature or GRES type name (an #SBATCH value no shell reads), else why not."""
+    if isinstance(value, str) and value.isascii() and _SLURM_NAME.fullmatch(value):
+        return None
+    return f"{_shown(value)} is not {SLURM_NAME_RULE}"
+
+
+def slurm_nodelist_problem(value: Any) -> str | None:
+    """None for a Slurm host list expression of at most 1024 characters, else why not."""
+    if isinstance(value, str) and value.isascii() and len(value) <= 1024 and _SLURM_NODELIST.fullmatch(value):
+        return None
+    return f"{_shown(value)} is not {SLURM_NODELIST_RULE}"
+
+
+def slurm_time_problem(value: Any) -> str | None:
+    """None for a time limit in one of sbatch --time's formats, else why not."""
+    if isinstance(value, str) and value.isascii() and _SLURM_TIME.fullmatch(value):
+        return None
+    return f"{_shown(value)} is not {SLURM_TIME_RULE}"
 
 
 def text_problem(value: Any) -> str | None:

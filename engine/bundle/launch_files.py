@@ -82,9 +82,22 @@ class ExportSettings:
     """Runner options written into the Kubernetes files (e.g. --steps 100), where nobody types them."""
     annotations: bool = False
     """Ship the plan's HSPMD annotations (engine.elastic.annotations)."""
+    partition: str | None = None
+    """Slurm partition (#SBATCH --partition), of every job component; None: the cluster's default."""
+    account: str | None = None
+    """Slurm account (#SBATCH --account); None: the user's default."""
+    time: str | None = None
+    """Slurm time limit (#SBATCH --time) in one of sbatch's formats; None: the partition's default."""
+    qos: str | None = None
+    """Slurm quality of service (#SBATCH --qos); None: the default."""
+    setup: bool = False
+    """The bundle ships SETUP_FILE (`hap export --setup`), sourced on every node before torchrun."""
 
     OPTIONS = {"rdzv_endpoint": "--rdzv-endpoint", "image": "--image", "run_args": "--run-args",
-               "annotations": "--annotations"}
+               "annotations": "--annotations", "partition": "--partition", "account": "--account", "time": "--time",
+               "qos": "--qos", "setup": "--setup"}
+    SLURM = ("partition", "account", "time", "qos")
+    """The fields written as `#SBATCH --FIELD=VALUE` lines."""
     """The `hap export` option of each field, for messages."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,7 +113,10 @@ class ExportSettings:
             if key not in known:
                 raise BundleError(f"{where}.{key}: not an export setting of this hap-workbench (a newer one made the "
                                   f"bundle?); known: {', '.join(sorted(known))}")
-        types = {"rdzv_endpoint": (str, type(None)), "image": str, "run_args": list, "annotations": bool}
+        text_or_none = (str, type(None))
+        types = {"rdzv_endpoint": text_or_none, "image": str, "run_args": list, "annotations": bool,
+                 "partition": text_or_none, "account": text_or_none, "time": text_or_none, "qos": text_or_none,
+                 "setup": bool}
         for key, want in types.items():
             if key in d and not isinstance(d[key], want):
                 raise BundleError(f"{where}.{key}: wrong type {type(d[key]).__name__}")
@@ -113,6 +129,9 @@ class ExportSettings:
         """Why a field is outside its grammar, one line each naming the option and what is allowed."""
         checks = [("rdzv_endpoint", None if self.rdzv_endpoint is None else grammar.endpoint_problem(self.rdzv_endpoint)),
                   ("image", grammar.image_problem(self.image)), ("run_args", grammar.run_args_problem(self.run_args))]
+        checks += [(name, None if (v := getattr(self, name)) is None else
+                    (grammar.slurm_time_problem if name == "time" else grammar.slurm_name_problem)(v))
+                   for name in self.SLURM]
         return [f"{self.OPTIONS[name]}: {why}" for name, why in checks if why]
 
 
@@ -132,6 +151,23 @@ class LaunchSettings:
     """Per node, the GPU product label value its pods select (None: not pinned, see `unpinned`)."""
     unpinned: tuple[str, ...] = ()
     """Why a node's pods select no GPU type, one line each (written as comments into the manifests)."""
+    sbatch: tuple[tuple[str, str], ...] = ()
+    """(option, value) of the job-wide #SBATCH lines from the export settings (partition, account, time, qos)."""
+    node_slurm: tuple[tuple[tuple[str, str], ...], ...] = ()
+    """Per bundle node, its machine's Slurm hints (engine.cluster.spec.SLURM_KEYS); () where none."""
+    node_gpu: tuple[str, ...] = ()
+    """Per bundle node, the GPU types of its machine (as shown in comments)."""
+    setup: bool = False
+    """Source SETUP_FILE before torchrun."""
+    strict_device_check: bool = True
+    """A heterogeneous job passes `--device-check error` (SPMD plans; a pipeline run refuses the option)."""
+
+
+SETUP_FILE = "setup.sh"
+"""The prelude `hap export --setup FILE` ships (module loads, environment activation), sourced before torchrun."""
+LOG_DIR = "../logs"
+"""Where slurm.sbatch sends the scheduler's output, beside the bundle (never in it: every rank refuses an extra
+file); Slurm does not create it, the README says `mkdir -p ../logs` before sbatch."""
 
 
 def job_name(plan: AnyPlan) -> str:
@@ -155,7 +191,11 @@ def launch_settings(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode]
     pins = [node_product(cluster, n) if gpus else (None, None) for n in nodes]
     return LaunchSettings(job=job_name(plan), rdzv_endpoint=s.rdzv_endpoint or default_endpoint(nodes[0].machine),
                           image=s.image, gpus=gpus, run_args=tuple(s.run_args), products=tuple(p for p, _ in pins),
-                          unpinned=tuple(why for _, why in pins if why))
+                          unpinned=tuple(why for _, why in pins if why),
+                          sbatch=tuple((k, v) for k in ExportSettings.SLURM if (v := getattr(s, k)) is not None),
+                          node_slurm=tuple(_node_slurm(cluster, n) for n in nodes),
+                          node_gpu=tuple(_gpu_types(cluster, n) for n in nodes), setup=s.setup,
+                          strict_device_check=plan.parallelism == "spmd")
 
 
 def device_product(d: Device) -> str:
@@ -176,12 +216,38 @@ def node_product(cluster: Cluster, node: LaunchNode) -> tuple[str | None, str | 
     return value, None
 
 
+def _node_slurm(cluster: Cluster, node: LaunchNode) -> tuple[tuple[str, str], ...]:
+    """The Slurm hints of the devices `node` runs; BundleError when they differ (one node is one job component)."""
+    hints = {cluster.devices[r].slurm for r in node.ranks}
+    if len(hints) > 1:
+        raise BundleError(f"node {node.node_rank}: its ranks' devices carry different slurm hints "
+                          f"({'; '.join(str(dict(h)) for h in sorted(hints))}); one node is one Slurm job component")
+    return hints.pop()
+
+
+def _gpu_types(cluster: Cluster, node: LaunchNode) -> str:
+    """The GPU types of the devices `node` runs, e.g. 'A100-40GB' or 'A100-40GB+V100'."""
+    return "+".join(dict.fromkeys(cluster.devices[r].gpu_model for r in node.ranks))
+
+
+def slurm_hint_problems(cluster: Cluster) -> list[str]:
+    """The devices' Slurm hints outside their grammar (each is written into an #SBATCH line), one line each."""
+    out = []
+    for r, d in enumerate(cluster.devices):
+        for key, value in d.slurm:
+            check = grammar.slurm_nodelist_problem if key == "nodelist" else grammar.slurm_name_problem
+            if why := check(value):
+                out.append(f"cluster device {r} slurm.{key}: {why}")
+    return out
+
+
 def launch_problems(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], s: ExportSettings) -> list[str]:
     """Every value outside its grammar among those the generated files hold, one line each naming the field."""
     out = [f"node {n.node_rank} machine {why}; rename the machine in the cluster spec"
            for n in nodes if (why := grammar.host_problem(n.machine))]
     out += s.problems()
     out += shown_name_problems(cluster)
+    out += slurm_hint_problems(cluster)
     for what, value in (("model name", plan.graph.name), ("plan cluster name", plan.cluster_name),
                         ("plan summary", plan_summary(plan))):
         if why := grammar.text_problem(value):
@@ -211,7 +277,8 @@ def cluster_launch_warnings(cluster: Cluster) -> list[str]:
     devices: dict[str, list[int]] = {}
     for r, d in enumerate(cluster.devices):
         devices.setdefault(d.machine, []).append(r)
-    out = [f"machine of cluster device{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}"
+    out = [f"{p}; `hap export` will refuse it" for p in slurm_hint_problems(cluster)]
+    out += [f"machine of cluster device{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}"
            f"{', ...' if len(rs) > 8 else ''}: {why}; `hap export` will refuse it, rename the machine"
            for machine, rs in devices.items() if (why := grammar.host_problem(machine))]
     return out + [f"{p}; `hap export` will refuse it" for p in shown_name_problems(cluster)]
@@ -260,8 +327,11 @@ def launch_node_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
              f'HAP_RDZV_ENDPOINT, or raise HAP_RDZV_TIMEOUT" >&2 ;;',
              "    esac",
              "  done",
-             "}",
-             'case "$NODE_RANK" in']
+             "}"]
+    if s.setup:
+        lines += [f"# {SETUP_FILE}: the prelude the bundle's author shipped (module loads, environment activation)",
+                  f'set +u; source "$BUNDLE_DIR/{SETUP_FILE}"; set -u']
+    lines += ['case "$NODE_RANK" in']
     for n in nodes:
         args = torchrun_args(len(nodes), str(n.node_rank), str(n.nproc), '"$RDZV_ENDPOINT"', q(s.job))
         args.append('--rdzv-conf=join_timeout="$RDZV_TIMEOUT"')
@@ -277,37 +347,90 @@ def _span(ranks: Sequence[int]) -> str:
 
 
 def slurm_script(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
-    """`sbatch slurm.sbatch [runner options]`: one task per node, each runs torchrun (c10d on the first host)."""
+    """`sbatch slurm.sbatch [runner options]`: one task per node, each runs torchrun (c10d on the first host).
+
+    A plain job when the machines are alike (same ranks, GPU types and Slurm hints); else a heterogeneous job,
+    component k = bundle node k, each asking for its machine's hardware (`_component_lines`)."""
     if grammar.k8s_name_problem(s.job):  # an #SBATCH line is read by sbatch, not by a shell: no quoting helps there
         raise BundleError(f"job name {grammar.k8s_name_problem(s.job)}")
-    nproc = [n.nproc for n in nodes]
-    uniform = len(set(nproc)) == 1
-    head = ["#!/usr/bin/env bash", f"#SBATCH --job-name={s.job}", f"#SBATCH --nodes={len(nodes)}",
-            "#SBATCH --ntasks-per-node=1"]
-    if s.gpus:
-        head.append(f"#SBATCH --gpus-per-node={max(nproc)}")
-    head += ["# Submit from the bundle folder (on a file system every node sees):",
-             "#   sbatch slurm.sbatch [runner options, e.g. --steps 100 --checkpoint-dir DIR --resume]",
-             "set -euo pipefail",
-             'BUNDLE_DIR="${HAP_BUNDLE_DIR:-$SLURM_SUBMIT_DIR}"',
-             'HEAD_NODE="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
-             f'export RDZV_ENDPOINT="$HEAD_NODE:{DEFAULT_RDZV_PORT}"']
-    if uniform:
-        args = torchrun_args(len(nodes), '"$SLURM_NODEID"', str(nproc[0]), '"$RDZV_ENDPOINT"', '"$SLURM_JOB_ID"')
-        # single quotes: SLURM_NODEID is evaluated by each task, not by the batch shell
-        body = f'srun --ntasks={len(nodes)} --ntasks-per-node=1 bash -c \'export HAP_NODE_RANK="$SLURM_NODEID"; ' \
-               f'exec torchrun {" ".join(args)} ' \
-               f'-m runner.launch "$0" "$@"\' "$BUNDLE_DIR" "$@"'
+    hints = s.node_slurm or tuple(() for _ in nodes)
+    gpu = s.node_gpu or tuple("" for _ in nodes)
+    het = len({(n.nproc, h, g) for n, h, g in zip(nodes, hints, gpu)}) > 1
+    head = ["#!/usr/bin/env bash", f"#SBATCH --job-name={s.job}", f"#SBATCH --output={LOG_DIR}/%x-%j.out",
+            f"#SBATCH --error={LOG_DIR}/%x-%j.out"]
+    if het:
+        for n in nodes:
+            head += [f"# component {n.node_rank} = bundle node {n.node_rank}: machine {_line(n.machine)}, "
+                     f"ranks {_span(n.ranks)} ({_line(gpu[n.node_rank] or 'any')})", *_component_lines(n, hints[n.node_rank], s)]
+            head += ["#SBATCH hetjob"] if n.node_rank < len(nodes) - 1 else []
     else:
-        table = " ".join(str(p) for p in nproc)
-        args = torchrun_args(len(nodes), '"$SLURM_NODEID"', '"${NPROC[$SLURM_NODEID]}"', '"$RDZV_ENDPOINT"',
-                             '"$SLURM_JOB_ID"')
-        body = (f'srun --ntasks={len(nodes)} --ntasks-per-node=1 bash -c \'NPROC=({table}); '
-                f'export HAP_NODE_RANK="$SLURM_NODEID"; exec torchrun '
-                f'{" ".join(args)} -m runner.launch "$0" "$@"\' "$BUNDLE_DIR" "$@"')
+        head += [f"#SBATCH --nodes={len(nodes)}", *_component_lines(nodes[0], hints[0], s)[1:]]
+    if not any(hints):
+        head += ["# Nothing pins the hardware: no device of the cluster spec has `slurm` hints (feature, gres_type,",
+                 "# nodelist), so Slurm may start this job on other GPU types than planned (see README.md)."]
+    head += ["# Submit from the bundle folder (on a file system every node sees); the job's output goes to",
+             f"# {LOG_DIR}/JOBNAME-JOBID.out beside the bundle, a folder Slurm does not create:",
+             f"#   mkdir -p {LOG_DIR} && sbatch slurm.sbatch [runner options, e.g. --steps 100 --checkpoint-dir DIR --resume]",
+             "set -euo pipefail",
+             'BUNDLE_DIR="${HAP_BUNDLE_DIR:-$SLURM_SUBMIT_DIR}"']
+    nodelist = "$SLURM_JOB_NODELIST_HET_GROUP_0" if het else "$SLURM_JOB_NODELIST"
+    head += [f'HEAD_NODE="$(scontrol show hostnames "{nodelist}" | head -n 1)"',
+             f'export RDZV_ENDPOINT="$HEAD_NODE:{DEFAULT_RDZV_PORT}"']
+    if het:
+        return "\n".join(head + [_het_srun(nodes, s), ""])
     comment = [f"# node {n.node_rank} (SLURM_NODEID): ranks {_span(n.ranks)}, planned for machine {_line(n.machine)}"
                for n in nodes]
-    return "\n".join(head + comment + [body, ""])
+    return "\n".join(head + comment + [_plain_srun(nodes, s), ""])
+
+
+def _component_lines(n: LaunchNode, hints: tuple[tuple[str, str], ...], s: LaunchSettings) -> list[str]:
+    """The #SBATCH lines of one job component (one node): its size, the export's Slurm settings, its hardware."""
+    h = dict(hints)
+    lines = ["#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1"]
+    lines += [f"#SBATCH --{key}={_sbatch_value(key, value)}" for key, value in s.sbatch]
+    if s.gpus:
+        gres = h.get("gres_type")
+        lines.append(f"#SBATCH --gres=gpu:{_sbatch_value('gres_type', gres)}:{n.nproc}" if gres
+                     else f"#SBATCH --gpus-per-node={n.nproc}")
+    if "feature" in h:
+        lines.append(f"#SBATCH --constraint={_sbatch_value('feature', h['feature'])}")
+    if "nodelist" in h:
+        lines.append(f"#SBATCH --nodelist={_sbatch_value('nodelist', h['nodelist'])}")
+    return lines
+
+
+def _sbatch_value(key: str, value: str) -> str:
+    """A value as written into an #SBATCH line (read by sbatch, not a shell): refused outside its grammar."""
+    check = {"time": grammar.slurm_time_problem, "nodelist": grammar.slurm_nodelist_problem}.get(key,
+                                                                                             grammar.slurm_name_problem)
+    if why := check(value):
+        raise BundleError(f"slurm {key} {why}")
+    return value
+
+
+def _task_command(node_rank: str, nproc: str, nnodes: int, s: LaunchSettings) -> str:
+    """One srun task's `bash -c '...'` (single-quoted: variables are the task's, not the batch shell's)."""
+    args = torchrun_args(nnodes, node_rank, nproc, '"$RDZV_ENDPOINT"', '"$SLURM_JOB_ID"')
+    setup = f'set +u; source "$0/{SETUP_FILE}"; set -u; ' if s.setup else ""
+    return (f"bash -c '{setup}export HAP_NODE_RANK={node_rank}; "
+            f"exec torchrun {' '.join(args)} -m runner.launch \"$0\" \"$@\"'")
+
+
+def _plain_srun(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
+    """srun over a plain job (its nodes alike, each running as many ranks): node rank = SLURM_NODEID."""
+    cmd = _task_command('"$SLURM_NODEID"', str(nodes[0].nproc), len(nodes), s)
+    return f'srun --ntasks={len(nodes)} --ntasks-per-node=1 {cmd} "$BUNDLE_DIR" "$@"'
+
+
+def _het_srun(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str:
+    """One srun over every component: component k runs bundle node k (HAP_NODE_RANK=k, written in, not read from
+    SLURM_NODEID, which a heterogeneous step numbers across components); a GPU-type mismatch stops the run
+    (--device-check error before the user's options, which may override it; SPMD plans only). srun reads every bare
+    ':' as the next component, so a runner option ':' cannot be passed (the runner takes none)."""
+    strict = " --device-check error" if s.strict_device_check else ""
+    parts = [f'--het-group={n.node_rank} --ntasks=1 {_task_command(str(n.node_rank), str(n.nproc), len(nodes), s)} '
+             f'"$BUNDLE_DIR"{strict} "$@"' for n in nodes]
+    return "srun " + " \\\n  : ".join(parts)
 
 
 def _yaml_scalar(value: Any) -> str:
@@ -501,6 +624,25 @@ compares its GPU (`torch.cuda.get_device_name`) with the planned type and report
 naming the rank and both types (`--device-check error` makes it fatal)."""
 
 
+def _slurm_hardware_note(s: LaunchSettings) -> str:
+    """What pins each node's hardware under Slurm, or the risk when nothing does."""
+    if any(s.node_slurm):
+        return ("It is a heterogeneous job where the machines differ: component k runs node k, asking for its machine's "
+                "GPU type (the cluster spec's `slurm` hints: feature -> --constraint, gres_type -> --gres, nodelist), and "
+                "a rank on another GPU type stops the run (`--device-check error`).")
+    return ("Nothing pins the hardware: the cluster spec gives no `slurm` hints (a device's `slurm`: `feature`, "
+            "`gres_type`, `nodelist`), so Slurm may place a node on GPUs other than planned and the plan's ratios "
+            "no longer hold; add them to the spec and export again.")
+
+
+def _setup_note(s: LaunchSettings) -> str:
+    """The README's word on the shipped prelude."""
+    if not s.setup:
+        return ""
+    return (f"\n  Both scripts source `{SETUP_FILE}` (the author's prelude: module loads, environment activation) "
+            "on every node before torchrun; read it before you run the bundle.")
+
+
 def readme_text(plan: AnyPlan, cluster: Cluster, nodes: Sequence[LaunchNode], s: LaunchSettings,
                 skipped: dict[str, str]) -> str:
     """The bundle's README: which command to run where, and the rank -> device map."""
@@ -536,7 +678,10 @@ and pass `--digest SHA256` to `hap run` and the launch scripts too: every rank t
 
 {node_lines}
 
-- Slurm: `sbatch slurm.sbatch --steps 100` from this folder (one `srun` task per node, each runs torchrun).
+- Slurm: `mkdir -p {LOG_DIR} && sbatch slurm.sbatch --steps 100` from this folder (one `srun` task per node,
+  each runs torchrun). The job's output goes to `{LOG_DIR}/JOBNAME-JOBID.out`, beside this folder and never in
+  it (every rank refuses a bundle holding a file it does not list); Slurm does not create that folder.
+  {_slurm_hardware_note(s)}{_setup_note(s)}
 - Kubernetes: build an image holding hap-workbench and this folder
   at `{CONTAINER_BUNDLE_DIR}` (e.g. `FROM` your PyTorch image, `pip install hap-workbench`,
   `COPY . {CONTAINER_BUNDLE_DIR}`), set it in {k8s_use}.

@@ -70,7 +70,9 @@ SLOWDOWN_MODES: tuple[str, ...] = ("ddp", "duplex")
 _TOP_KEYS = ("schema_version", "name", "description", "sources", "devices", "network")
 _DEVICE_KEYS = ("name", "gpu_model", "gpu_product", "machine", "group", "num_gpus", "flops_per_gpu",
                 "memory_bytes_per_gpu", "memory_bandwidth_Bps", "activation_bandwidth_Bps", "intra_bandwidth_Bps",
-                "overlap_slowdown", "count")
+                "overlap_slowdown", "count", "slurm")
+SLURM_KEYS = ("feature", "gres_type", "nodelist")
+"""Scheduler hints a device may carry (`Device.slurm`): they pin the hardware of its machine's Slurm job component."""
 _NETWORK_KEYS = ("latency_s", "bandwidth_Bps", "collectives")
 _FIT_KEYS = ("latency_s", "bandwidth_Bps", "points")
 
@@ -106,6 +108,8 @@ _HINTS: dict[str, str] = {
     "overlap_slowdown": "per overlap mode, how much slower computation runs in it, e.g. {\"ddp\": 1.05, \"duplex\": 1.3} "
                         "(as hap profile measures)",
     "count": "how many identical devices this entry expands to, e.g. 8",
+    "slurm": "scheduler hints for the device's machine, e.g. {\"feature\": \"a100\", \"gres_type\": \"a100\", "
+             "\"nodelist\": \"gpu[01-02]\"} (each optional)",
     "latency_s": "seconds of latency, e.g. 2e-05",
     "bandwidth_Bps": "bytes per second, e.g. 1.25e9 for 10 Gbps",
     "payload_bytes": "bytes of the collective's payload, e.g. 1048576",
@@ -155,6 +159,10 @@ class Device:
     """(mode, factor) pairs: computation in that overlap mode takes `factor` times as long, e.g. the
     communication's own work competing for the cores (ddp) or two half-batches running smaller
     kernels (duplex). Absent modes run at full speed. `hap profile` measures both."""
+    slurm: tuple[tuple[str, str], ...] = ()
+    """(key, value) Slurm hints of SLURM_KEYS (`feature` -> --constraint, `gres_type` -> --gres=gpu:TYPE:N,
+    `nodelist` -> --nodelist) for the job component of this device's machine; () pins nothing. They say where
+    to run, not how fast: they are left out of the cluster's fingerprint (`Cluster.fingerprint`)."""
 
     def slowdown(self, overlap: str) -> float:
         """How much slower this device computes in overlap mode `overlap` (1.0 when not given)."""
@@ -178,6 +186,7 @@ class Device:
                if self.activation_bandwidth_Bps is not None else {}),
             "intra_bandwidth_Bps": self.intra_bandwidth_Bps,
             **({"overlap_slowdown": dict(self.overlap_slowdown)} if self.overlap_slowdown else {}),
+            **({"slurm": dict(self.slurm)} if self.slurm else {}),
         }
 
 
@@ -280,8 +289,12 @@ class Cluster:
         return _bottleneck(self.devices, self.network.bandwidth_Bps)
 
     def fingerprint(self) -> str:
-        """SHA-256 hex of the canonical JSON of to_dict()."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """SHA-256 hex of the canonical JSON of to_dict() less the devices' Slurm hints: those say where a job
+        runs, not what it costs, so adding them keeps every plan made for the cluster valid."""
+        d = self.to_dict()
+        for dev in d["devices"]:
+            dev.pop("slurm", None)
+        text = json.dumps(d, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
     def to_dict(self) -> dict[str, Any]:
@@ -575,6 +588,7 @@ def _parse_devices(value: Any) -> tuple[Device, ...]:
         raise ClusterError(f"devices: {len(devices)} devices, more than the limit of {limits.MAX_DEVICES}; "
                            "use virtual devices (num_gpus) for large machines")
     _check_machine_groups(devices)
+    _check_machine_slurm(devices)
     _check_activation_bandwidth(devices)
     return tuple(devices)
 
@@ -606,6 +620,7 @@ def _parse_device_entry(entry: Any, path: str, room: int) -> list[Device]:
         intra_bandwidth_Bps=_positive(entry.get("intra_bandwidth_Bps", DEFAULT_INTRA_BANDWIDTH_BPS),
                                       field_path("intra_bandwidth_Bps"), "intra_bandwidth_Bps"),
         overlap_slowdown=_parse_slowdown(entry.get("overlap_slowdown"), field_path("overlap_slowdown")),
+        slurm=_parse_slurm(entry.get("slurm"), field_path("slurm")),
     )
     if "count" not in entry:
         return [base]
@@ -614,6 +629,25 @@ def _parse_device_entry(entry: Any, path: str, room: int) -> list[Device]:
         raise ClusterError(f"{field_path('count')}: {count} devices here bring the cluster above the limit of "
                            f"{limits.MAX_DEVICES} devices; use virtual devices (num_gpus) for large machines")
     return [replace(base, name=f"{name}-{k}") for k in range(count)]
+
+
+def _parse_slurm(value: Any, path: str) -> tuple[tuple[str, str], ...]:
+    """A device's Slurm hints as sorted (key, value) pairs; their grammar is checked at export (engine.bundle.grammar)."""
+    if value is None:
+        return ()
+    hints = _object(value, path)
+    _check_keys(hints, SLURM_KEYS, f"{path}.")
+    return tuple(sorted((k, _text(v, f"{path}.{k}", "slurm")) for k, v in hints.items()))
+
+
+def _check_machine_slurm(devices: list[Device]) -> None:
+    """A machine is one Slurm job component: every device of a machine carries the same hints."""
+    hints_of: dict[str, tuple[int, tuple[tuple[str, str], ...]]] = {}
+    for i, dev in enumerate(devices):
+        first, hints = hints_of.setdefault(dev.machine, (i, dev.slurm))
+        if hints != dev.slurm:
+            raise ClusterError(f"devices[{i}].slurm: machine {dev.machine!r} has slurm {dict(hints)} on device "
+                               f"{devices[first].name!r} but {dict(dev.slurm)} here; give every device of a machine one slurm")
 
 
 def _parse_slowdown(value: Any, path: str) -> tuple[tuple[str, float], ...]:

@@ -304,23 +304,33 @@ def bundle_a100_job() -> str:
     return "hap-gpt-a100x2-p100x2"
 
 
-def test_slurm_script_passes_bash_n_and_runs_one_torchrun_per_node(bundle_a100, tmp_path):
+def test_slurm_script_passes_bash_n_and_runs_one_component_per_machine(bundle_a100, tmp_path):
+    """a100x2_p100x2 carries slurm hints: a heterogeneous job, component k = node k, each pinned to its GPU type."""
     path = bundle_a100 / "slurm.sbatch"
     assert subprocess.run(["bash", "-n", str(path)], timeout=30).returncode == 0
     text = path.read_text()
-    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks-per-node=1" in text and "#SBATCH --gpus-per-node=2" in text
-    srun = [ln for ln in text.splitlines() if ln.startswith("srun ")]
-    assert len(srun) == 1 and "--ntasks=2" in srun[0] and 'export HAP_NODE_RANK="$SLURM_NODEID"' in srun[0]
-    for arg in ("torchrun --nnodes=2", '--node-rank="$SLURM_NODEID"', "--nproc-per-node=2", "--rdzv-backend=c10d",
-                '--rdzv-endpoint="$RDZV_ENDPOINT"', '-m runner.launch "$0" "$@"\' "$BUNDLE_DIR" "$@"'):
-        assert arg in srun[0]
+    assert text.count("#SBATCH --nodes=1") == 2 and text.count("#SBATCH hetjob") == 1
+    assert "#SBATCH --output=../logs/%x-%j.out" in text and "mkdir -p ../logs" in text
+    srun = text.split("\nsrun ", 1)[1]
+    for k in (0, 1):
+        assert f"--het-group={k} --ntasks=1" in srun and f"export HAP_NODE_RANK={k}; " in srun
+        assert f"--node-rank={k} --nproc-per-node=2" in srun
+    assert srun.count('"$BUNDLE_DIR" --device-check error "$@"') == 2
+    assert 'scontrol show hostnames "$SLURM_JOB_NODELIST_HET_GROUP_0"' in text
+    head = text.split("\nset -euo pipefail", 1)[0]
+    m0, m1 = head.split("#SBATCH hetjob\n")
+    assert "machine m0" in m0 and "#SBATCH --constraint=a100\n" in m0 and "#SBATCH --gres=gpu:a100:2\n" in m0
+    assert "machine m1" in m1 and "#SBATCH --constraint=p100\n" in m1 and "#SBATCH --gres=gpu:p100:2\n" in m1
+    assert "p100" not in m0.lower().replace("a100x2-p100x2", "") and "a100" not in m1.lower()
 
 
 def test_slurm_script_gives_each_node_its_own_process_count(tiny_gpt, tmp_path):
     spec = cluster_of(["m0", "m0", "m0", "m1", "m2"])
     out = export_bundle(plan_on(tiny_gpt, spec), spec, tmp_path / "b")
     text = (out / "slurm.sbatch").read_text()
-    assert "NPROC=(3 1 1)" in text and '--nproc-per-node="${NPROC[$SLURM_NODEID]}"' in text
+    assert text.count("#SBATCH hetjob") == 2
+    for k, nproc in enumerate((3, 1, 1)):
+        assert f"--node-rank={k} --nproc-per-node={nproc}" in text
     assert subprocess.run(["bash", "-n", str(out / "slurm.sbatch")], timeout=30).returncode == 0
     job = yaml.safe_load((out / "pytorchjob.yaml").read_text())
     specs = job["spec"]["pytorchReplicaSpecs"]

@@ -90,6 +90,12 @@ def test_a_machine_name_outside_the_host_grammar_is_refused_by_export_naming_the
     ("--image", "hap:latest\n  command: [sh]", "--image"),
     ("--run-args", "--steps 3 $(touch pwned)", "--run-args: word 2"),
     ("--run-args", "--steps '3\n4'", "--run-args: word 1"),
+    ("--partition", "gpu\n#SBATCH --uid=0", "--partition"),
+    ("--partition", "gpu part", "--partition"),
+    ("--account", "$(touch pwned)", "--account"),
+    ("--qos", ".normal", "--qos"),
+    ("--time", "1h", "--time"),
+    ("--time", "1:00:00 --uid=0", "--time"),
 ])
 def test_an_export_option_outside_its_grammar_is_refused_naming_the_option(made, tmp_path, capsys, option, value,
                                                                            named):
@@ -195,6 +201,62 @@ def test_slurm_script_under_a_stub_srun_starts_one_torchrun_per_node(made, tmp_p
                                         for k in (0, 1)]
 
 
+def test_a_heterogeneous_slurm_script_under_a_stub_srun_starts_each_component_as_its_node(graph, tmp_path):
+    """Slurm hints make one component per machine; node k is component k, the rendezvous the first host of group 0."""
+    cluster = two_machines()
+    cluster["devices"][0]["slurm"] = {"feature": "a100"}
+    cluster["devices"][1]["slurm"] = {"feature": "p100", "nodelist": "gpu[01-02]"}
+    plan, path = plan_file_on(graph, cluster, tmp_path)
+    bundle = export_bundle(str(plan), str(path), tmp_path / "b")
+    text = (bundle / "slurm.sbatch").read_text()
+    assert "#SBATCH --constraint=a100" in text and "#SBATCH --constraint=p100" in text
+    assert "#SBATCH --nodelist=gpu[01-02]" in text and "Nothing pins" not in text
+    hostile = ["--steps", "3", "$(touch pwned)", "'", '"']
+    run = run_script(bundle / "slurm.sbatch", hostile, tmp_path, env=slurm_env(bundle, ["n7", "n8"]))
+    assert run.returncode == 0 and run.unexpected() == [], run
+    assert run.calls_of("scontrol") == [["show", "hostnames", "n7"]] and len(run.calls_of("srun")) == 1
+    assert run.calls_of("torchrun") == [expected_torchrun(2, k, 2, "n7:29500", "42", str(bundle),
+                                                          ["--device-check", "error", *hostile]) for k in (0, 1)]
+
+
+@pytest.mark.parametrize("key, value", [("feature", "a100&ib"), ("feature", "a100\n#SBATCH --uid=0"),
+                                        ("gres_type", "a100:8"), ("nodelist", "gpu01 gpu02"), ("nodelist", "-w")])
+def test_a_slurm_hint_outside_its_grammar_is_refused_by_export_naming_the_field(graph, tmp_path, capsys, key, value):
+    cluster = two_machines()
+    cluster["devices"][1]["slurm"] = {key: value}
+    plan, path = plan_file_on(graph, cluster, tmp_path)
+    rc, _, err = hap(["export", str(plan), "--cluster", str(path), "--out", str(tmp_path / "b")], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and f"cluster device 2 slurm.{key}" in err, err
+    assert not (tmp_path / "b").exists()
+
+
+def test_slurm_settings_and_a_setup_prelude_reach_both_scripts(made, tmp_path, capsys):
+    """--partition/--account/--time/--qos become #SBATCH lines; --setup ships setup.sh, sourced before torchrun."""
+    plan, cluster, _, _ = made
+    setup = tmp_path / "env.sh"
+    setup.write_text("head -c 0 /dev/null  # a prelude command the stubs record\n")
+    rc, _, err = hap(["export", str(plan), "--cluster", str(cluster), "--out", str(tmp_path / "b"), "--partition",
+                      "gpu", "--account", "proj-1", "--time", "1-00:30:00", "--qos", "high", "--setup", str(setup)],
+                     capsys)
+    assert rc == 0, err
+    bundle = tmp_path / "b"
+    text = (bundle / "slurm.sbatch").read_text()
+    for line in ("--partition=gpu", "--account=proj-1", "--time=1-00:30:00", "--qos=high"):
+        assert f"#SBATCH {line}\n" in text
+    assert (bundle / "setup.sh").read_bytes() == setup.read_bytes() and check_bundle(bundle).ok
+    manifest = json.loads((bundle / MANIFEST).read_text())
+    assert manifest["export"]["setup"] is True and "setup.sh" in manifest["files"]
+    for script, args, env in (("launch_node.sh", ["1"], {}), ("slurm.sbatch", [], slurm_env(bundle, ["n7", "n8"]))):
+        run = run_script(bundle / script, args, tmp_path, env=env)
+        assert run.returncode == 0 and run.unexpected() == [], run
+        names = [(cmd, argv) for cmd, argv in run.calls if cmd in ("head", "torchrun") and argv[:1] != ["-n"]]
+        assert [cmd for cmd, _ in names] == ["head", "torchrun"] * (len(names) // 2) and names, names
+    (bundle / "setup.sh").write_text("touch pwned\n")
+    assert any("setup.sh" in p for p in check_bundle(bundle).problems)
+    (bundle / "setup.sh").unlink()
+    assert any(p.startswith("missing file: setup.sh") for p in check_bundle(bundle).problems)
+
+
 def test_generated_scripts_quote_values_even_when_the_grammar_is_bypassed(tmp_path):
     """Defence in depth: launch_node_script called directly, with values export would refuse."""
     nodes = [LaunchNode(0, "m0", (0, 1))]
@@ -210,6 +272,13 @@ def test_generated_scripts_quote_values_even_when_the_grammar_is_bypassed(tmp_pa
         launch_node_script([LaunchNode(0, "m0\ntouch pwned", (0,))], evil)
     with pytest.raises(BundleError, match="job name"):
         slurm_script(nodes, evil)
+    two = [LaunchNode(0, "m0", (0, 1)), LaunchNode(1, "m1", (2, 3))]
+    for hints in ((("feature", "a\n#SBATCH --uid=0"),), (("nodelist", "x y"),)):
+        hinted = LaunchSettings(job="ok", rdzv_endpoint="m0:1", node_slurm=((), hints))
+        with pytest.raises(BundleError, match="slurm"):
+            slurm_script(two, hinted)
+    with pytest.raises(BundleError, match="slurm time"):
+        slurm_script(nodes, LaunchSettings(job="ok", rdzv_endpoint="m0:1", sbatch=(("time", "1\n#SBATCH x"),)))
 
 
 # ----------------------------------------------------------------------------- digest and regeneration
@@ -272,7 +341,8 @@ def test_recorded_export_settings_are_regenerated_and_an_added_file_is_refused(m
                         image="ghcr.io/me/hap:1", run_args=["--steps", "7"])
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["export"] == {"rdzv_endpoint": "10.1.2.3:1234", "image": "ghcr.io/me/hap:1",
-                                  "run_args": ["--steps", "7"], "annotations": False}
+                                  "run_args": ["--steps", "7"], "annotations": False, "partition": None,
+                                  "account": None, "time": None, "qos": None, "setup": False}
     assert check_bundle(out).ok
     manifest["export"]["image"] = "ghcr.io/me/other:1"  # settings edited, files left: they no longer match
     (out / MANIFEST).write_text(json.dumps(manifest))
@@ -282,9 +352,12 @@ def test_recorded_export_settings_are_regenerated_and_an_added_file_is_refused(m
     assert check_bundle(out).problems == ["--image: 'x;touch pwned' is not an OCI image reference such as "
                                           "registry.example.com:5000/team/hap-workbench:1.0 (lower-case path, optional "
                                           ":tag, @sha256:...) (refused: it would be written into the launch files)"]
-    manifest["export"] = {"partition": "gpu"}
+    manifest["export"] = {"partition": "gpu"}  # a Slurm setting added by hand: slurm.sbatch no longer matches
     (out / MANIFEST).write_text(json.dumps(manifest))
-    assert "manifest.json export.partition: not an export setting" in check_bundle(out).problems[0]
+    assert any(p.startswith("slurm.sbatch: not the file") for p in check_bundle(out).problems)
+    manifest["export"] = {"reservation": "r1"}
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    assert "manifest.json export.reservation: not an export setting" in check_bundle(out).problems[0]
 
 
 def test_a_file_export_never_writes_is_refused_even_when_listed(made, tmp_path):

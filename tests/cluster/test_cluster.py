@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -371,3 +372,47 @@ def test_slowdown_modes_are_the_overlap_modes_that_overlap():
     from engine.options import OVERLAP_MODES
 
     assert set(SLOWDOWN_MODES) == set(OVERLAP_MODES) - {"none"}
+
+
+# ----------------------------------------------------------------------------- Slurm hints (issue 25)
+
+
+def _hinted(hints: list[dict | None]) -> dict:
+    """Two machines of one CPU device each, device k carrying Slurm hints hints[k] (None: none)."""
+    dev = {"gpu_model": "cpu", "flops_per_gpu": 1e10, "memory_bytes_per_gpu": 2**30}
+    devices = [{**dev, "name": f"d{k}", "machine": f"m{k}", **({"slurm": h} if h is not None else {})}
+               for k, h in enumerate(hints)]
+    return {"schema_version": 1, "name": "hinted", "devices": devices,
+            "network": {"latency_s": 1e-5, "bandwidth_Bps": {"intra_machine": 1e10, "inter_machine": 1e9}}}
+
+
+def test_slurm_hints_round_trip_and_leave_the_fingerprint_alone():
+    """Hints say where a job runs, not what it costs: a plan made before they were added stays valid."""
+    hinted = Cluster.from_dict(_hinted([{"feature": "a100", "gres_type": "a100"}, {"nodelist": "gpu[01-02]"}]))
+    plain = Cluster.from_dict(_hinted([None, None]))
+    assert hinted.devices[0].slurm == (("feature", "a100"), ("gres_type", "a100"))
+    assert Cluster.from_dict(hinted.to_dict()) == hinted
+    assert hinted.to_dict()["devices"][1]["slurm"] == {"nodelist": "gpu[01-02]"}
+    assert "slurm" not in plain.to_dict()["devices"][0]
+    assert hinted.fingerprint() == plain.fingerprint()
+
+
+@pytest.mark.parametrize("hints, message", [
+    ({"partition": "gpu"}, "devices[0].slurm.partition"),
+    ({"feature": 3}, "devices[0].slurm.feature: must be a string"),
+    ({"feature": ""}, "devices[0].slurm.feature: must be a non-empty string"),
+    ("a100", "devices[0].slurm: must be a JSON object"),
+])
+def test_a_bad_slurm_hint_is_one_cluster_error_naming_the_field(hints, message):
+    with pytest.raises(ClusterError, match=re.escape(message)) as e:
+        Cluster.from_dict(_hinted([hints, None]))
+    assert "\n" not in str(e.value)
+
+
+def test_every_device_of_a_machine_carries_the_same_slurm_hints():
+    d = _hinted([{"feature": "a100"}, {"feature": "a100"}])
+    d["devices"][1]["machine"] = "m0"
+    assert Cluster.from_dict(d).devices[1].slurm == (("feature", "a100"),)
+    d["devices"][1]["slurm"] = {"feature": "p100"}
+    with pytest.raises(ClusterError, match=r"devices\[1\]\.slurm: machine 'm0' has slurm"):
+        Cluster.from_dict(d)
