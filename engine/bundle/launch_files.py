@@ -571,7 +571,8 @@ def jobset_yaml(nodes: Sequence[LaunchNode], s: LaunchSettings) -> str | None:
 
     def replicated(n: LaunchNode) -> dict[str, Any]:
         args = torchrun_args(len(nodes), str(n.node_rank), str(n.nproc), endpoint, s.job)
-        args += ["-m", "runner.launch", CONTAINER_BUNDLE_DIR, *s.run_args]
+        strict = ["--device-check", "error"] if s.strict_device_check else []  # machines differ: a wrong GPU stops
+        args += ["-m", "runner.launch", CONTAINER_BUNDLE_DIR, *strict, *s.run_args]
         container = _container(s, args, n.nproc, {"HAP_NODE_RANK": str(n.node_rank)})
         job = {"parallelism": 1, "completions": 1, "backoffLimit": 0,
                "template": {"spec": _pod_spec(s, n, container, "Never")}}

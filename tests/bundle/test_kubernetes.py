@@ -181,6 +181,7 @@ def test_jobset_gives_each_node_its_bundle_node_number_and_node_0_hosts_the_rend
         (c,) = rjob["template"]["spec"]["template"]["spec"]["containers"]
         assert c["env"] == [{"name": "HAP_NODE_RANK", "value": str(k)}]
         assert f"--node-rank={k}" in c["args"] and "--nnodes=2" in c["args"] and endpoint in c["args"]
+        assert c["args"][-2:] == ["--device-check", "error"]  # machines differ: a rank on the wrong GPU type stops
 
 
 def test_uniform_bundle_pins_its_one_gpu_type_by_the_gpu_product_label(uniform):
