@@ -112,7 +112,14 @@ class FileFlag:
 
     def args(self, path: str, plan: str, cluster: str, out: str) -> list[str]:
         marks = {"{F}": path, "{PLAN}": plan, "{CLUSTER}": cluster, "{OUT}": out}
-        return [marks.get(a, a) for a in self.argv]
+        return [_filled(a, marks) for a in self.argv]
+
+
+def _filled(arg: str, marks: dict[str, str]) -> str:
+    """`arg` with every mark in it replaced, inside a longer argument too (`{OUT}/bundle`)."""
+    for mark, value in marks.items():
+        arg = arg.replace(mark, value)
+    return arg
 
 
 BUDGET = ("--time-budget", "0.3")
