@@ -32,7 +32,7 @@ from engine import limits
 from engine.bundle.grammar import digest_arg
 from engine.bundle.launch_files import cluster_launch_warnings
 from engine.errors import HapError
-from engine.options import OPTIMIZERS, PARALLELISMS, PLAN_OVERLAPS, PlanOptions
+from engine.options import GRAD_DTYPES, OPTIMIZERS, PARALLELISMS, PLAN_OVERLAPS, PRECISIONS, RECOMPUTE, PlanOptions
 from engine.planner import BASELINES, OVERLAP_MEANING, PARALLELISM_MEANING
 
 GIB = 2**30
@@ -147,7 +147,9 @@ def _parallelism_lines(plan) -> list[str]:
 def plan_options(args: argparse.Namespace) -> PlanOptions:
     """The `PlanOptions` of `hap plan`'s flags (checked before the model is built)."""
     return PlanOptions(optimizer=args.optimizer, time_budget_s=args.time_budget, overlap=args.overlap,
-                       parallelism=args.parallelism, microbatches=args.microbatches, segments=args.segments)
+                       parallelism=args.parallelism, microbatches=args.microbatches, segments=args.segments,
+                       precision=args.precision, grad_dtype=args.grad_dtype, recompute=args.recompute,
+                       shard_states=args.shard_states)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -388,6 +390,16 @@ def build_parser(more: Commands | None = None) -> argparse.ArgumentParser:
                         "groups (HAPT); 'auto' plans both and keeps the faster (helps across slow links)")
     p.add_argument("--microbatches", type=limits.bounded_int(1, 4096, "a microbatch count"), default=None, metavar="N",
                    help="pipeline plans: fix the number of microbatches B (default: searched)")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="'fp32' (default), or mixed precision under torch.autocast: 'bf16', or 'fp16' with a dynamic "
+                        "loss scaler (parameters, gradients and Adam state stay fp32)")
+    p.add_argument("--grad-dtype", choices=GRAD_DTYPES, default="fp32",
+                   help="dtype gradients are all-reduced in: 'fp32' (default) or 'bf16' (as DDP's bf16 compression hook)")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="auto",
+                   help="activation recomputation per layer: 'auto' (default) only where memory binds, 'none', 'all'")
+    p.add_argument("--shard-states", choices=["auto", "0", "1", "2", "3"], default="auto",
+                   help="ZeRO stage of replicated weights: 1 optimizer state, 2 and gradients, 3 and the weights "
+                        "(gathered on use), sharded unevenly by the LP; 0 none; 'auto' (default) per weight where needed to fit")
     p.add_argument("--json", action="store_true", help="print the plan JSON instead of the table")
     _add_fallback(p)
     p.set_defaults(func=cmd_plan)

@@ -32,6 +32,18 @@ MAX_BEAM_WIDTH = 1_000_000
 MAX_ITERATIONS = 1000
 """Q<->B iterations of one loop; it stops much earlier, when Q repeats."""
 MAX_MICROBATCHES = 2**20
+PRECISIONS = ("fp32", "bf16", "fp16")
+"""Training precisions: `fp32`, or mixed precision under `torch.autocast` in bf16 or fp16 (fp16 with a
+dynamic loss scaler). Parameters, gradients and optimizer state stay fp32 under autocast."""
+GRAD_DTYPES = ("fp32", "bf16")
+"""The dtype gradients are all-reduced in: fp32, or bf16 as DDP's bf16 compression hook does."""
+RECOMPUTE = ("auto", "none", "all")
+"""Activation recomputation per layer: `auto` recomputes only where memory binds (the fewest, cheapest
+layers that make the plan fit), `none` keeps every activation, `all` recomputes every layer."""
+SHARD_STATES = ("auto", 0, 1, 2, 3)
+"""Sharding of a replicated weight's states across its devices (ZeRO stages): 0 none, 1 optimizer state,
+2 and its gradient (reduce-scatter), 3 and the weight itself at rest (all-gathered on use); `auto` picks
+the stage per weight where it is needed to fit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +69,14 @@ class PlanOptions:
     """Q<->B iterations at most per loop (HAP §3.1)."""
     report_every: int = 500
     """States expanded between two progress reports of a search (the workbench's live frontier)."""
+    precision: str = "fp32"
+    """`fp32`, or mixed precision under autocast: `bf16` or `fp16` (`PRECISIONS`)."""
+    grad_dtype: str = "fp32"
+    """The dtype gradients are all-reduced in (`GRAD_DTYPES`)."""
+    recompute: str = "auto"
+    """Which layers recompute their activations in backward (`RECOMPUTE`)."""
+    shard_states: str | int = "auto"
+    """ZeRO stage of replicated weights' states, 0-3, or `auto` per weight (`SHARD_STATES`)."""
 
     def __post_init__(self) -> None:
         problem = limits.time_budget_problem(self.time_budget_s, "time_budget_s")
@@ -65,6 +85,13 @@ class PlanOptions:
         _choice("optimizer", self.optimizer, OPTIMIZERS)
         _choice("overlap", self.overlap, PLAN_OVERLAPS)
         _choice("parallelism", self.parallelism, PARALLELISMS)
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("grad_dtype", self.grad_dtype, GRAD_DTYPES)
+        _choice("recompute", self.recompute, RECOMPUTE)
+        if isinstance(self.shard_states, str) and self.shard_states in ("0", "1", "2", "3"):
+            object.__setattr__(self, "shard_states", int(self.shard_states))  # the CLI's spelling
+        if isinstance(self.shard_states, bool) or self.shard_states not in SHARD_STATES:
+            raise PlanError(f"shard_states {self.shard_states!r} is not known (choose one of: auto, 0, 1, 2, 3)")
         _count("segments", self.segments, limits.MAX_SEGMENTS)
         _count("max_iterations", self.max_iterations, MAX_ITERATIONS)
         _count("report_every", self.report_every, limits.MAX_STEPS)

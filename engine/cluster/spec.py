@@ -64,6 +64,8 @@ COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "a
 LINK_LEVELS: tuple[str, ...] = ("intra_machine", "inter_machine", "inter_group")
 FREE_BANDWIDTH_BPS = 1e30
 DEFAULT_INTRA_BANDWIDTH_BPS = 1e11
+FLOPS_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp16")
+"""Keys of a `flops_per_gpu` map: the dense matmul rate of each dtype (`engine.options.PRECISIONS`)."""
 SLOWDOWN_MODES: tuple[str, ...] = ("ddp", "duplex")
 """The overlap modes a device's `overlap_slowdown` may name (`engine.spmd.overlap.OVERLAP_MODES` less `none`)."""
 
@@ -100,7 +102,8 @@ _HINTS: dict[str, str] = {
     "machine": "the machine (box) holding the device, e.g. 'm0'",
     "group": "a set of machines on a fast fabric, or '' for none",
     "num_gpus": "GPUs inside this virtual device, e.g. 1 or 8",
-    "flops_per_gpu": "the sustained FLOP/s of one GPU, e.g. 1.5e13",
+    "flops_per_gpu": "the sustained FLOP/s of one GPU, e.g. 1.5e13 (read as fp32), or one per dtype, e.g. "
+                     "{\"fp32\": 1.95e13, \"bf16\": 3.12e14, \"fp16\": 3.12e14}; leave out a dtype the GPU lacks",
     "memory_bytes_per_gpu": "bytes of memory of one GPU, e.g. 17179869184 for 16 GiB",
     "memory_bandwidth_Bps": "bytes/s one GPU reads and writes its own memory, e.g. 1.555e12 for an A100-40GB",
     "activation_bandwidth_Bps": "bytes/s of the memory-bound operators on one GPU, e.g. 1.2e12 (as hap profile measures)",
@@ -142,7 +145,10 @@ class Device:
     num_gpus: int = 1
     """GPUs inside this virtual device (>= 1)."""
     flops_per_gpu: float
-    """Sustained FLOP/s of one GPU (> 0)."""
+    """Sustained fp32 FLOP/s of one GPU (> 0)."""
+    flops_by_dtype: tuple[tuple[str, float], ...] = ()
+    """(dtype, FLOP/s of one GPU) for the mixed-precision dtypes the spec rates (`FLOPS_DTYPES` less fp32):
+    the matmul rate under autocast in that dtype. A dtype left out is one the GPU is not planned in."""
     memory_bytes_per_gpu: int
     """Bytes of memory of one GPU (> 0)."""
     memory_bandwidth_Bps: float | None = None
@@ -173,13 +179,19 @@ class Device:
         """Sustained FLOP/s of the whole (virtual) device."""
         return self.num_gpus * self.flops_per_gpu
 
+    def flops_per_gpu_in(self, dtype: str) -> float | None:
+        """FLOP/s of one GPU for matmuls in `dtype` (`FLOPS_DTYPES`); None when the spec gives no rate for it."""
+        return self.flops_per_gpu if dtype == "fp32" else dict(self.flops_by_dtype).get(dtype)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict of every field."""
         return {
             "name": self.name, "gpu_model": self.gpu_model,
             **({"gpu_product": self.gpu_product} if self.gpu_product is not None else {}),
             "machine": self.machine,
-            "group": self.group, "num_gpus": self.num_gpus, "flops_per_gpu": self.flops_per_gpu,
+            "group": self.group, "num_gpus": self.num_gpus,
+            "flops_per_gpu": ({"fp32": self.flops_per_gpu, **dict(self.flops_by_dtype)} if self.flops_by_dtype
+                              else self.flops_per_gpu),
             "memory_bytes_per_gpu": self.memory_bytes_per_gpu,
             **({"memory_bandwidth_Bps": self.memory_bandwidth_Bps} if self.memory_bandwidth_Bps is not None else {}),
             **({"activation_bandwidth_Bps": self.activation_bandwidth_Bps}
@@ -326,7 +338,9 @@ class Cluster:
                 raise ClusterError(f"flops_scale[{model!r}]: unknown gpu_model; the cluster has {sorted(models)}")
             _check_scale(factor, f"flops_scale[{model!r}]")
         _check_scale(bandwidth_scale, "bandwidth_scale")
-        devices = tuple(replace(dev, flops_per_gpu=dev.flops_per_gpu * flops_scale.get(dev.gpu_model, 1.0))
+        devices = tuple(replace(dev, flops_per_gpu=dev.flops_per_gpu * flops_scale.get(dev.gpu_model, 1.0),
+                                flops_by_dtype=tuple((k, v * flops_scale.get(dev.gpu_model, 1.0))
+                                                     for k, v in dev.flops_by_dtype))
                         for dev in self.devices)
         levels = {k: v * bandwidth_scale for k, v in self.network.bandwidth_Bps.items()}
         fits = {k: f.scaled(bandwidth_scale) for k, f in self.collectives.items()}
@@ -607,8 +621,7 @@ def _parse_device_entry(entry: Any, path: str, room: int) -> list[Device]:
         machine=_text(_require(entry, "machine", field_path("machine")), field_path("machine"), "machine"),
         group=_text(entry.get("group", ""), field_path("group"), "group", allow_empty=True),
         num_gpus=_positive_int(entry.get("num_gpus", 1), field_path("num_gpus"), "num_gpus"),
-        flops_per_gpu=_positive(_require(entry, "flops_per_gpu", field_path("flops_per_gpu")),
-                                field_path("flops_per_gpu"), "flops_per_gpu"),
+        **_parse_flops(_require(entry, "flops_per_gpu", field_path("flops_per_gpu")), field_path("flops_per_gpu")),
         memory_bytes_per_gpu=_positive_int(_require(entry, "memory_bytes_per_gpu", field_path("memory_bytes_per_gpu")),
                                            field_path("memory_bytes_per_gpu"), "memory_bytes_per_gpu"),
         memory_bandwidth_Bps=(None if entry.get("memory_bandwidth_Bps") is None else
@@ -629,6 +642,17 @@ def _parse_device_entry(entry: Any, path: str, room: int) -> list[Device]:
         raise ClusterError(f"{field_path('count')}: {count} devices here bring the cluster above the limit of "
                            f"{limits.MAX_DEVICES} devices; use virtual devices (num_gpus) for large machines")
     return [replace(base, name=f"{name}-{k}") for k in range(count)]
+
+
+def _parse_flops(value: Any, path: str) -> dict[str, Any]:
+    """`flops_per_gpu` as a number (the fp32 rate) or a map of `FLOPS_DTYPES` to rates (fp32 required)."""
+    if not isinstance(value, Mapping):
+        return {"flops_per_gpu": _positive(value, path, "flops_per_gpu")}
+    _check_keys(value, FLOPS_DTYPES, f"{path}.")
+    if "fp32" not in value:
+        raise ClusterError(f"{path}: give the fp32 rate too, e.g. {{\"fp32\": 1.95e13, \"bf16\": 3.12e14}}")
+    rates = {k: _positive(v, f"{path}.{k}", "flops_per_gpu") for k, v in value.items()}
+    return {"flops_per_gpu": rates.pop("fp32"), "flops_by_dtype": tuple(sorted(rates.items()))}
 
 
 def _parse_slurm(value: Any, path: str) -> tuple[tuple[str, str], ...]:
