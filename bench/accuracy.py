@@ -10,6 +10,8 @@ For each local cluster — 2 gloo ranks with emulated speeds 1.0/0.5, and 4 rank
 2. every variant of the family (sizes x layer counts) is planned on that spec twice: the HAP
    plan (`engine.plan`, overlap mode `--overlap`, default auto: ddp or duplex) and the `dp-even`
    baseline (`engine.evaluate`, priced and run as DDP runs: buckets during backward), SGD as the runner uses;
+   the first variant of each family is also planned in each training mode of `--modes` (issue 26:
+   bf16 autocast, recomputation of every layer, ZeRO stages 1-3 with Adam), HAP only;
 3. each plan runs with `hap run --speeds ... --metrics` (plus `--timing` with `--timing`) for `--steps` steps. Iteration
    time = per step the slowest rank's `step_time_s`, median over the steps after `--warmup`;
    each plan is launched `--repeat` times, interleaved with the other plans of its cluster,
@@ -60,6 +62,12 @@ VARIANTS = {
 }
 """Per family: sizes x layer counts. The first of each family is the profiler's own config."""
 STRATEGIES = ("hap", "dp-even")
+MODES = {"bf16": dict(precision="bf16"), "recompute": dict(recompute="all"),
+         "zero1": dict(shard_states=1, optimizer="adam"), "zero2": dict(shard_states=2, optimizer="adam"),
+         "zero3": dict(shard_states=3, optimizer="adam")}
+"""Training modes of issue 26, each planned (HAP only) for the first variant of every family on top of
+the fp32 plans: bf16 autocast, every layer recomputed, and the ZeRO stages (with Adam, whose state is
+what they shard; the launch runs Adam too)."""
 
 
 def hap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -118,7 +126,10 @@ def combine_profiles(specs: list[Path]) -> dict:
     return out
 
 
-def make_plans(family: str, knobs: dict, spec: Path, out: Path, tag: str, overlap: str = "auto") -> dict[str, Path]:
+def make_plans(family: str, knobs: dict, spec: Path, out: Path, tag: str, overlap: str = "auto",
+               modes: tuple[str, ...] = ()) -> dict[str, Path]:
+    """The HAP plan and the baseline, SGD as the runner uses, then one HAP plan per mode of `modes`
+    (named `hap+MODE`)."""
     import engine
 
     graph = engine.load_model(f"zoo:{family}", **knobs)
@@ -128,14 +139,20 @@ def make_plans(family: str, knobs: dict, spec: Path, out: Path, tag: str, overla
                 else engine.evaluate(graph, spec, strategy, optimizer="sgd"))
         paths[strategy] = out / f"plan_{tag}_{strategy}.json"
         plan.save(paths[strategy])
+    for mode in modes:
+        options = {"optimizer": "sgd", **MODES[mode]}
+        plan = engine.plan(graph, spec, time_budget_s=30, overlap=overlap, **options)
+        paths[f"hap+{mode}"] = out / f"plan_{tag}_hap_{mode}.json"
+        plan.save(paths[f"hap+{mode}"])
     return paths
 
 
-def run_plan(plan: Path, speeds: tuple[float, ...], steps: int, metrics: Path, timing: bool) -> list[dict]:
+def run_plan(plan: Path, speeds: tuple[float, ...], steps: int, metrics: Path, timing: bool,
+             optimizer: str = "sgd") -> list[dict]:
     """One launch; `timing` adds the per-instruction probes and timelines (`hap run --timing`), which cost
     a little time per operator, so the measured figures are taken without them by default."""
     hap("run", str(plan), "--steps", str(steps), "--speeds", speeds_arg(speeds), *(["--timing"] if timing else []),
-        "--metrics", str(metrics))
+        "--optimizer", optimizer, "--metrics", str(metrics))
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
@@ -232,7 +249,9 @@ def report(rows: list[dict]) -> str:
                      f"{m['load_before']:.1f}",
                      ",".join(p["collectives"]) or "-"])
     lines = [table(head), ""]
-    groups = {"all variants": rows, **{c: [r for r in rows if r["cluster"] == c] for c in CLUSTERS}}
+    groups = {"all variants": rows, **{c: [r for r in rows if r["cluster"] == c] for c in CLUSTERS},
+              "fp32 plans": [r for r in rows if "+" not in r["strategy"]],
+              **{f"hap+{m}": [r for r in rows if r["strategy"] == f"hap+{m}"] for m in MODES}}
     stats = [["variants", "n", "Pearson r", "MAPE", "Spearman rho", "mean signed error"]]
     for name, members in groups.items():
         if len(members) >= 2:
@@ -266,7 +285,8 @@ def run(args: argparse.Namespace) -> list[dict]:
             print(f"[{time.strftime('%H:%M:%S')}] profiled {cluster} for zoo:{family}: {spec.name}", file=sys.stderr)
             for i, knobs in enumerate(VARIANTS[family]):
                 tag = f"{len(speeds)}_{family}{i}"
-                for strategy, path in make_plans(family, knobs, spec, out, tag, args.overlap).items():
+                modes = tuple(m for m in args.modes.split(",") if m) if i == 0 else ()
+                for strategy, path in make_plans(family, knobs, spec, out, tag, args.overlap, modes).items():
                     cases.append({"cluster": cluster, "model": describe(family, knobs), "family": family,
                                   "knobs": knobs, "strategy": strategy, "plan": path, "predicted": predicted(path, spec),
                                   "launches": []})
@@ -274,7 +294,9 @@ def run(args: argparse.Namespace) -> list[dict]:
             for case in cases:
                 metrics = out / f"metrics_{case['plan'].stem}_{launch}.jsonl"
                 load = os.getloadavg()[0]
-                case["launches"].append(measured(run_plan(case["plan"], speeds, args.steps, metrics, args.timing), args.warmup))
+                optimizer = MODES.get(case["strategy"].partition("+")[2], {}).get("optimizer", "sgd")
+                case["launches"].append(measured(run_plan(case["plan"], speeds, args.steps, metrics, args.timing, optimizer),
+                                                 args.warmup))
                 case["launches"][-1]["load_before"] = load
                 print(f"[{time.strftime('%H:%M:%S')}] {cluster} {case['model']} {case['strategy']} launch {launch}: "
                       f"{case['launches'][-1]['iteration_s'] * 1e3:.1f} ms (predicted "
@@ -308,6 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="10 steps, one launch per plan, one profile")
     p.add_argument("--families", default="gpt,mlp", help="model families (default gpt,mlp)")
     p.add_argument("--clusters", default="", help="only these rank counts, e.g. 2 or 2,4 (default all)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"training modes planned for each family's first variant (default {','.join(MODES)}; '' for none)")
     p.add_argument("--overlap", default="auto", choices=["auto", "none", "ddp", "duplex"],
                    help="overlap mode of the HAP plans (default auto; dp-even always runs as DDP does)")
     args = p.parse_args(argv)
