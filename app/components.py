@@ -18,6 +18,7 @@ from engine.errors import HapError
 from engine.planner import OVERLAP_MEANING  # noqa: F401 (pages show it)
 from engine.readers import check_size, parse_json
 from engine.spmd.program import COMM, COMPUTE, LOAD
+from engine.spmd.utilisation import percent
 from engine.theory import COLLECTIVES, collectives_from, form_long, form_str, leaf_forms, op_rules
 from engine.theory.core import FULL, PARTIAL
 
@@ -52,6 +53,23 @@ def bandwidth_label(bps: float) -> str:
 def ms(seconds: float) -> str:
     """Seconds as milliseconds with 4 significant digits (tiny and large plans both stay readable)."""
     return f"{seconds * 1e3:.4g} ms"
+
+
+def utilisation_metrics(plan: Plan | PipelinePlan) -> list[tuple[str, str, str]]:
+    """(label, value, help) of the plan's compute bound and MFU (`engine.spmd.utilisation`), shown
+    beside its predicted time; 'unknown' for a plan that records no peak FLOP/s."""
+    u, precision = plan.utilisation, plan.options.precision
+    bound = u.compute_bound_s
+    why = (f"the model's {u.model_flops:.3g} FLOPs per iteration (forward and backward, recomputation not counted) "
+           f"at the devices' summed {precision} peak of {u.peak_flops:.3g} FLOP/s: no plan is faster"
+           if bound is not None else "the plan records no peak FLOP/s (made before plans recorded it): plan it again")
+    return [("Compute bound", "unknown" if bound is None else ms(bound), why),
+            ("MFU", percent(u.mfu), "model FLOPs utilisation: the compute bound over the predicted iteration")]
+
+
+def in_percent(rows: list[dict[str, Any]], key: str = "mfu") -> list[dict[str, Any]]:
+    """The rows with `key` (a fraction, e.g. an MFU) in percent, for a "%.3g%%" table column (None stays None)."""
+    return [{**r, key: None if r.get(key) is None else r[key] * 100} for r in rows]
 
 
 def form_color(form: str) -> str:
@@ -475,13 +493,14 @@ def pipeline_schedule_rows(plan: PipelinePlan) -> list[dict[str, Any]]:
     rows = []
     for name, r in plan.schedules.items():
         row = {"strategy": f"pipeline, {name}", "predicted_ms": r.iteration_s * 1e3,
+               "mfu": plan.utilisation.mfu_at(r.iteration_s),
                "warmup": " ".join(map(str, r.warmup)), "fits": r.fits, "plan": name == plan.schedule}
         row.update({f"stage {i} peak GiB": m / GIB for i, m in enumerate(r.peak_memory_bytes)})
         rows.append(row)
     spmd = plan.search.get("parallelism_s", {}).get("spmd")
     if spmd is not None:
-        rows.append({"strategy": "spmd (best HAP plan)", "predicted_ms": spmd * 1e3, "warmup": "", "fits": True,
-                     "plan": False})
+        rows.append({"strategy": "spmd (best HAP plan)", "predicted_ms": spmd * 1e3,
+                     "mfu": plan.utilisation.mfu_at(spmd), "warmup": "", "fits": True, "plan": False})
     return rows
 
 

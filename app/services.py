@@ -61,6 +61,14 @@ class Keys:
     PARALLELISM = "search.parallelism"
     """The kind of plan asked of the planner (`spmd`, `pipeline`, `auto`)."""
     FRONTIER = "search.frontier"
+    PRECISION = "search.precision"
+    """The training precision asked of the planner (`fp32`, `bf16`, `fp16`)."""
+    GRAD_DTYPE = "search.grad_dtype"
+    """The dtype gradients are all-reduced in (`fp32`, `bf16`)."""
+    RECOMPUTE = "search.recompute"
+    """Activation recomputation (`auto`, `none`, `all`)."""
+    SHARD_STATES = "search.shard_states"
+    """ZeRO stage of replicated weights' states (`auto`, 0, 1, 2, 3)."""
     PYTHON_TRUST = "model.trust"
     EDITOR = "cluster.editor"
     BASE = "cluster.base"
@@ -209,9 +217,12 @@ def _plan_store() -> dict[tuple, Plan]:
 _store_lock = threading.Lock()
 
 
-def plan_options(budget_s: float, segments: int = 1, overlap: str = "auto", parallelism: str = "spmd") -> PlanOptions:
+def plan_options(budget_s: float, segments: int = 1, overlap: str = "auto", parallelism: str = "spmd",
+                 precision: str = "fp32", grad_dtype: str = "fp32", recompute: str = "auto",
+                 shard_states: str | int = "auto") -> PlanOptions:
     """The options of a search on the Search page (one `PlanOptions`, checked: a bad value is one PlanError line)."""
     return PlanOptions(time_budget_s=budget_s, segments=segments, overlap=overlap, parallelism=parallelism,
+                       precision=precision, grad_dtype=grad_dtype, recompute=recompute, shard_states=shard_states,
                        report_every=REPORT_EVERY)
 
 
@@ -334,6 +345,9 @@ def init_state() -> None:
     ss.setdefault(Keys.BUDGET, DEFAULT_BUDGET_S)
     ss.setdefault(Keys.OVERLAP, "auto")
     ss.setdefault(Keys.PARALLELISM, "spmd")
+    for key, default in ((Keys.PRECISION, "fp32"), (Keys.GRAD_DTYPE, "fp32"), (Keys.RECOMPUTE, "auto"),
+                         (Keys.SHARD_STATES, "auto")):
+        ss.setdefault(key, default)
     if Keys.PLAN not in ss:
         with st.spinner("Planning the default model on the default cluster ..."):
             ss[Keys.PLAN] = run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], plan_options(DEFAULT_BUDGET_S))

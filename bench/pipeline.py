@@ -43,6 +43,7 @@ from engine.pipeline.plan import PipelinePlan
 from engine.pipeline.schedule import SCHEDULES, run_schedule
 from engine.pipeline.stage_cost import transfer_s
 from engine.pipeline.stage_plan import with_hap_stages
+from engine.spmd.utilisation import percent
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTERS = ("a100x8_v100x8_5gbps", "hap_paper_testbed")
@@ -93,8 +94,9 @@ def _case(graph, cluster, layers: int, budget: float, epsilon: float) -> Pipelin
     else:
         pipe = engine.plan(graph, cluster, time_budget_s=budget, parallelism="pipeline")
     pipe_s = time.perf_counter() - start
-    print(f"gpt-{layers}: SPMD HAP {spmd.predicted_time_s * 1e3:9.1f} ms (planned in {spmd_s:.1f} s); "
-          f"pipeline of {len(pipe.stages)} stages, B = {pipe.microbatches} (planned in {pipe_s:.1f} s)")
+    print(f"gpt-{layers}: SPMD HAP {spmd.predicted_time_s * 1e3:9.1f} ms, MFU {percent(spmd.mfu)} (planned in "
+          f"{spmd_s:.1f} s); pipeline of {len(pipe.stages)} stages, B = {pipe.microbatches}, "
+          f"{pipe.predicted_s * 1e3:.1f} ms, MFU {percent(pipe.mfu)} (planned in {pipe_s:.1f} s)")
     if "hap_stages_skipped" in pipe.search:
         print(f"    stages data-parallel: {pipe.search['hap_stages_skipped']}")
     for s in pipe.stages:
@@ -106,7 +108,8 @@ def _case(graph, cluster, layers: int, budget: float, epsilon: float) -> Pipelin
               f"{b.transfer_s * 1e3:.3f} ms per microbatch each way")
     for name in SCHEDULES:
         r = pipe.schedules[name]
-        print(f"    {name:<11} {r.iteration_s * 1e3:9.1f} ms  peak {max(r.peak_memory_bytes) / GIB:6.2f} GiB"
+        print(f"    {name:<11} {r.iteration_s * 1e3:9.1f} ms  MFU {percent(pipe.utilisation.mfu_at(r.iteration_s)):>6}"
+              f"  peak {max(r.peak_memory_bytes) / GIB:6.2f} GiB"
               f"{'' if r.fits else '  (does not fit)'}  warm-up {r.warmup}")
     closed = "n/a (a transfer exceeds t_max)" if pipe.closed_form_s is None else f"{pipe.closed_form_s * 1e3:.1f} ms"
     print(f"    HAPT Eq. 13 (syncs excluded): {closed}; t_max {pipe.t_max_s * 1e3:.3f} ms")
@@ -189,6 +192,7 @@ def _measured_vs_predicted(link_gbps: float, profile: bool = True, steps: int = 
         print(f"    stage {i}: {s.program_summary()}, shares {', '.join(f'{r:.2f}' for r in s.ratios)}")
     print(f"    predicted {plan.predicted_s * 1e3:8.2f} ms per step   measured {measured:8.2f} ms "
           f"(median of steps 1..{len(times) - 1})   measured / predicted {measured / (plan.predicted_s * 1e3):.2f}")
+    print(f"    MFU predicted {percent(plan.mfu)}   measured {percent(plan.utilisation.mfu_at(measured / 1e3))}")
 
 
 if __name__ == "__main__":

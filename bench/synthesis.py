@@ -86,6 +86,7 @@ def measure(case: dict) -> dict:
             "planning_cpu_s": cpu,
             "expanded": plan.search["expanded"], "iterations": plan.search["iterations"],
             "optimal": bool(plan.search["optimal"]), "predicted_time_s": plan.predicted_time_s,
+            "compute_bound_s": plan.compute_bound_s, "mfu": plan.mfu,
             "dp_even_time_s": dp_even,
             "speedup_over_dp_even": None if dp_even is None else dp_even / plan.predicted_time_s,
             "peak_rss_mib": rss_peak, "rss_after_capture_mib": rss_captured}
@@ -163,7 +164,7 @@ def _verdict(name: str, value: float | None, limit: float) -> dict:
 
 # --- report ------------------------------------------------------------------------------------
 HEADER = ["case", "devices", "nodes", "plan time (s) [range]", "CPU (s)", "expanded", "Q<->B iters", "predicted iter (ms)",
-          "vs dp-even", "peak RSS (MiB)", "search"]
+          "MFU", "vs dp-even", "peak RSS (MiB)", "search"]
 
 
 def _row(r: dict) -> list[str]:
@@ -174,7 +175,8 @@ def _row(r: dict) -> list[str]:
     spread = f" [{min(runs):.2f}-{max(runs):.2f}]" if len(runs) > 1 else ""
     return [case, str(r["devices"]), str(r["nodes"]), f"{r['planning_time_s']:.2f}{spread}",
             f"{r['planning_cpu_s']:.2f}", str(r["expanded"]),
-            str(r["iterations"]), f"{r['predicted_time_s'] * 1e3:.1f}", _speedup(r["speedup_over_dp_even"]),
+            str(r["iterations"]), f"{r['predicted_time_s'] * 1e3:.1f}", _mfu(r.get("mfu")),
+            _speedup(r["speedup_over_dp_even"]),
             f"{r['peak_rss_mib']:.0f}", "proven optimal" if r["optimal"] else "beam-limited"]
 
 
@@ -182,6 +184,11 @@ def _label(case: dict) -> str:
     model = case.get("model", "gpt")
     knobs = " ".join(f"{k}={v}" for k, v in case.get("knobs", {}).items())
     return f"gpt-{case['layers']}L" if model == "gpt" else f"{model} {knobs}".strip()
+
+
+def _mfu(x: float | None) -> str:
+    """The plan's predicted MFU (engine.spmd.utilisation) in percent; n/a in results written before it was recorded."""
+    return "n/a" if x is None else f"{x * 100:.1f}%"
 
 
 def _speedup(x: float | None) -> str:

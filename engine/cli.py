@@ -34,6 +34,7 @@ from engine.bundle.launch_files import cluster_launch_warnings
 from engine.errors import HapError
 from engine.options import GRAD_DTYPES, OPTIMIZERS, PARALLELISMS, PLAN_OVERLAPS, PRECISIONS, RECOMPUTE, PlanOptions
 from engine.planner import BASELINES, OVERLAP_MEANING, PARALLELISM_MEANING
+from engine.spmd.utilisation import percent
 
 GIB = 2**30
 
@@ -96,16 +97,18 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
     from engine.spmd.baselines import unsplittable_input
 
     lines = [f"model {plan.graph.name}: {plan.graph.num_parameters / 1e6:.1f}M parameters, "
-             f"{len(plan.graph)} nodes; cluster {cluster.name}: {cluster.num_devices} devices", ""]
-    rows = [["strategy", "predicted iteration", "speed-up of hap"]]
-    rows.append(["hap", f"{plan.predicted_time_s * 1e3:.2f} ms", ""])
+             f"{len(plan.graph)} nodes; cluster {cluster.name}: {cluster.num_devices} devices",
+             plan.utilisation.line(), ""]
+    rows = [["strategy", "predicted iteration", "speed-up of hap", "MFU"]]
+    rows.append(["hap", f"{plan.predicted_time_s * 1e3:.2f} ms", "", percent(plan.mfu)])
     batch_of_one = unsplittable_input(plan.graph)
     for name, t in baselines.items():
         if t is None:
             why = f"no program: input '{batch_of_one.name}' has batch < 2" if batch_of_one else "does not fit in memory"
-            rows.append([name, why, ""])
+            rows.append([name, why, "", ""])
         else:
-            rows.append([name, f"{t * 1e3:.2f} ms", f"{t / plan.predicted_time_s:.2f}x"])
+            rows.append([name, f"{t * 1e3:.2f} ms", f"{t / plan.predicted_time_s:.2f}x",
+                         percent(plan.utilisation.mfu_at(t))])
     lines += [_table(rows), "", *_overlap_lines(plan, baselines), *_parallelism_lines(plan), ""]
     dev = [["device", "gpu", "ratio" if len(plan.ratios) == 1 else "ratio per segment", "memory / GPU", "capacity"]]
     for first, last, cells in _device_runs(plan, cluster):
@@ -213,12 +216,13 @@ def _pipeline_report(pipe, graph, cluster) -> str:
     """Stages (devices, layers, warm-up, program), boundaries, every schedule's time and peak memory, and the SPMD time."""
 
     lines = [f"model {graph.name}: {graph.num_parameters / 1e6:.1f}M parameters, {len(graph)} nodes; "
-             f"cluster {cluster.name}: {cluster.num_devices} devices", ""]
+             f"cluster {cluster.name}: {cluster.num_devices} devices", pipe.utilisation.line(), ""]
     times = pipe.search.get("parallelism_s", {})
-    rows = [["parallelism", "predicted iteration", "speed-up of the pipeline"],
-            ["pipeline", f"{pipe.predicted_s * 1e3:.2f} ms", ""]]
+    rows = [["parallelism", "predicted iteration", "speed-up of the pipeline", "MFU"],
+            ["pipeline", f"{pipe.predicted_s * 1e3:.2f} ms", "", percent(pipe.mfu)]]
     if "spmd" in times:
-        rows.append(["spmd (best HAP plan)", f"{times['spmd'] * 1e3:.2f} ms", f"{times['spmd'] / pipe.predicted_s:.2f}x"])
+        rows.append(["spmd (best HAP plan)", f"{times['spmd'] * 1e3:.2f} ms", f"{times['spmd'] / pipe.predicted_s:.2f}x",
+                     percent(pipe.utilisation.mfu_at(times["spmd"]))])
     lines += [_table(rows), ""]
     lines += [f"spmd: {why}" for k, why in pipe.search.get("parallelism_skipped", {}).items() if k == "spmd"]
     lines.append(f"parallelism: pipeline ({PARALLELISM_MEANING['pipeline']}); schedule {pipe.schedule}, "

@@ -39,6 +39,7 @@ from engine.spmd.plan import Plan
 from engine.spmd.program import Instruction
 from engine.spmd.segments import Segmentation
 from engine.spmd.synthesis import SearchSpace, synthesize
+from engine.spmd.utilisation import Utilisation, model_flops, peak_flops
 from engine.timeline import Schedule, simulate
 
 MATMUL_OPS = ("linear", "matmul")
@@ -70,6 +71,9 @@ class Comparison:
 
     plan_time_s: float
     rows: list[Row]
+    compute_bound_s: float | None = None
+    """The model's FLOPs at the cluster's summed peak (`engine.spmd.utilisation`): every row's MFU is it
+    over the row's time (the same model on the same devices in the same precision)."""
 
     def speedup(self, row: Row) -> float | None:
         """How many times faster the plan is than `row` (None when `row` does not fit)."""
@@ -81,14 +85,21 @@ class Comparison:
         fitting = [r for r in self.rows if r.name in BASELINES and r.fits]
         return min(fitting, key=lambda r: r.predicted_time_s, default=None)
 
+    def mfu(self, row: Row) -> float | None:
+        """The row's model FLOPs utilisation: compute bound / its time (None when it does not fit or
+        the bound is unknown)."""
+        if row.predicted_time_s is None or not row.predicted_time_s > 0 or self.compute_bound_s is None:
+            return None
+        return self.compute_bound_s / row.predicted_time_s
+
     def table(self) -> list[dict[str, Any]]:
-        """Rows as plain dicts for a table: strategy, what it is, time in ms, speed-up of the plan."""
+        """Rows as plain dicts for a table: strategy, what it is, time in ms, speed-up of the plan, MFU."""
         out = []
         for r in self.rows:
             speed = self.speedup(r)
             out.append({"strategy": r.name, "what": r.description,
                         "predicted_ms": None if r.predicted_time_s is None else r.predicted_time_s * 1e3,
-                        "plan_speedup": speed, "plan": r.is_plan, "note": r.note})
+                        "plan_speedup": speed, "mfu": self.mfu(r), "plan": r.is_plan, "note": r.note})
         return out
 
 
@@ -187,7 +198,8 @@ def compare(the_plan: Plan, cluster: Cluster, *, time_budget_s: float | None = N
     if the_plan.overlap not in PLAN_ROWS:  # forced to another mode, e.g. none: its own row
         rows.append(Row("plan", f"the plan (overlap {the_plan.overlap})", the_plan.predicted_time_s,
                         the_plan.ratios.get("0"), is_plan=True))
-    return Comparison(the_plan.predicted_time_s, rows)
+    bound = Utilisation(model_flops(graph), peak_flops(cluster, options.precision), the_plan.predicted_time_s)
+    return Comparison(the_plan.predicted_time_s, rows, bound.compute_bound_s)
 
 
 def full_plan_row(the_plan: Plan, cluster: Cluster, mode: str, *, time_budget_s: float | None = None) -> Row:

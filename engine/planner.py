@@ -28,6 +28,7 @@ from engine.spmd.cost import CostModel
 from engine.spmd.iteration import Progress, make_plan, plan_spmd
 from engine.spmd.plan import PLAN_KIND, Plan, read_plan_json
 from engine.spmd.segments import Segmentation
+from engine.spmd.utilisation import Utilisation
 from engine.spmd.validate import _shown, plan_from_dict
 
 __all__ = ["AnyPlan", "plan", "evaluate", "load_plan", "BASELINES", "PARALLELISMS", "PARALLELISM_MEANING",
@@ -67,6 +68,18 @@ class AnyPlan(Protocol):
 
     @property
     def options(self) -> PlanOptions: ...
+
+    peak_flops: float | None
+    """Summed FLOP/s of the plan's devices in its precision (None in plans written before it was recorded)."""
+
+    @property
+    def utilisation(self) -> Utilisation: ...
+
+    @property
+    def compute_bound_s(self) -> float | None: ...
+
+    @property
+    def mfu(self) -> float | None: ...
 
     def to_dict(self) -> dict[str, Any]: ...
 

@@ -59,6 +59,7 @@ from runner.rank_setup import (Inputs, apply_cpu_threads, check_inputs, device_r
                                init_distributed, make_pacer, pick_device, run_key)
 from runner.scratch import sigterm_exits
 from runner.train import RankState, make_batch, setup_rank, train_step
+from runner.timing import mfu_line
 from runner.verify import verify
 
 
@@ -167,6 +168,8 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
                                 layout=reshard.layout_of(plan, st) if env.rank == 0 else None)
     finally:
         pacer.uninstall()
+    if cfg.timing and env.rank == 0 and st.step_times:
+        print(mfu_line(plan, st.step_times), flush=True)
     return st
 
 

@@ -64,6 +64,7 @@ from runner.stage_program import (StageParams, boundary_rows, check_untied, gath
                                   loss_weights, microbatch_leaves, stage_inputs, stage_outputs, stage_params,
                                   stage_rank_program, sync_stage_gradients, tied_weight_error)
 from runner.train import build_module, factory_device, make_batch, make_optimizer
+from runner.timing import mfu_line
 from runner.verify import compare
 
 
@@ -541,6 +542,7 @@ def run_rank(plan: PipelinePlan, rank: int, args: Any, device: torch.device | st
     if rank == 0:
         print(f"pipeline: {len(plan.stages)} stages, {plan.schedule}, {plan.microbatches} microbatches; "
               f"predicted {plan.predicted_s * 1e3:.3f} ms per step", flush=True)
+        print(mfu_line(plan, sr.step_times), flush=True)  # measured MFU beside the predicted one (no --timing here)
     if not args.verify or rank != 0:
         return 0
     ref_losses, ref_params = microbatch_reference(plan, args.steps, args.seed, args.optimizer, args.lr, device)

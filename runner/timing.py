@@ -31,18 +31,26 @@ only while it holds it, so the halves' computations (and emulated pads) take tur
 collectives overlap the other's computation. Their summaries go into the rank's step record
 under `halves`.
 
+**Measured MFU.** With `--timing`, rank 0 ends with `mfu_line`: the steady step time (median of the
+steps after the first) and the model FLOPs utilisation it gives against the same peaks the plan's
+predicted MFU uses: model FLOPs per iteration / (measured step x the plan's summed peak FLOP/s),
+`engine.spmd.utilisation`.
+
 **Emulated link.** `EmulatedLink` pads each collective to its fitted time under a cluster's
 collective fits: a slow network on one box, where gloo's links are almost free (benches).
 """
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import torch
+
+from engine.spmd.utilisation import percent
 
 from . import collectives
 
@@ -275,6 +283,38 @@ class _Probe(torch.autograd.Function):
 
 def probe(x: torch.Tensor, label: str) -> torch.Tensor:
     return _Probe.apply(x, label)
+
+
+def steady_step_s(step_times: list[float]) -> float:
+    """The step time a run settles to: the median of the steps after the first (which pays allocation
+    and warm-up), or the only step."""
+    steady = step_times[1:] or step_times
+    if not steady:
+        raise ValueError("no step was timed")
+    return statistics.median(steady)
+
+
+def measured_mfu(model_flops: float, peak_flops: float | None, step_s: float) -> float | None:
+    """Model FLOPs utilisation of a measured step: model FLOPs / (step seconds x summed peak FLOP/s);
+    None when the peak is unknown (a plan written before plans recorded it)."""
+    if not peak_flops or not step_s > 0:
+        return None
+    return model_flops / (step_s * peak_flops)
+
+
+def mfu_line(plan: Any, step_times: list[float]) -> str:
+    """What `hap run --timing` reports at the end: measured step and MFU beside the plan's predicted
+    ones (`plan` of either kind: it has `utilisation` and `options`)."""
+    u = plan.utilisation
+    step = steady_step_s(step_times)
+    which = {1: "one step", 2: "step 1"}.get(len(step_times), f"median of steps 1..{len(step_times) - 1}")
+    measured = measured_mfu(u.model_flops, u.peak_flops, step)
+    if measured is None:
+        return (f"hap run: measured step {step * 1e3:.2f} ms ({which}); MFU unknown: the plan records no peak "
+                "FLOP/s (plan it again with `hap plan`)")
+    return (f"hap run: measured step {step * 1e3:.2f} ms ({which}) · MFU {percent(measured)} of "
+            f"{u.peak_flops:.3g} FLOP/s summed {plan.options.precision} peak; predicted {u.iteration_s * 1e3:.2f} ms · "
+            f"MFU {percent(u.mfu)}")
 
 
 def speeds_from_cluster(cluster: Any) -> list[float]:

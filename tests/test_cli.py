@@ -57,7 +57,7 @@ def test_plan_report_compares_hap_with_both_baselines_and_a_speed_up(mlp_report)
     rc, out, _, path = mlp_report
     rows = {}
     for line in out.splitlines():
-        m = re.match(r"^(hap|ddp|dp-even|dp-proportional)\s+([\d.]+) ms\s*(?:([\d.]+)x)?\s*$", line)
+        m = re.match(r"^(hap|ddp|dp-even|dp-proportional)\s+([\d.]+) ms\s*(?:([\d.]+)x)?\s*(?:[\d.]+%)?$", line)
         if m:
             rows[m.group(1)] = (float(m.group(2)), m.group(3))
     assert set(rows) == {"hap", "ddp", "dp-even", "dp-proportional"}, out

@@ -21,8 +21,9 @@ if plan.parallelism == "pipeline":
                 "holds more microbatches' activations: peak memory per stage is per GPU on its fullest device. "
                 "The SPMD row is the best SPMD (HAP) plan of the same search (`auto`).")
     st.altair_chart(ui.pipeline_schedule_chart(rows), width="stretch")
-    st.dataframe(pd.DataFrame(rows), hide_index=True, width="stretch",
-                 column_config={"predicted_ms": st.column_config.NumberColumn("predicted ms", format="%.3f")})
+    st.dataframe(pd.DataFrame(ui.in_percent(rows)), hide_index=True, width="stretch",
+                 column_config={"predicted_ms": st.column_config.NumberColumn("predicted ms", format="%.3f"),
+                                "mfu": st.column_config.NumberColumn("MFU", format="%.3g%%")})
     if "spmd" not in plan.search.get("parallelism_s", {}):
         st.caption("No SPMD plan to compare with: plan with parallelism 'auto' on the Search page.")
     st.stop()
@@ -40,9 +41,13 @@ try:
                   help=f"{best.name}: {ui.ms(best.predicted_time_s)}; the plan: {ui.ms(plan.predicted_time_s)} "
                        f"(overlap {plan.overlap})")
     st.altair_chart(ui.compare_chart(table), width="stretch")
-    st.dataframe(pd.DataFrame(table), hide_index=True, width="stretch",
+    st.dataframe(pd.DataFrame(ui.in_percent(table)), hide_index=True, width="stretch",
                  column_config={"predicted_ms": st.column_config.NumberColumn("predicted ms", format="%.2f"),
-                                "plan_speedup": st.column_config.NumberColumn("plan speed-up", format="%.2fx")})
+                                "plan_speedup": st.column_config.NumberColumn("plan speed-up", format="%.2fx"),
+                                "mfu": st.column_config.NumberColumn("MFU", format="%.3g%%")})
+    if result.compute_bound_s is not None:
+        st.caption(f"MFU: the compute bound, {ui.ms(result.compute_bound_s)} (the model's FLOPs at the devices' summed "
+                   "peak, the same for every row), over each row's predicted time.")
 except HapError as e:
     services.show_error(e)
 

@@ -21,6 +21,8 @@ if plan.parallelism == "pipeline":
     if "spmd" in times:
         c[3].metric("vs best SPMD plan", f"{times['spmd'] / plan.predicted_time_s:.2f}x faster",
                     help=f"the best SPMD (HAP) plan: {ui.ms(times['spmd'])}")
+    for col, (label, value, why) in zip(st.columns(4), ui.utilisation_metrics(plan)):
+        col.metric(label, value, help=why)
     st.markdown("A **pipeline** plan (HAPT): each stage runs a run of layers on its own group of devices, with "
                 "HAP's plan of the stage inside the group (its **program**: data parallelism, or sharded weights "
                 "and collectives); microbatches flow through the stages and their activations (forward) and "
@@ -48,6 +50,8 @@ if base:
     name = min(base, key=base.get)
     c[3].metric(f"vs best baseline ({name})", f"{base[name] / plan.predicted_time_s:.2f}x faster",
                 help="baselines priced as PyTorch DDP runs: " + ", ".join(f"{k} {ui.ms(t)}" for k, t in base.items()))
+for col, (label, value, why) in zip(st.columns(4), ui.utilisation_metrics(plan)):
+    col.metric(label, value, help=why)
 for mode, why in plan.search.get("overlap_skipped", {}).items():
     st.caption(f"overlap {mode} not tried: {why}")
 if "pipeline" in plan.search.get("parallelism_s", {}):

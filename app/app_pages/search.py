@@ -8,6 +8,17 @@ import engine
 from app import components as ui
 from app import services
 from engine import HapError
+from engine.options import GRAD_DTYPES, PRECISIONS, RECOMPUTE, SHARD_STATES
+
+
+def ui_choice(where, label: str, choices: tuple, key: str):
+    """A select box of `choices` in `where` that starts from, and keeps, the session's value under `key`."""
+    options = list(choices)
+    value = where.selectbox(label, options, index=options.index(st.session_state[key]), format_func=str,
+                            key=f"{key}_choice")
+    st.session_state[key] = value
+    return value
+
 
 st.title("Search")
 graph, cluster, plan = services.current()
@@ -29,6 +40,15 @@ parallelism = st.selectbox("Parallelism: 'spmd' every device runs every layer (H
                            kinds, index=kinds.index(st.session_state[services.Keys.PARALLELISM]),
                            key="search.parallelism_kind")
 st.session_state[services.Keys.PARALLELISM] = parallelism
+numerics = st.expander("Precision and memory: mixed precision, recomputation, sharded optimizer states (ZeRO)")
+n = numerics.columns(4)
+precision = ui_choice(n[0], "Precision: fp32, or mixed precision under autocast (bf16, fp16 with loss scaling)",
+                      PRECISIONS, services.Keys.PRECISION)
+grad_dtype = ui_choice(n[1], "Gradient dtype: what gradients are all-reduced in", GRAD_DTYPES, services.Keys.GRAD_DTYPE)
+recompute = ui_choice(n[2], "Recompute: 'auto' recomputes activations only where memory binds; 'all' every layer",
+                      RECOMPUTE, services.Keys.RECOMPUTE)
+shard_states = ui_choice(n[3], "Shard states (ZeRO stage): 'auto' per weight where needed to fit; 0 none, 1 optimizer "
+                         "state, 2 and gradients, 3 and weights", SHARD_STATES, services.Keys.SHARD_STATES)
 go = st.button("Run search", type="primary", key="search.run")
 status, bar, live = st.empty(), st.empty(), st.empty()
 
@@ -51,7 +71,8 @@ if go:
 
     try:
         with st.spinner("Searching ..."):
-            options = services.plan_options(budget, int(segments), overlap, parallelism)
+            options = services.plan_options(budget, int(segments), overlap, parallelism, precision, grad_dtype,
+                                            recompute, shard_states)
             plan = services.run_plan(graph, cluster, options, progress)
         st.session_state[services.Keys.PLAN] = plan
         st.session_state[services.Keys.FRONTIER] = points or None

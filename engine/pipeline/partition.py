@@ -53,6 +53,7 @@ from engine.pipeline.schedule import (SCHEDULES, Pipeline, PipelineRun, StageTim
 from engine.pipeline.stage_cost import (DataParallelPricer, StagePrice, StagePricer, SubCluster, device_signature,
                                         sub_clusters, transfer_level, transfer_s)
 from engine.pipeline.stages import StageGraph, batch_of, microbatch_candidates
+from engine.spmd.utilisation import peak_flops
 
 INF = math.inf
 
@@ -445,7 +446,8 @@ def best_pipeline(graph, cluster: Cluster, microbatches: int | None = None, *, p
                               "add devices, use fewer microbatches, or shrink the model")
     plan = _plan(part, best[1], best[2], time.perf_counter() - start)
     return replace(plan, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
-                   device_names=tuple(d.name for d in cluster.devices), timeline=timeline_boxes(best[2].timeline))
+                   device_names=tuple(d.name for d in cluster.devices), timeline=timeline_boxes(best[2].timeline),
+                   peak_flops=peak_flops(cluster, options.precision))
 
 
 def fixed_pipeline(graph, cluster: Cluster, stages: list[tuple[int, int, tuple[int, ...]]], microbatches: int,
@@ -482,7 +484,8 @@ def fixed_pipeline(graph, cluster: Cluster, stages: list[tuple[int, int, tuple[i
     run = run_schedule(pipe, schedule)
     plan = _plan(part, p, run, time.perf_counter() - start)
     return replace(plan, graph=graph, cluster_name=cluster.name, cluster_fingerprint=cluster.fingerprint(),
-                   device_names=tuple(d.name for d in cluster.devices), timeline=timeline_boxes(run.timeline))
+                   device_names=tuple(d.name for d in cluster.devices), timeline=timeline_boxes(run.timeline),
+                   peak_flops=peak_flops(cluster, options.precision))
 
 
 def _pipeline_of(p: Partition, epsilon: float = 0.0, fixed: bool = False) -> tuple[Pipeline, tuple[int, ...]]:

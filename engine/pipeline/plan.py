@@ -22,8 +22,9 @@ from engine.pipeline.schedule import SCHEDULES
 from engine.pipeline.stages import batch_of
 from engine.spmd.plan import Plan
 from engine.spmd.program import COMM, LOAD
+from engine.spmd.utilisation import Utilisation, of_plan, recorded
 from engine.spmd.validate import (RATIO_TOLERANCE, _check_cluster_field, _check_search_options, _fail, _is_int,
-                                  _non_negative, _shown, _typed, plan_from_dict)
+                                  _non_negative, _shown, _typed, check_utilisation_fields, plan_from_dict)
 from engine.timeline import Schedule
 
 PIPELINE_PLAN_KIND = "hap.pipeline_plan"
@@ -142,6 +143,9 @@ class PipelinePlan:
     search: dict[str, Any] = field(default_factory=dict, compare=False)
     """What the planner records beside the plan (`engine.plan`: the SPMD plan's time in `parallelism_s`,
     the options it was made with in `options`)."""
+    peak_flops: float | None = None
+    """Summed FLOP/s of the cluster's devices in the plan's precision (`engine.spmd.utilisation`); None in
+    plans written before plans recorded it."""
     parallelism: ClassVar[str] = "pipeline"
     """The kind of plan (`engine.spmd.plan.Plan` says "spmd"): the one attribute callers branch on
     (both kinds implement `engine.planner.AnyPlan`)."""
@@ -159,6 +163,21 @@ class PipelinePlan:
     def model_fingerprint(self) -> str:
         """The fingerprint of the model the plan was made for (its embedded graph)."""
         return self.graph.fingerprint() if self.graph is not None else ""
+
+    @property
+    def utilisation(self) -> Utilisation:
+        """Model FLOPs of the whole graph, peak FLOP/s, and the compute bound and MFU of the predicted time."""
+        return of_plan(self.graph, self.peak_flops, self.predicted_s)
+
+    @property
+    def compute_bound_s(self) -> float | None:
+        """The model's FLOPs at the summed peak: no iteration is faster (None when the peak is unknown)."""
+        return self.utilisation.compute_bound_s
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation of the predicted iteration: compute bound / predicted time."""
+        return self.utilisation.mfu
 
     @property
     def options(self) -> PlanOptions:
@@ -204,7 +223,8 @@ class PipelinePlan:
         name = self.graph.name if self.graph is not None else "?"
         lines = [f"pipeline plan of {name} on {self.cluster_name} ({self.world_size} devices): {len(self.stages)} "
                  f"stages, {self.microbatches} microbatches, schedule {self.schedule}",
-                 f"predicted iteration {self.predicted_s * 1e3:.2f} ms (t_max {self.t_max_s * 1e3:.2f} ms)"]
+                 f"predicted iteration {self.predicted_s * 1e3:.2f} ms (t_max {self.t_max_s * 1e3:.2f} ms)",
+                 self.utilisation.detail(self.options.precision)]
         lines += [self.stage_line(i) for i in range(len(self.stages))]
         return "\n".join(lines)
 
@@ -221,6 +241,7 @@ def pipeline_plan_dict(plan: PipelinePlan) -> dict[str, Any]:
                         "devices": list(plan.device_names)},
             "schedule": plan.schedule, "microbatches": plan.microbatches, "predicted_time_s": plan.predicted_s,
             "t_max_s": plan.t_max_s, "closed_form_s": plan.closed_form_s, "planning_s": plan.planning_s,
+            **recorded(plan.utilisation),
             "stages": [_stage_dict(s) for s in plan.stages],
             "boundaries": [{**asdict(b), "tensors": list(b.tensors)} for b in plan.boundaries],
             "schedules": {k: {**asdict(r), "warmup": list(r.warmup), "peak_memory_bytes": list(r.peak_memory_bytes)}
@@ -260,7 +281,7 @@ def pipeline_plan_from_dict(d: Any) -> PipelinePlan:
         planning_s=float(d["planning_s"]), graph=graph, cluster_name=d["cluster"]["name"],
         cluster_fingerprint=d["cluster"]["fingerprint"], device_names=tuple(d["cluster"]["devices"]),
         timeline=tuple(_box(b, f"timeline[{i}]") for i, b in enumerate(d["timeline"])),
-        search=dict(d.get("search", {})))
+        search=dict(d.get("search", {})), peak_flops=None if d.get("peak_flops") is None else float(d["peak_flops"]))
     check_pipeline_plan(plan)
     return plan
 
@@ -270,6 +291,7 @@ def _check_top(d: dict[str, Any]) -> None:
                       ("schedules", dict), ("timeline", list), ("graph", dict)):
         _typed(d, key, kind)
     _check_search_options(_typed(d, "search", dict, required=False) or {})
+    check_utilisation_fields(d)
     _typed(d["model"], "fingerprint", str, "model.")
     if d["model"].get("origin", {}) != d["graph"].get("origin", {}):
         raise _fail("model.origin", "differs from graph.origin (the runner rebuilds the model from it)", REGENERATE)

@@ -44,6 +44,7 @@ from engine.spmd.program import Instruction
 from engine.spmd.segments import Segmentation, segment_graph, with_resplits
 from engine.spmd.sizes import realized_ratios, shard_key, shard_sizes
 from engine.spmd.synthesis import SearchProgress, SearchSpace, synthesize
+from engine.spmd.utilisation import peak_flops
 
 Progress = Callable[[SearchProgress], None]
 """Called every `options.report_every` expansions of each search (the workbench's live frontier)."""
@@ -268,4 +269,5 @@ def make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, op
                 ratios={str(k): list(r) for k, r in enumerate(ratios)}, shard_sizes=sizes, predicted_time_s=b.total_s,
                 stages=stage_records(b, graph), memory_bytes=b.memory_bytes, history=history,
                 search={**stats, "optimizer": options.optimizer, "options": options.to_dict()},
-                segment_of=list(seg.of_node) if seg.count > 1 else [], overlap=cand.overlap)
+                segment_of=list(seg.of_node) if seg.count > 1 else [], overlap=cand.overlap,
+                peak_flops=peak_flops(cluster, options.precision))

@@ -18,6 +18,7 @@ from engine.spmd.breakdown import Breakdown
 from engine.spmd.program import Instruction
 from engine.spmd.segments import Segmentation
 from engine.spmd.sizes import shard_key
+from engine.spmd.utilisation import Utilisation, of_plan, recorded
 
 PLAN_KIND = "hap.plan"
 PLAN_SCHEMA_VERSION = 1
@@ -69,6 +70,24 @@ class Plan:
     """How communication overlaps computation (`engine.spmd.overlap.OVERLAP_MODES`): `none`, `ddp`
     (gradient buckets during backward) or `duplex` (two half-batches, HiDup)."""
     schema_version: int = PLAN_SCHEMA_VERSION
+    peak_flops: float | None = None
+    """Summed FLOP/s of the cluster's devices in the plan's precision (`engine.spmd.utilisation`); None in
+    plans written before plans recorded it (their compute bound and MFU are unknown)."""
+
+    @property
+    def utilisation(self) -> Utilisation:
+        """Model FLOPs, peak FLOP/s, and the compute bound and MFU of the predicted time (`engine.spmd.utilisation`)."""
+        return of_plan(self.graph, self.peak_flops, self.predicted_time_s)
+
+    @property
+    def compute_bound_s(self) -> float | None:
+        """The model's FLOPs at the summed peak: no iteration is faster (None when the peak is unknown)."""
+        return self.utilisation.compute_bound_s
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation of the predicted iteration: compute bound / predicted time."""
+        return self.utilisation.mfu
 
     @property
     def segmentation(self) -> Segmentation:
@@ -117,7 +136,8 @@ class Plan:
         fullest = max(range(self.world_size), key=lambda j: self.memory_bytes[j], default=0)
         lines = [f"{self.strategy} SPMD plan of {self.graph.name} on {self.cluster_name} ({self.world_size} devices)",
                  f"predicted iteration {self.predicted_time_s * 1e3:.2f} ms, overlap {self.overlap}, "
-                 f"{self.segmentation.count} segment{'s' if self.segmentation.count > 1 else ''}"]
+                 f"{self.segmentation.count} segment{'s' if self.segmentation.count > 1 else ''}",
+                 self.utilisation.detail(self.options.precision)]
         base = {k: v for k, v in self.search.get("baselines_s", {}).items() if isinstance(v, (int, float)) and v > 0}
         if base and self.predicted_time_s > 0:
             name = min(base, key=base.get)
@@ -138,6 +158,7 @@ class Plan:
                             **({"machines": self.machines} if self.machines else {})},
                 "predicted_time_s": self.predicted_time_s, "ratios": self.ratios, "shard_sizes": self.shard_sizes,
                 "memory_bytes": self.memory_bytes, "stages": [asdict(s) for s in self.stages],
+                **recorded(self.utilisation),
                 "program": [ins.to_dict() for ins in self.program], "history": self.history, "search": self.search,
                 "segments": self.segment_of, "overlap": self.overlap, "graph": self.graph.to_dict()}
 
@@ -181,6 +202,7 @@ def plan_from_checked_dict(d: dict[str, Any]) -> Plan:
                     shard_sizes=d["shard_sizes"], predicted_time_s=float(d["predicted_time_s"]),
                     stages=[StageRecord(**s) for s in d["stages"]], memory_bytes=list(d["memory_bytes"]),
                     history=list(d.get("history", [])), search=dict(d.get("search", {})),
-                    segment_of=[int(k) for k in d.get("segments", [])], overlap=d.get("overlap", "none"))
+                    segment_of=[int(k) for k in d.get("segments", [])], overlap=d.get("overlap", "none"),
+                    peak_flops=None if d.get("peak_flops") is None else float(d["peak_flops"]))
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None

@@ -42,6 +42,7 @@ from engine.spmd.plan import PLAN_KIND, PLAN_SCHEMA_VERSION, Plan, plan_from_che
 from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
 from engine.spmd.segments import RESPLIT, instruction_segments, source_segments
 from engine.spmd.sizes import realized_ratios, shard_classes, shard_key, shard_sizes
+from engine.spmd.utilisation import FIELDS as UTILISATION_FIELDS
 from engine.theory import COLLECTIVES, collectives_from, form_str, leaf_forms, op_rules
 from engine.theory.core import FULL, PARTIAL, Form, parse_form
 
@@ -134,6 +135,7 @@ def check_plan_dict(d: dict[str, Any]) -> None:
         _typed(d, key, kind)
     _typed(d, "history", list, required=False)
     _check_search_options(_typed(d, "search", dict, required=False) or {})
+    check_utilisation_fields(d)
     _non_negative(d.get("predicted_time_s"), "predicted_time_s")
     _check_cluster_field(d["cluster"])
     for j, m in enumerate(d["memory_bytes"]):
@@ -165,6 +167,16 @@ def check_plan_dict(d: dict[str, Any]) -> None:
     if model.get("origin", {}) != d["graph"].get("origin", {}):
         raise _fail("model.origin", "differs from graph.origin (the runner rebuilds the model from it)")
     # the graph itself is checked as it is built (engine.model.graph.check_graph_dict, paths `graph.nodes[i]...`)
+
+
+def check_utilisation_fields(d: dict[str, Any]) -> None:
+    """The utilisation figures a plan may record (`engine.spmd.utilisation.FIELDS`; plans written before
+    them have none): each a finite non-negative number or null, and a recorded peak positive."""
+    for key in UTILISATION_FIELDS:
+        if d.get(key) is not None:
+            _non_negative(d[key], key)
+    if d.get("peak_flops") == 0:
+        raise _fail("peak_flops", "is 0: the summed FLOP/s of the plan's devices must be positive")
 
 
 def _check_search_options(search: dict[str, Any]) -> None:
