@@ -8,6 +8,7 @@
   scaled on every rank by the same factor, synchronised, then unscaled; a sharded parameter's
   gradient lives on one rank only, so an inf or NaN one rank finds is made known to all (an
   all-reduce of the flag) and every rank skips the step and backs off the scale together.
+- `wire_dtype`: a pipeline's boundary activations travel in the low dtype (runner.pipeline).
 - `bucket_dtype`: `grad_dtype` bf16 all-reduces the gradient buckets in bf16 (cast, all-reduce,
   cast back: `runner.collectives.all_reduce_coalesced`), as DDP's bf16 compression hook does.
 
@@ -38,6 +39,16 @@ def autocast(precision: str, device: torch.device | str) -> contextlib.AbstractC
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(torch.device(device).type, dtype=DTYPES[precision])
+
+
+def wire_dtype(plan, tensor: int) -> torch.dtype:
+    """The dtype a pipeline boundary tensor travels in: autocast's low dtype for a float32 activation
+    under mixed precision (what the planner prices, `engine.pipeline.partition`), else the graph's."""
+    node = plan.graph[tensor]
+    low = DTYPES.get(precision_of(plan))
+    if low is not None and node.dtype == "float32":
+        return low
+    return getattr(torch, node.dtype)
 
 
 def bucket_dtype(plan: Plan) -> torch.dtype | None:

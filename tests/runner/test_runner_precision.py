@@ -102,3 +102,20 @@ def _scaler_rank(rank: int, world: int, init_method: str) -> tuple[bool, float, 
 def test_an_overflow_on_one_rank_skips_the_step_and_backs_off_on_every_rank(tmp_path):
     results = run_ranks(_scaler_rank, WORLD, tmp_path)
     assert all(r == (False, 1.0, 2.0**15) for r in results), results
+
+
+def test_a_bf16_pipeline_sends_bf16_activations_and_matches_microbatch_accumulation_under_autocast(tmp_path):
+    from dataclasses import replace
+
+    from test_runner_pipeline import _compare, _train, two_stage_plan
+
+    from engine.options import PlanOptions
+    from runner.pipeline import microbatch_reference
+
+    fp32 = two_stage_plan("gpt", 2, ((0,), (1,)), 2, "h-1f1b")
+    plan = replace(fp32, search={**fp32.search, "options": PlanOptions(precision="bf16").to_dict()})
+    results = run_ranks(_train, 2, tmp_path, json.dumps(plan.to_dict()))
+    result = _compare(plan, results)
+    assert not result.missing and result.ok(MIXED_TOLERANCE["bf16"]), result.render()
+    ref_fp32, _ = microbatch_reference(fp32, 3, 3, "sgd", 0.05)
+    assert max(rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(results[0]["losses"], ref_fp32)) > 1e-6
