@@ -209,10 +209,11 @@ def _plan_store() -> dict[tuple, Plan]:
 _store_lock = threading.Lock()
 
 
-def plan_options(budget_s: float, segments: int = 1, overlap: str = "auto", parallelism: str = "spmd") -> PlanOptions:
+def plan_options(budget_s: float, segments: int = 1, overlap: str = "auto", parallelism: str = "spmd",
+                 precision: str = "fp32", grad_dtype: str = "fp32") -> PlanOptions:
     """The options of a search on the Search page (one `PlanOptions`, checked: a bad value is one PlanError line)."""
     return PlanOptions(time_budget_s=budget_s, segments=segments, overlap=overlap, parallelism=parallelism,
-                       report_every=REPORT_EVERY)
+                       report_every=REPORT_EVERY, precision=precision, grad_dtype=grad_dtype)
 
 
 def stored_plan(graph: Graph, cluster: Cluster, options: PlanOptions) -> Plan | PipelinePlan | None:

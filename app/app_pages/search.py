@@ -8,6 +8,7 @@ import engine
 from app import components as ui
 from app import services
 from engine import HapError
+from engine.options import GRAD_DTYPES, PRECISIONS
 
 st.title("Search")
 graph, cluster, plan = services.current()
@@ -29,6 +30,11 @@ parallelism = st.selectbox("Parallelism: 'spmd' every device runs every layer (H
                            kinds, index=kinds.index(st.session_state[services.Keys.PARALLELISM]),
                            key="search.parallelism_kind")
 st.session_state[services.Keys.PARALLELISM] = parallelism
+precision = st.selectbox("Precision: 'fp32', or mixed precision under autocast ('bf16', 'fp16' with a loss scaler): "
+                         "matmuls at the devices' rate for that dtype, 2-byte activations, fp32 weights and Adam state",
+                         list(PRECISIONS), key="search.precision")
+grad_dtype = st.selectbox("Gradient all-reduce dtype: 'bf16' halves the gradient buckets' bytes", list(GRAD_DTYPES),
+                          key="search.grad_dtype")
 go = st.button("Run search", type="primary", key="search.run")
 status, bar, live = st.empty(), st.empty(), st.empty()
 
@@ -51,7 +57,7 @@ if go:
 
     try:
         with st.spinner("Searching ..."):
-            options = services.plan_options(budget, int(segments), overlap, parallelism)
+            options = services.plan_options(budget, int(segments), overlap, parallelism, precision, grad_dtype)
             plan = services.run_plan(graph, cluster, options, progress)
         st.session_state[services.Keys.PLAN] = plan
         st.session_state[services.Keys.FRONTIER] = points or None
