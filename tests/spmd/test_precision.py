@@ -107,3 +107,21 @@ def test_hap_plan_refuses_a_dtype_the_cluster_lacks_with_exit_status_2(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "v100-m0-0 .. v100-m1-7 (V100-SXM2-16GB); p100-m2-0 .. p100-m7-7 (P100-PCIE-16GB)" in err
     assert "--precision fp16" in err
+
+
+def test_pipeline_stages_are_priced_in_the_plans_precision(gpt):
+    """A pipeline prices its stages with the same cost model (`DataParallelPricer`) and its boundary
+    activations at 2 bytes an element."""
+    from engine.pipeline.partition import Partitioner
+    from engine.pipeline.stages import StageGraph
+
+    cluster = engine.load_cluster(H100)
+    stages = StageGraph(gpt)
+    parts = {p: Partitioner(stages, cluster, options=PlanOptions(precision=p)) for p in ("fp32", "bf16")}
+    price = {p: part.price(0, stages.num_layers, 0, 0, 4, 2) for p, part in parts.items()}
+    assert price["bf16"].forward_s * 2 < price["fp32"].forward_s
+    assert price["bf16"].activation_bytes[0] < price["fp32"].activation_bytes[0]
+    assert price["bf16"].state_bytes[0] > price["fp32"].state_bytes[0], "autocast's cast cache"
+    latency = cluster.network.latency_s
+    cut = stages.num_layers // 2
+    assert parts["bf16"].transfer(cut, 0, 0, 2) - latency == pytest.approx((parts["fp32"].transfer(cut, 0, 0, 2) - latency) / 2)
