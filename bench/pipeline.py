@@ -162,7 +162,8 @@ def _measured_vs_predicted(link_gbps: float, profile: bool = True, steps: int = 
                 return
         d = json.loads(spec.read_text())
         for key in ("flops_per_gpu", "activation_bandwidth_Bps", "memory_bandwidth_Bps"):
-            figures = sorted(dev[key] for dev in d["devices"] if key in dev)
+            figures = sorted((dev[key] for dev in d["devices"] if key in dev),  # a flops map sorts by its fp32 rate
+                             key=lambda v: v["fp32"] if isinstance(v, dict) else v)
             for dev in d["devices"]:  # four processes of one box: one figure each, the median (4 on 2 cores is noisy)
                 if key in dev:
                     dev[key] = figures[len(figures) // 2]

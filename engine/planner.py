@@ -27,6 +27,7 @@ from engine.spmd.baselines import (BASELINE_OVERLAP, BASELINES, Candidate, basel
 from engine.spmd.cost import CostModel
 from engine.spmd.iteration import Progress, make_plan, plan_spmd
 from engine.spmd.plan import PLAN_KIND, Plan, read_plan_json
+from engine.spmd.precision import check_rates
 from engine.spmd.segments import Segmentation
 from engine.spmd.utilisation import Utilisation
 from engine.spmd.validate import _shown, plan_from_dict
@@ -128,6 +129,7 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None, progress:
         option_values["time_budget_s"] = time_budget_s
     opts = options_of(options, **option_values)
     graph, cluster = coerce(model, cluster)
+    check_rates(cluster, opts.precision)  # before any search: a device with no rate in the plan's dtype
     if opts.parallelism == "spmd":
         return plan_spmd(graph, cluster, opts, progress)
     start = time.perf_counter()

@@ -469,10 +469,11 @@ class FlatBuffer:
     def __init__(self) -> None:
         self.data: Tensor | None = None
 
-    def cat(self, tensors: list[Tensor]) -> Tensor:
-        """The tensors flattened end to end, in the kept tensor (reallocated when the size or dtype changes)."""
+    def cat(self, tensors: list[Tensor], dtype: torch.dtype | None = None) -> Tensor:
+        """The tensors flattened end to end, in the kept tensor (reallocated when the size or dtype changes),
+        cast to `dtype` when given (a bf16 gradient bucket)."""
         n = sum(t.numel() for t in tensors)
-        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))
+        dtype = dtype or functools.reduce(torch.promote_types, (t.dtype for t in tensors))
         d = self.data
         if d is None or d.numel() != n or d.dtype != dtype or d.device != tensors[0].device:
             d = self.data = torch.empty(n, dtype=dtype, device=tensors[0].device)
@@ -488,11 +489,13 @@ class FlatBuffer:
             offset += t.numel()
 
 
-def all_reduce_coalesced(tensors: list[Tensor], tag: str = "gradients", buffer: FlatBuffer | None = None) -> None:
+def all_reduce_coalesced(tensors: list[Tensor], tag: str = "gradients", buffer: FlatBuffer | None = None,
+                         dtype: torch.dtype | None = None) -> None:
     """Sum `tensors` over ranks in place with one flat all-reduce (DDP's bucket, one bucket), built
-    in `buffer` when the caller keeps one across steps."""
+    in `buffer` when the caller keeps one across steps, in `dtype` when given (cast in, summed, cast
+    back: the plan's grad_dtype bf16, `runner.precision`)."""
     if not tensors:
         return
-    flat = (buffer or FlatBuffer()).cat(tensors)
+    flat = (buffer or FlatBuffer()).cat(tensors, dtype)
     run_collective("all_reduce", tag, dist.all_reduce, flat, dist.ReduceOp.SUM, current_group())
     FlatBuffer.scatter(flat, tensors)

@@ -21,6 +21,7 @@ such models are refused.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass
 
@@ -108,10 +109,11 @@ def half_args(half: HalfStream, params: list[torch.nn.Parameter], rank: int, bat
 
 
 def run_halves(halves: list[HalfStream], params: list[torch.nn.Parameter], args: list[list], pacers: list[Pacer],
-               scale: float, factory) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+               scale: float, factory, forward_context=contextlib.nullcontext) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Forward and backward of both halves on two threads; the rank's loss (its addend for a
     Partial loss) and the summed gradient of every parameter (None where neither half reaches it).
-    `scale` multiplies the loss that is backpropagated (1/m for a Full loss)."""
+    `scale` multiplies the loss that is backpropagated (1/m for a Full loss, times fp16's loss scale);
+    `forward_context` wraps each half's forward (autocast in mixed precision)."""
     counts: list[torch.Tensor | None] = [None, None]
     results: list = [None, None]
     errors: list[BaseException] = []
@@ -125,7 +127,8 @@ def run_halves(halves: list[HalfStream], params: list[torch.nn.Parameter], args:
             with stream(halves[h].group, pacer), factory():
                 pacer.begin_step()
                 pacer.hold_device()
-                loss, count = halves[h].program.module(*args[h])
+                with forward_context():  # autocast in mixed precision (runner.precision), forward only
+                    loss, count = halves[h].program.module(*args[h])
                 counts[h] = count.detach()
                 pacer.pause_device()  # the partner's forward may be waiting for the device
                 both_forward.wait()

@@ -32,6 +32,7 @@ from engine.spmd.plan import Plan
 from engine.theory.core import FULL
 
 from .collectives import FlatBuffer, run_collective
+from .precision import bucket_dtype
 from .program import RankProgram
 
 
@@ -59,6 +60,9 @@ class GradBuckets:
     loss: torch.Tensor | None = None
     next_launch: int = 0
     live: bool = False
+    dtype: torch.dtype | None = None
+    """The dtype the buckets are all-reduced in (None: the gradients' fp32; bf16 under grad_dtype bf16). A
+    bf16 bucket leaves the loss out: it is all-reduced alone, in fp32, at `finish`."""
 
     @staticmethod
     def of(plan: Plan, program: RankProgram, params: list[torch.nn.Parameter], group, *,
@@ -71,7 +75,7 @@ class GradBuckets:
         missing = set(index.values()) - {i for b in buckets for i in b.members}
         if missing:  # a Full parameter outside every slot would never be summed: refuse loudly
             raise PlanError(f"Full parameters {sorted(missing)} are in no gradient bucket; regenerate the plan with `hap plan`")
-        out = GradBuckets(params, buckets, group)
+        out = GradBuckets(params, buckets, group, dtype=bucket_dtype(plan))
         if hooks:
             owner = {i: k for k, b in enumerate(buckets) for i in b.members}
             out.hooks = [params[i].register_post_accumulate_grad_hook(out._ready_hook(owner[i])) for i in owner]
@@ -104,9 +108,9 @@ class GradBuckets:
             if p.grad is None:  # unused on this rank: its addend is zero
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad.reshape(-1))
-        if k == len(self.buckets) - 1 and self.loss is not None:
+        if self._carries_loss(k):
             grads.append(self.loss.reshape(-1))
-        b.flat = b.buffer.cat(grads)
+        b.flat = b.buffer.cat(grads, self.dtype)
         b.launched = time.perf_counter()
         b.work = run_collective("all_reduce.launch", f"bucket{k}", dist.all_reduce, b.flat, dist.ReduceOp.SUM,
                                 self.group, True)
@@ -121,12 +125,12 @@ class GradBuckets:
             FlatBuffer.scatter(b.flat, [self.params[i].grad for i in b.members] +
                                ([self.loss] if self._carries_loss(k) else []))
             b.flat = b.work = None
-        if not self.buckets and self.loss is not None:  # no Full parameter at all: the loss alone
+        if self.loss is not None and (not self.buckets or self.dtype is not None):  # the loss alone
             run_collective("all_reduce", "loss", dist.all_reduce, self.loss, dist.ReduceOp.SUM, self.group)
         self.live = False
 
     def _carries_loss(self, k: int) -> bool:
-        return self.loss is not None and k == len(self.buckets) - 1
+        return self.loss is not None and k == len(self.buckets) - 1 and self.dtype is None
 
 
 def _wait(work, flat: torch.Tensor, launched: float) -> None:

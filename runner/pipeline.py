@@ -63,9 +63,10 @@ from runner.scratch import sigterm_exits
 from runner.stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans,
                                   loss_weights, microbatch_leaves, stage_inputs, stage_outputs, stage_params,
                                   stage_rank_program, sync_stage_gradients, tied_weight_error)
+from runner.precision import autocast, precision_of, wire_dtype
 from runner.train import build_module, factory_device, make_batch, make_optimizer
 from runner.timing import mfu_line
-from runner.verify import compare
+from runner.verify import compare, tolerance_for
 
 
 def stage_plan(plan: PipelinePlan, program: tuple[Instruction, ...], stage: int) -> Plan:
@@ -284,10 +285,10 @@ class Links:
                 mine, peer = (a, b) if direction == 0 else (b, a)
                 if mine != me:
                     continue
-                piece = x
+                piece = x.to(wire_dtype(plan, route.pair[0]))  # what the receiver allocates (runner.precision)
                 if lo >= 0:
                     start = route.send_starts[a] if direction == 0 else route.recv_starts[b]
-                    piece = x.narrow(route.pair[1], lo - start, hi - lo)
+                    piece = piece.narrow(route.pair[1], lo - start, hi - lo)
                 dst = plan.stages[dst_stage].devices[peer]
                 self.pending.append(dist.isend(piece.detach().contiguous(), dst, tag=_tag(m, direction, k)))
                 peers.add(dst)
@@ -305,7 +306,7 @@ class Links:
         assembled: dict[tuple[int, int], list[torch.Tensor]] = {}
         for k, route in enumerate(routes(plan, self.sr, boundary, m)):
             t, f = route.pair
-            dtype = getattr(torch, graph[t].dtype)
+            dtype = wire_dtype(plan, t)
             for a, b, lo, hi in route.pieces:
                 mine, peer = (b, a) if direction == 0 else (a, b)
                 if mine != me:
@@ -385,7 +386,7 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
             for x in cut.values():
                 if x.is_floating_point():
                     x.requires_grad_(True)
-            with C.stream(stage_group), factory_device(sr.device):
+            with C.stream(stage_group), factory_device(sr.device), autocast(precision_of(plan), sr.device):
                 out = sr.programs[m].module(*microbatch_args(plan, sr, m, batch, cut))
             if i == S - 1:
                 loss = out * weights[m]
@@ -405,7 +406,8 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
                 pairs = [p for p in piece.outputs if out[p].requires_grad]
                 with C.stream(stage_group):
                     torch.autograd.backward([out[p] for p in pairs],
-                                            [grads.get(p, torch.zeros_like(out[p])) for p in pairs])
+                                            [grads[p].to(out[p].dtype) if p in grads else torch.zeros_like(out[p])
+                                             for p in pairs])
             if i > 0:
                 links.send(i - 1, m, 1, {p: (x.grad if x.grad is not None else torch.zeros_like(x))
                                          for p, x in cut.items()})
@@ -486,7 +488,8 @@ def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: s
         batch = make_batch(plan, step, seed, device)  # type: ignore[arg-type]
         total = 0.0
         for m in range(B):
-            loss = module(*(x.chunk(B, 0)[m] for x in batch)) / B
+            with autocast(precision_of(plan), device):  # the stages' autocast (runner.precision)
+                loss = module(*(x.chunk(B, 0)[m] for x in batch)) / B
             loss.backward()
             total += float(loss.detach())
         opt.step()
@@ -520,6 +523,9 @@ def load_pipeline_plan(path: str | Path, world_size: int, model_file: str | Path
         raise PlanError("runner.pipeline runs pipeline plans; run a plain plan with `hap run`")
     if plan.world_size != world_size:
         raise PlanError(f"the plan needs {plan.world_size} ranks, torchrun started {world_size}")
+    if precision_of(plan) == "fp16":
+        raise PlanError("a pipeline plan runs in fp32 or bf16: fp16's loss scaler would have to span the stages; "
+                        "plan it with --precision bf16 (or fp32)")
     if model_file is not None:
         origin = source.with_model_file(plan.graph.origin, model_file)  # type: ignore[union-attr]
         plan = replace(plan, graph=replace(plan.graph, origin=origin))  # type: ignore[arg-type]
@@ -547,8 +553,9 @@ def run_rank(plan: PipelinePlan, rank: int, args: Any, device: torch.device | st
         return 0
     ref_losses, ref_params = microbatch_reference(plan, args.steps, args.seed, args.optimizer, args.lr, device)
     result = compare(sr.losses, params, ref_losses, ref_params)
-    print(result.render(), flush=True)
-    return 0 if result.ok() else 1
+    tolerance = tolerance_for(precision_of(plan))
+    print(result.render(tolerance), flush=True)
+    return 0 if result.ok(tolerance) else 1
 
 
 def pipeline_inputs(cfg: Any) -> tuple[PipelinePlan, Any, str | None]:

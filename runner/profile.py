@@ -377,6 +377,33 @@ def measure_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, s
         times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
         rec.add("compute", "matmul", "mm", n, times, flops=2.0 * n**3 * inner)
         progress.step(f"matmul {n}x{n}")
+    measure_low_precision_matmuls(cfg, rec, pacer, device, barrier, sync, progress)
+
+
+LOW_PRECISION = ("bf16", "fp16")
+"""Dtypes whose matmul rate `hap profile` measures too: the spec's `flops_per_gpu` map (what a plan in
+mixed precision prices its matmul-class operators at, `engine.spmd.precision`)."""
+
+
+def measure_low_precision_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync,
+                                  progress: Progress) -> None:
+    """The largest matmul again in each `LOW_PRECISION` dtype (op `matmul_<dtype>`), as autocast runs it."""
+    import torch
+
+    if not cfg.matmul:
+        return
+    n = max(cfg.matmul)
+    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        inner = max(1, math.ceil(MIN_FLOPS_PER_SAMPLE / (2.0 * n**3)))
+
+        def fn() -> None:
+            for _ in range(inner):
+                torch.mm(a, b)
+
+        times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
+        rec.add("compute", f"matmul_{name}", "mm", n, times, flops=2.0 * n**3 * inner)
+        progress.step(f"matmul {n}x{n} {name}")
 
 
 def model_batches(knobs: dict[str, Any]) -> list[int | None]:
@@ -680,7 +707,7 @@ def _rate(rows: list[dict[str, Any]]) -> float:
 def device_flops(rates: dict[str, float]) -> float:
     """The single rate of a spec without the roofline split: the model's own operators, else the best matmul."""
     model = [v for k, v in rates.items() if not k.startswith("matmul")]
-    return model[0] if model else max(rates.values())
+    return model[0] if model else max(v for k, v in rates.items() if k.startswith("matmul "))
 
 
 def model_step(rows: list[dict[str, Any]], rank: int) -> tuple[float, float, float, float] | None:
@@ -713,8 +740,16 @@ def roofline_fit(matmul_flops_per_s: float, step: tuple[float, float, float, flo
 def device_compute(rows: list[dict[str, Any]], ranks: Sequence[int]) -> list[dict[str, float]]:
     """Per rank the spec's compute fields from one profile's rows (see `compute_fields`)."""
     rates = [rank_rates(rows, j) for j in ranks]
-    best = [max((v for k, v in r.items() if k.startswith("matmul")), default=None) for r in rates]
-    return compute_fields(best, [model_step(rows, j) for j in ranks], [device_flops(r) for r in rates])
+    best = [max((v for k, v in r.items() if k.startswith("matmul ")), default=None) for r in rates]
+    fields = compute_fields(best, [model_step(rows, j) for j in ranks], [device_flops(r) for r in rates])
+    return [with_low_precision(f, r) for f, r in zip(fields, rates)]
+
+
+def with_low_precision(fields: dict[str, float], rates: dict[str, float]) -> dict[str, Any]:
+    """`flops_per_gpu` as a map {"fp32": ..., "bf16": ..., "fp16": ...} when the low-precision matmuls were
+    timed (`measure_low_precision_matmuls`): the mixed-precision rate of the matmul-class operators."""
+    low = {name: rates[f"matmul_{name}"] for name in LOW_PRECISION if f"matmul_{name}" in rates}
+    return {**fields, "flops_per_gpu": {"fp32": fields["flops_per_gpu"], **low}} if low else fields
 
 
 def compute_fields(best_matmul: Sequence[float | None], steps: Sequence[tuple[float, float, float, float] | None],
@@ -748,7 +783,7 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
         "schema_version": 1, "name": cfg.name,
         "description": f"Measured by hap profile on {len(infos)} ranks ({infos[0]['backend']}) at {when}"
                        + (f", emulated speeds {cfg.speeds}" if cfg.speeds else "") + ".",
-        "sources": [f"flops_per_gpu: the best square matmul; activation_bandwidth_Bps: the bytes of the memory-bound "
+        "sources": [f"flops_per_gpu: the best square matmul (bf16 and fp16: the largest matmul in that dtype); activation_bandwidth_Bps: the bytes of the memory-bound "
                     f"operators of {model} (forward+backward at batch and half batch) over the rest of its step time "
                     f"(without them, one rate: the model's, or the best matmul when the model is 'none'); median of "
                     f"{cfg.repeats} repeats after {cfg.warmup} warm-ups",
@@ -792,13 +827,18 @@ def write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
 
 
+def fp32_rate(flops: float | dict[str, float]) -> float:
+    """The fp32 rate of a written `flops_per_gpu` (a number, or a map of dtypes to rates)."""
+    return flops["fp32"] if isinstance(flops, dict) else flops
+
+
 def summary(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"{'device':<10} {'machine':<16} {'model':<16} {'GFLOP/s (spec)':>14} {'model GFLOP/s':>13} "
              f"{'activation GB/s':>15} {'memory':>10} {'update GB/s':>12}"]
     for j, d in enumerate(spec["devices"]):
         rate = next((v for k, v in rank_rates(rows, j).items() if not k.startswith("matmul")), float("nan"))
         act = d.get("activation_bandwidth_Bps", float("nan"))
-        lines.append(f"{d['name']:<10} {d['machine'][:16]:<16} {d['gpu_model'][:16]:<16} {d['flops_per_gpu'] / 1e9:14.2f} "
+        lines.append(f"{d['name']:<10} {d['machine'][:16]:<16} {d['gpu_model'][:16]:<16} {fp32_rate(d['flops_per_gpu']) / 1e9:14.2f} "
                      f"{rate / 1e9:13.2f} {act / 1e9:15.2f} {d['memory_bytes_per_gpu'] / 2**30:7.1f} GiB "
                      f"{d['memory_bandwidth_Bps'] / 1e9:12.2f}")
     if not spec["network"]["collectives"]:
@@ -860,7 +900,7 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
         rec = Recorder(env.rank, speed, backend, env.world_size)
         spec = model_config(cfg)
         talks = env.world_size > 1
-        total = (len(cfg.matmul or ()) + (len(model_batches(spec[1])) + 1 if spec else 0) + 1
+        total = (len(cfg.matmul or ()) + (len(LOW_PRECISION) if cfg.matmul else 0) + (len(model_batches(spec[1])) + 1 if spec else 0) + 1
                  + (len(COLLECTIVES) * len(cfg.sizes) if talks else 0))
         progress = Progress(total, enabled=env.rank == 0)
         measure_matmuls(cfg, rec, pacer, device, dist.barrier, sync, progress)

@@ -21,6 +21,7 @@ from engine.theory.core import FULL, PARTIAL
 from .collectives import FlatBuffer, all_reduce_coalesced, gather_padded, run_collective
 from .duplex import HalfStream, half_args, run_halves, setup_halves
 from .overlap import GradBuckets
+from .precision import RankScaler, autocast, bucket_dtype, precision_of
 from .program import RankProgram, build_rank_program, shard, sizes_of
 from .timing import Pacer
 
@@ -77,6 +78,12 @@ class RankState:
     """The two half-batch streams of overlap `duplex` (runner.duplex); empty otherwise."""
     bucket: FlatBuffer = field(default_factory=FlatBuffer)
     """Where the one gradient bucket of overlap `none` is built, kept across steps."""
+    precision: str = "fp32"
+    """The plan's precision: forward runs under autocast in bf16 or fp16 (runner.precision)."""
+    scaler: RankScaler | None = None
+    """fp16's loss scaler, agreed on by every rank (None in fp32 and bf16)."""
+    bucket_dtype: torch.dtype | None = None
+    """The dtype gradients are all-reduced in (None: fp32; bf16 under the plan's grad_dtype bf16)."""
 
 
 GRAD_SYNC = ("bucket", "per-param")
@@ -108,7 +115,8 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
     buffers = {node: shard(plan, node, form, rank, named_buffers[plan.graph[node].attrs["target"]]).to(device)
                for node, form in program.leaves if plan.graph[node].op == "buffer"}
     st = RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync, buffers=buffers,
-                   seed=seed)
+                   seed=seed, precision=precision_of(plan), bucket_dtype=bucket_dtype(plan))
+    st.scaler = RankScaler(device) if st.precision == "fp16" else None
     if plan.overlap != "none":  # every rank creates the same groups in the same order
         st.halves = setup_halves(plan, rank, module, device, probes=probes) if plan.overlap == "duplex" else []
         group = dist.new_group(list(range(plan.world_size)))
@@ -142,16 +150,20 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
         value = duplex_pass(plan, st, rank, batch, step, pacer, 1.0 if partial else 1.0 / dist.get_world_size())
     else:
         args = program_args(plan, st, rank, batch, step)
-        with factory_device(st.device):
+        with factory_device(st.device), autocast(st.precision, st.device):
             loss = st.program.module(*args)
         pacer.set_phase("bwd")
-        value = loss.detach().reshape(1).clone()
+        value = loss.detach().float().reshape(1).clone()
         if st.buckets is not None:
             st.buckets.arm(value if partial else None)
-        (loss if partial else loss / dist.get_world_size()).backward()
+        scaled = loss if partial else loss / dist.get_world_size()
+        (st.scaler.scale(scaled) if st.scaler else scaled).backward()
     pacer.set_phase("step")
     sync_gradients(st, value if partial else None)
-    st.optimizer.step()
+    if st.scaler:
+        st.scaler.step(st.optimizer)
+    else:
+        st.optimizer.step()
     pacer.end_step()
     st.losses.append(float(value))
     st.step_times.append(time.perf_counter() - start)
@@ -166,11 +178,13 @@ def duplex_pass(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor,
     args = [half_args(h, st.params, rank, batch, rng) for h in st.halves]
     pacer.set_phase("duplex")
     pacers = [pacer.half(), pacer.half()]
-    loss, grads = run_halves(st.halves, st.params, args, pacers, scale, lambda: factory_device(st.device))
+    scale *= st.scaler.factor() if st.scaler else 1.0
+    loss, grads = run_halves(st.halves, st.params, args, pacers, scale, lambda: factory_device(st.device),
+                             lambda: autocast(st.precision, st.device))
     pacer.absorb("(duplex halves)", pacers)
     for p, g in zip(st.params, grads):
         p.grad = g
-    value = loss.reshape(1).clone()
+    value = loss.float().reshape(1).clone()
     st.buckets.arm(value if st.program.loss_form == PARTIAL else None)
     return value
 
@@ -202,9 +216,11 @@ def sync_gradients(st: RankState, loss_addend: torch.Tensor | None) -> None:
             if p.grad is None:  # unused on this rank: its addend is zero
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-    if loss_addend is not None:
+    if loss_addend is not None and st.bucket_dtype is None:
         grads.append(loss_addend)
-    all_reduce_coalesced(grads, buffer=st.bucket)
+    elif loss_addend is not None:  # the loss keeps its fp32 digits: not in a bf16 bucket
+        run_collective("all_reduce", "loss", dist.all_reduce, loss_addend)
+    all_reduce_coalesced(grads, buffer=st.bucket, dtype=st.bucket_dtype)
 
 
 def gathered_params(plan: Plan, st: RankState) -> dict[str, torch.Tensor]:
@@ -224,12 +240,19 @@ def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr:
     final parameters."""
     module = build_module(plan, seed).to(device)
     opt = make_optimizer(list(module.parameters()), optimizer, lr)
+    precision = precision_of(plan)
+    scaler = torch.amp.GradScaler(torch.device(device).type) if precision == "fp16" else None
     losses = []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        with SiteKeyedDropout(RngKey(seed, step)):  # the masks the ranks draw for this step's sites
+        with SiteKeyedDropout(RngKey(seed, step)), autocast(precision, device):  # the ranks' masks and autocast
             loss = module(*make_batch(plan, step, seed, device))
-        loss.backward()
-        opt.step()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         losses.append(float(loss.detach()))
     return losses, {k: v.detach() for k, v in module.named_parameters(remove_duplicate=False)}

@@ -32,10 +32,11 @@ def expected_model_flops() -> float:
 
 
 def mixed_cluster() -> Cluster:
-    """Two devices: a 2-GPU box with an fp32 and a bf16 rate, and one GPU with only its fp32 rate."""
+    """Two devices: a 2-GPU box and one GPU, each with an fp32 and a bf16 rate."""
     d = cluster_dict([4e12, 1e12])
     d["devices"][0].update({"flops_per_gpu": {"fp32": 4e12, "bf16": 3.2e13}, "num_gpus": 2,
                             "intra_bandwidth_Bps": 1e11})
+    d["devices"][1]["flops_per_gpu"] = {"fp32": 1e12, "bf16": 8e12}
     return Cluster.from_dict(d)
 
 
@@ -49,7 +50,9 @@ def test_model_flops_are_forward_plus_the_cost_models_backward():
 
 
 def test_the_peak_sums_every_gpu_at_the_plans_precision_and_falls_back_to_fp32():
-    c = mixed_cluster()
+    d = mixed_cluster().to_dict()
+    d["devices"][1]["flops_per_gpu"] = 1e12
+    c = Cluster.from_dict(d)
     assert peak_flops(c) == peak_flops(c, "fp32") == 2 * 4e12 + 1e12
     assert peak_flops(c, "bf16") == 2 * 3.2e13 + 1e12  # the second device gives no bf16 rate: its fp32 one
     assert peak_flops(c, "fp16") == 2 * 4e12 + 1e12
@@ -68,7 +71,7 @@ def test_an_spmd_plan_carries_its_compute_bound_and_mfu(hand_plan):
 
 def test_a_bf16_plan_is_bounded_by_the_bf16_peak():
     p = engine.plan(mse_graph(B, I, H, O), mixed_cluster(), options=PlanOptions(precision="bf16", time_budget_s=2))
-    assert p.peak_flops == 2 * 3.2e13 + 1e12
+    assert p.peak_flops == 2 * 3.2e13 + 8e12
     assert p.compute_bound_s == pytest.approx(expected_model_flops() / p.peak_flops, rel=1e-12)
     assert "summed bf16 peak" in p.summary()
 

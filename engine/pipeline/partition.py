@@ -53,6 +53,7 @@ from engine.pipeline.schedule import (SCHEDULES, Pipeline, PipelineRun, StageTim
 from engine.pipeline.stage_cost import (DataParallelPricer, StagePrice, StagePricer, SubCluster, device_signature,
                                         sub_clusters, transfer_level, transfer_s)
 from engine.pipeline.stages import StageGraph, batch_of, microbatch_candidates
+from engine.spmd.precision import ACTIVATION_BYTES
 from engine.spmd.utilisation import peak_flops
 
 INF = math.inf
@@ -108,6 +109,8 @@ class Partitioner:
         self.stages, self.cluster, self.epsilon = stages, cluster, epsilon
         """HAPT Eq. 2's epsilon: a transfer of at most epsilon t_max adds one warm-up forward, not two."""
         self.pricer = pricer or DataParallelPricer(cluster, options)
+        self.activation_scale = ACTIVATION_BYTES[options.precision]
+        """Bytes of a boundary tensor per captured byte (2-byte activations under mixed precision)."""
         self.subs: tuple[SubCluster, ...] = sub_clusters(cluster)
         self.levels = [[transfer_level(cluster, a, b) for b in self.subs] for a in self.subs]
         self.batch = batch_of(stages.graph)
@@ -131,7 +134,7 @@ class Partitioner:
         if self.stages.tied_at(cut):
             return INF
         info = self.stages.cut(cut)
-        nbytes = 0 if info is None else max(info.forward_bytes, info.backward_bytes)
+        nbytes = 0 if info is None else max(info.forward_bytes, info.backward_bytes) * self.activation_scale
         return transfer_s(self.cluster, self.levels[a][b], nbytes / microbatches)
 
     def table(self, microbatches: int) -> _Table:

@@ -174,7 +174,7 @@ def device_signature(cluster: Cluster, devices: tuple[int, ...]) -> tuple:
 
 
 def _hardware(d) -> tuple:
-    return (d.gpu_model, d.flops_per_gpu, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps,
+    return (d.gpu_model, d.flops_per_gpu, d.flops_by_dtype, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps,
             d.memory_bandwidth_Bps, d.activation_bandwidth_Bps, d.overlap_slowdown)
 
 

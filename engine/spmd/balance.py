@@ -103,7 +103,7 @@ def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *,
     probe = CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices, options, segmentation, overlap)
     r = replay_terms(program, probe)
     stages, mems = r.stages, r.mems
-    classes = device_classes(cluster, None, options.optimizer, overlap)
+    classes = device_classes(cluster, None, options.optimizer, overlap, options.precision, options.grad_dtype)
     _check_finite(stages, mems, classes)
     prob = pulp.LpProblem("hap_sharding_ratios", pulp.LpMinimize)
     B = [_ratio_vars(prob, classes, k) for k in range(len(mems))]

@@ -46,6 +46,18 @@ segments' largest shards. Memory sums the segments' terms.
 Options (`CostModel(..., options=)`, `engine.options.PlanOptions`): the optimizer sets the state kept
 per parameter byte and the update traffic; every later concern of the options is one term here.
 
+Mixed precision (`precision` bf16 or fp16, `grad_dtype`; the rules and their reasons in
+`engine.spmd.precision`):
+- matmul-class operators (`precision.AUTOCAST_OPS`) are priced at the dtype's rate (`DeviceClass.flops`);
+  without the roofline split the other operators' flops keep the fp32 rate: they go in the work's
+  activation slots, priced per flop at `DeviceClass.activation_s_per_byte` = 1 / fp32 rate;
+- activations (non-leaf float32 tensors) take 2 bytes an element: kept memory, roofline traffic and the
+  payloads of the collectives that move them (and of their duals) halve (`CostModel.nbytes`);
+- parameters, gradients and optimizer state stay fp32 (`STATE_BYTES_PER_PARAM_BYTE`: Adam 16 bytes a
+  parameter); autocast's cast cache adds 2 bytes per parameter an autocast op reads (`load_delta`);
+- gradients are all-reduced in fp32, or with `grad_dtype` bf16 in a bf16 bucket: half the bytes on the
+  wire (`grad_bucket_terms`, and the sync inside a virtual device), 3/4 of the bucket copies.
+
 Overlap (`CostModel(..., overlap=)`, `engine.spmd.overlap`): mode `none` is the model above. In the
 modes `ddp` and `duplex` the per-parameter-byte work (update, bucket copies, sync inside a virtual
 device) is a tail after every gradient all-reduce, U = max over devices of its work, and the Full
@@ -75,6 +87,7 @@ from engine.cluster.spec import Cluster
 from engine.errors import PlanError
 from engine.model.graph import Graph
 from engine.options import OVERLAP_MODES, PlanOptions
+from engine.spmd import precision as mixed
 from engine.spmd.breakdown import MEM_ZERO, ZERO, Acc, Breakdown, BucketRecord, Mem, Stage
 from engine.spmd.overlap import batch_derived, bucket_slots, duplex_problem
 from engine.spmd.overlap import price as overlap_price
@@ -151,23 +164,28 @@ class DeviceClass:
 
 
 def device_classes(cluster: Cluster, ratios: list[list[float]] | None, optimizer: str = "adam",
-                   overlap: str = "none") -> tuple[DeviceClass, ...]:
+                   overlap: str = "none", precision: str = "fp32", grad_dtype: str = "fp32") -> tuple[DeviceClass, ...]:
     """Group devices with equal hardware (and equal ratios per segment, when `ratios[segment][device]` are given).
-    Their compute rates are those of overlap mode `overlap` (`Device.overlap_slowdown`)."""
+    Their compute rates are those of overlap mode `overlap` (`Device.overlap_slowdown`) in `precision`."""
     groups: dict[tuple, list[int]] = {}
+    roofline = all(d.activation_bandwidth_Bps for d in cluster.devices)
     for j, d in enumerate(cluster.devices):
         mine = () if ratios is None else tuple(round(row[j], 12) for row in ratios)
-        key = (d.flops / d.slowdown(overlap), d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps,
-               d.memory_bandwidth_Bps, d.activation_bandwidth_Bps and d.activation_bandwidth_Bps / d.slowdown(overlap),
-               mine)
+        key = (mixed.device_flops(d, precision) / d.slowdown(overlap), d.memory_bytes_per_gpu, d.num_gpus,
+               d.intra_bandwidth_Bps, d.memory_bandwidth_Bps,
+               d.activation_bandwidth_Bps and d.activation_bandwidth_Bps / d.slowdown(overlap),
+               mine, d.flops / d.slowdown(overlap))
         groups.setdefault(key, []).append(j)
     out = []
-    for (flops, mem, k, intra, mem_bw, act_bw, _), members in groups.items():
-        sync = 2.0 * (k - 1) / k / intra if k > 1 else 0.0  # ring all-reduce inside the box
+    for (flops, mem, k, intra, mem_bw, act_bw, _, fp32_flops), members in groups.items():
+        sync = 2.0 * (k - 1) / k / intra * mixed.GRAD_WIRE[grad_dtype] if k > 1 else 0.0  # ring all-reduce inside the box
         update = UPDATE_TRAFFIC[optimizer] / mem_bw if mem_bw else 0.0
-        bucket = BUCKET_TRAFFIC / mem_bw if mem_bw and cluster.num_devices > 1 else 0.0
+        bucket = BUCKET_TRAFFIC * mixed.GRAD_BUCKET_TRAFFIC[grad_dtype] / mem_bw \
+            if mem_bw and cluster.num_devices > 1 else 0.0
         mine = () if ratios is None else tuple(row[members[0]] for row in ratios)
         act = 1.0 / (k * act_bw) if act_bw else 0.0  # the k GPUs of a virtual device split its activations
+        if mixed.is_mixed(precision) and not roofline:
+            act = 1.0 / fp32_flops  # the activation slots hold the non-matmul flops, at the fp32 rate
         out.append(DeviceClass(tuple(members), flops, float(mem), k, sync + update, sync + update + bucket, act, mine))
     return tuple(out)
 
@@ -195,12 +213,16 @@ class CostModel:
         self.ratios = ratio_rows(ratios, self.segmentation.count, cluster.num_devices)
         self.options = options
         """The plan's options; each concern they carry (the optimizer's state and update) is one term here."""
-        self.classes = device_classes(cluster, self.ratios, options.optimizer, overlap)
+        mixed.check_rates(cluster, options.precision)
+        self.classes = device_classes(cluster, self.ratios, options.optimizer, overlap, options.precision,
+                                      options.grad_dtype)
         self.max_ratios = [max(r) for r in self.ratios]
         self.state_factor = STATE_BYTES_PER_PARAM_BYTE[options.optimizer]
+        self.activation_scale = mixed.ACTIVATION_BYTES[options.precision]
         self.requires_grad = _requires_grad(graph)
         self.roofline = all(d.activation_bandwidth_Bps for d in cluster.devices)
-        self.traffic = [_traffic(graph, n.id) if self.roofline and _memory_bound(n) else 0.0 for n in graph.nodes]
+        priced = mixed.priced_bytes(graph, options.precision)
+        self.traffic = [_traffic(graph, n.id, priced) if self.roofline and _memory_bound(n) else 0.0 for n in graph.nodes]
         """Forward bytes moved by each memory-bound operator (all zero without the roofline split)."""
         self.fwd_flops = [0.0 if self.traffic[n.id] else n.flops for n in graph.nodes]
         """Forward flops priced at flops_per_gpu: every operator's, or only the flops-bound ones' under the split."""
@@ -218,11 +240,24 @@ class CostModel:
         self.hierarchy_s_per_byte = 2.0 / min(intra) if intra else 0.0  # gather to / broadcast from GPU 0 (§6)
         self.levels = hierarchy_of(cluster) if overlap != "duplex" else None  # duplex streams own no machine sub-groups
         """Machine and peer link levels for the `.hier` collectives (None: not offered on this cluster)."""
-        self.nbytes = [n.nbytes for n in graph.nodes]
+        self.nbytes = priced
+        """Bytes of every tensor as the plan runs it (activations at 2 bytes an element under mixed precision)."""
+        self.cast_params = mixed.cast_parameters(graph) if mixed.is_mixed(options.precision) else frozenset()
+        """Parameters whose low-precision copy autocast caches (`engine.spmd.precision.CAST_CACHE_BYTES`)."""
+        if mixed.is_mixed(options.precision) and not self.roofline:
+            self._flops_at_fp32_rate()
         self._comm_cache: dict[tuple[str, int], float] = {}
         self.batch_derived = batch_derived(graph) if overlap == "duplex" else []
         """Duplex: whether each tensor splits with the batch (each half moves half of it)."""
         self._slots: list[list[int]] | None = None
+
+    def _flops_at_fp32_rate(self) -> None:
+        """Mixed precision without the roofline split: the flops of operators autocast leaves in fp32 move
+        to the activation slots, which `DeviceClass.activation_s_per_byte` prices at the fp32 rate."""
+        for n in self.graph.nodes:
+            if not n.is_leaf and n.op not in mixed.AUTOCAST_OPS:
+                self.traffic[n.id], self.bwd_traffic[n.id] = self.fwd_flops[n.id], self.bwd_flops[n.id]
+                self.fwd_flops[n.id] = self.bwd_flops[n.id] = 0.0
 
     @property
     def slots(self) -> list[list[int]]:
@@ -277,7 +312,7 @@ class CostModel:
         if self.cluster.num_devices == 1:
             return 0.0, 0.0
         fit = self.cluster.collectives["all_reduce"]
-        return fit.latency_s, 1.0 / fit.bandwidth_Bps + self.hierarchy_s_per_byte
+        return fit.latency_s, (1.0 / fit.bandwidth_Bps + self.hierarchy_s_per_byte) * mixed.GRAD_WIRE[self.options.grad_dtype]
 
     def comm_time(self, key: str, node: int, segments: tuple[int, ...] = (0,)) -> float:
         """Seconds of collective `key` on `node` while `segments`' ratios bound its payload."""
@@ -326,7 +361,7 @@ class CostModel:
         f, b = self.fwd_flops[node], self.bwd_flops[node]
         tf, tb = self.traffic[node], self.bwd_traffic[node]
         wf, wb = self.weight_traffic[node], self.bwd_weight_traffic[node]
-        act = float(self.nbytes[node]) + _attention_probs_bytes(self.graph, node) \
+        act = float(self.nbytes[node]) + _attention_probs_bytes(self.graph, node) * self.activation_scale \
             if self.requires_grad[node] and n.op not in NO_ACTIVATION_OPS else 0.0
         if sharded and weights_whole:
             return (f, 0.0, 0.0, 0.0, tf, wf), (b, 0.0, 0.0, 0.0, tb, wb), (0.0, 0.0, act, 0.0)
@@ -345,6 +380,8 @@ class CostModel:
             return ZERO, MEM_ZERO
         nbytes = float(n.nbytes)
         state = nbytes * self.state_factor
+        if node in self.cast_params:
+            state += nbytes * mixed.CAST_CACHE_BYTES[self.options.precision]
         if form == FULL:
             return (0.0, 0.0, 0.0, nbytes, 0.0, 0.0), (0.0, state, 0.0, 0.0)
         return (0.0, 0.0, nbytes, 0.0, 0.0, 0.0), (state, 0.0, 0.0, 0.0)
@@ -387,14 +424,14 @@ def _weight_traffic(graph: Graph, node: int) -> float:
     return float(sum(graph[i].nbytes for i in dict.fromkeys(graph[node].inputs) if graph[i].op == "parameter"))
 
 
-def _traffic(graph: Graph, node: int) -> float:
+def _traffic(graph: Graph, node: int, size: list) -> float:
     """Bytes a memory-bound operator reads and writes in the forward pass: its output and each
-    distinct input (of a table lookup, only the rows it returns)."""
+    distinct input (of a table lookup, only the rows it returns); `size`: bytes per tensor (`CostModel.nbytes`)."""
     n = graph[node]
     read = 0.0
     for i in dict.fromkeys(n.inputs):
-        read += min(graph[i].nbytes, n.nbytes) if n.op in GATHER_OPS and graph[i].op == "parameter" else graph[i].nbytes
-    return float(n.nbytes) + read
+        read += min(size[i], size[node]) if n.op in GATHER_OPS and graph[i].op == "parameter" else size[i]
+    return float(size[node]) + read
 
 
 def add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:

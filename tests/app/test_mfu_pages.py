@@ -55,15 +55,15 @@ def test_the_search_page_passes_precision_grad_dtype_recompute_and_shard_states(
     at = open_page(app, "search")
     assert at.selectbox(key=f"{Keys.PRECISION}_choice").value == "fp32"
     assert at.selectbox(key=f"{Keys.SHARD_STATES}_choice").value == "auto"
-    at.selectbox(key=f"{Keys.PRECISION}_choice").set_value("bf16")
+    at.selectbox(key=f"{Keys.PRECISION}_choice").set_value("fp16")  # the P100s have no bf16
     at.selectbox(key=f"{Keys.GRAD_DTYPE}_choice").set_value("bf16")
     at.selectbox(key=f"{Keys.RECOMPUTE}_choice").set_value("none")
     at.selectbox(key=f"{Keys.SHARD_STATES}_choice").set_value(1)
     at.button(key="search.run").click().run()
     no_exception(at)
     options = at.session_state[Keys.PLAN].options
-    assert (options.precision, options.grad_dtype, options.recompute, options.shard_states) == ("bf16", "bf16", "none", 1)
-    assert at.session_state[Keys.PRECISION] == "bf16" and at.session_state[Keys.SHARD_STATES] == 1
+    assert (options.precision, options.grad_dtype, options.recompute, options.shard_states) == ("fp16", "bf16", "none", 1)
+    assert at.session_state[Keys.PRECISION] == "fp16" and at.session_state[Keys.SHARD_STATES] == 1
 
 
 def test_plan_options_carry_the_four_choices():

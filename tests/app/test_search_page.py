@@ -71,3 +71,19 @@ def test_search_asks_the_engine_for_the_chosen_overlap_mode(app):
     plan = at.session_state[Keys.PLAN]
     assert plan.overlap == "ddp" and plan.search["overlap_request"] == "ddp"
     assert {m.label: m.value for m in at.metric}["Overlap"] == "ddp"
+
+
+def test_search_asks_the_engine_for_the_chosen_precision_and_gradient_dtype(app):
+    app.session_state[Keys.PLAN] = None
+    at = open_page(app, "search")
+    assert at.selectbox(key=f"{Keys.PRECISION}_choice").value == "fp32"
+    at.selectbox(key=f"{Keys.PRECISION}_choice").set_value("bf16").run()
+    at.button(key="search.run").click().run()  # the P100s have no bf16: refused, naming them
+    assert at.session_state[Keys.PLAN] is None
+    assert any("p100-0, p100-1 (P100-PCIE-16GB)" in e.value and "fp16" in e.value for e in at.error)
+    at.selectbox(key=f"{Keys.PRECISION}_choice").set_value("fp16")
+    at.selectbox(key=f"{Keys.GRAD_DTYPE}_choice").set_value("bf16")
+    at.button(key="search.run").click().run()
+    no_exception(at)
+    plan = at.session_state[Keys.PLAN]
+    assert plan.options.precision == "fp16" and plan.options.grad_dtype == "bf16"

@@ -145,7 +145,7 @@ def test_export_refuses_a_pipeline_plan_without_its_graph(pipe, tmp_path):
 
 def test_a_cluster_spec_changed_since_planning_is_a_warning(pipe, cpu4, tmp_path):
     spec = json.loads(Path(sample_path("cpu_4_uneven")).read_text())
-    spec["devices"][0]["flops_per_gpu"] *= 2  # re-profiled: same devices, other figures
+    spec["devices"][0]["flops_per_gpu"]["fp32"] *= 2  # re-profiled: same devices, other figures
     path = tmp_path / "cluster.json"
     path.write_text(json.dumps(spec))
     assert plan_warnings(pipe, cpu4) == []

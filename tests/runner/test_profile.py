@@ -242,7 +242,9 @@ def test_the_accuracy_bench_fits_its_profiles_together_as_the_profiler_fits_one(
         for key in ("flops_per_gpu", "activation_bandwidth_Bps", "memory_bandwidth_Bps"):
             if one.get(key) is not None:
                 assert two[key] == pytest.approx(one[key], rel=1e-9), key
-                assert one[key] / 3 * (1 - 1e-9) <= mix[key] < one[key] * (1 - 1e-6), key
+                by_dtype = lambda d: d[key] if isinstance(d[key], dict) else {"": d[key]}  # noqa: E731  a flops map
+                for dtype, rate in by_dtype(one).items():
+                    assert rate / 3 * (1 - 1e-9) <= by_dtype(mix)[dtype] < rate * (1 - 1e-6), (key, dtype)
     for name, fit in alone["network"]["collectives"].items():
         flat = lambda f: [f["latency_s"], f["bandwidth_Bps"], *(v for p in f.get("points", []) for v in p)]  # noqa: E731
         assert flat(twice["network"]["collectives"][name]) == pytest.approx(flat(fit), rel=1e-9), name
@@ -263,7 +265,9 @@ def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(
     assert set(written) == set(COLLECTIVES)  # every fit measured, none nominal
     for name, fit in cluster.collectives.items():
         assert fit.latency_s >= 0 and fit.bandwidth_Bps > 0 and fit.time(4096) > 0, (name, fit)
-    assert "21/21" in stderr  # progress: 2 matmuls + 2 model batches + the overlap modes + the update + 5 x 3 payloads
+    assert "23/23" in stderr  # progress: 2 matmuls + bf16 and fp16 + 2 model batches + the overlap modes + the update + 5 x 3 payloads
+    for d in cluster.devices:  # the largest matmul timed in bf16 and fp16 too: the rates mixed precision prices
+        assert d.flops_per_gpu_in("bf16") > 0 and d.flops_per_gpu_in("fp16") > 0
     for d in cluster.devices:  # the step beside an all-reduce, and as two half-batches taking turns, over the step alone
         assert {m for m, _ in d.overlap_slowdown} == {"ddp", "duplex"}
         assert all(0.5 <= f <= 20 for _, f in d.overlap_slowdown) and dict(d.overlap_slowdown)["ddp"] >= 1
@@ -300,15 +304,15 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     table = pq.read_table(raw)
     assert tuple(table.column_names) == PARQUET_COLUMNS
     rows = table.to_pylist()
-    # ranks x repeats x (matmuls + model batches + update + the step alone, beside an all-reduce, in halves + payloads)
-    assert len(rows) == 2 * 3 * (2 + 2 + 1 + 3 + 5 * 3)
+    # ranks x repeats x (matmuls + bf16 and fp16 matmuls + model batches + update + the step alone, beside an all-reduce, in halves + payloads)
+    assert len(rows) == 2 * 3 * (2 + 2 + 2 + 1 + 3 + 5 * 3)
     overlap = [r for r in rows if r["kind"] == "overlap"]
     assert {(r["op"], r["impl"], r["size"]) for r in overlap} == {
         ("none", "zoo:mlp", 16), ("ddp", "zoo:mlp", 16), ("duplex", "zoo:mlp", 16)}
     assert all(r["payload_bytes"] > 0 for r in overlap if r["op"] == "ddp")
     assert {r["op"] for r in rows if r["kind"] == "collective"} == set(COLLECTIVES)
     assert {(r["op"], r["size"]) for r in rows if r["kind"] == "compute"} == {
-        ("matmul", 64), ("matmul", 128), ("zoo:mlp", 16), ("zoo:mlp", 8)}
+        ("matmul", 64), ("matmul", 128), ("matmul_bf16", 128), ("matmul_fp16", 128), ("zoo:mlp", 16), ("zoo:mlp", 8)}
     assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute")
     update = [r for r in rows if r["kind"] == "memory"]
     assert {(r["op"], r["impl"]) for r in update} == {("update", "bucket+unbucket+sgd")} and len({r["size"] for r in update}) == 1
