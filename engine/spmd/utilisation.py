@@ -68,7 +68,7 @@ class Utilisation:
 
     @property
     def mfu(self) -> float | None:
-        """Compute bound over iteration time, in [0, 1] for any real plan (None when unknown)."""
+        """Compute bound over iteration time, below 1 for a real plan (None when unknown)."""
         return self.mfu_at(self.iteration_s)
 
     def mfu_at(self, iteration_s: float | None) -> float | None:
@@ -92,7 +92,6 @@ class Utilisation:
             return f"{what} {milliseconds(self.iteration_s)} · compute bound unknown · MFU unknown " \
                    "(the plan records no peak FLOP/s: plan it again with `hap plan`)"
         return f"{what} {milliseconds(self.iteration_s)} · compute bound {milliseconds(bound)} · MFU {percent(self.mfu)}"
-
 
     def detail(self, precision: str = "fp32") -> str:
         """'compute bound 1203.00 ms, MFU 15.0% (9.63e+15 model FLOPs per iteration at 8.00e+15 FLOP/s summed
