@@ -14,7 +14,8 @@ Definitions (one place; the CLI, the plans' summaries, the workbench, the benche
 - **peak FLOP/s** (`peak_flops`): the sum over the cluster's devices of `num_gpus` times the
   rate of one GPU in the plan's precision (`Device.flops_per_gpu_in(options.precision)`); a device
   whose spec gives no rate for that dtype counts at its fp32 rate `flops_per_gpu`. These are the
-  cluster spec's figures (what the cost model prices matmuls at), not a datasheet's.
+  cluster spec's figures (what the cost model prices matmuls at), not a datasheet's. Every device of
+  the cluster the plan was made for counts, also one a pipeline leaves idle: the job holds it.
 - **compute bound** = model FLOPs / peak FLOP/s: the iteration time if every device computed the
   model's FLOPs at its rate, perfectly balanced, with no communication and no memory-bound work.
 - **MFU** = compute bound / iteration time (the predicted one for a plan; the measured step for
