@@ -5,7 +5,8 @@ theory's Hoare triples (`synthesis`, HAP §4), the stage cost and memory model (
 gradient-bucket and duplex overlap (`overlap`, `halves`), the LP for the ratios (`balance`, §5),
 segments with their own ratios (`segments`, §5.2), integer shard sizes (`sizes`, §5.1), the
 data-parallel seeds (`baselines`), the Q<->B iteration (`iteration`, §3.1), the plan format
-(`plan`) and its validator (`validate`).
+(`plan`) and its validator (`validate`), and model FLOPs, the compute bound and MFU of a plan of
+either kind (`utilisation`).
 
 May import: the ground floor (`engine.errors`, `engine.limits`, `engine.timeline`,
 `engine.options`), `engine.model`, `engine.cluster`, `engine.theory`. Never `engine.pipeline`,

@@ -14,7 +14,8 @@ Definitions (one place; the CLI, the plans' summaries, the workbench, the benche
 - **peak FLOP/s** (`peak_flops`): the sum over the cluster's devices of `num_gpus` times the
   rate of one GPU in the plan's precision (`Device.flops_per_gpu_in(options.precision)`); a device
   whose spec gives no rate for that dtype counts at its fp32 rate `flops_per_gpu`. These are the
-  cluster spec's figures (what the cost model prices matmuls at), not a datasheet's.
+  cluster spec's figures (what the cost model prices matmuls at), not a datasheet's. Every device of
+  the cluster the plan was made for counts, also one a pipeline leaves idle: the job holds it.
 - **compute bound** = model FLOPs / peak FLOP/s: the iteration time if every device computed the
   model's FLOPs at its rate, perfectly balanced, with no communication and no memory-bound work.
 - **MFU** = compute bound / iteration time (the predicted one for a plan; the measured step for
@@ -68,7 +69,7 @@ class Utilisation:
 
     @property
     def mfu(self) -> float | None:
-        """Compute bound over iteration time, in [0, 1] for any real plan (None when unknown)."""
+        """Compute bound over iteration time, below 1 for a real plan (None when unknown)."""
         return self.mfu_at(self.iteration_s)
 
     def mfu_at(self, iteration_s: float | None) -> float | None:
@@ -92,7 +93,6 @@ class Utilisation:
             return f"{what} {milliseconds(self.iteration_s)} · compute bound unknown · MFU unknown " \
                    "(the plan records no peak FLOP/s: plan it again with `hap plan`)"
         return f"{what} {milliseconds(self.iteration_s)} · compute bound {milliseconds(bound)} · MFU {percent(self.mfu)}"
-
 
     def detail(self, precision: str = "fp32") -> str:
         """'compute bound 1203.00 ms, MFU 15.0% (9.63e+15 model FLOPs per iteration at 8.00e+15 FLOP/s summed
