@@ -129,7 +129,8 @@ def stage_price(plan: Plan, group: Cluster, options: PlanOptions) -> StagePrice:
     bytes, from the stage's plan. The sync is what runs once an iteration, not once a microbatch: the
     gradient all-reduce stage and every stage's per-parameter-byte work (the optimizer update and
     the gradient copies, `engine.spmd.cost.class_work`), as `engine.pipeline.stage_cost.DataParallelPricer` has it."""
-    cm = CostModel(plan.graph, group, plan.ratio_rows, options, plan.segmentation, overlap="none")
+    cm = CostModel(plan.graph, group, plan.ratio_rows, options, plan.segmentation, overlap="none",
+                   recompute=frozenset(plan.recompute))
     b = evaluate(plan.program, cm)
     times = {"forward": 0.0, "backward": 0.0, "sync": 0.0}
     for stage, comm in zip(b.stages, b.stage_comm_s):

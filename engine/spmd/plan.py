@@ -16,6 +16,7 @@ from engine.model.graph import Graph
 from engine.options import PlanOptions
 from engine.spmd.breakdown import Breakdown
 from engine.spmd.program import Instruction
+from engine.spmd.recompute import describe
 from engine.spmd.segments import Segmentation
 from engine.spmd.sizes import shard_key
 
@@ -69,6 +70,9 @@ class Plan:
     """How communication overlaps computation (`engine.spmd.overlap.OVERLAP_MODES`): `none`, `ddp`
     (gradient buckets during backward) or `duplex` (two half-batches, HiDup)."""
     schema_version: int = PLAN_SCHEMA_VERSION
+    recompute: list[int] = field(default_factory=list)
+    """Layers (`Node.segment` ids) whose activations are recomputed in backward (`engine.spmd.recompute`);
+    empty, and absent from the JSON, when none are."""
 
     @property
     def segmentation(self) -> Segmentation:
@@ -125,6 +129,8 @@ class Plan:
         if ratios and self.memory_bytes:
             lines.append(f"ratios {min(ratios):.4f} to {max(ratios):.4f}; memory per GPU up to "
                          f"{self.memory_bytes[fullest] / 2**30:.2f} GiB ({self.device_names[fullest]})")
+        if self.recompute:
+            lines.append(f"recompute: {describe(self.graph, self.recompute)}")
         if "expanded" in self.search:
             s = self.search
             lines.append(f"search: {s.get('iterations', 0)} Q<->B iterations, {s['expanded']} states expanded, "
@@ -139,7 +145,8 @@ class Plan:
                 "predicted_time_s": self.predicted_time_s, "ratios": self.ratios, "shard_sizes": self.shard_sizes,
                 "memory_bytes": self.memory_bytes, "stages": [asdict(s) for s in self.stages],
                 "program": [ins.to_dict() for ins in self.program], "history": self.history, "search": self.search,
-                "segments": self.segment_of, "overlap": self.overlap, "graph": self.graph.to_dict()}
+                "segments": self.segment_of, "overlap": self.overlap,
+                **({"recompute": list(self.recompute)} if self.recompute else {}), "graph": self.graph.to_dict()}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -181,6 +188,7 @@ def plan_from_checked_dict(d: dict[str, Any]) -> Plan:
                     shard_sizes=d["shard_sizes"], predicted_time_s=float(d["predicted_time_s"]),
                     stages=[StageRecord(**s) for s in d["stages"]], memory_bytes=list(d["memory_bytes"]),
                     history=list(d.get("history", [])), search=dict(d.get("search", {})),
-                    segment_of=[int(k) for k in d.get("segments", [])], overlap=d.get("overlap", "none"))
+                    segment_of=[int(k) for k in d.get("segments", [])], overlap=d.get("overlap", "none"),
+                    recompute=[int(k) for k in d.get("recompute", [])])
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
