@@ -29,6 +29,7 @@ order is the knapsack's optimum in practice, and every candidate set costs one Q
 from __future__ import annotations
 
 import re
+import time
 from typing import Any, Callable, Sequence
 
 from engine.cluster.spec import Cluster
@@ -212,6 +213,7 @@ def plan_recomputing(graph: Graph, cluster: Cluster, options: PlanOptions, plan_
     recomputation stands, so `none`'s message is what an unfixable model reports."""
     if options.recompute != "auto" or not layers(graph):
         return plan_fn(chosen(graph, options.recompute))
+    start = time.perf_counter()
     error: InfeasibleError | None = None
     try:
         plain = plan_fn(frozenset())
@@ -219,8 +221,10 @@ def plan_recomputing(graph: Graph, cluster: Cluster, options: PlanOptions, plan_
             return plain
     except InfeasibleError as e:
         plain, error = None, e
+    tried: list[list[int]] = [[]]
     everything = frozenset(layers(graph))
     try:
+        tried.append(sorted(everything))
         full = plan_fn(everything)
     except InfeasibleError:
         full = None
@@ -232,12 +236,20 @@ def plan_recomputing(graph: Graph, cluster: Cluster, options: PlanOptions, plan_
     k = _fewest(order, lambda n: program_fits(full, frozenset(order[:n])))
     for n in range(k, len(order)):
         try:
+            tried.append(sorted(order[:n]))
             made = plan_fn(frozenset(order[:n]))
         except InfeasibleError:
             continue
         if fits(made, cluster):
-            return made
-    return full
+            return _noted(made, tried, start)
+    return _noted(full, tried, start)
+
+
+def _noted(made: Plan, tried: list[list[int]], start: float) -> Plan:
+    """The plan `auto` chose, with what it tried (`search["recompute_auto"]`: the layer sets planned, in
+    order, and the seconds all of it took)."""
+    made.search["recompute_auto"] = {"tried": tried, "elapsed_s": time.perf_counter() - start}
+    return made
 
 
 def _fewest(order: list[int], ok: Callable[[int], bool]) -> int:

@@ -16,6 +16,7 @@ from conftest import cluster_dict
 
 import engine
 from engine import InfeasibleError, PlanError
+from engine.cli import recompute_lines
 from engine.cluster.spec import Cluster
 from engine.spmd.cost import CostModel, evaluate, replay
 from engine.spmd.iteration import _program_fits, plan_of
@@ -49,6 +50,8 @@ def test_auto_recomputes_the_fewest_layers_that_make_a_model_fit():
     one_less = frozenset(fewer[:len(p.recompute) - 1])
     assert not _program_fits(p, small(1), p.options, one_less), "one layer fewer would not fit the plan's program"
     assert f"recompute: {describe(p.graph, p.recompute)}" in p.summary()
+    assert p.search["recompute_auto"]["tried"][:2] == [[], layers(gpt())], "without, then every layer, then the fewest"
+    assert recompute_lines(p)[1].startswith(f"recompute: {describe(p.graph, p.recompute)}; auto planned")
     assert describe(gpt(), [1, 2]) == "layers 1-2 (2 of 3): blocks.1 .. blocks.2"
     assert describe(gpt(), [0, 2]) == "layers 0, 2 (2 of 3): blocks.0 .. blocks.2"
 
