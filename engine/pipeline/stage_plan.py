@@ -115,7 +115,8 @@ def plan_stage(sub: Graph, group: Cluster, options: PlanOptions, microbatches: i
     prices one microbatch with its once-an-iteration work (the gradient sync, the optimizer update),
     so with many microbatches it may trade microbatch time for sync time the pipeline pays B times."""
     hap = plan_spmd(sub, group, options, space=STAGE_SPACE)
-    dp = plan_of(data_parallel_program(sub), sub, group, proportional_ratios(group), options=options)
+    dp = plan_of(data_parallel_program(sub), sub, group, proportional_ratios(group), options=options,
+                 recompute=frozenset(hap.recompute))  # the layers HAP's stage plan recomputes
     return min((hap, dp), key=lambda p: pipeline_cost(stage_price(p, group, options), microbatches))
 
 
