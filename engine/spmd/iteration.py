@@ -58,6 +58,7 @@ def plan_spmd(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Pr
     return plan_recomputing(graph, cluster, options,
                             lambda layers: plan_layers(graph, cluster, options, progress, space=space, recompute=layers),
                             lambda made, layers: _program_fits(made, cluster, options, layers),
+                            lambda made, layers: _rebalanced(made, cluster, options, layers),
                             lambda: ranked_layers(CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices,
                                                             options, recompute=frozenset(every_layer(graph)))))
 
@@ -70,6 +71,18 @@ def _program_fits(made: Plan, cluster: Cluster, options: PlanOptions, layers: fr
     except InfeasibleError:
         return False
     return True
+
+
+def _rebalanced(made: Plan, cluster: Cluster, options: PlanOptions, layers: frozenset[int]) -> Plan | None:
+    """`made`'s program at the LP's ratios with `layers` recomputed (None when no ratios fit it)."""
+    try:
+        ratios = balance(made.program, made.graph, cluster, options=options, segmentation=made.segmentation,
+                         overlap=made.overlap, recompute=layers).by_segment
+    except InfeasibleError:
+        return None
+    cm = CostModel(made.graph, cluster, ratios, options, made.segmentation, overlap=made.overlap, recompute=layers)
+    cand = Candidate(made.program, ratios, evaluate(made.program, cm).total_s, made.segmentation, made.overlap, layers)
+    return make_plan(made.strategy, made.graph, cluster, cand, options, made.history, dict(made.search))
 
 
 def plan_layers(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Progress | None = None, *,

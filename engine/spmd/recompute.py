@@ -22,9 +22,11 @@ When it does not fit (or nothing fits), it plans with every layer recomputed; if
 layers are ranked greedily by activation bytes saved per second of recomputation (a fractional
 knapsack's order: the fewest, cheapest layers first), the shortest prefix of that ranking under
 which the all-layers plan's program still fits (the LP's memory rows, a binary search: LPs only) is
-found, and the model is planned again with that prefix, one more layer at a time until the plan
-fits. Greedy rather than an integer program: layers of one model are nearly alike, so the ratio
-order is the knapsack's optimum in practice, and every candidate set costs one Q<->B loop.
+found, and the model is planned again with that prefix; the faster of that plan and the all-layers
+plan's program rebalanced with the prefix (which fits by construction) is kept (when neither fits at
+whole shard units, the program rebalanced with one more layer at a time). Three Q<->B loops at most.
+Greedy rather than an integer program: layers of one model are nearly alike, so the ratio order is
+the knapsack's optimum in practice, and every candidate set costs one Q<->B loop.
 """
 from __future__ import annotations
 
@@ -203,10 +205,12 @@ PlanFn = Callable[[frozenset[int]], Plan]
 """Plans the model with a given set of recomputed layers (the Q<->B loop, `engine.spmd.iteration`)."""
 FitsFn = Callable[[Plan, frozenset[int]], bool]
 """Whether a plan's program fits memory at the LP's ratios with a given set of recomputed layers."""
+RebalanceFn = Callable[[Plan, frozenset[int]], "Plan | None"]
+"""A plan's program at the LP's ratios with a given set of recomputed layers (None when none fit)."""
 
 
 def plan_recomputing(graph: Graph, cluster: Cluster, options: PlanOptions, plan_fn: PlanFn, program_fits: FitsFn,
-                     ranking: Callable[[], list[int]]) -> Plan:
+                     rebalance: RebalanceFn, ranking: Callable[[], list[int]]) -> Plan:
     """The plan of `options.recompute` (module docstring): `none` and `all` plan once; `auto` keeps
     the plan without recomputation when it fits, else recomputes the fewest, cheapest layers that
     make it fit, in the order `ranking` gives (`ranked_layers`). Without any plan that fits, the error (or the plan) of planning without
@@ -234,14 +238,19 @@ def plan_recomputing(graph: Graph, cluster: Cluster, options: PlanOptions, plan_
         return plain  # type: ignore[return-value]
     order = ranking()
     k = _fewest(order, lambda n: program_fits(full, frozenset(order[:n])))
-    for n in range(k, len(order)):
-        try:
-            tried.append(sorted(order[:n]))
-            made = plan_fn(frozenset(order[:n]))
-        except InfeasibleError:
-            continue
-        if fits(made, cluster):
-            return _noted(made, tried, start)
+    fewest = frozenset(order[:k])
+    tried.append(sorted(fewest))
+    try:
+        made = plan_fn(fewest)
+    except InfeasibleError:
+        made = None
+    fitting = [p for p in (made, rebalance(full, fewest)) if p is not None and fits(p, cluster)]
+    if fitting:
+        return _noted(min(fitting, key=lambda p: p.predicted_time_s), tried, start)
+    for n in range(k + 1, len(order)):  # whole shard units may overflow what the LP's fractions fit
+        witness = rebalance(full, frozenset(order[:n]))
+        if witness is not None and fits(witness, cluster):
+            return _noted(witness, tried, start)
     return _noted(full, tried, start)
 
 
