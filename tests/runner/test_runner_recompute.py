@@ -81,3 +81,20 @@ def test_llama_tiny_example_recomputing_every_layer_trains_like_one_device(tmp_p
     plan = engine.plan(g, cluster(3), optimizer="sgd", recompute="all", overlap="none")
     assert plan.recompute == layers(g) and len(plan.recompute) >= 2
     check_equivalence(plan, tmp_path, "sgd", steps=2)
+
+
+def test_pipeline_stages_recomputing_their_layers_match_microbatch_accumulation(tmp_path):
+    """Two stages of two uneven ranks, each a sharded SPMD stage plan whose layer (all-gathers and
+    reduce-scatters on the stage's process group inside) is recomputed in backward."""
+    import json
+
+    from dist_harness import run_ranks
+    from test_runner_pipeline import _compare, _train, hap_stage_plan
+
+    plan = hap_stage_plan("gpt", "1f1b")
+    stages = [dataclasses.replace(s, plan=dataclasses.replace(s.plan, recompute=layers(s.plan.graph))) for s in plan.stages]
+    plan = dataclasses.replace(plan, stages=stages)
+    assert all(s.plan.recompute for s in plan.stages)
+    results = run_ranks(_train, 4, tmp_path, json.dumps(plan.to_dict()))
+    result = _compare(plan, results)
+    assert result.ok(1e-4), result.render()
