@@ -224,6 +224,8 @@ def plan_recomputing(graph: Graph, cluster: Cluster, options: PlanOptions, plan_
         if fits(plain, cluster):
             return plain
     except InfeasibleError as e:
+        if "out of memory" not in str(e):
+            raise  # no program for another reason (an operator without a rule): recomputing cannot help
         plain, error = None, e
     tried: list[list[int]] = [[]]
     everything = frozenset(layers(graph))
