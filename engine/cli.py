@@ -115,10 +115,23 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
         name = first if first == last else f"{first} .. {last}"
         dev.append([name] + cells)
     lines.append(_table(dev))
+    lines += recompute_lines(plan)
     s = plan.search
     lines += ["", f"search: {s.get('iterations', 0)} Q<->B iterations, {s.get('expanded', 0)} states expanded, "
                   f"{s.get('elapsed_s', 0.0):.2f} s, {'proven optimal' if s.get('optimal') else 'beam-limited'}"]
     return "\n".join(lines)
+
+
+def recompute_lines(plan) -> list[str]:
+    """Which layers recompute their activations (none: no line), and what `auto` tried to get there."""
+    from engine.spmd.recompute import describe
+
+    if not getattr(plan, "recompute", None):
+        return []
+    auto = plan.search.get("recompute_auto")
+    how = (f"; auto planned {len(auto['tried'])} layer sets in {auto['elapsed_s']:.2f} s to fit memory"
+           if isinstance(auto, dict) else "")
+    return ["", f"recompute: {describe(plan.graph, plan.recompute)}{how}"]
 
 
 def _overlap_lines(plan, baselines: dict[str, float | None]) -> list[str]:

@@ -21,10 +21,12 @@ from engine.model.graph import Graph, Node
 from engine.model.ops import unless_empty
 from engine.spmd.plan import Plan
 from engine.spmd.program import COMM, LOAD, Instruction
+from engine.spmd.recompute import instruction_layers
 from engine.spmd.segments import RESPLIT, instruction_segments, source_segments
 from engine.theory.core import FULL, PARTIAL
 
 from . import collectives as C
+from .recompute import checkpoint_layers, tag_layer
 from .timing import probe
 
 _UNARY: dict[str, Callable] = {"relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
@@ -112,6 +114,7 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False, window: B
     segs = instruction_segments(plan.program, plan.segmentation)
     sources = source_segments(plan.program, plan.segmentation)
     rng = g.placeholder("rng") if has_dropout_sites(graph) else None
+    layers = instruction_layers(plan.program, graph) if plan.recompute else []
     for t, f in piece.inputs if piece else ():
         env[(t, f)] = g.placeholder(f"cut_{_safe(graph[t].name)}")
     for k, (ins, seg, src) in enumerate(zip(plan.program, segs, sources)):
@@ -127,6 +130,8 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False, window: B
             if probes:
                 out = g.call_function(probe, (out, f"{graph[ins.node].name}:{ins.rule}"))
             env[(ins.node, ins.post)] = out
+        if layers:
+            tag_layer(g, layers[k])
     loss = graph.loss
     form = PARTIAL if (loss, PARTIAL) in env else FULL
     if piece and piece.outputs:
@@ -134,6 +139,8 @@ def build_rank_program(plan: Plan, rank: int, *, probes: bool = False, window: B
     else:
         g.output(env[(loss, form)] if window is None else (env[(loss, form)], env[loss_count(plan, form)]))
     gm = fx.GraphModule(torch.nn.Module(), g, class_name=f"Rank{rank}Program")
+    if layers:  # activation recomputation: the plan's recomputed layers under checkpoint (runner.recompute)
+        gm = checkpoint_layers(g, frozenset(plan.recompute), f"Rank{rank}Program")
     return RankProgram(gm, leaves, form, {n: graph[n].op == "parameter" for n, _ in leaves}, rng is not None)
 
 

@@ -23,6 +23,7 @@ from engine.pipeline.stages import batch_of
 from engine.spmd.plan import Plan
 from engine.spmd.program import COMM, LOAD
 from engine.spmd.utilisation import Utilisation, of_plan, recorded
+from engine.spmd.recompute import describe
 from engine.spmd.validate import (RATIO_TOLERANCE, _check_cluster_field, _check_search_options, _fail, _is_int,
                                   _non_negative, _shown, _typed, check_utilisation_fields, plan_from_dict)
 from engine.timeline import Schedule
@@ -204,7 +205,8 @@ class PipelinePlan:
         s = self.stages[i]
         names = [self.device_names[d] if d < len(self.device_names) else str(d) for d in s.devices]
         shown = ", ".join(names[:4]) + (f", ... ({len(names)} devices)" if len(names) > 4 else "")
-        return f"stage {i}: layers {s.layers[0]}..{s.layers[1] - 1} on {shown}: {s.program_summary()}"
+        again = f"; recompute {describe(s.plan.graph, s.plan.recompute)}" if s.plan is not None and s.plan.recompute else ""
+        return f"stage {i}: layers {s.layers[0]}..{s.layers[1] - 1} on {shown}: {s.program_summary()}{again}"
 
     def listing(self) -> str:
         """Every stage's program: a header line per stage, then its HAP plan's listing (data-parallel

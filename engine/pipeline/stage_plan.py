@@ -115,7 +115,8 @@ def plan_stage(sub: Graph, group: Cluster, options: PlanOptions, microbatches: i
     prices one microbatch with its once-an-iteration work (the gradient sync, the optimizer update),
     so with many microbatches it may trade microbatch time for sync time the pipeline pays B times."""
     hap = plan_spmd(sub, group, options, space=STAGE_SPACE)
-    dp = plan_of(data_parallel_program(sub), sub, group, proportional_ratios(group), options=options)
+    dp = plan_of(data_parallel_program(sub), sub, group, proportional_ratios(group), options=options,
+                 recompute=frozenset(hap.recompute))  # the layers HAP's stage plan recomputes
     return min((hap, dp), key=lambda p: pipeline_cost(stage_price(p, group, options), microbatches))
 
 
@@ -129,7 +130,8 @@ def stage_price(plan: Plan, group: Cluster, options: PlanOptions) -> StagePrice:
     bytes, from the stage's plan. The sync is what runs once an iteration, not once a microbatch: the
     gradient all-reduce stage and every stage's per-parameter-byte work (the optimizer update and
     the gradient copies, `engine.spmd.cost.class_work`), as `engine.pipeline.stage_cost.DataParallelPricer` has it."""
-    cm = CostModel(plan.graph, group, plan.ratio_rows, options, plan.segmentation, overlap="none")
+    cm = CostModel(plan.graph, group, plan.ratio_rows, options, plan.segmentation, overlap="none",
+                   recompute=frozenset(plan.recompute))
     b = evaluate(plan.program, cm)
     times = {"forward": 0.0, "backward": 0.0, "sync": 0.0}
     for stage, comm in zip(b.stages, b.stage_comm_s):

@@ -41,6 +41,7 @@ from engine.model.graph import Graph
 from engine.options import PlanOptions
 from engine.spmd.cost import DEFAULT_OPTIONS, CostModel, Replayed, Stage, class_work, device_classes, replay_terms
 from engine.spmd.program import Instruction
+from engine.spmd.recompute import transient_limits, transient_mems
 from engine.spmd.segments import Segmentation
 
 GIB = 2**30
@@ -98,9 +99,12 @@ def _absorb_highs_banner() -> None:
 
 
 def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *, options: PlanOptions = DEFAULT_OPTIONS,
-            time_limit_s: float = 30.0, segmentation: Segmentation | None = None, overlap: str = "none") -> BalanceResult:
-    """Solve Eq. 3 for `program` priced in `overlap`; raises InfeasibleError naming the device short of memory."""
-    probe = CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices, options, segmentation, overlap)
+            time_limit_s: float = 30.0, segmentation: Segmentation | None = None, overlap: str = "none",
+            recompute: frozenset[int] = frozenset()) -> BalanceResult:
+    """Solve Eq. 3 for `program` priced in `overlap` (with the layers `recompute` recomputed in backward);
+    raises InfeasibleError naming the device short of memory."""
+    probe = CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices, options, segmentation, overlap,
+                      recompute=recompute)
     r = replay_terms(program, probe)
     stages, mems = r.stages, r.mems
     classes = device_classes(cluster, None, options.optimizer, overlap, options.precision, options.grad_dtype)
@@ -116,6 +120,8 @@ def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *,
     for k, row in enumerate(B):
         _ratios_sum_to_one(prob, classes, row, k)
     _memory_limits(prob, classes, B, mems)
+    if recompute:
+        transient_limits(prob, classes, B, mems, transient_mems(program, probe))
     solver, name = _solver(time_limit_s)
     prob.solve(solver)
     if pulp.LpStatus[prob.status] != "Optimal" or prob.sol_status not in (pulp.LpSolutionOptimal,):

@@ -42,6 +42,8 @@ class Candidate:
     segmentation: Segmentation
     overlap: str = "none"
     """The overlap mode `cost` is priced in."""
+    recompute: frozenset[int] = frozenset()
+    """The layers recomputed in backward (`engine.spmd.recompute`) that `cost` is priced with."""
 
 
 def proportional_ratios(cluster: Cluster) -> list[float]:
@@ -113,47 +115,49 @@ def unsplittable_input(graph: Graph) -> Node | None:
 
 
 def baseline_candidate(graph: Graph, cluster: Cluster, ratios: list[float], options: PlanOptions,
-                       deadline: float | None = None) -> Candidate | None:
+                       deadline: float | None = None, recompute: frozenset[int] = frozenset()) -> Candidate | None:
     """A data-parallel baseline at `ratios`, priced as DDP runs (`BASELINE_OVERLAP`); None when it
     does not fit or no input can be split on the batch (the everything-replicated program is no
     data parallelism: the memory-fitted seed still offers it to the search)."""
     if unsplittable_input(graph) is not None:
         return None
-    cm = CostModel(graph, cluster, ratios, options, overlap=BASELINE_OVERLAP)
+    cm = CostModel(graph, cluster, ratios, options, overlap=BASELINE_OVERLAP, recompute=recompute)
     try:
         res = data_parallel(graph, cm, deadline)
     except InfeasibleError:
         return None
-    return Candidate(res.program, [ratios], res.cost, Segmentation.single(graph), BASELINE_OVERLAP)
+    return Candidate(res.program, [ratios], res.cost, Segmentation.single(graph), BASELINE_OVERLAP, recompute)
 
 
-def baselines(graph: Graph, cluster: Cluster, options: PlanOptions,
-              deadline: float | None) -> dict[str, Candidate | None]:
-    """The data-parallel baselines priced as DDP runs; `ddp` is `dp-even` (same program, shares and pricing)."""
-    even = baseline_candidate(graph, cluster, even_ratios(cluster), options, deadline)
+def baselines(graph: Graph, cluster: Cluster, options: PlanOptions, deadline: float | None,
+              recompute: frozenset[int] = frozenset()) -> dict[str, Candidate | None]:
+    """The data-parallel baselines priced as DDP runs (recomputing the layers `recompute`); `ddp` is
+    `dp-even` (same program, shares and pricing)."""
+    even = baseline_candidate(graph, cluster, even_ratios(cluster), options, deadline, recompute)
     return {"ddp": even, "dp-even": even,
-            "dp-proportional": baseline_candidate(graph, cluster, proportional_ratios(cluster), options, deadline)}
+            "dp-proportional": baseline_candidate(graph, cluster, proportional_ratios(cluster), options, deadline,
+                                                  recompute)}
 
 
 def memory_fitted_baseline(graph: Graph, cluster: Cluster, options: PlanOptions, overlap: str,
-                           deadline: float | None = None) -> Candidate | None:
+                           deadline: float | None = None, recompute: frozenset[int] = frozenset()) -> Candidate | None:
     """Data parallelism at the LP's ratios, which respect every device's memory: the plan that
     exists whenever the model fits data-parallel at all, e.g. when even and proportional splits
     overflow a small device. None when no ratios fit."""
     try:
-        cm = CostModel(graph, unlimited(cluster), proportional_ratios(cluster), options, overlap=overlap)
+        cm = CostModel(graph, unlimited(cluster), proportional_ratios(cluster), options, overlap=overlap, recompute=recompute)
         program = data_parallel(graph, cm, deadline).program
         ratios = balance(program, graph, cluster, options=options, time_limit_s=left_s(deadline) or 30.0,
-                         overlap=overlap).by_segment
+                         overlap=overlap, recompute=recompute).by_segment
     except InfeasibleError:
         return None
-    cost = evaluate(program, CostModel(graph, cluster, ratios, options, overlap=overlap)).total_s
-    return Candidate(program, ratios, cost, Segmentation.single(graph), overlap)
+    cost = evaluate(program, CostModel(graph, cluster, ratios, options, overlap=overlap, recompute=recompute)).total_s
+    return Candidate(program, ratios, cost, Segmentation.single(graph), overlap, recompute)
 
 
 def priced_in(cand: Candidate, graph: Graph, cluster: Cluster, options: PlanOptions, overlap: str) -> Candidate:
     """The same program and ratios priced in another overlap mode (a baseline seeding that mode's search)."""
-    cm = CostModel(graph, cluster, cand.ratios, options, cand.segmentation, overlap=overlap)
+    cm = CostModel(graph, cluster, cand.ratios, options, cand.segmentation, overlap=overlap, recompute=cand.recompute)
     return replace(cand, cost=evaluate(cand.program, cm).total_s, overlap=overlap)
 
 

@@ -92,6 +92,7 @@ from engine.spmd.breakdown import MEM_ZERO, ZERO, Acc, Breakdown, BucketRecord, 
 from engine.spmd.overlap import batch_derived, bucket_slots, duplex_problem
 from engine.spmd.overlap import price as overlap_price
 from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
+from engine.spmd.recompute import instruction_layers, layer_outputs, recomputed_nodes, search_reserve, transient_peak
 from engine.spmd.segments import RESPLIT, Segmentation, instruction_segments, source_segments
 from engine.theory.core import FULL
 
@@ -202,7 +203,7 @@ class CostModel:
 
     def __init__(self, graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
                  options: PlanOptions = DEFAULT_OPTIONS, segmentation: Segmentation | None = None,
-                 overlap: str = "none") -> None:
+                 overlap: str = "none", recompute: frozenset[int] = frozenset()) -> None:
         if overlap not in OVERLAP_MODES:
             raise PlanError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
         if overlap == "duplex" and (why := duplex_problem(graph)):
@@ -250,6 +251,25 @@ class CostModel:
         self.batch_derived = batch_derived(graph) if overlap == "duplex" else []
         """Duplex: whether each tensor splits with the batch (each half moves half of it)."""
         self._slots: list[list[int]] | None = None
+        self.recompute = frozenset(recompute)
+        """Layers whose activations are recomputed in backward (`engine.spmd.recompute`): empty by default."""
+        if self.recompute:
+            self._recompute_terms()
+
+    def _recompute_terms(self) -> None:
+        """Recomputation's terms (`engine.spmd.recompute`): a recomputed node's forward work joins its
+        backward work; it keeps its activation only when another layer consumes it."""
+        self.recomputed = recomputed_nodes(self.graph, self.recompute)
+        self.full_activation = [float(self.nbytes[n.id]) + _attention_probs_bytes(self.graph, n.id) * self.activation_scale
+                                if self.requires_grad[n.id] and n.op not in NO_ACTIVATION_OPS and not n.is_leaf else 0.0
+                                for n in self.graph.nodes]
+        self.kept = [not r or o for r, o in zip(self.recomputed, layer_outputs(self.graph))]
+        for i, again in enumerate(self.recomputed):
+            if again:
+                self.bwd_flops[i] += self.fwd_flops[i]
+                self.bwd_traffic[i] += self.traffic[i]
+                self.bwd_weight_traffic[i] += self.weight_traffic[i]
+        self.reserve = search_reserve(self)
 
     def _flops_at_fp32_rate(self) -> None:
         """Mixed precision without the roofline split: the flops of operators autocast leaves in fp32 move
@@ -350,6 +370,8 @@ class CostModel:
         return out
 
     def fits(self, class_bytes: tuple[float, ...]) -> bool:
+        if self.recompute:  # the search's bound of the largest recomputed layer's activations (engine.spmd.recompute)
+            return all(b + t <= c.memory_bytes for b, t, c in zip(class_bytes, self.reserve, self.classes))
         return all(b <= c.memory_bytes for b, c in zip(class_bytes, self.classes))
 
     # --- per-instruction deltas used by the search and by replay ---------------------------
@@ -363,6 +385,8 @@ class CostModel:
         wf, wb = self.weight_traffic[node], self.bwd_weight_traffic[node]
         act = float(self.nbytes[node]) + _attention_probs_bytes(self.graph, node) * self.activation_scale \
             if self.requires_grad[node] and n.op not in NO_ACTIVATION_OPS else 0.0
+        if self.recompute and not self.kept[node]:
+            act = 0.0  # recomputed in backward (engine.spmd.recompute)
         if sharded and weights_whole:
             return (f, 0.0, 0.0, 0.0, tf, wf), (b, 0.0, 0.0, 0.0, tb, wb), (0.0, 0.0, act, 0.0)
         if sharded:
@@ -504,6 +528,7 @@ def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
     n_bwd = 0  # backward stages closed so far: the open one's ordinal
     program_position: dict[int, int] = {}
     anchor: dict[int, tuple[int, Acc]] = {}  # Full parameter -> (ordinal of the backward stage that loads it, its work so far)
+    layer = instruction_layers(program, cm.graph) if cm.recompute else []
     for i, ins in enumerate(program):
         k = segs[i]
         if k != cur:  # a boundary: every stage lies inside one segment (§5.2)
@@ -533,6 +558,10 @@ def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
                 n_bwd += 1
                 dual = DUAL[ins.rule]
                 bwd_open, bwd = (dual, ins.node, *cm.comm_terms(dual, ins.node), over), ZERO
+            if layer and layer[i] in cm.recompute and ins.rule != RESPLIT:  # a recomputed layer runs its collective again in backward
+                stages.append(Stage("backward", *bwd_open[:4], bwd, k, bwd_open[4]))
+                n_bwd += 1
+                bwd_open, bwd = (ins.rule, ins.node, *cm.comm_terms(ins.rule, ins.node), over), ZERO
     stages += [Stage("forward", *fwd_open[:4], fwd, cur, fwd_open[4]), Stage("backward", *bwd_open[:4], bwd, cur, bwd_open[4])]
     if not overlapped:
         if bucket_bytes:
@@ -567,6 +596,8 @@ def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
     comm = [s.comm_const + s.comm_per_max_ratio * max(cm.max_ratios[k] for k in s.comm_segments) for s in stages]
     comp = [cm.device_times(s.work, s.segment) for s in stages]
     per_class = cm.class_memory(r.mems)
+    if cm.recompute:
+        per_class = add(per_class, transient_peak(program, cm))
     names = [d.name for d in cm.cluster.devices]
     memory = [0.0] * cm.cluster.num_devices
     for c, b in zip(cm.classes, per_class):

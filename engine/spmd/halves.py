@@ -50,7 +50,7 @@ def half_plan(plan: Plan, graph: Graph) -> Plan:
                             "batches would change it; use --overlap ddp")
     return Plan(plan.strategy, graph, plan.cluster_name, plan.cluster_fingerprint, plan.device_names, plan.program,
                 plan.ratios, keyed, plan.predicted_time_s, plan.stages, plan.memory_bytes, segment_of=plan.segment_of,
-                overlap=plan.overlap)
+                overlap=plan.overlap, recompute=plan.recompute)
 
 
 def halves_problem(plan: Plan) -> str | None:

@@ -41,6 +41,8 @@ from engine.spmd.halves import halves_problem
 from engine.spmd.overlap import duplex_run_problem
 from engine.spmd.plan import Plan, stage_records
 from engine.spmd.program import Instruction
+from engine.spmd.recompute import layers as every_layer
+from engine.spmd.recompute import plan_recomputing, ranked_layers
 from engine.spmd.segments import Segmentation, segment_graph, with_resplits
 from engine.spmd.sizes import realized_ratios, shard_key, shard_sizes
 from engine.spmd.synthesis import SearchProgress, SearchSpace, synthesize
@@ -52,7 +54,42 @@ Progress = Callable[[SearchProgress], None]
 
 def plan_spmd(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Progress | None = None, *,
               space: SearchSpace | None = None) -> Plan:
-    """Plan `graph` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
+    """Plan `graph` on `cluster` (`plan_layers`), recomputing the layers `options.recompute` chooses:
+    none, all, or under `auto` the fewest that make the plan fit (`engine.spmd.recompute`)."""
+    return plan_recomputing(graph, cluster, options,
+                            lambda layers: plan_layers(graph, cluster, options, progress, space=space, recompute=layers),
+                            lambda made, layers: _program_fits(made, cluster, options, layers),
+                            lambda made, layers: _rebalanced(made, cluster, options, layers),
+                            lambda: ranked_layers(CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices,
+                                                            options, recompute=frozenset(every_layer(graph)))))
+
+
+def _program_fits(made: Plan, cluster: Cluster, options: PlanOptions, layers: frozenset[int]) -> bool:
+    """Whether the LP finds ratios under which `made`'s program fits memory with `layers` recomputed."""
+    try:
+        balance(made.program, made.graph, cluster, options=options, segmentation=made.segmentation,
+                overlap=made.overlap, recompute=layers)
+    except InfeasibleError:
+        return False
+    return True
+
+
+def _rebalanced(made: Plan, cluster: Cluster, options: PlanOptions, layers: frozenset[int]) -> Plan | None:
+    """`made`'s program at the LP's ratios with `layers` recomputed (None when no ratios fit it)."""
+    try:
+        ratios = balance(made.program, made.graph, cluster, options=options, segmentation=made.segmentation,
+                         overlap=made.overlap, recompute=layers).by_segment
+    except InfeasibleError:
+        return None
+    cm = CostModel(made.graph, cluster, ratios, options, made.segmentation, overlap=made.overlap, recompute=layers)
+    cand = Candidate(made.program, ratios, evaluate(made.program, cm).total_s, made.segmentation, made.overlap, layers)
+    return make_plan(made.strategy, made.graph, cluster, cand, options, made.history, dict(made.search))
+
+
+def plan_layers(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Progress | None = None, *,
+                space: SearchSpace | None = None, recompute: frozenset[int] = frozenset()) -> Plan:
+    """Plan `graph` on `cluster` with the layers `recompute` recomputed in backward: the Q<->B
+    iteration of HAP §3.1, returning the best plan found.
 
     `options.overlap` is the overlap mode to plan in (`none`, `ddp`, `duplex`), or `auto`: plan in
     ddp and in duplex (each with an equal share of what is left of the budget), price the ddp plan
@@ -67,12 +104,12 @@ def plan_spmd(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Pr
     start = time.perf_counter()
     deadline = None if options.time_budget_s is None else start + options.time_budget_s
     check_total_memory(graph, cluster, options)
-    seeds = baselines(graph, cluster, options, deadline)
+    seeds = baselines(graph, cluster, options, deadline, recompute)
     stats: dict[str, Any] = {
         "expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
         "baselines_s": {k: None if c is None else realized_rank(graph, cluster, c, options)[1] for k, c in seeds.items()},
         "overlap_request": options.overlap, "overlap_s": {}, "overlap_skipped": skipped}
-    loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace())
+    loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace(), recompute=recompute)
     found: dict[str, Candidate] = {}
     for k, mode in enumerate(modes):
         share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - k)
@@ -119,7 +156,8 @@ def _plan_in(mode: str, loop: "Loop", seg: Segmentation, seeds: list[Candidate |
     unique = {id(c): c for c in seeds if c is not None}.values()
     priced = [priced_in(c, graph, cluster, options, mode) for c in unique]
     if not priced:
-        priced = [c for c in [memory_fitted_baseline(graph, cluster, options, mode, deadline)] if c is not None]
+        priced = [c for c in [memory_fitted_baseline(graph, cluster, options, mode, deadline, loop.recompute)]
+                  if c is not None]
     best = min(priced, key=lambda c: c.cost, default=None)
     now = time.perf_counter()
     loop.overlap = mode
@@ -148,9 +186,12 @@ class Loop:
     """The overlap mode the cost model and the LP price in."""
     space: SearchSpace = SearchSpace()
     """What the search may use (all of the theory, unless a caller restricts it)."""
+    recompute: frozenset[int] = frozenset()
+    """The layers recomputed in backward (`engine.spmd.recompute`)."""
 
     def cost_model(self, ratios: list[list[float]], seg: Segmentation) -> CostModel:
-        return CostModel(self.graph, self.cluster, ratios, self.options, seg, overlap=self.overlap)
+        return CostModel(self.graph, self.cluster, ratios, self.options, seg, overlap=self.overlap,
+                         recompute=self.recompute)
 
     def run(self, seg: Segmentation, ratios: list[list[float]], best: Candidate | None,
             incumbent: tuple[Instruction, ...] | None = None) -> Candidate | None:
@@ -175,7 +216,7 @@ class Loop:
                 continue
             _accumulate(self.stats, res)
             self._record(it, "Q", res.cost, ratios, seg)
-            best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap))
+            best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap, self.recompute))
             key = tuple(res.program)
             if key in seen:
                 break
@@ -185,7 +226,7 @@ class Loop:
                 break  # this program cannot fit under any ratios; keep the best found
             cost = evaluate(res.program, self.cost_model(moved, seg)).total_s
             self._record(it, "B", cost, moved, seg)
-            best = _better(best, Candidate(res.program, moved, cost, seg, self.overlap))
+            best = _better(best, Candidate(res.program, moved, cost, seg, self.overlap, self.recompute))
             ratios, incumbent = moved, res.program
         return best
 
@@ -193,7 +234,8 @@ class Loop:
         """The LP's ratios for `program` (Eq. 2), which respect every device's memory; None if none do."""
         try:
             return balance(program, self.graph, self.cluster, options=self.options, segmentation=seg,
-                           time_limit_s=left_s(self.deadline) or 30.0, overlap=self.overlap).by_segment
+                           time_limit_s=left_s(self.deadline) or 30.0, overlap=self.overlap,
+                           recompute=self.recompute).by_segment
         except InfeasibleError:
             return None
 
@@ -223,12 +265,13 @@ def _better(a: Candidate | None, b: Candidate) -> Candidate:
 
 def plan_of(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
             *, options: PlanOptions = PlanOptions(), segmentation: Segmentation | None = None, strategy: str = "hap",
-            overlap: str = "none") -> Plan:
+            overlap: str = "none", recompute: frozenset[int] = frozenset()) -> Plan:
     """The Plan of a given program and ratios (one flat list, or one row per segment) priced in
-    `overlap`: for programs made by hand or by a restricted search, e.g. in tests and ablations."""
+    `overlap` with the layers `recompute` recomputed: for programs made by hand or by a restricted
+    search, e.g. in tests and ablations."""
     seg = segmentation or Segmentation.single(graph)
-    cm = CostModel(graph, cluster, ratios, options, seg, overlap=overlap)
-    cand = Candidate(program, cm.ratios, evaluate(program, cm).total_s, seg, overlap)
+    cm = CostModel(graph, cluster, ratios, options, seg, overlap=overlap, recompute=frozenset(recompute))
+    cand = Candidate(program, cm.ratios, evaluate(program, cm).total_s, seg, overlap, frozenset(recompute))
     return make_plan(strategy, graph, cluster, cand, options, [], {})
 
 
@@ -236,7 +279,7 @@ def breakdown_of(the_plan: Plan, cluster: Cluster) -> Breakdown:
     """The cost model's breakdown of a plan on `cluster` at the plan's ratios and in its overlap
     mode: per stage and device, the buckets and the tail (what the Timeline page draws)."""
     cm = CostModel(the_plan.graph, cluster, the_plan.ratio_rows, the_plan.options, the_plan.segmentation,
-                   overlap=the_plan.overlap)
+                   overlap=the_plan.overlap, recompute=frozenset(the_plan.recompute))
     return evaluate(the_plan.program, cm)
 
 
@@ -246,7 +289,8 @@ def realized(graph: Graph, cluster: Cluster, cand: Candidate, options: PlanOptio
     seg = cand.segmentation
     sizes = shard_sizes(cand.program, graph, cand.ratios, seg)
     ratios = realized_ratios(graph, sizes, cand.ratios)
-    return sizes, ratios, evaluate(cand.program, CostModel(graph, cluster, ratios, options, seg, overlap=cand.overlap))
+    return sizes, ratios, evaluate(cand.program, CostModel(graph, cluster, ratios, options, seg, overlap=cand.overlap,
+                                                           recompute=cand.recompute))
 
 
 def realized_rank(graph: Graph, cluster: Cluster, cand: Candidate, options: PlanOptions) -> tuple[bool, float]:
@@ -270,4 +314,5 @@ def make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, op
                 stages=stage_records(b, graph), memory_bytes=b.memory_bytes, history=history,
                 search={**stats, "optimizer": options.optimizer, "options": options.to_dict()},
                 segment_of=list(seg.of_node) if seg.count > 1 else [], overlap=cand.overlap,
-                peak_flops=peak_flops(cluster, options.precision))
+                peak_flops=peak_flops(cluster, options.precision),
+                recompute=sorted(cand.recompute))

@@ -16,6 +16,7 @@ from engine.model.graph import Graph
 from engine.options import PlanOptions
 from engine.spmd.breakdown import Breakdown
 from engine.spmd.program import Instruction
+from engine.spmd.recompute import describe
 from engine.spmd.segments import Segmentation
 from engine.spmd.sizes import shard_key
 from engine.spmd.utilisation import Utilisation, of_plan, recorded
@@ -88,6 +89,9 @@ class Plan:
     def mfu(self) -> float | None:
         """Model FLOPs utilisation of the predicted iteration: compute bound / predicted time."""
         return self.utilisation.mfu
+    recompute: list[int] = field(default_factory=list)
+    """Layers (`Node.segment` ids) whose activations are recomputed in backward (`engine.spmd.recompute`);
+    empty, and absent from the JSON, when none are."""
 
     @property
     def segmentation(self) -> Segmentation:
@@ -145,6 +149,8 @@ class Plan:
         if ratios and self.memory_bytes:
             lines.append(f"ratios {min(ratios):.4f} to {max(ratios):.4f}; memory per GPU up to "
                          f"{self.memory_bytes[fullest] / 2**30:.2f} GiB ({self.device_names[fullest]})")
+        if self.recompute:
+            lines.append(f"recompute: {describe(self.graph, self.recompute)}")
         if "expanded" in self.search:
             s = self.search
             lines.append(f"search: {s.get('iterations', 0)} Q<->B iterations, {s['expanded']} states expanded, "
@@ -160,7 +166,8 @@ class Plan:
                 "memory_bytes": self.memory_bytes, "stages": [asdict(s) for s in self.stages],
                 **recorded(self.utilisation),
                 "program": [ins.to_dict() for ins in self.program], "history": self.history, "search": self.search,
-                "segments": self.segment_of, "overlap": self.overlap, "graph": self.graph.to_dict()}
+                "segments": self.segment_of, "overlap": self.overlap,
+                **({"recompute": list(self.recompute)} if self.recompute else {}), "graph": self.graph.to_dict()}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -203,6 +210,7 @@ def plan_from_checked_dict(d: dict[str, Any]) -> Plan:
                     stages=[StageRecord(**s) for s in d["stages"]], memory_bytes=list(d["memory_bytes"]),
                     history=list(d.get("history", [])), search=dict(d.get("search", {})),
                     segment_of=[int(k) for k in d.get("segments", [])], overlap=d.get("overlap", "none"),
-                    peak_flops=None if d.get("peak_flops") is None else float(d["peak_flops"]))
+                    peak_flops=None if d.get("peak_flops") is None else float(d["peak_flops"]),
+                    recompute=[int(k) for k in d.get("recompute", [])])
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None

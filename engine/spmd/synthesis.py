@@ -233,6 +233,8 @@ class _Search:
         self.deltas = [{(sh, whole): self._compute_delta(k, sh, whole) for sh in (False, True) for whole in (False, True)}
                        for k in range(n)]
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
+        self.rerun = [bool(cm.recompute) and graph[nid].segment in cm.recompute for nid in self.prep.order]
+        """Whether position k's layer is recomputed: its collectives run again in backward (engine.spmd.recompute)."""
         self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
         self.mode = _Ddp(self) if cm.overlap == "ddp" else _Duplex(self) if cm.overlap == "duplex" else None
         self.deepest = 0
@@ -548,6 +550,9 @@ class _Search:
             if cm.requires_grad[t]:
                 closed += cm.stage_time(bacc, k) + cm.comm_time(DUAL[key], t, (k,))
                 bacc = ZERO
+            if self.rerun[s.p]:
+                closed += cm.stage_time(bacc, k) + cm.comm_time(key, t, (k,))
+                bacc = ZERO
             props.add(code(t, g))
             props.add(code(t, _COMMUNICATED))
             if g == FULL and self.slice_ok:  # Full subsumes every shard: a slice is free
@@ -603,6 +608,9 @@ class _Search:
             facc = ZERO
             if cm.requires_grad[t]:
                 closed = mode.open_backward(ov, closed, bacc, DUAL[key], t, (k,), k)
+                bacc = ZERO
+            if self.rerun[s.p]:
+                closed = mode.open_backward(ov, closed, bacc, key, t, (k,), k)
                 bacc = ZERO
             props.add(code(t, g))
             props.add(code(t, _COMMUNICATED))

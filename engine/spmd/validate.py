@@ -40,6 +40,7 @@ from engine.options import OPTIMIZERS, OVERLAP_MODES, PlanOptions
 from engine.spmd.cost import CostModel, evaluate
 from engine.spmd.plan import PLAN_KIND, PLAN_SCHEMA_VERSION, Plan, plan_from_checked_dict
 from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
+from engine.spmd.recompute import layers
 from engine.spmd.segments import RESPLIT, instruction_segments, source_segments
 from engine.spmd.sizes import realized_ratios, shard_classes, shard_key, shard_sizes
 from engine.spmd.utilisation import FIELDS as UTILISATION_FIELDS
@@ -155,6 +156,9 @@ def check_plan_dict(d: dict[str, Any]) -> None:
     for i, s in enumerate(segments):
         if not _is_int(s) or s < 0:
             raise _fail(f"segments[{i}]", f"{_shown(s)} is not a segment number (a non-negative integer)")
+    for i, layer in enumerate(_typed(d, "recompute", list, required=False) or []):
+        if not _is_int(layer) or layer < 0:
+            raise _fail(f"recompute[{i}]", f"{_shown(layer)} is not a layer number (a non-negative integer)")
     for i, ins in enumerate(d["program"]):
         _check_instruction_dict(ins, f"program[{i}]")
     if d["graph"].get("kind") != "hap.graph":
@@ -276,6 +280,11 @@ def check_structure(plan: Plan) -> None:
     missing = sorted(set(range(count)) - set(plan.segment_of)) if plan.segment_of else []
     if missing:
         raise _fail("segments", f"segment {missing[0]} holds no node (segments are numbered 0..{count - 1} without gaps)")
+    known = set(layers(plan.graph))
+    for i, layer in enumerate(plan.recompute):
+        if layer not in known or layer in plan.recompute[:i]:
+            raise _fail(f"recompute[{i}]", f"layer {layer} is {'listed twice' if layer in known else 'not a layer of the graph'} "
+                        f"(its layers are the segments of its computed nodes: {sorted(known)[:8]})")
     expected = [str(k) for k in range(count)]
     if sorted(plan.ratios, key=lambda k: (len(k), k)) != expected:
         raise _fail("ratios", f"has keys {sorted(plan.ratios)[:6]} but the plan has {count} segment(s): "
@@ -560,7 +569,8 @@ def check_against_cluster(plan: Plan, cluster: Cluster) -> list[str]:
         raise _fail(f"cluster.machines[{j}]", f"device '{names[j]}' is on machine '{plan.machines[j]}' in the plan but on "
                     f"'{machines[j]}' in cluster '{cluster.name}'", "plan again for this cluster (hap plan --cluster FILE)")
     try:
-        cm = CostModel(plan.graph, cluster, plan.ratio_rows, plan.options, plan.segmentation, overlap=plan.overlap)
+        cm = CostModel(plan.graph, cluster, plan.ratio_rows, plan.options, plan.segmentation, overlap=plan.overlap,
+                       recompute=frozenset(plan.recompute))
         repriced = evaluate(plan.program, cm).total_s
     except (HapError, ValueError, KeyError, ZeroDivisionError) as e:
         return [f"the plan could not be re-priced on cluster '{cluster.name}' ({type(e).__name__}: {e})"]
