@@ -47,6 +47,7 @@ def losses(metrics: Path) -> list[float]:
     pytest.param("bf16", "fp32", "none", id="bf16"),
     pytest.param("fp16", "fp32", "none", id="fp16-scaler"),
     pytest.param("bf16", "bf16", "ddp", id="bf16-grads-in-bf16-ddp-buckets"),
+    pytest.param("fp16", "fp32", "duplex", id="fp16-scaler-duplex-halves"),
 ])
 def test_mixed_precision_training_verifies_against_single_device_autocast(precision, grad_dtype, overlap, tmp_path):
     plan = engine.plan(graph("gpt"), mixed_cluster(), optimizer="sgd", precision=precision, grad_dtype=grad_dtype,
