@@ -136,10 +136,35 @@ def _node_label(n, form: str | None, comm: list[str] | None) -> str:
 # ----------------------------------------------------------------------------- cluster
 
 
+FLOPS_COLUMN = "flops_per_gpu_"
+"""Prefix of the table columns of a device's mixed-precision rates (`flops_per_gpu_bf16`, `flops_per_gpu_fp16`):
+a table cell holds no map, so `flops_per_gpu` shows the fp32 rate and each dtype has a column."""
+
+
 def device_rows(cluster: Cluster) -> list[dict[str, Any]]:
     """Devices as editable table rows (the JSON fields of a device, less the Slurm hints: a nested object no table
-    cell holds; `services.cluster_with_edits` keeps them by device name)."""
-    return [{k: v for k, v in d.to_dict().items() if k != "slurm"} for d in cluster.devices]
+    cell holds; `services.cluster_with_edits` keeps them by device name; a per-dtype `flops_per_gpu` is spread
+    over one column per dtype, `flops_map` folds it back)."""
+    rows = []
+    for d in cluster.devices:
+        row: dict[str, Any] = {}
+        for k, v in d.to_dict().items():
+            if k == "flops_per_gpu":
+                row[k] = d.flops_per_gpu
+                row.update({f"{FLOPS_COLUMN}{dtype}": rate for dtype, rate in d.flops_by_dtype})
+            elif k != "slurm":
+                row[k] = v
+        rows.append(row)
+    return rows
+
+
+def flops_map(row: dict[str, Any]) -> dict[str, Any]:
+    """A table row with its per-dtype rate columns folded back into `flops_per_gpu` (the inverse of `device_rows`)."""
+    rates = {k[len(FLOPS_COLUMN):]: row[k] for k in row if k.startswith(FLOPS_COLUMN)}
+    out = {k: v for k, v in row.items() if not k.startswith(FLOPS_COLUMN)}
+    if rates and "flops_per_gpu" in out:
+        out["flops_per_gpu"] = {"fp32": out["flops_per_gpu"], **rates}
+    return out
 
 
 def link_rows(cluster: Cluster) -> list[dict[str, Any]]:

@@ -196,7 +196,7 @@ def cluster_with_edits(cluster: Cluster, devices: list[dict[str, Any]], links: l
     d = cluster.to_dict()
     hints = {dev.name: dict(dev.slurm) for dev in cluster.devices if dev.slurm}  # not in the table: kept by name
     devices = [{**row, "slurm": hints[row["name"]]} if row.get("name") in hints and "slurm" not in row else row
-               for row in devices]
+               for row in map(ui.flops_map, devices)]
     levels = {str(r.get("level", "")): r.get("bandwidth_Bps") for r in links}
     if devices == d["devices"] and levels == d["network"]["bandwidth_Bps"] and latency_s == d["network"]["latency_s"]:
         return cluster

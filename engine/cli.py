@@ -149,6 +149,11 @@ def _overlap_lines(plan, baselines: dict[str, float | None]) -> list[str]:
         line += f"; predicted {tried}"
     lines.append(line)
     lines += [f"overlap {m} not tried: {why}" for m, why in plan.search.get("overlap_skipped", {}).items()]
+    options = plan.options
+    if options.precision != "fp32" or options.grad_dtype != "fp32":  # mixed precision (engine.spmd.precision)
+        lines.append(f"precision: {options.precision} under autocast (matmuls at the devices' {options.precision} "
+                     f"rate, 2-byte activations; weights and optimizer state fp32), gradients all-reduced in "
+                     f"{options.grad_dtype}")
     return lines
 
 

@@ -41,7 +41,8 @@ def test_malformed_cluster_uploads_show_the_engine_message(app, cpu_cluster):
     bad = json.loads((ROOT / "sample_clusters" / "cpu_2.json").read_text())
     bad["devices"][0]["flops_per_gpu"] = -3
     at.file_uploader(key="cluster.upload").set_value(("c.json", json.dumps(bad).encode(), "application/json")).run()
-    assert at.error[0].value == "ClusterError: devices[0].flops_per_gpu: must be a positive number, got -3 (the sustained FLOP/s of one GPU, e.g. 1.5e13)"
+    assert at.error[0].value.startswith("ClusterError: devices[0].flops_per_gpu: must be a positive number, got -3 "
+                                        "(the sustained FLOP/s of one GPU, e.g. 1.5e13 (read as fp32), or one per dtype")
     assert at.session_state[Keys.CLUSTER] == cpu_cluster
 
 
@@ -59,13 +60,15 @@ def test_table_edits_are_validated_live(app, cpu_cluster):
     app.session_state[_editor_key(cpu_cluster)] = {"edited_rows": {0: {"flops_per_gpu": -1.0}}, "added_rows": [], "deleted_rows": []}
     at = open_page(app, "cluster")
     no_exception(at)
-    assert len(at.error) == 1 and "devices[0].flops_per_gpu: must be a positive number" in at.error[0].value
+    # the A100 rates each dtype, so the table's flops_per_gpu is the fp32 entry of its map
+    assert len(at.error) == 1 and "devices[0].flops_per_gpu.fp32: must be a positive number" in at.error[0].value
     assert at.session_state[Keys.CLUSTER] == cpu_cluster
     at.session_state[_editor_key(cpu_cluster)] = {"edited_rows": {0: {"flops_per_gpu": 4e14}}, "added_rows": [], "deleted_rows": [1]}
     at.run()
     no_exception(at)
     edited = at.session_state[Keys.CLUSTER]
     assert edited.num_devices == cpu_cluster.num_devices - 1 and edited.devices[0].flops_per_gpu == 4e14
+    assert edited.devices[0].flops_per_gpu_in("bf16") == cpu_cluster.devices[0].flops_per_gpu_in("bf16")
     assert not at.error
 
 

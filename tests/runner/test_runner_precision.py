@@ -3,6 +3,7 @@ by every rank, and a bf16 gradient bucket, each verified against single-device t
 autocast (`hap run --verify`'s path: `runner.launch.run` with `verify=True`, rank 0 exiting 1 on a mismatch)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from dist_harness import init_gloo, run_ranks
 from runner_plans import RATIOS, graph
 
 import engine
+from engine.options import PlanOptions
 from runner.config import DistEnv, RunConfig
 from runner.launch import run
 from runner.precision import RankScaler
@@ -45,6 +47,7 @@ def losses(metrics: Path) -> list[float]:
     pytest.param("bf16", "fp32", "none", id="bf16"),
     pytest.param("fp16", "fp32", "none", id="fp16-scaler"),
     pytest.param("bf16", "bf16", "ddp", id="bf16-grads-in-bf16-ddp-buckets"),
+    pytest.param("fp16", "fp32", "duplex", id="fp16-scaler-duplex-halves"),
 ])
 def test_mixed_precision_training_verifies_against_single_device_autocast(precision, grad_dtype, overlap, tmp_path):
     plan = engine.plan(graph("gpt"), mixed_cluster(), optimizer="sgd", precision=precision, grad_dtype=grad_dtype,
@@ -54,7 +57,7 @@ def test_mixed_precision_training_verifies_against_single_device_autocast(precis
     cfg = RunConfig(plan=str(tmp_path / "plan.json"), steps=4, seed=3, verify=True, metrics=str(tmp_path / "m.jsonl"))
     assert run_ranks(train_rank, WORLD, tmp_path / "run", cfg) == [0] * WORLD
     ref, _ = reference_run(plan, 4, 3)
-    fp32, _ = reference_run(engine.plan(graph("gpt"), mixed_cluster(), optimizer="sgd"), 4, 3)
+    fp32, _ = reference_run(dataclasses.replace(plan, search={**plan.search, "options": PlanOptions().to_dict()}), 4, 3)
     got = losses(tmp_path / "m.jsonl")
     assert max(rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, ref)) <= MIXED_TOLERANCE[precision]
     assert max(rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(ref, fp32)) > 1e-6, "autocast ran"
@@ -109,7 +112,6 @@ def test_a_bf16_pipeline_sends_bf16_activations_and_matches_microbatch_accumulat
 
     from test_runner_pipeline import _compare, _train, two_stage_plan
 
-    from engine.options import PlanOptions
     from runner.pipeline import microbatch_reference
 
     fp32 = two_stage_plan("gpt", 2, ((0,), (1,)), 2, "h-1f1b")

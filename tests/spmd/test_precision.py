@@ -125,3 +125,10 @@ def test_pipeline_stages_are_priced_in_the_plans_precision(gpt):
     latency = cluster.network.latency_s
     cut = stages.num_layers // 2
     assert parts["bf16"].transfer(cut, 0, 0, 2) - latency == pytest.approx((parts["fp32"].transfer(cut, 0, 0, 2) - latency) / 2)
+
+
+def test_hap_plan_reports_a_mixed_precision_plan(capsys):
+    code = main(["plan", "--model", "zoo:mlp", "--cluster", sample_path("cpu_2"), "--precision", "bf16",
+                 "--grad-dtype", "bf16", "--time-budget", "1"])
+    out = capsys.readouterr().out
+    assert code == 0 and "precision: bf16 under autocast" in out and "gradients all-reduced in bf16" in out
