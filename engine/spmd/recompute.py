@@ -153,8 +153,8 @@ def search_reserve(cm: CostModel) -> tuple[float, ...]:
         if cm.recomputed[n.id] and not cm.kept[n.id]:
             per.setdefault(n.segment, [0.0] * cm.segmentation.count)[cm.segmentation.of_node[n.id]] += \
                 cm.full_activation[n.id]
-    return tuple(max((sum(b * c.ratios[k] for k, b in enumerate(row)) / c.num_gpus for row in per.values()), default=0.0)
-                 for c in cm.classes)
+    return tuple(max((sum(b * c.ratios[k] for k, b in enumerate(row)) / c.num_gpus for row in per.values()),
+                     default=0.0) for c in cm.classes)
 
 
 def transient_limits(prob: Any, classes, B, mems: list[Mem], transients: list[list[Mem]]) -> None:
@@ -213,8 +213,9 @@ def plan_recomputing(graph: Graph, cluster: Cluster, options: PlanOptions, plan_
                      rebalance: RebalanceFn, ranking: Callable[[], list[int]]) -> Plan:
     """The plan of `options.recompute` (module docstring): `none` and `all` plan once; `auto` keeps
     the plan without recomputation when it fits, else recomputes the fewest, cheapest layers that
-    make it fit, in the order `ranking` gives (`ranked_layers`). Without any plan that fits, the error (or the plan) of planning without
-    recomputation stands, so `none`'s message is what an unfixable model reports."""
+    make it fit, in the order `ranking` gives (`ranked_layers`). Without any plan that fits, the error
+    (or the plan) of planning without recomputation stands, so `none`'s message is what an unfixable
+    model reports."""
     if options.recompute != "auto" or not layers(graph):
         return plan_fn(chosen(graph, options.recompute))
     start = time.perf_counter()

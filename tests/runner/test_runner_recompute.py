@@ -92,7 +92,8 @@ def test_pipeline_stages_recomputing_their_layers_match_microbatch_accumulation(
     from test_runner_pipeline import _compare, _train, hap_stage_plan
 
     plan = hap_stage_plan("gpt", "1f1b")
-    stages = [dataclasses.replace(s, plan=dataclasses.replace(s.plan, recompute=layers(s.plan.graph))) for s in plan.stages]
+    stages = [dataclasses.replace(s, plan=dataclasses.replace(s.plan, recompute=layers(s.plan.graph)))
+              for s in plan.stages]
     plan = dataclasses.replace(plan, stages=stages)
     assert all(s.plan.recompute for s in plan.stages)
     results = run_ranks(_train, 4, tmp_path, json.dumps(plan.to_dict()))

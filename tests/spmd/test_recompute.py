@@ -97,7 +97,8 @@ def test_a_recomputed_layers_collectives_run_again_in_backward():
     g, c = gpt(), small(1000)
     opts = engine.PlanOptions(optimizer="sgd")
     weight = next(n.id for n in g.parameters if n.rank == 2 and n.segment == 1)
-    space = SearchSpace(collectives=frozenset({"all_gather.padded", "slice"}), param_forms=lambda n, f: n != weight or f != -1)
+    space = SearchSpace(collectives=frozenset({"all_gather.padded", "slice"}),
+                        param_forms=lambda n, f: n != weight or f != -1)
     program = synthesize(g, CostModel(g, c, [0.6, 0.4], opts), space=space, beam_width=4).program
     layer_of = {ins.node: g[ins.node].segment for ins in program}
     comms = [ins for ins in program if ins.kind == "comm" and ins.rule != "slice"]
@@ -108,7 +109,8 @@ def test_a_recomputed_layers_collectives_run_again_in_backward():
     assert len(keys(again)) == len(keys(plain)) + len(comms), (keys(plain), keys(again), layer_of)
     assert all(ins.rule in keys(again) for ins in comms)
     # the search prices the same program as the replay does
-    res = synthesize(g, CostModel(g, c, [0.6, 0.4], opts, recompute=frozenset(layers(g))), space=space, incumbent=program,
+    res = synthesize(g, CostModel(g, c, [0.6, 0.4], opts, recompute=frozenset(layers(g))), space=space,
+                     incumbent=program,
                      beam_width=4)
     assert res.cost <= again.total_s * (1 + 1e-9)
 
