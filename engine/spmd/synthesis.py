@@ -232,6 +232,11 @@ class _Search:
         self.slice_ok = "slice" in self.prep.collectives
         self.deltas = [{(sh, whole): self._compute_delta(k, sh, whole) for sh in (False, True) for whole in (False, True)}
                        for k in range(n)]
+        self.rule_memory = [{(r.inputs, r.output): cm.memory_by_class(cm.activation_memory(nid, r.inputs, r.output),
+                                                                      self.seg[k])
+                             for r in self.prep.rules[k]} for k, nid in enumerate(self.prep.order)]
+        """Per position and rule, the per-class bytes its instruction keeps for backward (they depend on
+        the forms of the operands it saves, `engine.spmd.saved`)."""
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
         self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
         self.mode = _Ddp(self) if cm.overlap == "ddp" else _Duplex(self) if cm.overlap == "duplex" else None
@@ -247,11 +252,11 @@ class _Search:
             s.ov = self.mode.root()
         return s
 
-    def _compute_delta(self, k: int, sharded: bool, whole: bool) -> tuple[Acc, Acc, tuple[float, ...]]:
-        """Forward work, backward work and per-class memory bytes of computing position k (`whole`: its
-        parameter operands read whole, see `CostModel.compute_delta`)."""
-        f, b, m = self.cm.compute_delta(self.prep.order[k], sharded, whole)
-        return f, b, self.cm.memory_by_class(m, self.seg[k])
+    def _compute_delta(self, k: int, sharded: bool, whole: bool) -> tuple[Acc, Acc]:
+        """Forward and backward work of computing position k (`whole`: its parameter operands read
+        whole, see `CostModel.compute_delta`); its memory is the rule's (`rule_memory`)."""
+        f, b, _ = self.cm.compute_delta(self.prep.order[k], sharded, whole)
+        return f, b
 
     def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
         """Bound the search by `program`, unless it overflows a device's memory under these ratios
@@ -579,7 +584,8 @@ class _Search:
         its work and memory added, and the forms no later consumer wants dropped from `props`."""
         graph = self.graph
         step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
-        df, db, dm = self.deltas[s.p][(r.sharded, self.cm.weights_whole(nid, r.inputs))]
+        df, db = self.deltas[s.p][(r.sharded, self.cm.weights_whole(nid, r.inputs))]
+        dm = self.rule_memory[s.p][(r.inputs, r.output)]
         step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
         props.add(code(nid, r.output))
         props -= self.prep.dead_codes[s.p]
