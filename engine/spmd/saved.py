@@ -15,8 +15,9 @@ on 16 GPUs, of which autograd keeps none (issue 26).
 
 Rules of the count:
 - A saved view keeps its base's storage, so a save is charged to its *root*: the tensor found by
-  following views (`ALIAS_OPS`) back to the operator that allocated it. Leaves are never charged
-  here (parameters are state; inputs are the batch).
+  following views (`ALIAS_OPS`) back to the operator that allocated it. Leaves are not charged
+  here (parameters are state; inputs are the batch), except a pipeline stage's input received
+  from the previous stage (a `cut` placeholder): an activation, as it is in the whole model.
 - Each root is charged once, split evenly between the instructions that save it, and each share in
   the form its saver receives the operand: a column-parallel matmul whose input was all-gathered
   keeps the Full copy on every device, and attention fed by a reduce-scatter keeps a shard though
@@ -99,7 +100,7 @@ def saves_by_node(graph: Graph, requires_grad: list[bool]) -> list[tuple[tuple[i
         positions, output = saved_positions(n, requires_grad)
         for i in positions:
             r = root_of(graph, n.inputs[i])
-            if not graph[r].is_leaf:
+            if not graph[r].is_leaf or "cut" in graph[r].attrs:
                 saves[n.id].append((i, r))
                 count[r] += 1
         if output:
