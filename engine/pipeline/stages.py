@@ -22,7 +22,8 @@ from functools import cached_property
 
 from engine.errors import PlanError
 from engine.model.graph import Graph, Node
-from engine.spmd.cost import NO_ACTIVATION_OPS, _attention_probs_bytes, _backward_flops, _requires_grad
+from engine.spmd.cost import _attention_probs_bytes, _backward_flops, _requires_grad
+from engine.spmd.saved import saves_by_node
 from engine.spmd.segments import _layer_cuts
 
 
@@ -73,6 +74,7 @@ class StageGraph:
         self.order = [n for n in graph.nodes if not n.is_leaf]
         self.positions = [0, *_layer_cuts(graph, self.order), len(self.order)]
         self.requires_grad = _requires_grad(graph)
+        self.saves = saves_by_node(graph, self.requires_grad)
         self.layers: list[tuple[int, ...]] = [tuple(n.id for n in self.order[a:b])
                                               for a, b in zip(self.positions, self.positions[1:])]
         self.layer_of = {nid: k for k, ids in enumerate(self.layers) for nid in ids}
@@ -172,11 +174,9 @@ class StageGraph:
         return fwd, bwd, sum(self.kept_bytes(i) for i in ids)
 
     def kept_bytes(self, node: int) -> float:
-        """Bytes node `node` keeps from forward to backward (as `engine.spmd.cost.CostModel.compute_delta`)."""
-        n = self.graph[node]
-        if not self.requires_grad[node] or n.op in NO_ACTIVATION_OPS:
-            return 0.0
-        return float(n.nbytes) + _attention_probs_bytes(self.graph, node)
+        """Bytes node `node` keeps from forward to backward, unsharded (`engine.spmd.saved`)."""
+        probs = _attention_probs_bytes(self.graph, node) if self.requires_grad[node] else 0.0
+        return float(sum(nbytes for _, nbytes in self.saves[node])) + probs
 
 
 def _prefix_sums(rows: list[tuple[float, ...]]) -> list[tuple[float, ...]]:

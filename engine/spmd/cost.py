@@ -36,7 +36,8 @@ device reads whole; the model stays linear.
 
 Memory per GPU (not in the paper, users need it): parameter, gradient and optimizer state of the
 local slice of every parameter, plus the activations kept for the backward pass (split over the
-k GPUs of a virtual device).
+k GPUs of a virtual device): the tensors autograd saves, each in the form its saving instruction
+receives it (`engine.spmd.saved`), not every operator's output.
 
 Segments (§5.2): with several segments every segment k has its own ratios B_k; a stage lies
 inside one segment and its work scales with that segment's ratios, and a tensor sharded across a
@@ -93,6 +94,7 @@ from engine.spmd.overlap import batch_derived, bucket_slots, duplex_problem
 from engine.spmd.overlap import price as overlap_price
 from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
 from engine.spmd.recompute import instruction_layers, layer_outputs, recomputed_nodes, search_reserve, transient_peak
+from engine.spmd.saved import kept_split, saves_by_node
 from engine.spmd.segments import RESPLIT, Segmentation, instruction_segments, source_segments
 from engine.theory.core import FULL
 
@@ -136,11 +138,8 @@ FLOPS_BOUND_OPS = frozenset({"linear", "matmul", "einsum", "conv", "sdpa", "opaq
 """Operators priced by their flops at flops_per_gpu even under the roofline split (matmul-class;
 `opaque` ops, whose bytes are unknown, keep their flops estimate)."""
 ZERO_COPY_OPS = frozenset({"view", "permute", "expand", "narrow", "select", "identity", "stage_output"})
-"""Operators that return a view: no bytes moved under the roofline split. (The memory estimate
-still counts the outputs of narrow, select and expand as activations, as it always has.)"""
-NO_ACTIVATION_OPS = frozenset({"view", "permute", "identity", "stage_output"})
-"""Operators that keep nothing for backward: views alias their input; a pipeline stage's end marker
-(`stage_output`, engine/theory/stage.py) computes nothing."""
+"""Operators that return a view: no bytes moved under the roofline split. (What each operator keeps
+for backward is `engine.spmd.saved`'s.)"""
 GATHER_OPS = frozenset({"embedding", "gather"})
 """Operators that read only the rows they return from their table (not the whole table)."""
 
@@ -223,6 +222,8 @@ class CostModel:
         self.requires_grad = _requires_grad(graph)
         self.roofline = all(d.activation_bandwidth_Bps for d in cluster.devices)
         priced = mixed.priced_bytes(graph, options.precision)
+        self.saves = saves_by_node(graph, self.requires_grad, priced)
+        """What each instruction keeps for backward (`engine.spmd.saved.saves_by_node`), in the plan's bytes."""
         self.traffic = [_traffic(graph, n.id, priced) if self.roofline and _memory_bound(n) else 0.0 for n in graph.nodes]
         """Forward bytes moved by each memory-bound operator (all zero without the roofline split)."""
         self.fwd_flops = [0.0 if self.traffic[n.id] else n.flops for n in graph.nodes]
@@ -260,9 +261,10 @@ class CostModel:
         """Recomputation's terms (`engine.spmd.recompute`): a recomputed node's forward work joins its
         backward work; it keeps its activation only when another layer consumes it."""
         self.recomputed = recomputed_nodes(self.graph, self.recompute)
-        self.full_activation = [float(self.nbytes[n.id]) + _attention_probs_bytes(self.graph, n.id) * self.activation_scale
-                                if self.requires_grad[n.id] and n.op not in NO_ACTIVATION_OPS and not n.is_leaf else 0.0
-                                for n in self.graph.nodes]
+        self.full_activation = [sum(b for _, b in self.saves[n.id]) + _attention_probs_bytes(self.graph, n.id) *
+                                self.activation_scale if self.requires_grad[n.id] else 0.0 for n in self.graph.nodes]
+        """What each node keeps for backward when it is not recomputed: a recomputed layer holds it again
+        while its backward runs (`engine.spmd.recompute.transient_peak`)."""
         self.kept = [not r or o for r, o in zip(self.recomputed, layer_outputs(self.graph))]
         for i, again in enumerate(self.recomputed):
             if again:
@@ -375,23 +377,44 @@ class CostModel:
         return all(b <= c.memory_bytes for b, c in zip(class_bytes, self.classes))
 
     # --- per-instruction deltas used by the search and by replay ---------------------------
-    def compute_delta(self, node: int, sharded: bool, weights_whole: bool = True) -> tuple[Acc, Acc, Mem]:
+    def compute_delta(self, node: int, sharded: bool, weights_whole: bool = True,
+                      forms: tuple[tuple[int, ...], int] | None = None) -> tuple[Acc, Acc, Mem]:
         """(forward work, backward work, memory) added by computing `node`. A sharded rule's work scales
         with the device's ratio, but the weights it reads only where they are sharded too
-        (`weights_whole` False): a batch-parallel matmul reads the whole weight on every device."""
-        n = self.graph[node]
+        (`weights_whole` False): a batch-parallel matmul reads the whole weight on every device.
+        The memory is what the instruction keeps for backward in its rule's `forms` (operand forms,
+        result form; `activation_memory`), or with every form sharded or not as `sharded` says."""
         f, b = self.fwd_flops[node], self.bwd_flops[node]
         tf, tb = self.traffic[node], self.bwd_traffic[node]
         wf, wb = self.weight_traffic[node], self.bwd_weight_traffic[node]
-        act = float(self.nbytes[node]) + _attention_probs_bytes(self.graph, node) * self.activation_scale \
-            if self.requires_grad[node] and n.op not in NO_ACTIVATION_OPS else 0.0
-        if self.recompute and not self.kept[node]:
-            act = 0.0  # recomputed in backward (engine.spmd.recompute)
+        if forms is None:
+            form = 0 if sharded else FULL
+            forms = ((form,) * len(self.graph[node].inputs), form)
+        mem = self.activation_memory(node, *forms)
+        if self.recompute and self.recomputed[node]:
+            mem = self.checkpoint_memory(node, forms[1])  # recomputed in backward (engine.spmd.recompute)
         if sharded and weights_whole:
-            return (f, 0.0, 0.0, 0.0, tf, wf), (b, 0.0, 0.0, 0.0, tb, wb), (0.0, 0.0, act, 0.0)
+            return (f, 0.0, 0.0, 0.0, tf, wf), (b, 0.0, 0.0, 0.0, tb, wb), mem
         if sharded:
-            return (f, 0.0, 0.0, 0.0, tf + wf, 0.0), (b, 0.0, 0.0, 0.0, tb + wb, 0.0), (0.0, 0.0, act, 0.0)
-        return (0.0, f, 0.0, 0.0, 0.0, tf + wf), (0.0, b, 0.0, 0.0, 0.0, tb + wb), (0.0, 0.0, 0.0, act)
+            return (f, 0.0, 0.0, 0.0, tf + wf, 0.0), (b, 0.0, 0.0, 0.0, tb + wb, 0.0), mem
+        return (0.0, f, 0.0, 0.0, 0.0, tf + wf), (0.0, b, 0.0, 0.0, 0.0, tb + wb), mem
+
+    def checkpoint_memory(self, node: int, output: int) -> Mem:
+        """What a recomputed node keeps: its result when another layer consumes it (the next
+        checkpoint's input, which autograd keeps), nothing otherwise (`engine.spmd.recompute`)."""
+        if not self.kept[node]:
+            return MEM_ZERO
+        out = float(self.nbytes[node])
+        return (0.0, 0.0, out, 0.0) if output >= 0 else (0.0, 0.0, 0.0, out)
+
+    def activation_memory(self, node: int, inputs: tuple[int, ...], output: int) -> Mem:
+        """Memory terms of what computing `node` keeps for backward with operands in forms `inputs` and
+        its result in form `output` (`engine.spmd.saved`), plus attention's dropout probabilities."""
+        sharded, replicated = kept_split(self.saves[node], inputs, output)
+        probs = _attention_probs_bytes(self.graph, node) * self.activation_scale if self.requires_grad[node] else 0.0
+        if output >= 0 or any(f >= 0 for f in inputs):
+            return 0.0, 0.0, sharded + probs, replicated
+        return 0.0, 0.0, sharded, replicated + probs
 
     def weights_whole(self, node: int, forms: tuple[int, ...]) -> bool:
         """Whether a rule with operand `forms` reads every parameter operand of `node` whole."""
@@ -536,7 +559,8 @@ def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
             fwd_open, bwd_open, fwd, bwd, cur = none, none, ZERO, ZERO, k
             n_bwd += 1
         if ins.kind == COMPUTE:
-            f, b, a = cm.compute_delta(ins.node, is_sharded(ins), cm.weights_whole(ins.node, tuple(g for _, g in ins.pre)))
+            forms = tuple(g for _, g in ins.pre)
+            f, b, a = cm.compute_delta(ins.node, is_sharded(ins), cm.weights_whole(ins.node, forms), (forms, ins.post))
             fwd, bwd, mems[k] = add(fwd, f), add(bwd, b), add(mems[k], a)
         elif ins.kind == LOAD:
             sync, m = cm.load_delta(ins.node, ins.post)

@@ -78,12 +78,14 @@ def _span(names: list[str]) -> str:
 
 
 def priced_bytes(graph: Graph, precision: str) -> list[float] | list[int]:
-    """Bytes of every tensor as the plan runs it: activations (non-leaf float32 tensors) at
-    `ACTIVATION_BYTES`, leaves (parameters, inputs, buffers) and integer tensors as captured."""
+    """Bytes of every tensor as the plan runs it: activations (non-leaf float32 tensors, and a pipeline
+    stage's input received from the previous stage, a `cut` placeholder) at `ACTIVATION_BYTES`; leaves
+    (parameters, inputs, buffers) and integer tensors as captured."""
     if precision == "fp32":
         return [n.nbytes for n in graph.nodes]
     scale = ACTIVATION_BYTES[precision]
-    return [n.nbytes * scale if not n.is_leaf and n.dtype == "float32" else n.nbytes for n in graph.nodes]
+    return [n.nbytes * scale if (not n.is_leaf or "cut" in n.attrs) and n.dtype == "float32" else n.nbytes
+            for n in graph.nodes]
 
 
 def cast_parameters(graph: Graph) -> frozenset[int]:

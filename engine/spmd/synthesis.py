@@ -15,6 +15,10 @@ Properties of tensors whose last consumer has run are dropped (§4.5, third opti
 makes equivalent programs meet in the same state. A program is complete when the loss holds as
 `Partial` or `Full`.
 
+Under a beam, side arithmetic (nodes none of whose operands needs a gradient: masks, position ids,
+rotary tables) runs replicated: its Full result slices to any shard for free, and its sharded
+variants, a hair cheaper, would fill the beam (`_Prepared._replicate_side`). Exact A* keeps them.
+
 Score. g = cost of the closed stages plus the open forward and backward stages' slowest device;
 h = the remaining computation perfectly balanced over all devices at infinite bandwidth, less
 what the open stages can still absorb without getting longer: admissible, so A* is optimal for
@@ -126,13 +130,18 @@ class _State:
 class _Prepared:
     """Per-graph tables the search consults in its inner loop."""
 
-    def __init__(self, graph: Graph, space: SearchSpace, segmentation: Segmentation) -> None:
+    def __init__(self, graph: Graph, space: SearchSpace, segmentation: Segmentation,
+                 side: list[bool] | None = None) -> None:
         self.graph = graph
         self.order = [n.id for n in graph.nodes if not n.is_leaf]
         self.segment = [segmentation.of_node[nid] for nid in self.order] + [0]
         """Segment of each position (§5.2); a change between p-1 and p is a segment boundary."""
         pos_of = {nid: k for k, nid in enumerate(self.order)}
         self.rules = [[r for r in op_rules(graph[nid], graph) if space.rule_filter(nid, r)] for nid in self.order]
+        self.side_replicated = 0
+        """Side-arithmetic nodes held to their replicate rule (`_replicate_side`)."""
+        if side is not None and "slice" in space.collectives:
+            self.rules = [self._replicate_side(rules, side[nid]) for nid, rules in zip(self.order, self.rules)]
         for nid, rules in zip(self.order, self.rules):
             if not rules:
                 raise InfeasibleError(f"node '{graph[nid].name}' ({graph[nid].op}) has no rule in this search space")
@@ -158,6 +167,21 @@ class _Prepared:
             for t in dict.fromkeys(graph[nid].inputs):
                 self.consumers[t].append(k)
         self.wanted_after = [self._suffix_wanted(t) for t in range(len(graph))]
+
+    def _replicate_side(self, rules: list[OpRule], side: bool) -> list[OpRule]:
+        """Only the all-Full rule of a side-arithmetic node (`side`: no operand needs a gradient, e.g. an
+        attention mask, position ids, a rotary table, shifted labels), when it has one. Its Full
+        result slices to any shard for free, so a sharded rule saves at most that node's own
+        compute, a hair; but its variants multiply the states (2^k for k such nodes) that differ by
+        that hair and fill a beam before the choices that matter. In a Llama the causal mask's form
+        is fixed near the graph's start and read by every layer's attention: left sharded by a full
+        beam, it ruled out the attention layouts that need it whole (issue 26: 11.0 s predicted for
+        an 8-layer 1.9B Llama against 7.8 s with this rule)."""
+        full = [r for r in rules if r.output == FULL and all(f == FULL for f in r.inputs)]
+        if not side or not full or len(full) == len(rules):
+            return rules
+        self.side_replicated += 1
+        return full
 
     def _suffix_wanted(self, t: int) -> list[frozenset[int]]:
         """For each consumer index i of t: the forms wanted by consumers i, i+1, ... (plus the goal for the loss)."""
@@ -206,7 +230,9 @@ class _Search:
         self.graph, self.cm, self.budget, self.progress, self.report_every = graph, cm, budget, progress, report_every
         self.beam_width = beam_width
         self.beam_cut = math.inf  # lowest score of a state the beam skipped
-        self.prep = _Prepared(graph, space, cm.segmentation)
+        side = [not n.is_leaf and not g for n, g in zip(graph.nodes, cm.requires_grad)]
+        self.prep = _Prepared(graph, space, cm.segmentation, side if beam_width is not None else None)
+        """Under a beam, side arithmetic runs replicated (`_Prepared._replicate_side`); exact A* keeps every rule."""
         self.seg = self.prep.segment
         n = len(self.prep.order)
         self.rem_f = [0.0] * (n + 1)
@@ -232,6 +258,11 @@ class _Search:
         self.slice_ok = "slice" in self.prep.collectives
         self.deltas = [{(sh, whole): self._compute_delta(k, sh, whole) for sh in (False, True) for whole in (False, True)}
                        for k in range(n)]
+        self.rule_memory = [{(r.inputs, r.output): cm.memory_by_class(cm.activation_memory(nid, r.inputs, r.output),
+                                                                      self.seg[k])
+                             for r in self.prep.rules[k]} for k, nid in enumerate(self.prep.order)]
+        """Per position and rule, the per-class bytes its instruction keeps for backward (they depend on
+        the forms of the operands it saves, `engine.spmd.saved`)."""
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
         self.rerun = [bool(cm.recompute) and graph[nid].segment in cm.recompute for nid in self.prep.order]
         """Whether position k's layer is recomputed: its collectives run again in backward (engine.spmd.recompute)."""
@@ -249,11 +280,11 @@ class _Search:
             s.ov = self.mode.root()
         return s
 
-    def _compute_delta(self, k: int, sharded: bool, whole: bool) -> tuple[Acc, Acc, tuple[float, ...]]:
-        """Forward work, backward work and per-class memory bytes of computing position k (`whole`: its
-        parameter operands read whole, see `CostModel.compute_delta`)."""
-        f, b, m = self.cm.compute_delta(self.prep.order[k], sharded, whole)
-        return f, b, self.cm.memory_by_class(m, self.seg[k])
+    def _compute_delta(self, k: int, sharded: bool, whole: bool) -> tuple[Acc, Acc]:
+        """Forward and backward work of computing position k (`whole`: its parameter operands read
+        whole, see `CostModel.compute_delta`); its memory is the rule's (`rule_memory`)."""
+        f, b, _ = self.cm.compute_delta(self.prep.order[k], sharded, whole)
+        return f, b
 
     def set_incumbent(self, program: tuple[Instruction, ...]) -> None:
         """Bound the search by `program`, unless it overflows a device's memory under these ratios
@@ -402,12 +433,12 @@ class _Search:
             if self.expanded % 64 == 0 and self.expanded % self.report_every == 0:
                 self._report(start)
         self._report(start)
+        optimal = optimal and self.beam_cut >= self.best_cost and not self.prep.side_replicated
         if self.best is None and self.incumbent is not None:
-            return SearchResult(self.incumbent, self.best_cost, optimal and self.beam_cut >= self.best_cost, self.expanded,
+            return SearchResult(self.incumbent, self.best_cost, optimal, self.expanded,
                                 self.generated, self.pruned, time.perf_counter() - start, self.frontier)
         if self.best is None:
             raise InfeasibleError(self._why_none())
-        optimal = optimal and self.beam_cut >= self.best_cost
         return SearchResult(self._program(self.best), self.best_cost, optimal, self.expanded, self.generated,
                             self.pruned, time.perf_counter() - start, self.frontier)
 
@@ -584,7 +615,8 @@ class _Search:
         its work and memory added, and the forms no later consumer wants dropped from `props`."""
         graph = self.graph
         step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
-        df, db, dm = self.deltas[s.p][(r.sharded, self.cm.weights_whole(nid, r.inputs))]
+        df, db = self.deltas[s.p][(r.sharded, self.cm.weights_whole(nid, r.inputs))]
+        dm = self.rule_memory[s.p][(r.inputs, r.output)]
         step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
         props.add(code(nid, r.output))
         props -= self.prep.dead_codes[s.p]

@@ -12,9 +12,10 @@ from engine.cluster.spec import Cluster
 from engine.errors import ClusterError
 from engine.options import PlanOptions
 from engine.spmd.baselines import data_parallel_space
-from engine.spmd.cost import NO_ACTIVATION_OPS, STATE_BYTES_PER_PARAM_BYTE, CostModel, _requires_grad, evaluate
+from engine.spmd.cost import STATE_BYTES_PER_PARAM_BYTE, CostModel, _requires_grad, evaluate
 from engine.spmd.precision import AUTOCAST_OPS
 from engine.spmd.program import COMPUTE, LOAD
+from engine.spmd.saved import OUTPUT, saves_by_node
 from engine.spmd.synthesis import synthesize
 
 H100 = sample_path("h100x8_node")
@@ -40,9 +41,12 @@ def test_a_compute_bound_gpt_in_bf16_is_predicted_at_least_twice_as_fast_on_h100
 
 def test_bf16_memory_is_fp32_state_and_cast_cache_plus_two_byte_activations(plans, gpt):
     """Per device: 16 B per local parameter (Adam: weight, gradient, m, v in fp32), 2 B more per
-    parameter an autocast op reads (its cached bf16 copy), and every kept activation at 2 B an element."""
+    parameter an autocast op reads (its cached bf16 copy), and every kept activation (what autograd
+    saves, engine.spmd.saved) at 2 B an element when it is a float32 one."""
     plan = plans["bf16"]
     g, grad = plan.graph, _requires_grad(plan.graph)
+    two_bytes = [n.numel * 2 if n.dtype == "float32" and not n.is_leaf else n.nbytes for n in g.nodes]
+    saves = saves_by_node(g, grad, two_bytes)
     cast = {i for n in g.nodes if n.op in AUTOCAST_OPS for i in n.inputs if g[i].op == "parameter"}
     assert cast and len(cast) < len(g.parameters), "the embeddings and norms are not cast, the linear weights are"
     for j, ratio in enumerate(plan.ratios["0"]):
@@ -53,8 +57,10 @@ def test_bf16_memory_is_fp32_state_and_cast_cache_plus_two_byte_activations(plan
             if ins.kind == LOAD and n.op == "parameter":
                 per_param = 4 * STATE_BYTES_PER_PARAM_BYTE["adam"] + (2 if n.id in cast else 0)
                 expected += n.numel * per_param * local
-            elif ins.kind == COMPUTE and grad[n.id] and n.op not in NO_ACTIVATION_OPS:
-                expected += n.numel * (2 if n.dtype == "float32" else n.nbytes / n.numel) * local
+            elif ins.kind == COMPUTE:
+                for pos, nbytes in saves[n.id]:
+                    form = ins.post if pos == OUTPUT else ins.pre[pos][1]
+                    expected += nbytes * (ratio if form >= 0 else 1.0)
         assert plan.memory_bytes[j] == pytest.approx(expected, rel=1e-9)
     assert plan.memory_bytes[0] < plans["fp32"].memory_bytes[0]
 

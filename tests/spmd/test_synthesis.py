@@ -524,3 +524,29 @@ def test_reported_cost_equals_replayed_cost_for_small_gpt_in_the_overlap_modes(s
         assert_well_formed(result.program, small_gpt)
         if beam is None:
             assert result.optimal is True
+
+
+def side_arithmetic_graph(B: int = 8, H: int = 16) -> Graph:
+    """o = (x W) * (2 m): the scaled mask 2 m needs no gradient (side arithmetic, as an attention mask)."""
+    from conftest import build_graph
+
+    return build_graph([
+        ("x", "placeholder", (), (B, H)),
+        ("m", "placeholder", (), (B, H)),
+        ("mm", "mul", (1,), (B, H), B * H, {"scalar": 2.0, "scalar_first": False}),
+        ("w", "parameter", (), (H, H)),
+        ("h", "linear", (0, 3), (B, H), 2 * B * H * H),
+        ("o", "mul", (4, 2), (B, H), B * H),
+        ("y", "placeholder", (), (B, H)),
+        ("loss", "mse_loss", (5, 6), (), 3 * B * H, {"count": B * H}),
+    ], name="hand_side")
+
+
+def test_under_a_beam_side_arithmetic_runs_replicated_and_the_result_is_not_called_optimal():
+    g = side_arithmetic_graph()
+    cm = CostModel(g, engine.load_cluster(cluster_dict([1e12, 5e11])), [2 / 3, 1 / 3])
+    exact, beamed = synthesize(g, cm), synthesize(g, cm, beam_width=64)
+    side = [i.rule for r in (exact, beamed) for i in r.program if i.kind == COMPUTE and i.node == 2]
+    assert side[1] == "replicate" and not beamed.optimal, "its Full result slices to any shard for free"
+    assert exact.optimal and beamed.cost >= exact.cost
+    assert beamed.cost - exact.cost <= g[2].flops / 5e11, "at most the side node's own compute"
