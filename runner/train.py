@@ -23,6 +23,7 @@ from .duplex import HalfStream, half_args, run_halves, setup_halves
 from .overlap import GradBuckets
 from .program import RankProgram, build_rank_program, shard, sizes_of
 from .timing import Pacer
+from .zero import RankStates, apply_states
 
 
 def build_module(plan: Plan, seed: int) -> torch.nn.Module:
@@ -77,6 +78,8 @@ class RankState:
     """The two half-batch streams of overlap `duplex` (runner.duplex); empty otherwise."""
     bucket: FlatBuffer = field(default_factory=FlatBuffer)
     """Where the one gradient bucket of overlap `none` is built, kept across steps."""
+    zero: RankStates | None = None
+    """The plan's sharded states of Full weights on this rank (runner.zero); None when it has none."""
 
 
 GRAD_SYNC = ("bucket", "per-param")
@@ -109,6 +112,7 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
                for node, form in program.leaves if plan.graph[node].op == "buffer"}
     st = RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync, buffers=buffers,
                    seed=seed)
+    st.zero = apply_states(plan, st, lambda tensors: make_optimizer(tensors, optimizer, lr))
     if plan.overlap != "none":  # every rank creates the same groups in the same order
         st.halves = setup_halves(plan, rank, module, device, probes=probes) if plan.overlap == "duplex" else []
         group = dist.new_group(list(range(plan.world_size)))
@@ -141,9 +145,8 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
     if st.halves:
         value = duplex_pass(plan, st, rank, batch, step, pacer, 1.0 if partial else 1.0 / dist.get_world_size())
     else:
-        args = program_args(plan, st, rank, batch, step)
-        with factory_device(st.device):
-            loss = st.program.module(*args)
+        with factory_device(st.device), (st.zero.saving() if st.zero else contextlib.nullcontext()):
+            loss = st.program.module(*program_args(plan, st, rank, batch, step))  # gathered weights die with the call
         pacer.set_phase("bwd")
         value = loss.detach().reshape(1).clone()
         if st.buckets is not None:
@@ -151,7 +154,11 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
         (loss if partial else loss / dist.get_world_size()).backward()
     pacer.set_phase("step")
     sync_gradients(st, value if partial else None)
+    if st.zero:
+        st.zero.reduce_gradients()
     st.optimizer.step()
+    if st.zero:
+        st.zero.gather_updated()
     pacer.end_step()
     st.losses.append(float(value))
     st.step_times.append(time.perf_counter() - start)
@@ -184,7 +191,7 @@ def factory_device(device: torch.device) -> contextlib.AbstractContextManager:
 def program_args(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...], step: int = 0) -> list:
     """The rank program's arguments in call order: the dropout key of `step` (when the plan has
     dropout sites), then local parameters, buffers and this rank's input slices."""
-    params = iter(st.params)
+    params = iter(st.params if st.zero is None else st.zero.program_params(st.params))
     rng = [RngKey(st.seed, step)] if st.program.uses_rng else []
     return rng + [next(params) if st.program.is_param[node] else st.buffers[node] if node in st.buffers
             else shard(plan, node, form, rank, batch[plan.graph[node].attrs["index"]]) for node, form in st.program.leaves]
@@ -210,8 +217,8 @@ def sync_gradients(st: RankState, loss_addend: torch.Tensor | None) -> None:
 def gathered_params(plan: Plan, st: RankState) -> dict[str, torch.Tensor]:
     """Every parameter of the plan, reassembled to its full shape (for verify mode)."""
     out = {}
-    for (node, form), p in zip(st.program.params, st.params):
-        t = p.detach()
+    for i, ((node, form), p) in enumerate(zip(st.program.params, st.params)):
+        t = p.detach() if st.zero is None else st.zero.whole(i, p)
         if form >= 0:
             t = gather_padded(t.contiguous(), form, sizes_of(plan, node, form))
         out[plan.graph[node].attrs["target"]] = t

@@ -80,6 +80,7 @@ from engine.spmd.overlap import batch_derived, bucket_slots, duplex_problem
 from engine.spmd.overlap import price as overlap_price
 from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
 from engine.spmd.segments import RESPLIT, Segmentation, instruction_segments, source_segments
+from engine.spmd.zero import StateSharding, StatesTerms, comm_terms, state_memory, states_terms, transient_bytes
 from engine.theory.core import FULL
 
 DEFAULT_OPTIONS = PlanOptions()
@@ -184,7 +185,7 @@ class CostModel:
 
     def __init__(self, graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
                  options: PlanOptions = DEFAULT_OPTIONS, segmentation: Segmentation | None = None,
-                 overlap: str = "none") -> None:
+                 overlap: str = "none", states: StateSharding | None = None) -> None:
         if overlap not in OVERLAP_MODES:
             raise PlanError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
         if overlap == "duplex" and (why := duplex_problem(graph)):
@@ -223,6 +224,11 @@ class CostModel:
         self.batch_derived = batch_derived(graph) if overlap == "duplex" else []
         """Duplex: whether each tensor splits with the batch (each half moves half of it)."""
         self._slots: list[list[int]] | None = None
+        self.states = states
+        """Stages and shares of the Full weights' states (`engine.spmd.zero`); None: all at stage 0."""
+        self.shares = [states.shares[c.devices[0]] for c in self.classes] if states else [0.0] * len(self.classes)
+        self.transient_bytes = transient_bytes(graph, states)
+        """Transient bytes per GPU of the staged weights (gathered stage-3 weights, a stage-2 gradient)."""
 
     @property
     def slots(self) -> list[list[int]]:
@@ -304,8 +310,9 @@ class CostModel:
     # --- memory ----------------------------------------------------------------------------
     def memory_by_class(self, mem: Mem, segment: int = 0) -> tuple[float, ...]:
         """Per-GPU bytes from (sharded state, replicated state, sharded activations, replicated activations)."""
-        s, r, sa, ra = mem
-        return tuple(s * c.ratios[segment] + r + (sa * c.ratios[segment] + ra) / c.num_gpus for c in self.classes)
+        s, r, sa, ra, zs = mem
+        return tuple(s * c.ratios[segment] + r + (sa * c.ratios[segment] + ra) / c.num_gpus + zs * z
+                     for c, z in zip(self.classes, self.shares))
 
     def class_memory(self, mems: list[Mem]) -> tuple[float, ...]:
         """Per-GPU bytes of every class, summed over the segments' memory terms."""
@@ -315,7 +322,7 @@ class CostModel:
         return out
 
     def fits(self, class_bytes: tuple[float, ...]) -> bool:
-        return all(b <= c.memory_bytes for b, c in zip(class_bytes, self.classes))
+        return all(b + self.transient_bytes <= c.memory_bytes for b, c in zip(class_bytes, self.classes))
 
     # --- per-instruction deltas used by the search and by replay ---------------------------
     def compute_delta(self, node: int, sharded: bool, weights_whole: bool = True) -> tuple[Acc, Acc, Mem]:
@@ -329,10 +336,10 @@ class CostModel:
         act = float(self.nbytes[node]) + _attention_probs_bytes(self.graph, node) \
             if self.requires_grad[node] and n.op not in NO_ACTIVATION_OPS else 0.0
         if sharded and weights_whole:
-            return (f, 0.0, 0.0, 0.0, tf, wf), (b, 0.0, 0.0, 0.0, tb, wb), (0.0, 0.0, act, 0.0)
+            return (f, 0.0, 0.0, 0.0, tf, wf), (b, 0.0, 0.0, 0.0, tb, wb), (0.0, 0.0, act, 0.0, 0.0)
         if sharded:
-            return (f, 0.0, 0.0, 0.0, tf + wf, 0.0), (b, 0.0, 0.0, 0.0, tb + wb, 0.0), (0.0, 0.0, act, 0.0)
-        return (0.0, f, 0.0, 0.0, 0.0, tf + wf), (0.0, b, 0.0, 0.0, 0.0, tb + wb), (0.0, 0.0, 0.0, act)
+            return (f, 0.0, 0.0, 0.0, tf + wf, 0.0), (b, 0.0, 0.0, 0.0, tb + wb, 0.0), (0.0, 0.0, act, 0.0, 0.0)
+        return (0.0, f, 0.0, 0.0, 0.0, tf + wf), (0.0, b, 0.0, 0.0, 0.0, tb + wb), (0.0, 0.0, 0.0, act, 0.0)
 
     def weights_whole(self, node: int, forms: tuple[int, ...]) -> bool:
         """Whether a rule with operand `forms` reads every parameter operand of `node` whole."""
@@ -345,9 +352,41 @@ class CostModel:
             return ZERO, MEM_ZERO
         nbytes = float(n.nbytes)
         state = nbytes * self.state_factor
+        if form == FULL and self.states is not None and self.states.stage(node):  # its work: `states_time`
+            whole, split = state_memory(self.states.stage(node), nbytes, self.state_factor)
+            return ZERO, (0.0, whole, 0.0, 0.0, split)
         if form == FULL:
-            return (0.0, 0.0, 0.0, nbytes, 0.0, 0.0), (0.0, state, 0.0, 0.0)
-        return (0.0, 0.0, nbytes, 0.0, 0.0, 0.0), (state, 0.0, 0.0, 0.0)
+            return (0.0, 0.0, 0.0, nbytes, 0.0, 0.0), (0.0, state, 0.0, 0.0, 0.0)
+        return (0.0, 0.0, nbytes, 0.0, 0.0, 0.0), (state, 0.0, 0.0, 0.0, 0.0)
+
+    def states_terms(self, program: tuple[Instruction, ...]) -> StatesTerms:
+        """The program's staged weights (`engine.spmd.zero.states_terms`)."""
+        return states_terms(program, self.graph, self.states)
+
+    def states_comm_terms(self, t: StatesTerms) -> tuple[float, float]:
+        """(constant, per largest share) seconds of the staged weights' reduce-scatters and all-gathers."""
+        if self.cluster.num_devices == 1:
+            return 0.0, 0.0
+        return comm_terms(t, self._terms("reduce_scatter", 1.0), self._terms("all_gather.padded", 1.0))
+
+    def states_work(self, t: StatesTerms, c: DeviceClass, share) -> float:
+        """Seconds of the staged weights' per-byte work on class `c` holding `share` of their state: the
+        bucket copies and the sync inside a virtual device on all of them, the optimizer update on its
+        share (`share` may be an LP variable)."""
+        whole = c.full_param_s_per_byte - c.sharded_param_s_per_byte + self.sync_s_per_byte(c)
+        return t.staged_bytes * (whole + (c.sharded_param_s_per_byte - self.sync_s_per_byte(c)) * share)
+
+    def sync_s_per_byte(self, c: DeviceClass) -> float:
+        """Seconds per byte of the gradient all-reduce inside a virtual device of class `c` (0 for one GPU)."""
+        d = self.cluster.devices[c.devices[0]]
+        return 2.0 * (c.num_gpus - 1) / c.num_gpus / d.intra_bandwidth_Bps if c.num_gpus > 1 else 0.0
+
+    def states_time(self, t: StatesTerms) -> float:
+        """Seconds the staged weights add after backward at this model's shares."""
+        if not t.any:
+            return 0.0
+        const, per = self.states_comm_terms(t)
+        return const + per * max(self.shares) + max(self.states_work(t, c, z) for c, z in zip(self.classes, self.shares))
 
 
 def class_work(acc: Acc, c: DeviceClass, ratio) -> float:
@@ -479,7 +518,7 @@ def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
         elif ins.kind == LOAD:
             sync, m = cm.load_delta(ins.node, ins.post)
             mems[k] = add(mems[k], m)
-            if cm.graph[ins.node].op == "parameter" and ins.post == FULL:
+            if cm.graph[ins.node].op == "parameter" and ins.post == FULL and not (cm.states and cm.states.stage(ins.node)):
                 bucket_bytes += cm.nbytes[ins.node]
                 program_position[ins.node] = i
                 anchor[ins.node] = (n_bwd, bwd)
@@ -534,9 +573,9 @@ def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
     memory = [0.0] * cm.cluster.num_devices
     for c, b in zip(cm.classes, per_class):
         for j in c.devices:
-            memory[j] = b
+            memory[j] = b + cm.transient_bytes
     if cm.overlap == "none":
-        return overlap_price(Breakdown(0.0, stages, comm, comp, memory, cm.ratios, devices=names))
+        return _with_states(overlap_price(Breakdown(0.0, stages, comm, comp, memory, cm.ratios, devices=names)), program, cm)
     tail = [0.0] * cm.cluster.num_devices
     for c in cm.classes:
         t = sum(class_work(acc, c, c.ratios[k]) for k, acc in enumerate(r.tails))
@@ -552,7 +591,16 @@ def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
                             tuple(_left(stages, at, pre, cm)) if cm.overlap == "ddp" else ())
                for params, nbytes, at, pre in r.buckets]
     out = Breakdown(0.0, stages, comm, comp, memory, cm.ratios, cm.overlap, records, max(tail), tail, half, names)
-    return overlap_price(out)
+    return _with_states(overlap_price(out), program, cm)
+
+
+def _with_states(b: Breakdown, program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
+    """`b` with the staged weights' time after backward added (`engine.spmd.zero`); unchanged without them."""
+    if cm.states is None:
+        return b
+    b.states_s = cm.states_time(cm.states_terms(program))
+    b.total_s += b.states_s
+    return b
 
 
 def _left(stages: list[Stage], at: int, pre: Acc, cm: CostModel) -> list[float]:

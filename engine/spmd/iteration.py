@@ -25,7 +25,7 @@ why the loop lives here and not in the top-level planner.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from engine.cluster.spec import Cluster
@@ -33,10 +33,11 @@ from engine.errors import InfeasibleError, PlanError
 from engine.model.graph import Graph
 from engine.options import PlanOptions
 from engine.spmd.balance import balance
-from engine.spmd.baselines import (Candidate, baselines, check_total_memory, left_s, memory_fitted_baseline,
-                                   oom_message, priced_in, proportional_ratios)
+from engine.spmd.baselines import (Candidate, baselines, check_total_memory, data_parallel, left_s,
+                                   memory_fitted_baseline, memory_parts, memory_ratios, oom_message, priced_in,
+                                   proportional_ratios, unlimited)
 from engine.spmd.breakdown import Breakdown
-from engine.spmd.cost import CostModel, evaluate
+from engine.spmd.cost import STATE_BYTES_PER_PARAM_BYTE, CostModel, evaluate
 from engine.spmd.halves import halves_problem
 from engine.spmd.overlap import duplex_run_problem
 from engine.spmd.plan import Plan, stage_records
@@ -44,6 +45,7 @@ from engine.spmd.program import Instruction
 from engine.spmd.segments import Segmentation, segment_graph, with_resplits
 from engine.spmd.sizes import realized_ratios, shard_key, shard_sizes
 from engine.spmd.synthesis import SearchProgress, SearchSpace, synthesize
+from engine.spmd.zero import StateSharding, all_params_at, choose_stages, memory_proportional_shares, to_record
 
 Progress = Callable[[SearchProgress], None]
 """Called every `options.report_every` expansions of each search (the workbench's live frontier)."""
@@ -51,7 +53,59 @@ Progress = Callable[[SearchProgress], None]
 
 def plan_spmd(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Progress | None = None, *,
               space: SearchSpace | None = None) -> Plan:
-    """Plan `graph` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found.
+    """Plan `graph` on `cluster` with the Full weights' states sharded as `options.shard_states` says
+    (`engine.spmd.zero`): 0 none; 1, 2 or 3 every weight at that stage; `auto` none when the plan
+    fits, else the stages `choose_stages` picks (a restricted search, a pipeline stage's, stays at 0).
+    The Q<->B loop itself is `plan_with_states`."""
+    stage = options.shard_states
+    if stage == 0:
+        return plan_with_states(graph, cluster, options, progress, space=space)
+    if stage != "auto":
+        return plan_with_states(graph, cluster, options, progress, space=space,
+                                 states=StateSharding(all_params_at(graph, stage), _memory_shares(cluster)))
+    try:
+        made = plan_with_states(graph, cluster, options, progress, space=space)
+        if space is not None or _fits(made, cluster):
+            return made
+        why: InfeasibleError | None = None
+    except InfeasibleError as e:
+        if space is not None:
+            raise
+        why = e
+    stages = auto_stages(graph, cluster, options)
+    if stages is None:
+        raise why or InfeasibleError(oom_message(graph, cluster, options))
+    return plan_with_states(graph, cluster, options, progress, space=space,
+                             states=StateSharding(stages, _memory_shares(cluster)))
+
+
+def _memory_shares(cluster: Cluster) -> tuple[float, ...]:
+    return memory_proportional_shares([d.memory_bytes_per_gpu * d.num_gpus for d in cluster.devices])
+
+
+def _fits(made: Plan, cluster: Cluster) -> bool:
+    return all(m <= d.memory_bytes_per_gpu for m, d in zip(made.memory_bytes, cluster.devices))
+
+
+def auto_stages(graph: Graph, cluster: Cluster, options: PlanOptions) -> dict[int, int] | None:
+    """`shard_states=auto`'s stages: the lowest per weight, largest first, that make data parallelism
+    at memory-proportional ratios fit (`engine.spmd.zero.choose_stages`); HAP's own sharding only
+    lowers the memory of the plan found with them. None when nothing fits even at stage 3."""
+    ratios = memory_ratios(cluster)
+    try:
+        program = data_parallel(graph, CostModel(graph, unlimited(cluster), ratios, options)).program
+    except InfeasibleError:
+        return None
+    need = [sum(part) for part in memory_parts(program, CostModel(graph, cluster, ratios, options))]
+    stages = choose_stages(graph, need, [d.memory_bytes_per_gpu for d in cluster.devices],
+                           STATE_BYTES_PER_PARAM_BYTE[options.optimizer], _memory_shares(cluster))
+    return stages if stages else None
+
+
+def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Progress | None = None, *,
+                      space: SearchSpace | None = None, states: StateSharding | None = None) -> Plan:
+    """Plan `graph` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found,
+    with the Full weights' states kept as `states` says (None: replicated).
 
     `options.overlap` is the overlap mode to plan in (`none`, `ddp`, `duplex`), or `auto`: plan in
     ddp and in duplex (each with an equal share of what is left of the budget), price the ddp plan
@@ -62,6 +116,8 @@ def plan_spmd(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Pr
     hierarchical collectives inside a pipeline stage); the data-parallel seeds are searched in
     their own spaces."""
     modes, skipped = overlap_modes(graph, options.overlap)
+    if states is not None and 3 in states.stages.values():
+        modes, skipped = _without_duplex(modes, skipped, options.overlap)
     seg = segment_graph(graph, options.segments)
     start = time.perf_counter()
     deadline = None if options.time_budget_s is None else start + options.time_budget_s
@@ -71,7 +127,7 @@ def plan_spmd(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Pr
         "expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
         "baselines_s": {k: None if c is None else realized_rank(graph, cluster, c, options)[1] for k, c in seeds.items()},
         "overlap_request": options.overlap, "overlap_s": {}, "overlap_skipped": skipped}
-    loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace())
+    loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace(), states=states)
     found: dict[str, Candidate] = {}
     for k, mode in enumerate(modes):
         share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - k)
@@ -99,6 +155,18 @@ def plan_spmd(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Pr
         stats["overlap_skipped"]["duplex"] = problem
 
 
+STAGE3_DUPLEX = ("duplex runs two half-batch streams over the same weights; ZeRO-3 gathers each weight on use, "
+                 "which the runner does in one stream only")
+
+
+def _without_duplex(modes: list[str], skipped: dict[str, str], overlap: str) -> tuple[list[str], dict[str, str]]:
+    """The overlap modes left when some weight is at ZeRO stage 3 (no duplex)."""
+    if overlap == "duplex":
+        raise PlanError(f"overlap 'duplex' with shard_states 3: {STAGE3_DUPLEX}; use overlap ddp, none or auto, "
+                        "or shard_states 1 or 2")
+    return [m for m in modes if m != "duplex"], {**skipped, "duplex": STAGE3_DUPLEX} if "duplex" in modes else skipped
+
+
 def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]]:
     """The overlap modes to plan in for `overlap`, and the modes `auto` skips with the reason
     (duplex for a model whose half batches would not compute the same, e.g. training-mode BatchNorm)."""
@@ -116,7 +184,7 @@ def _plan_in(mode: str, loop: "Loop", seg: Segmentation, seeds: list[Candidate |
     asked for segments, the one-segment loop gets half of `deadline`'s time, so the segmented one still runs."""
     graph, cluster, options = loop.graph, loop.cluster, loop.options
     unique = {id(c): c for c in seeds if c is not None}.values()
-    priced = [priced_in(c, graph, cluster, options, mode) for c in unique]
+    priced = [priced_in(replace(c, states=loop.states), graph, cluster, options, mode) for c in unique]
     if not priced:
         priced = [c for c in [memory_fitted_baseline(graph, cluster, options, mode, deadline)] if c is not None]
     best = min(priced, key=lambda c: c.cost, default=None)
@@ -148,8 +216,11 @@ class Loop:
     space: SearchSpace = SearchSpace()
     """What the search may use (all of the theory, unless a caller restricts it)."""
 
+    states: StateSharding | None = None
+    """Stages of the Full weights' states and the shares of the last LP (`engine.spmd.zero`); None: stage 0."""
+
     def cost_model(self, ratios: list[list[float]], seg: Segmentation) -> CostModel:
-        return CostModel(self.graph, self.cluster, ratios, self.options, seg, overlap=self.overlap)
+        return CostModel(self.graph, self.cluster, ratios, self.options, seg, overlap=self.overlap, states=self.states)
 
     def run(self, seg: Segmentation, ratios: list[list[float]], best: Candidate | None,
             incumbent: tuple[Instruction, ...] | None = None) -> Candidate | None:
@@ -174,7 +245,7 @@ class Loop:
                 continue
             _accumulate(self.stats, res)
             self._record(it, "Q", res.cost, ratios, seg)
-            best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap))
+            best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap, self.states))
             key = tuple(res.program)
             if key in seen:
                 break
@@ -184,17 +255,20 @@ class Loop:
                 break  # this program cannot fit under any ratios; keep the best found
             cost = evaluate(res.program, self.cost_model(moved, seg)).total_s
             self._record(it, "B", cost, moved, seg)
-            best = _better(best, Candidate(res.program, moved, cost, seg, self.overlap))
+            best = _better(best, Candidate(res.program, moved, cost, seg, self.overlap, self.states))
             ratios, incumbent = moved, res.program
         return best
 
     def memory_feasible_ratios(self, program: tuple[Instruction, ...], seg: Segmentation) -> list[list[float]] | None:
         """The LP's ratios for `program` (Eq. 2), which respect every device's memory; None if none do."""
         try:
-            return balance(program, self.graph, self.cluster, options=self.options, segmentation=seg,
-                           time_limit_s=left_s(self.deadline) or 30.0, overlap=self.overlap).by_segment
+            res = balance(program, self.graph, self.cluster, options=self.options, segmentation=seg,
+                          time_limit_s=left_s(self.deadline) or 30.0, overlap=self.overlap, states=self.states)
         except InfeasibleError:
             return None
+        if self.states is not None:
+            self.states = self.states.with_shares(res.shares)
+        return res.by_segment
 
     def _record(self, it: int, step: str, cost: float, ratios: list[list[float]], seg: Segmentation) -> None:
         self.history.append({"iteration": it, "step": step, "predicted_time_s": cost, "ratios": ratios,
@@ -235,7 +309,7 @@ def breakdown_of(the_plan: Plan, cluster: Cluster) -> Breakdown:
     """The cost model's breakdown of a plan on `cluster` at the plan's ratios and in its overlap
     mode: per stage and device, the buckets and the tail (what the Timeline page draws)."""
     cm = CostModel(the_plan.graph, cluster, the_plan.ratio_rows, the_plan.options, the_plan.segmentation,
-                   overlap=the_plan.overlap)
+                   overlap=the_plan.overlap, states=the_plan.states)
     return evaluate(the_plan.program, cm)
 
 
@@ -245,7 +319,8 @@ def realized(graph: Graph, cluster: Cluster, cand: Candidate, options: PlanOptio
     seg = cand.segmentation
     sizes = shard_sizes(cand.program, graph, cand.ratios, seg)
     ratios = realized_ratios(graph, sizes, cand.ratios)
-    return sizes, ratios, evaluate(cand.program, CostModel(graph, cluster, ratios, options, seg, overlap=cand.overlap))
+    return sizes, ratios, evaluate(cand.program, CostModel(graph, cluster, ratios, options, seg, overlap=cand.overlap,
+                                                           states=cand.states))
 
 
 def realized_rank(graph: Graph, cluster: Cluster, cand: Candidate, options: PlanOptions) -> tuple[bool, float]:
@@ -268,4 +343,5 @@ def make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, op
                 ratios={str(k): list(r) for k, r in enumerate(ratios)}, shard_sizes=sizes, predicted_time_s=b.total_s,
                 stages=stage_records(b, graph), memory_bytes=b.memory_bytes, history=history,
                 search={**stats, "optimizer": options.optimizer, "options": options.to_dict()},
-                segment_of=list(seg.of_node) if seg.count > 1 else [], overlap=cand.overlap)
+                segment_of=list(seg.of_node) if seg.count > 1 else [], overlap=cand.overlap,
+                shard_states=to_record(graph, cand.program, cand.states))

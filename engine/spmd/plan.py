@@ -18,6 +18,7 @@ from engine.spmd.breakdown import Breakdown
 from engine.spmd.program import Instruction
 from engine.spmd.segments import Segmentation
 from engine.spmd.sizes import shard_key
+from engine.spmd.zero import StateSharding, from_record, summary_line
 
 PLAN_KIND = "hap.plan"
 PLAN_SCHEMA_VERSION = 1
@@ -68,7 +69,16 @@ class Plan:
     overlap: str = "none"
     """How communication overlaps computation (`engine.spmd.overlap.OVERLAP_MODES`): `none`, `ddp`
     (gradient buckets during backward) or `duplex` (two half-batches, HiDup)."""
+    shard_states: dict[str, Any] = field(default_factory=dict)
+    """Sharded states of Full weights (`engine.spmd.zero.to_record`): `stages` (weight name -> ZeRO stage
+    1-3), `shares` (one per device) and `sizes` (weight name -> flattened elements per device); empty
+    when every weight is at stage 0 (then absent from the JSON)."""
     schema_version: int = PLAN_SCHEMA_VERSION
+
+    @property
+    def states(self) -> StateSharding | None:
+        """The plan's sharded states for the cost model (None when none)."""
+        return from_record(self.graph, self.shard_states)
 
     @property
     def segmentation(self) -> Segmentation:
@@ -125,6 +135,8 @@ class Plan:
         if ratios and self.memory_bytes:
             lines.append(f"ratios {min(ratios):.4f} to {max(ratios):.4f}; memory per GPU up to "
                          f"{self.memory_bytes[fullest] / 2**30:.2f} GiB ({self.device_names[fullest]})")
+        if self.shard_states:
+            lines.append(summary_line(self.shard_states, len(self.graph.parameters)))
         if "expanded" in self.search:
             s = self.search
             lines.append(f"search: {s.get('iterations', 0)} Q<->B iterations, {s['expanded']} states expanded, "
@@ -139,7 +151,8 @@ class Plan:
                 "predicted_time_s": self.predicted_time_s, "ratios": self.ratios, "shard_sizes": self.shard_sizes,
                 "memory_bytes": self.memory_bytes, "stages": [asdict(s) for s in self.stages],
                 "program": [ins.to_dict() for ins in self.program], "history": self.history, "search": self.search,
-                "segments": self.segment_of, "overlap": self.overlap, "graph": self.graph.to_dict()}
+                "segments": self.segment_of, "overlap": self.overlap,
+                **({"shard_states": self.shard_states} if self.shard_states else {}), "graph": self.graph.to_dict()}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -181,6 +194,7 @@ def plan_from_checked_dict(d: dict[str, Any]) -> Plan:
                     shard_sizes=d["shard_sizes"], predicted_time_s=float(d["predicted_time_s"]),
                     stages=[StageRecord(**s) for s in d["stages"]], memory_bytes=list(d["memory_bytes"]),
                     history=list(d.get("history", [])), search=dict(d.get("search", {})),
-                    segment_of=[int(k) for k in d.get("segments", [])], overlap=d.get("overlap", "none"))
+                    segment_of=[int(k) for k in d.get("segments", [])], overlap=d.get("overlap", "none"),
+                    shard_states=dict(d.get("shard_states", {})))
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None
