@@ -67,16 +67,30 @@ def plan_spmd(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Pr
         made = plan_with_states(graph, cluster, options, progress, space=space)
         if space is not None or _fits(made, cluster):
             return made
-        why: InfeasibleError | None = None
     except InfeasibleError as e:
         if space is not None:
             raise
-        why = e
-    stages = auto_stages(graph, cluster, options)
-    if stages is None:
-        raise why or InfeasibleError(oom_message(graph, cluster, options))
-    return plan_with_states(graph, cluster, options, progress, space=space,
-                             states=StateSharding(stages, _memory_shares(cluster)))
+        made, why = None, e
+    for stages in _auto_ladder(graph, cluster, options):
+        try:
+            made = plan_with_states(graph, cluster, options, progress, space=space,
+                                    states=StateSharding(stages, _memory_shares(cluster)))
+        except InfeasibleError as e:
+            why = e
+            continue
+        if _fits(made, cluster):
+            return made
+    if made is None:
+        raise why
+    return made  # nothing fits whole: the least overflowing plan found, as an unsharded search returns it
+
+
+def _auto_ladder(graph: Graph, cluster: Cluster, options: PlanOptions) -> list[dict[int, int]]:
+    """The stages `auto` tries in turn when the unsharded plan does not fit: those `auto_stages` picks,
+    then every weight at stage 3 (HAP's own sharding may make it fit where data parallelism does not)."""
+    chosen = auto_stages(graph, cluster, options)
+    last = all_params_at(graph, 3)
+    return [chosen, last] if chosen and chosen != last else [last]
 
 
 def _memory_shares(cluster: Cluster) -> tuple[float, ...]:

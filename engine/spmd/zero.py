@@ -42,7 +42,10 @@ share whole (data-parallel inside, like its sharded parameters). Everything stay
 """
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.errors import PlanError
 from engine.model.graph import Graph
@@ -221,3 +224,58 @@ def summary_line(record: dict, num_params: int) -> str:
     parts = ", ".join(f"ZeRO-{s} on {c} of {num_params} weights" for s, c in counts.items() if c)
     shares = record.get("shares", [])
     return f"states: {parts}, shares {max(shares):.3g}..{min(shares):.3g}" if shares else f"states: {parts}"
+
+
+# --- validation (engine.spmd.validate raises what these find) ---------------------------------
+
+def record_schema_problem(record: Any) -> tuple[str, str] | None:
+    """(path, problem) of the first malformed part of a plan's `shard_states` JSON, or None."""
+    if not isinstance(record, dict):
+        return "shard_states", f"must be an object, got {type(record).__name__}"
+    if not record:
+        return None
+    for key, kind in (("stages", dict), ("shares", list), ("sizes", dict)):
+        if not isinstance(record.get(key), kind):
+            return f"shard_states.{key}", f"must be a {kind.__name__}"
+    for name, s in record["stages"].items():
+        if not _is_int(s) or s not in (1, 2, 3):
+            return f"shard_states.stages[{json.dumps(name)}]", f"{s!r} is not a ZeRO stage (1, 2 or 3)"
+    for j, z in enumerate(record["shares"]):
+        if not _is_number(z) or not math.isfinite(z) or z < 0:
+            return f"shard_states.shares[{j}]", f"{z!r} is not a finite non-negative number"
+    for name, row in record["sizes"].items():
+        if not isinstance(row, list) or not all(_is_int(x) and x >= 0 for x in row):
+            return f"shard_states.sizes[{json.dumps(name)}]", "must be a list of non-negative integers"
+    return None
+
+
+def record_problem(graph: Graph, program: tuple[Instruction, ...], world: int, record: dict) -> tuple[str, str] | None:
+    """(path, problem) where a plan's `shard_states` disagrees with its program and devices, or None:
+    every staged weight is a parameter the program loads Full, one share per device summing to 1, and
+    each weight's sizes are `flat_sizes` of its numel at those shares."""
+    if not record:
+        return None
+    shares = record["shares"]
+    if len(shares) != world:
+        return "shard_states.shares", f"has {len(shares)} shares but the plan has {world} devices"
+    if abs(math.fsum(shares) - 1) > 1e-6:
+        return "shard_states.shares", f"shares sum to {math.fsum(shares):.9g}, not 1"
+    full = {graph[i.node].name: graph[i.node] for i in program
+            if i.kind == LOAD and i.post == FULL and graph[i.node].op == "parameter"}
+    if set(record["sizes"]) != set(record["stages"]):
+        return "shard_states.sizes", "must name exactly the weights of shard_states.stages"
+    for name in record["stages"]:
+        if name not in full:
+            return f"shard_states.stages[{json.dumps(name)}]", "is no parameter the program loads Full"
+        want = flat_sizes(full[name].numel, shares)
+        if record["sizes"][name] != want:
+            return f"shard_states.sizes[{json.dumps(name)}]", f"{record['sizes'][name]} are not {want} ({full[name].numel} elements at the shares)"
+    return None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
