@@ -106,7 +106,7 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
             rows.append([name, why, ""])
         else:
             rows.append([name, f"{t * 1e3:.2f} ms", f"{t / plan.predicted_time_s:.2f}x"])
-    lines += [_table(rows), "", *_overlap_lines(plan, baselines), *_parallelism_lines(plan), ""]
+    lines += [_table(rows), "", *_overlap_lines(plan, baselines), *_parallelism_lines(plan), *_states_lines(plan), ""]
     dev = [["device", "gpu", "ratio" if len(plan.ratios) == 1 else "ratio per segment", "memory / GPU", "capacity"]]
     for first, last, cells in _device_runs(plan, cluster):
         name = first if first == last else f"{first} .. {last}"
@@ -116,6 +116,14 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
     lines += ["", f"search: {s.get('iterations', 0)} Q<->B iterations, {s.get('expanded', 0)} states expanded, "
                   f"{s.get('elapsed_s', 0.0):.2f} s, {'proven optimal' if s.get('optimal') else 'beam-limited'}"]
     return "\n".join(lines)
+
+
+def _states_lines(plan) -> list[str]:
+    """Which weights' states are sharded at which ZeRO stage, and the shares (engine.spmd.zero)."""
+    from engine.spmd.zero import summary_line
+
+    record = getattr(plan, "shard_states", None)
+    return [summary_line(record, len(plan.graph.parameters))] if record else []
 
 
 def _overlap_lines(plan, baselines: dict[str, float | None]) -> list[str]:
