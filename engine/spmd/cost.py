@@ -196,7 +196,8 @@ class CostModel:
         self.ratios = ratio_rows(ratios, self.segmentation.count, cluster.num_devices)
         self.options = options
         """The plan's options; each concern they carry (the optimizer's state and update) is one term here."""
-        self.classes = device_classes(cluster, self.ratios, options.optimizer, overlap)
+        shares = [list(states.shares)] if states else []  # a trailing row: devices of one class share a share too
+        self.classes = device_classes(cluster, self.ratios + shares, options.optimizer, overlap)
         self.max_ratios = [max(r) for r in self.ratios]
         self.state_factor = STATE_BYTES_PER_PARAM_BYTE[options.optimizer]
         self.requires_grad = _requires_grad(graph)
