@@ -98,8 +98,6 @@ class StatesTerms:
     """Of those, the stage-3 bytes all-gathered in forward and again in backward."""
     stage3_layers: int = 0
     """Layers holding stage-3 weights (one gather each per pass)."""
-    transient_bytes: float = 0.0
-    """Transient bytes per GPU: the largest stage-2 gradient, the largest layer's stage-3 weights and gradient."""
     params: list[int] = field(default_factory=list)
 
     @property
@@ -112,8 +110,7 @@ def states_terms(program: tuple[Instruction, ...], graph: Graph, states: StateSh
     out = StatesTerms()
     if states is None:
         return out
-    layer3: dict[int, float] = {}
-    largest2 = 0.0
+    layers3: set[int] = set()
     for ins in program:
         n = graph[ins.node]
         if ins.kind != LOAD or n.op != "parameter" or ins.post != FULL or not states.stage(ins.node):
@@ -123,12 +120,10 @@ def states_terms(program: tuple[Instruction, ...], graph: Graph, states: StateSh
         out.staged_bytes += b
         if s == 3:
             out.stage3_bytes += b
-            layer3[n.segment] = layer3.get(n.segment, 0.0) + b
+            layers3.add(n.segment)
         else:
             out.gathered_bytes += b
-            largest2 = max(largest2, b) if s == 2 else largest2
-    out.stage3_layers = len(layer3)
-    out.transient_bytes = max(largest2, 2.0 * max(layer3.values(), default=0.0))
+    out.stage3_layers = len(layers3)
     return out
 
 
@@ -269,7 +264,8 @@ def record_problem(graph: Graph, program: tuple[Instruction, ...], world: int, r
             return f"shard_states.stages[{json.dumps(name)}]", "is no parameter the program loads Full"
         want = flat_sizes(full[name].numel, shares)
         if record["sizes"][name] != want:
-            return f"shard_states.sizes[{json.dumps(name)}]", f"{record['sizes'][name]} are not {want} ({full[name].numel} elements at the shares)"
+            got = record["sizes"][name]
+            return f"shard_states.sizes[{json.dumps(name)}]", f"{got} are not {want} ({full[name].numel} elements at the shares)"
     return None
 
 
