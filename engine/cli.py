@@ -109,7 +109,7 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
         else:
             rows.append([name, f"{t * 1e3:.2f} ms", f"{t / plan.predicted_time_s:.2f}x",
                          percent(plan.utilisation.mfu_at(t))])
-    lines += [_table(rows), "", *_overlap_lines(plan, baselines), *_parallelism_lines(plan), ""]
+    lines += [_table(rows), "", *_overlap_lines(plan, baselines), *_parallelism_lines(plan), *_states_lines(plan), ""]
     dev = [["device", "gpu", "ratio" if len(plan.ratios) == 1 else "ratio per segment", "memory / GPU", "capacity"]]
     for first, last, cells in _device_runs(plan, cluster):
         name = first if first == last else f"{first} .. {last}"
@@ -132,6 +132,14 @@ def recompute_lines(plan) -> list[str]:
     how = (f"; auto planned {len(auto['tried'])} layer sets in {auto['elapsed_s']:.2f} s to fit memory"
            if isinstance(auto, dict) else "")
     return ["", f"recompute: {describe(plan.graph, plan.recompute)}{how}"]
+
+
+def _states_lines(plan) -> list[str]:
+    """Which weights' states are sharded at which ZeRO stage, and the shares (engine.spmd.zero)."""
+    from engine.spmd.zero import summary_line
+
+    record = getattr(plan, "shard_states", None)
+    return [summary_line(record, len(plan.graph.parameters))] if record else []
 
 
 def _overlap_lines(plan, baselines: dict[str, float | None]) -> list[str]:

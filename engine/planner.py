@@ -132,6 +132,9 @@ def plan(model: Any, cluster: Any, time_budget_s: float | None = None, progress:
     check_rates(cluster, opts.precision)  # before any search: a device with no rate in the plan's dtype
     if opts.parallelism == "spmd":
         return plan_spmd(graph, cluster, opts, progress)
+    if opts.shard_states in (1, 2, 3):
+        raise PlanError(f"shard_states {opts.shard_states} applies to SPMD plans; use parallelism='spmd' (a pipeline's "
+                        "stages keep their weights' states whole; shard_states 'auto' plans them at stage 0)")
     start = time.perf_counter()
     if opts.parallelism == "pipeline":
         pipe = plan_pipeline(graph, cluster, opts)

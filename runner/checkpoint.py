@@ -36,6 +36,7 @@ import torch
 from engine.spmd.plan import Plan
 
 from .train import RankState
+from .zero import full_view
 
 CHECKPOINT_SCHEMA_VERSION = 1
 COMPLETE = "COMPLETE"
@@ -85,7 +86,13 @@ def hash_path(root: str | Path, steps_done: int, rank: int) -> Path:
 
 
 def rank_state(st: RankState, rank: int, steps_done: int) -> dict[str, Any]:
-    """This rank's share of a checkpoint: tensors and plain containers only."""
+    """This rank's share of a checkpoint: tensors and plain containers only (sharded states gathered
+    whole, runner.zero.full_view: a collective, every rank saves)."""
+    with full_view(st) as st:
+        return _rank_state(st, rank, steps_done)
+
+
+def _rank_state(st: RankState, rank: int, steps_done: int) -> dict[str, Any]:
     state: dict[str, Any] = {"schema_version": CHECKPOINT_SCHEMA_VERSION, "rank": rank, "steps_done": steps_done,
                              "params": [p.detach().cpu() for p in st.params],
                              "optimizer": st.optimizer.state_dict(), "losses": list(st.losses),
@@ -169,7 +176,13 @@ def latest_complete(root: str | Path, key: dict[str, Any], rank: int, *, other_p
 
 
 def load(root: str | Path, steps_done: int, rank: int, st: RankState) -> None:
-    """Restore this rank's slices, optimizer state, losses and RNG state from a checkpoint."""
+    """Restore this rank's slices, optimizer state, losses and RNG state from a checkpoint (sharded
+    states sliced from the whole ones saved, runner.zero.full_view)."""
+    with full_view(st) as st:
+        _load(root, steps_done, rank, st)
+
+
+def _load(root: str | Path, steps_done: int, rank: int, st: RankState) -> None:
     path = rank_file(root, steps_done, rank)
     state = torch.load(path, map_location=st.device, weights_only=True)
     params = state["params"]

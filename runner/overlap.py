@@ -69,7 +69,9 @@ class GradBuckets:
            hooks: bool = True) -> "GradBuckets":
         """The plan's buckets over the rank's parameters; `hooks` launches them during backward
         (ddp), without them `finish` launches every bucket after backward (duplex)."""
-        index = {node: i for i, (node, form) in enumerate(program.params) if form == FULL}
+        staged = plan.shard_states.get("stages", {})  # reduce-scattered by runner.zero instead
+        index = {node: i for i, (node, form) in enumerate(program.params) if form == FULL
+                 and plan.graph[node].name not in staged}
         buckets = [Bucket([index[n] for n in b if n in index]) for b in grad_buckets(plan.graph, plan.program)]
         buckets = [b for b in buckets if b.members]
         missing = set(index.values()) - {i for b in buckets for i in b.members}

@@ -31,6 +31,7 @@ from engine.spmd.plan import Plan
 from .checkpoint import CheckpointError, hash_file, rank_file
 from .program import sizes_of
 from .train import RankState
+from .zero import full_view, layout_state
 
 STATE_SEP = "#"
 """Table name of an optimizer state tensor: `<parameter>#<state key>`."""
@@ -39,9 +40,9 @@ STATE_SEP = "#"
 def layout_of(plan: Plan, st: RankState) -> dict[str, Any]:
     """The layout record a checkpoint marker keeps: every parameter's shape and split, and its state keys."""
     params = []
-    for (node, form), p in zip(st.program.params, st.params):
-        state = st.optimizer.state.get(p, {})
-        sharded = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1 and v.shape == p.shape)
+    for i, ((node, form), p) in enumerate(zip(st.program.params, st.params)):
+        state, shape = layout_state(st, i, p)  # a staged weight's state as a stage-0 run keeps it (runner.zero)
+        sharded = sorted(k for k, v in state.items() if torch.is_tensor(v) and v.dim() >= 1 and v.shape == shape)
         params.append({"name": plan.graph[node].attrs["target"], "shape": list(plan.graph[node].shape), "dim": form,
                        "sizes": list(sizes_of(plan, node, form)) if form >= 0 else [], "itemsize": p.element_size(),
                        "sharded_state": sharded, "replicated_state": sorted(k for k in state if k not in sharded)})
@@ -200,7 +201,14 @@ def _within(box: Box, region: Box) -> tuple[slice, ...]:
 
 def load_resharded(root: str | Path, steps: int, marker: dict[str, Any], plan: Plan, rank: int,
                    st: RankState) -> ReshardTable:
-    """Fill `st` (this rank of `plan`) from another plan's checkpoint; returns the table it followed."""
+    """Fill `st` (this rank of `plan`) from another plan's checkpoint; returns the table it followed
+    (sharded states sliced from the whole ones, runner.zero.full_view)."""
+    with full_view(st) as st:
+        return _load_resharded(root, steps, marker, plan, rank, st)
+
+
+def _load_resharded(root: str | Path, steps: int, marker: dict[str, Any], plan: Plan, rank: int,
+                    st: RankState) -> ReshardTable:
     table, old = table_of(marker, plan)
     files = OldFiles(root, steps, marker, old)
     rows: dict[str, list] = {}

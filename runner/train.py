@@ -24,6 +24,7 @@ from .overlap import GradBuckets
 from .precision import RankScaler, autocast, bucket_dtype, precision_of
 from .program import RankProgram, build_rank_program, shard, sizes_of
 from .timing import Pacer
+from .zero import RankStates, apply_states
 
 
 def build_module(plan: Plan, seed: int) -> torch.nn.Module:
@@ -84,6 +85,8 @@ class RankState:
     """fp16's loss scaler, agreed on by every rank (None in fp32 and bf16)."""
     bucket_dtype: torch.dtype | None = None
     """The dtype gradients are all-reduced in (None: fp32; bf16 under the plan's grad_dtype bf16)."""
+    zero: RankStates | None = None
+    """The plan's sharded states of Full weights on this rank (runner.zero); None when it has none."""
 
 
 GRAD_SYNC = ("bucket", "per-param")
@@ -117,6 +120,7 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
     st = RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync, buffers=buffers,
                    seed=seed, precision=precision_of(plan), bucket_dtype=bucket_dtype(plan))
     st.scaler = RankScaler(device) if st.precision == "fp16" else None
+    st.zero = apply_states(plan, st, lambda tensors: make_optimizer(tensors, optimizer, lr))
     if plan.overlap != "none":  # every rank creates the same groups in the same order
         st.halves = setup_halves(plan, rank, module, device, probes=probes) if plan.overlap == "duplex" else []
         group = dist.new_group(list(range(plan.world_size)))
@@ -150,8 +154,9 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
         value = duplex_pass(plan, st, rank, batch, step, pacer, 1.0 if partial else 1.0 / dist.get_world_size())
     else:
         args = program_args(plan, st, rank, batch, step)
-        with factory_device(st.device), autocast(st.precision, st.device):
-            loss = st.program.module(*args)
+        with factory_device(st.device), autocast(st.precision, st.device), \
+                (st.zero.saving() if st.zero else contextlib.nullcontext()):
+            loss = st.program.module(*args)  # gathered stage-3 weights die with the call
         pacer.set_phase("bwd")
         value = loss.detach().float().reshape(1).clone()
         if st.buckets is not None:
@@ -160,10 +165,14 @@ def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, 
         (st.scaler.scale(scaled) if st.scaler else scaled).backward()
     pacer.set_phase("step")
     sync_gradients(st, value if partial else None)
+    if st.zero:
+        st.zero.reduce_gradients()
     if st.scaler:
         st.scaler.step(st.optimizer)
     else:
         st.optimizer.step()
+    if st.zero:
+        st.zero.gather_updated()
     pacer.end_step()
     st.losses.append(float(value))
     st.step_times.append(time.perf_counter() - start)
@@ -198,7 +207,7 @@ def factory_device(device: torch.device) -> contextlib.AbstractContextManager:
 def program_args(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...], step: int = 0) -> list:
     """The rank program's arguments in call order: the dropout key of `step` (when the plan has
     dropout sites), then local parameters, buffers and this rank's input slices."""
-    params = iter(st.params)
+    params = iter(st.params if st.zero is None else st.zero.program_params(st.params))
     rng = [RngKey(st.seed, step)] if st.program.uses_rng else []
     return rng + [next(params) if st.program.is_param[node] else st.buffers[node] if node in st.buffers
             else shard(plan, node, form, rank, batch[plan.graph[node].attrs["index"]]) for node, form in st.program.leaves]
@@ -226,8 +235,8 @@ def sync_gradients(st: RankState, loss_addend: torch.Tensor | None) -> None:
 def gathered_params(plan: Plan, st: RankState) -> dict[str, torch.Tensor]:
     """Every parameter of the plan, reassembled to its full shape (for verify mode)."""
     out = {}
-    for (node, form), p in zip(st.program.params, st.params):
-        t = p.detach()
+    for i, ((node, form), p) in enumerate(zip(st.program.params, st.params)):
+        t = p.detach() if st.zero is None else st.zero.whole(i, p)
         if form >= 0:
             t = gather_padded(t.contiguous(), form, sizes_of(plan, node, form))
         out[plan.graph[node].attrs["target"]] = t

@@ -215,7 +215,7 @@ class _GroupTable:
         latency, per_byte = cm.grad_bucket_terms()
         all_reduce = latency + param_bytes * per_byte if param_bytes else 0.0
         states = cm.memory_by_class(state)
-        acts = cm.memory_by_class((0.0, 0.0, act[2] / B, act[3]))
+        acts = cm.memory_by_class((0.0, 0.0, act[2] / B, act[3], 0.0))
         by_device = {j: k for k, c in enumerate(cm.classes) for j in c.devices}
         order = [by_device[j] for j in range(cm.cluster.num_devices)]
         return StagePrice(cm.stage_time(per_mb(fwd)), cm.stage_time(per_mb(bwd)), all_reduce + cm.stage_time(sync),

@@ -144,8 +144,8 @@ def stage_price(plan: Plan, group: Cluster, options: PlanOptions) -> StagePrice:
             times[stage.direction] += comm + per_microbatch
             times["sync"] += per_iteration
     mems = replay_terms(plan.program, cm).mems
-    state = cm.class_memory([(m[0], m[1], 0.0, 0.0) for m in mems])
-    acts = cm.class_memory([(0.0, 0.0, m[2], m[3]) for m in mems])
+    state = cm.class_memory([(m[0], m[1], 0.0, 0.0, m[4]) for m in mems])
+    acts = cm.class_memory([(0.0, 0.0, m[2], m[3], 0.0) for m in mems])
     by_device = {j: k for k, c in enumerate(cm.classes) for j in c.devices}
     order = [by_device[j] for j in range(group.num_devices)]
     return StagePrice(times["forward"], times["backward"], times["sync"], tuple(state[k] for k in order),

@@ -23,6 +23,11 @@ the LP stays exact): the tail u >= sum_k tail_kc(B_kc) for every class c, and
   x = (m_0, t_0/2, m_1, t_1/2, ...) with z_k >= x_k and z_k >= x_{k+1}; the per-half collectives
   m_i are linear in the largest ratio like comm_i.
 
+Sharded states (`states=`, `engine.spmd.zero`): one share z_c >= 0 per class with sum_c n_c z_c = 1
+(`_share_vars`), Z >= z_c, the staged state z_c * bytes in every memory row (plus the transient
+gathered bytes), and the staged weights' time after backward in the objective: their collectives
+(constant + per * Z) and v >= their per-byte work on every class, the update scaling with z_c.
+
 Every term is linear in B (see `engine.spmd.cost`), so this is an LP. PuLP models it; HiGHS solves it
 (the bundled CBC is the fallback). Rounding to integer shard sizes is `plan.split_sizes`.
 """
@@ -43,6 +48,7 @@ from engine.spmd.cost import DEFAULT_OPTIONS, CostModel, Replayed, Stage, class_
 from engine.spmd.program import Instruction
 from engine.spmd.recompute import transient_limits, transient_mems
 from engine.spmd.segments import Segmentation
+from engine.spmd.zero import StateSharding
 
 GIB = 2**30
 
@@ -59,6 +65,8 @@ class BalanceResult:
     """One ratio per device for every segment (each row sums to 1)."""
     objective_s: float
     solver: str
+    shares: list[float] | None = None
+    """Each device's share of the staged weights' state (None without sharded states)."""
 
     @property
     def ratios(self) -> list[float]:
@@ -100,11 +108,11 @@ def _absorb_highs_banner() -> None:
 
 def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *, options: PlanOptions = DEFAULT_OPTIONS,
             time_limit_s: float = 30.0, segmentation: Segmentation | None = None, overlap: str = "none",
-            recompute: frozenset[int] = frozenset()) -> BalanceResult:
-    """Solve Eq. 3 for `program` priced in `overlap` (with the layers `recompute` recomputed in backward);
-    raises InfeasibleError naming the device short of memory."""
+            recompute: frozenset[int] = frozenset(), states: StateSharding | None = None) -> BalanceResult:
+    """Solve Eq. 3 for `program` priced in `overlap` (with the layers `recompute` recomputed in backward,
+    and with `states`, the state shares too); raises InfeasibleError naming the device short of memory."""
     probe = CostModel(graph, cluster, [1.0 / cluster.num_devices] * cluster.num_devices, options, segmentation, overlap,
-                      recompute=recompute)
+                      recompute=recompute, states=states)
     r = replay_terms(program, probe)
     stages, mems = r.stages, r.mems
     classes = device_classes(cluster, None, options.optimizer, overlap, options.precision, options.grad_dtype)
@@ -119,14 +127,35 @@ def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *,
         prob += _overlap_objective(prob, probe, r, classes, B, M, t)
     for k, row in enumerate(B):
         _ratios_sum_to_one(prob, classes, row, k)
-    _memory_limits(prob, classes, B, mems)
+    z = _states_objective(prob, probe, program, classes) if states is not None else None
+    _memory_limits(prob, classes, B, mems, z, probe.transient_bytes)
     if recompute:
-        transient_limits(prob, classes, B, mems, transient_mems(program, probe))
+        transient_limits(prob, classes, B, mems, transient_mems(program, probe), z, probe.transient_bytes)
     solver, name = _solver(time_limit_s)
     prob.solve(solver)
     if pulp.LpStatus[prob.status] != "Optimal" or prob.sol_status not in (pulp.LpSolutionOptimal,):
         raise _memory_error(cluster, classes, mems)
-    return BalanceResult([_device_ratios(cluster, classes, row) for row in B], float(pulp.value(prob.objective)), name)
+    shares = None if z is None else _device_ratios(cluster, classes, z)
+    return BalanceResult([_device_ratios(cluster, classes, row) for row in B], float(pulp.value(prob.objective)), name,
+                         shares)
+
+
+def _states_objective(prob: pulp.LpProblem, cm: CostModel, program: tuple[Instruction, ...], classes) -> list:
+    """The state shares z_c (sum_c n_c z_c = 1), and the staged weights' time after backward added to
+    the objective: collectives const + per * Z (Z >= z_c) and v >= each class's per-byte work."""
+    z = [prob.add_variable(f"z_{c}", lowBound=0) for c in range(len(classes))]
+    prob += pulp.lpSum(len(c.devices) * v for c, v in zip(classes, z)) == 1, "shares_sum_to_one"
+    t = cm.states_terms(program)
+    if not t.any:
+        return z
+    top = prob.add_variable("Z", lowBound=0)
+    v = prob.add_variable("states_work", lowBound=0)
+    for c, (cls, zc) in enumerate(zip(classes, z)):
+        prob += top >= zc, f"max_share_{c}"
+        prob += v >= cm.states_work(t, cls, zc), f"states_work_class_{c}"
+    const, per = cm.states_comm_terms(t)
+    prob.setObjective(prob.objective + const + per * top + v)
+    return z
 
 
 def _check_finite(stages: list[Stage], mems, classes) -> None:
@@ -237,21 +266,23 @@ def _ratios_sum_to_one(prob: pulp.LpProblem, classes, B, segment: int) -> None:
     prob += pulp.lpSum(len(c.devices) * b for c, b in zip(classes, B)) == 1, f"ratios_sum_to_one_{segment}"
 
 
-def _memory_limits(prob: pulp.LpProblem, classes, B, mems) -> None:
+def _memory_limits(prob: pulp.LpProblem, classes, B, mems, z: list | None = None, transient: float = 0.0) -> None:
     for c, cls in enumerate(classes):
-        need = pulp.lpSum(s * row[c] + r + (sa * row[c] + ra) / cls.num_gpus for row, (s, r, sa, ra) in zip(B, mems))
+        need = pulp.lpSum(s * row[c] + r + (sa * row[c] + ra) / cls.num_gpus for row, (s, r, sa, ra, _) in zip(B, mems))
+        if z is not None:
+            need = need + pulp.lpSum(zs for *_, zs in mems) * z[c] + transient
         prob += need <= cls.memory_bytes, f"memory_class_{c}"
 
 
 def _memory_error(cluster: Cluster, classes, mems) -> InfeasibleError:
     """Explain an infeasible LP: with ratios proportional to memory, which device overflows by how much."""
-    s, r, sa, ra = (sum(m[i] for m in mems) for i in range(4))
+    s, r, sa, ra, zs = (sum(m[i] for m in mems) for i in range(5))
     caps = [c.memory_bytes * c.num_gpus for c in classes]
     total_cap = sum(cap * len(c.devices) for cap, c in zip(caps, classes))
     worst = None
     for c, cap in zip(classes, caps):
         ratio = cap / total_cap
-        need = s * ratio + r + (sa * ratio + ra) / c.num_gpus
+        need = s * ratio + r + (sa * ratio + ra) / c.num_gpus + zs * ratio
         over = need - c.memory_bytes
         if worst is None or over > worst[0]:
             worst = (over, c, need)

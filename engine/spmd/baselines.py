@@ -21,6 +21,7 @@ from engine.spmd.cost import STATE_BYTES_PER_PARAM_BYTE, CostModel, evaluate, re
 from engine.spmd.program import Instruction
 from engine.spmd.segments import Segmentation
 from engine.spmd.synthesis import SearchResult, SearchSpace, synthesize
+from engine.spmd.zero import StateSharding
 from engine.theory.core import FULL
 
 BASELINES = ("ddp", "dp-even", "dp-proportional")
@@ -44,6 +45,8 @@ class Candidate:
     """The overlap mode `cost` is priced in."""
     recompute: frozenset[int] = frozenset()
     """The layers recomputed in backward (`engine.spmd.recompute`) that `cost` is priced with."""
+    states: StateSharding | None = None
+    """Stages and shares of the Full weights' states (`engine.spmd.zero`); None: none sharded."""
 
 
 def proportional_ratios(cluster: Cluster) -> list[float]:
@@ -157,7 +160,8 @@ def memory_fitted_baseline(graph: Graph, cluster: Cluster, options: PlanOptions,
 
 def priced_in(cand: Candidate, graph: Graph, cluster: Cluster, options: PlanOptions, overlap: str) -> Candidate:
     """The same program and ratios priced in another overlap mode (a baseline seeding that mode's search)."""
-    cm = CostModel(graph, cluster, cand.ratios, options, cand.segmentation, overlap=overlap, recompute=cand.recompute)
+    cm = CostModel(graph, cluster, cand.ratios, options, cand.segmentation, overlap=overlap, recompute=cand.recompute,
+                   states=cand.states)
     return replace(cand, cost=evaluate(cand.program, cm).total_s, overlap=overlap)
 
 
@@ -208,9 +212,9 @@ def memory_parts(program: tuple[Instruction, ...], cm: CostModel) -> list[tuple[
     state; activations kept for backward): the two terms of `CostModel.memory_by_class`."""
     out = [(0.0, 0.0)] * cm.cluster.num_devices
     _, mems = replay(program, cm)
-    for c in cm.classes:
-        state = sum(s * c.ratios[k] + r for k, (s, r, _, _) in enumerate(mems))
-        act = sum((sa * c.ratios[k] + ra) / c.num_gpus for k, (_, _, sa, ra) in enumerate(mems))
+    for c, z in zip(cm.classes, cm.shares):
+        state = sum(s * c.ratios[k] + r + zs * z for k, (s, r, _, _, zs) in enumerate(mems)) + cm.transient_bytes
+        act = sum((sa * c.ratios[k] + ra) / c.num_gpus for k, (_, _, sa, ra, _) in enumerate(mems))
         for j in c.devices:
             out[j] = (state, act)
     return out

@@ -11,9 +11,10 @@ Acc = tuple[float, float, float, float, float, float]
 """Linear work of a stage: (sharded flops, replicated flops, sharded parameter bytes, Full parameter bytes,
 sharded activation bytes, replicated activation bytes)."""
 ZERO: Acc = (0.0,) * 6
-Mem = tuple[float, float, float, float]
-"""Memory terms: (sharded state, replicated state, sharded activations, replicated activations) bytes."""
-MEM_ZERO: Mem = (0.0,) * 4
+Mem = tuple[float, float, float, float, float]
+"""Memory terms: (sharded state, replicated state, sharded activations, replicated activations, staged
+state split by the state shares z (`engine.spmd.zero`)) bytes."""
+MEM_ZERO: Mem = (0.0,) * 5
 
 
 @dataclass(frozen=True)
@@ -81,3 +82,6 @@ class Breakdown:
     """Per stage, the collective's time for one duplex half (duplex only)."""
     devices: list[str] = field(default_factory=list)
     """The devices' names, in the order of every per-device list."""
+    states_s: float = 0.0
+    """Seconds of the staged weights' collectives and sharded update after backward (`engine.spmd.zero`),
+    included in `total_s`."""

@@ -96,6 +96,7 @@ from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
 from engine.spmd.recompute import instruction_layers, layer_outputs, recomputed_nodes, search_reserve, transient_peak
 from engine.spmd.saved import kept_split, saves_by_node
 from engine.spmd.segments import RESPLIT, Segmentation, instruction_segments, source_segments
+from engine.spmd.zero import StateSharding, StatesTerms, comm_terms, state_memory, states_terms, transient_bytes
 from engine.theory.core import FULL
 
 DEFAULT_OPTIONS = PlanOptions()
@@ -202,7 +203,8 @@ class CostModel:
 
     def __init__(self, graph: Graph, cluster: Cluster, ratios: list[float] | list[list[float]],
                  options: PlanOptions = DEFAULT_OPTIONS, segmentation: Segmentation | None = None,
-                 overlap: str = "none", recompute: frozenset[int] = frozenset()) -> None:
+                 overlap: str = "none", recompute: frozenset[int] = frozenset(),
+                 states: StateSharding | None = None) -> None:
         if overlap not in OVERLAP_MODES:
             raise PlanError(f"overlap must be one of {', '.join(OVERLAP_MODES)}, got {overlap!r}")
         if overlap == "duplex" and (why := duplex_problem(graph)):
@@ -214,7 +216,8 @@ class CostModel:
         self.options = options
         """The plan's options; each concern they carry (the optimizer's state and update) is one term here."""
         mixed.check_rates(cluster, options.precision)
-        self.classes = device_classes(cluster, self.ratios, options.optimizer, overlap, options.precision,
+        shares = [list(states.shares)] if states else []  # a trailing row: devices of one class share a share too
+        self.classes = device_classes(cluster, self.ratios + shares, options.optimizer, overlap, options.precision,
                                       options.grad_dtype)
         self.max_ratios = [max(r) for r in self.ratios]
         self.state_factor = STATE_BYTES_PER_PARAM_BYTE[options.optimizer]
@@ -252,6 +255,11 @@ class CostModel:
         self.batch_derived = batch_derived(graph) if overlap == "duplex" else []
         """Duplex: whether each tensor splits with the batch (each half moves half of it)."""
         self._slots: list[list[int]] | None = None
+        self.states = states
+        """Stages and shares of the Full weights' states (`engine.spmd.zero`); None: all at stage 0."""
+        self.shares = [states.shares[c.devices[0]] for c in self.classes] if states else [0.0] * len(self.classes)
+        self.transient_bytes = transient_bytes(graph, states)
+        """Transient bytes per GPU of the staged weights (gathered stage-3 weights, a stage-2 gradient)."""
         self.recompute = frozenset(recompute)
         """Layers whose activations are recomputed in backward (`engine.spmd.recompute`): empty by default."""
         if self.recompute:
@@ -361,8 +369,9 @@ class CostModel:
     # --- memory ----------------------------------------------------------------------------
     def memory_by_class(self, mem: Mem, segment: int = 0) -> tuple[float, ...]:
         """Per-GPU bytes from (sharded state, replicated state, sharded activations, replicated activations)."""
-        s, r, sa, ra = mem
-        return tuple(s * c.ratios[segment] + r + (sa * c.ratios[segment] + ra) / c.num_gpus for c in self.classes)
+        s, r, sa, ra, zs = mem
+        return tuple(s * c.ratios[segment] + r + (sa * c.ratios[segment] + ra) / c.num_gpus + zs * z
+                     for c, z in zip(self.classes, self.shares))
 
     def class_memory(self, mems: list[Mem]) -> tuple[float, ...]:
         """Per-GPU bytes of every class, summed over the segments' memory terms."""
@@ -372,9 +381,8 @@ class CostModel:
         return out
 
     def fits(self, class_bytes: tuple[float, ...]) -> bool:
-        if self.recompute:  # the search's bound of the largest recomputed layer's activations (engine.spmd.recompute)
-            return all(b + t <= c.memory_bytes for b, t, c in zip(class_bytes, self.reserve, self.classes))
-        return all(b <= c.memory_bytes for b, c in zip(class_bytes, self.classes))
+        reserve = self.reserve if self.recompute else (0.0,) * len(self.classes)  # engine.spmd.recompute
+        return all(b + t + self.transient_bytes <= c.memory_bytes for b, t, c in zip(class_bytes, reserve, self.classes))
 
     # --- per-instruction deltas used by the search and by replay ---------------------------
     def compute_delta(self, node: int, sharded: bool, weights_whole: bool = True,
@@ -405,7 +413,7 @@ class CostModel:
         if not self.kept[node]:
             return MEM_ZERO
         out = float(self.nbytes[node])
-        return (0.0, 0.0, out, 0.0) if output >= 0 else (0.0, 0.0, 0.0, out)
+        return (0.0, 0.0, out, 0.0, 0.0) if output >= 0 else (0.0, 0.0, 0.0, out, 0.0)
 
     def activation_memory(self, node: int, inputs: tuple[int, ...], output: int) -> Mem:
         """Memory terms of what computing `node` keeps for backward with operands in forms `inputs` and
@@ -413,8 +421,8 @@ class CostModel:
         sharded, replicated = kept_split(self.saves[node], inputs, output)
         probs = _attention_probs_bytes(self.graph, node) * self.activation_scale if self.requires_grad[node] else 0.0
         if output >= 0 or any(f >= 0 for f in inputs):
-            return 0.0, 0.0, sharded + probs, replicated
-        return 0.0, 0.0, sharded, replicated + probs
+            return 0.0, 0.0, sharded + probs, replicated, 0.0
+        return 0.0, 0.0, sharded, replicated + probs, 0.0
 
     def weights_whole(self, node: int, forms: tuple[int, ...]) -> bool:
         """Whether a rule with operand `forms` reads every parameter operand of `node` whole."""
@@ -427,11 +435,43 @@ class CostModel:
             return ZERO, MEM_ZERO
         nbytes = float(n.nbytes)
         state = nbytes * self.state_factor
-        if node in self.cast_params:
-            state += nbytes * mixed.CAST_CACHE_BYTES[self.options.precision]
+        cache = nbytes * mixed.CAST_CACHE_BYTES[self.options.precision] if node in self.cast_params else 0.0
+        if form == FULL and self.states is not None and self.states.stage(node):  # its work: `states_time`
+            whole, split = state_memory(self.states.stage(node), nbytes, self.state_factor)
+            return ZERO, (0.0, whole + cache, 0.0, 0.0, split)  # autocast caches the whole weight's copy
+        state += cache
         if form == FULL:
-            return (0.0, 0.0, 0.0, nbytes, 0.0, 0.0), (0.0, state, 0.0, 0.0)
-        return (0.0, 0.0, nbytes, 0.0, 0.0, 0.0), (state, 0.0, 0.0, 0.0)
+            return (0.0, 0.0, 0.0, nbytes, 0.0, 0.0), (0.0, state, 0.0, 0.0, 0.0)
+        return (0.0, 0.0, nbytes, 0.0, 0.0, 0.0), (state, 0.0, 0.0, 0.0, 0.0)
+
+    def states_terms(self, program: tuple[Instruction, ...]) -> StatesTerms:
+        """The program's staged weights (`engine.spmd.zero.states_terms`)."""
+        return states_terms(program, self.graph, self.states)
+
+    def states_comm_terms(self, t: StatesTerms) -> tuple[float, float]:
+        """(constant, per largest share) seconds of the staged weights' reduce-scatters and all-gathers."""
+        if self.cluster.num_devices == 1:
+            return 0.0, 0.0
+        return comm_terms(t, self._terms("reduce_scatter", 1.0), self._terms("all_gather.padded", 1.0))
+
+    def states_work(self, t: StatesTerms, c: DeviceClass, share) -> float:
+        """Seconds of the staged weights' per-byte work on class `c` holding `share` of their state: the
+        bucket copies and the sync inside a virtual device on all of them, the optimizer update on its
+        share (`share` may be an LP variable)."""
+        whole = c.full_param_s_per_byte - c.sharded_param_s_per_byte + self.sync_s_per_byte(c)
+        return t.staged_bytes * (whole + (c.sharded_param_s_per_byte - self.sync_s_per_byte(c)) * share)
+
+    def sync_s_per_byte(self, c: DeviceClass) -> float:
+        """Seconds per byte of the gradient all-reduce inside a virtual device of class `c` (0 for one GPU)."""
+        d = self.cluster.devices[c.devices[0]]
+        return 2.0 * (c.num_gpus - 1) / c.num_gpus / d.intra_bandwidth_Bps if c.num_gpus > 1 else 0.0
+
+    def states_time(self, t: StatesTerms) -> float:
+        """Seconds the staged weights add after backward at this model's shares."""
+        if not t.any:
+            return 0.0
+        const, per = self.states_comm_terms(t)
+        return const + per * max(self.shares) + max(self.states_work(t, c, z) for c, z in zip(self.classes, self.shares))
 
 
 def class_work(acc: Acc, c: DeviceClass, ratio) -> float:
@@ -565,7 +605,7 @@ def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
         elif ins.kind == LOAD:
             sync, m = cm.load_delta(ins.node, ins.post)
             mems[k] = add(mems[k], m)
-            if cm.graph[ins.node].op == "parameter" and ins.post == FULL:
+            if cm.graph[ins.node].op == "parameter" and ins.post == FULL and not (cm.states and cm.states.stage(ins.node)):
                 bucket_bytes += cm.nbytes[ins.node]
                 program_position[ins.node] = i
                 anchor[ins.node] = (n_bwd, bwd)
@@ -626,9 +666,9 @@ def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
     memory = [0.0] * cm.cluster.num_devices
     for c, b in zip(cm.classes, per_class):
         for j in c.devices:
-            memory[j] = b
+            memory[j] = b + cm.transient_bytes
     if cm.overlap == "none":
-        return overlap_price(Breakdown(0.0, stages, comm, comp, memory, cm.ratios, devices=names))
+        return _with_states(overlap_price(Breakdown(0.0, stages, comm, comp, memory, cm.ratios, devices=names)), program, cm)
     tail = [0.0] * cm.cluster.num_devices
     for c in cm.classes:
         t = sum(class_work(acc, c, c.ratios[k]) for k, acc in enumerate(r.tails))
@@ -644,7 +684,16 @@ def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
                             tuple(_left(stages, at, pre, cm)) if cm.overlap == "ddp" else ())
                for params, nbytes, at, pre in r.buckets]
     out = Breakdown(0.0, stages, comm, comp, memory, cm.ratios, cm.overlap, records, max(tail), tail, half, names)
-    return overlap_price(out)
+    return _with_states(overlap_price(out), program, cm)
+
+
+def _with_states(b: Breakdown, program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
+    """`b` with the staged weights' time after backward added (`engine.spmd.zero`); unchanged without them."""
+    if cm.states is None:
+        return b
+    b.states_s = cm.states_time(cm.states_terms(program))
+    b.total_s += b.states_s
+    return b
 
 
 def _left(stages: list[Stage], at: int, pre: Acc, cm: CostModel) -> list[float]:

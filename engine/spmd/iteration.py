@@ -25,7 +25,7 @@ why the loop lives here and not in the top-level planner.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from engine.cluster.spec import Cluster
@@ -33,10 +33,11 @@ from engine.errors import InfeasibleError, PlanError
 from engine.model.graph import Graph
 from engine.options import PlanOptions
 from engine.spmd.balance import balance
-from engine.spmd.baselines import (Candidate, baselines, check_total_memory, left_s, memory_fitted_baseline,
-                                   oom_message, priced_in, proportional_ratios)
+from engine.spmd.baselines import (Candidate, baselines, check_total_memory, data_parallel, left_s,
+                                   memory_fitted_baseline, memory_parts, memory_ratios, oom_message, priced_in,
+                                   proportional_ratios, unlimited)
 from engine.spmd.breakdown import Breakdown
-from engine.spmd.cost import CostModel, evaluate
+from engine.spmd.cost import STATE_BYTES_PER_PARAM_BYTE, CostModel, evaluate
 from engine.spmd.halves import halves_problem
 from engine.spmd.overlap import duplex_run_problem
 from engine.spmd.plan import Plan, stage_records
@@ -47,6 +48,7 @@ from engine.spmd.segments import Segmentation, segment_graph, with_resplits
 from engine.spmd.sizes import realized_ratios, shard_key, shard_sizes
 from engine.spmd.synthesis import SearchProgress, SearchSpace, synthesize
 from engine.spmd.utilisation import peak_flops
+from engine.spmd.zero import StateSharding, all_params_at, choose_stages, memory_proportional_shares, to_record
 
 Progress = Callable[[SearchProgress], None]
 """Called every `options.report_every` expansions of each search (the workbench's live frontier)."""
@@ -68,7 +70,7 @@ def _program_fits(made: Plan, cluster: Cluster, options: PlanOptions, layers: fr
     """Whether the LP finds ratios under which `made`'s program fits memory with `layers` recomputed."""
     try:
         balance(made.program, made.graph, cluster, options=options, segmentation=made.segmentation,
-                overlap=made.overlap, recompute=layers)
+                overlap=made.overlap, recompute=layers, states=made.states)
     except InfeasibleError:
         return False
     return True
@@ -78,18 +80,90 @@ def _rebalanced(made: Plan, cluster: Cluster, options: PlanOptions, layers: froz
     """`made`'s program at the LP's ratios with `layers` recomputed (None when no ratios fit it)."""
     try:
         ratios = balance(made.program, made.graph, cluster, options=options, segmentation=made.segmentation,
-                         overlap=made.overlap, recompute=layers).by_segment
+                         overlap=made.overlap, recompute=layers,
+                         states=made.states).by_segment
     except InfeasibleError:
         return None
-    cm = CostModel(made.graph, cluster, ratios, options, made.segmentation, overlap=made.overlap, recompute=layers)
-    cand = Candidate(made.program, ratios, evaluate(made.program, cm).total_s, made.segmentation, made.overlap, layers)
+    cm = CostModel(made.graph, cluster, ratios, options, made.segmentation, overlap=made.overlap, recompute=layers,
+                   states=made.states)
+    cand = Candidate(made.program, ratios, evaluate(made.program, cm).total_s, made.segmentation, made.overlap, layers,
+                     made.states)
     return make_plan(made.strategy, made.graph, cluster, cand, options, made.history, dict(made.search))
 
 
 def plan_layers(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Progress | None = None, *,
                 space: SearchSpace | None = None, recompute: frozenset[int] = frozenset()) -> Plan:
-    """Plan `graph` on `cluster` with the layers `recompute` recomputed in backward: the Q<->B
-    iteration of HAP §3.1, returning the best plan found.
+    """Plan `graph` on `cluster` with the layers `recompute` recomputed in backward and the Full
+    weights' states sharded as `options.shard_states` says (`engine.spmd.zero`): 0 none; 1, 2 or 3 every weight at that stage; `auto` none when the plan
+    fits, else the stages `choose_stages` picks (a restricted search, a pipeline stage's, stays at 0).
+    The Q<->B loop itself is `plan_with_states`."""
+    stage = options.shard_states
+    if stage == 0:
+        return plan_with_states(graph, cluster, options, progress, space=space, recompute=recompute)
+    if stage != "auto":
+        return plan_with_states(graph, cluster, options, progress, space=space, recompute=recompute,
+                                 states=StateSharding(all_params_at(graph, stage), _memory_shares(cluster)))
+    try:
+        made = plan_with_states(graph, cluster, options, progress, space=space, recompute=recompute)
+        if space is not None or _fits(made, cluster):
+            return made
+    except InfeasibleError as e:
+        if space is not None:
+            raise
+        made, why = None, e
+    for stages in _auto_ladder(graph, cluster, options, recompute):
+        try:
+            made = plan_with_states(graph, cluster, options, progress, space=space, recompute=recompute,
+                                    states=StateSharding(stages, _memory_shares(cluster)))
+        except InfeasibleError as e:
+            why = e
+            continue
+        if _fits(made, cluster):
+            return made
+    if made is None:
+        raise why
+    return made  # nothing fits whole: the least overflowing plan found, as an unsharded search returns it
+
+
+def _auto_ladder(graph: Graph, cluster: Cluster, options: PlanOptions,
+                 recompute: frozenset[int] = frozenset()) -> list[dict[int, int]]:
+    """The stages `auto` tries in turn when the unsharded plan does not fit: those `auto_stages` picks,
+    then every weight at stage 3 (HAP's own sharding may make it fit where data parallelism does not)."""
+    chosen = auto_stages(graph, cluster, options, recompute)
+    last = all_params_at(graph, 3)
+    return [chosen, last] if chosen and chosen != last else [last]
+
+
+def _memory_shares(cluster: Cluster) -> tuple[float, ...]:
+    return memory_proportional_shares([d.memory_bytes_per_gpu * d.num_gpus for d in cluster.devices])
+
+
+def _fits(made: Plan, cluster: Cluster) -> bool:
+    return all(m <= d.memory_bytes_per_gpu for m, d in zip(made.memory_bytes, cluster.devices))
+
+
+def auto_stages(graph: Graph, cluster: Cluster, options: PlanOptions,
+                recompute: frozenset[int] = frozenset()) -> dict[int, int] | None:
+    """`shard_states=auto`'s stages: the lowest per weight, largest first, that make data parallelism
+    at memory-proportional ratios fit (`engine.spmd.zero.choose_stages`); HAP's own sharding only
+    lowers the memory of the plan found with them. None when nothing fits even at stage 3."""
+    ratios = memory_ratios(cluster)
+    try:
+        program = data_parallel(graph, CostModel(graph, unlimited(cluster), ratios, options, recompute=recompute)).program
+    except InfeasibleError:
+        return None
+    need = [sum(part) for part in memory_parts(program, CostModel(graph, cluster, ratios, options, recompute=recompute))]
+    stages = choose_stages(graph, need, [d.memory_bytes_per_gpu for d in cluster.devices],
+                           STATE_BYTES_PER_PARAM_BYTE[options.optimizer], _memory_shares(cluster))
+    return stages if stages else None
+
+
+def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progress: Progress | None = None, *,
+                      space: SearchSpace | None = None, states: StateSharding | None = None,
+                      recompute: frozenset[int] = frozenset()) -> Plan:
+    """Plan `graph` on `cluster`: the Q<->B iteration of HAP §3.1, returning the best plan found,
+    with the Full weights' states kept as `states` says (None: replicated) and the layers `recompute`
+    recomputed in backward.
 
     `options.overlap` is the overlap mode to plan in (`none`, `ddp`, `duplex`), or `auto`: plan in
     ddp and in duplex (each with an equal share of what is left of the budget), price the ddp plan
@@ -100,6 +174,8 @@ def plan_layers(graph: Graph, cluster: Cluster, options: PlanOptions, progress: 
     hierarchical collectives inside a pipeline stage); the data-parallel seeds are searched in
     their own spaces."""
     modes, skipped = overlap_modes(graph, options.overlap)
+    if states is not None and 3 in states.stages.values():
+        modes, skipped = _without_duplex(modes, skipped, options.overlap)
     seg = segment_graph(graph, options.segments)
     start = time.perf_counter()
     deadline = None if options.time_budget_s is None else start + options.time_budget_s
@@ -109,7 +185,8 @@ def plan_layers(graph: Graph, cluster: Cluster, options: PlanOptions, progress: 
         "expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
         "baselines_s": {k: None if c is None else realized_rank(graph, cluster, c, options)[1] for k, c in seeds.items()},
         "overlap_request": options.overlap, "overlap_s": {}, "overlap_skipped": skipped}
-    loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace(), recompute=recompute)
+    loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace(), recompute=recompute,
+                states=states)
     found: dict[str, Candidate] = {}
     for k, mode in enumerate(modes):
         share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - k)
@@ -137,6 +214,18 @@ def plan_layers(graph: Graph, cluster: Cluster, options: PlanOptions, progress: 
         stats["overlap_skipped"]["duplex"] = problem
 
 
+STAGE3_DUPLEX = ("duplex runs two half-batch streams over the same weights; ZeRO-3 gathers each weight on use, "
+                 "which the runner does in one stream only")
+
+
+def _without_duplex(modes: list[str], skipped: dict[str, str], overlap: str) -> tuple[list[str], dict[str, str]]:
+    """The overlap modes left when some weight is at ZeRO stage 3 (no duplex)."""
+    if overlap == "duplex":
+        raise PlanError(f"overlap 'duplex' with shard_states 3: {STAGE3_DUPLEX}; use overlap ddp, none or auto, "
+                        "or shard_states 1 or 2")
+    return [m for m in modes if m != "duplex"], {**skipped, "duplex": STAGE3_DUPLEX} if "duplex" in modes else skipped
+
+
 def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]]:
     """The overlap modes to plan in for `overlap`, and the modes `auto` skips with the reason
     (duplex for a model whose half batches would not compute the same, e.g. training-mode BatchNorm)."""
@@ -154,7 +243,7 @@ def _plan_in(mode: str, loop: "Loop", seg: Segmentation, seeds: list[Candidate |
     asked for segments, the one-segment loop gets half of `deadline`'s time, so the segmented one still runs."""
     graph, cluster, options = loop.graph, loop.cluster, loop.options
     unique = {id(c): c for c in seeds if c is not None}.values()
-    priced = [priced_in(c, graph, cluster, options, mode) for c in unique]
+    priced = [priced_in(replace(c, states=loop.states), graph, cluster, options, mode) for c in unique]
     if not priced:
         priced = [c for c in [memory_fitted_baseline(graph, cluster, options, mode, deadline, loop.recompute)]
                   if c is not None]
@@ -189,9 +278,12 @@ class Loop:
     recompute: frozenset[int] = frozenset()
     """The layers recomputed in backward (`engine.spmd.recompute`)."""
 
+    states: StateSharding | None = None
+    """Stages of the Full weights' states and the shares of the last LP (`engine.spmd.zero`); None: stage 0."""
+
     def cost_model(self, ratios: list[list[float]], seg: Segmentation) -> CostModel:
         return CostModel(self.graph, self.cluster, ratios, self.options, seg, overlap=self.overlap,
-                         recompute=self.recompute)
+                         recompute=self.recompute, states=self.states)
 
     def run(self, seg: Segmentation, ratios: list[list[float]], best: Candidate | None,
             incumbent: tuple[Instruction, ...] | None = None) -> Candidate | None:
@@ -216,7 +308,7 @@ class Loop:
                 continue
             _accumulate(self.stats, res)
             self._record(it, "Q", res.cost, ratios, seg)
-            best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap, self.recompute))
+            best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap, self.recompute, self.states))
             key = tuple(res.program)
             if key in seen:
                 break
@@ -226,18 +318,21 @@ class Loop:
                 break  # this program cannot fit under any ratios; keep the best found
             cost = evaluate(res.program, self.cost_model(moved, seg)).total_s
             self._record(it, "B", cost, moved, seg)
-            best = _better(best, Candidate(res.program, moved, cost, seg, self.overlap, self.recompute))
+            best = _better(best, Candidate(res.program, moved, cost, seg, self.overlap, self.recompute, self.states))
             ratios, incumbent = moved, res.program
         return best
 
     def memory_feasible_ratios(self, program: tuple[Instruction, ...], seg: Segmentation) -> list[list[float]] | None:
         """The LP's ratios for `program` (Eq. 2), which respect every device's memory; None if none do."""
         try:
-            return balance(program, self.graph, self.cluster, options=self.options, segmentation=seg,
-                           time_limit_s=left_s(self.deadline) or 30.0, overlap=self.overlap,
-                           recompute=self.recompute).by_segment
+            res = balance(program, self.graph, self.cluster, options=self.options, segmentation=seg,
+                          time_limit_s=left_s(self.deadline) or 30.0, overlap=self.overlap,
+                          recompute=self.recompute, states=self.states)
         except InfeasibleError:
             return None
+        if self.states is not None:
+            self.states = self.states.with_shares(res.shares)
+        return res.by_segment
 
     def _record(self, it: int, step: str, cost: float, ratios: list[list[float]], seg: Segmentation) -> None:
         self.history.append({"iteration": it, "step": step, "predicted_time_s": cost, "ratios": ratios,
@@ -279,7 +374,7 @@ def breakdown_of(the_plan: Plan, cluster: Cluster) -> Breakdown:
     """The cost model's breakdown of a plan on `cluster` at the plan's ratios and in its overlap
     mode: per stage and device, the buckets and the tail (what the Timeline page draws)."""
     cm = CostModel(the_plan.graph, cluster, the_plan.ratio_rows, the_plan.options, the_plan.segmentation,
-                   overlap=the_plan.overlap, recompute=frozenset(the_plan.recompute))
+                   overlap=the_plan.overlap, recompute=frozenset(the_plan.recompute), states=the_plan.states)
     return evaluate(the_plan.program, cm)
 
 
@@ -290,7 +385,7 @@ def realized(graph: Graph, cluster: Cluster, cand: Candidate, options: PlanOptio
     sizes = shard_sizes(cand.program, graph, cand.ratios, seg)
     ratios = realized_ratios(graph, sizes, cand.ratios)
     return sizes, ratios, evaluate(cand.program, CostModel(graph, cluster, ratios, options, seg, overlap=cand.overlap,
-                                                           recompute=cand.recompute))
+                                                           recompute=cand.recompute, states=cand.states))
 
 
 def realized_rank(graph: Graph, cluster: Cluster, cand: Candidate, options: PlanOptions) -> tuple[bool, float]:
@@ -315,4 +410,5 @@ def make_plan(strategy: str, graph: Graph, cluster: Cluster, cand: Candidate, op
                 search={**stats, "optimizer": options.optimizer, "options": options.to_dict()},
                 segment_of=list(seg.of_node) if seg.count > 1 else [], overlap=cand.overlap,
                 peak_flops=peak_flops(cluster, options.precision),
-                recompute=sorted(cand.recompute))
+                recompute=sorted(cand.recompute),
+                shard_states=to_record(graph, cand.program, cand.states))

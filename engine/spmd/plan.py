@@ -20,6 +20,7 @@ from engine.spmd.recompute import describe
 from engine.spmd.segments import Segmentation
 from engine.spmd.sizes import shard_key
 from engine.spmd.utilisation import Utilisation, of_plan, recorded
+from engine.spmd.zero import StateSharding, from_record, summary_line
 
 PLAN_KIND = "hap.plan"
 PLAN_SCHEMA_VERSION = 1
@@ -70,6 +71,10 @@ class Plan:
     overlap: str = "none"
     """How communication overlaps computation (`engine.spmd.overlap.OVERLAP_MODES`): `none`, `ddp`
     (gradient buckets during backward) or `duplex` (two half-batches, HiDup)."""
+    shard_states: dict[str, Any] = field(default_factory=dict)
+    """Sharded states of Full weights (`engine.spmd.zero.to_record`): `stages` (weight name -> ZeRO stage
+    1-3), `shares` (one per device) and `sizes` (weight name -> flattened elements per device); empty
+    when every weight is at stage 0 (then absent from the JSON)."""
     schema_version: int = PLAN_SCHEMA_VERSION
     peak_flops: float | None = None
     """Summed FLOP/s of the cluster's devices in the plan's precision (`engine.spmd.utilisation`); None in
@@ -92,6 +97,11 @@ class Plan:
     recompute: list[int] = field(default_factory=list)
     """Layers (`Node.segment` ids) whose activations are recomputed in backward (`engine.spmd.recompute`);
     empty, and absent from the JSON, when none are."""
+
+    @property
+    def states(self) -> StateSharding | None:
+        """The plan's sharded states for the cost model (None when none)."""
+        return from_record(self.graph, self.shard_states)
 
     @property
     def segmentation(self) -> Segmentation:
@@ -151,6 +161,8 @@ class Plan:
                          f"{self.memory_bytes[fullest] / 2**30:.2f} GiB ({self.device_names[fullest]})")
         if self.recompute:
             lines.append(f"recompute: {describe(self.graph, self.recompute)}")
+        if self.shard_states:
+            lines.append(summary_line(self.shard_states, len(self.graph.parameters)))
         if "expanded" in self.search:
             s = self.search
             lines.append(f"search: {s.get('iterations', 0)} Q<->B iterations, {s['expanded']} states expanded, "
@@ -167,7 +179,8 @@ class Plan:
                 **recorded(self.utilisation),
                 "program": [ins.to_dict() for ins in self.program], "history": self.history, "search": self.search,
                 "segments": self.segment_of, "overlap": self.overlap,
-                **({"recompute": list(self.recompute)} if self.recompute else {}), "graph": self.graph.to_dict()}
+                **({"recompute": list(self.recompute)} if self.recompute else {}),
+                **({"shard_states": self.shard_states} if self.shard_states else {}), "graph": self.graph.to_dict()}
 
     def to_json(self, indent: int | None = 1) -> str:
         return json.dumps(self.to_dict(), indent=indent)
@@ -211,6 +224,7 @@ def plan_from_checked_dict(d: dict[str, Any]) -> Plan:
                     history=list(d.get("history", [])), search=dict(d.get("search", {})),
                     segment_of=[int(k) for k in d.get("segments", [])], overlap=d.get("overlap", "none"),
                     peak_flops=None if d.get("peak_flops") is None else float(d["peak_flops"]),
-                    recompute=[int(k) for k in d.get("recompute", [])])
+                    recompute=[int(k) for k in d.get("recompute", [])],
+                    shard_states=dict(d.get("shard_states", {})))
     except (KeyError, TypeError, ValueError, AssertionError) as e:
         raise PlanError(f"malformed plan: {type(e).__name__}: {e}") from None

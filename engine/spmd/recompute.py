@@ -132,7 +132,7 @@ def transient_mems(program: Sequence[Instruction], cm: CostModel) -> list[list[M
         rows = per.setdefault(cm.graph[ins.node].segment, [[0.0, 0.0] for _ in range(cm.segmentation.count)])
         sharded = ins.post >= 0 or any(f >= 0 for _, f in ins.pre)  # as `engine.spmd.cost.is_sharded`
         rows[k][0 if sharded else 1] += cm.full_activation[ins.node]
-    return [[(0.0, 0.0, sa, ra) for sa, ra in rows] for _, rows in sorted(per.items())]
+    return [[(0.0, 0.0, sa, ra, 0.0) for sa, ra in rows] for _, rows in sorted(per.items())]
 
 
 def transient_peak(program: Sequence[Instruction], cm: CostModel) -> tuple[float, ...]:
@@ -157,15 +157,19 @@ def search_reserve(cm: CostModel) -> tuple[float, ...]:
                      default=0.0) for c in cm.classes)
 
 
-def transient_limits(prob: Any, classes, B, mems: list[Mem], transients: list[list[Mem]]) -> None:
+def transient_limits(prob: Any, classes, B, mems: list[Mem], transients: list[list[Mem]], z: list | None = None,
+                     transient: float = 0.0) -> None:
     """The LP's memory rows with recomputation: for every recomputed layer, the kept terms plus that
-    layer's activations fit every class (the peak is the largest of them, so all must fit)."""
+    layer's activations fit every class (the peak is the largest of them, so all must fit); `z` and
+    `transient`: the state shares and staged weights' transient bytes (`engine.spmd.zero`), as in the plain rows."""
     import pulp
 
     for layer, extra in enumerate(transients):
         for c, cls in enumerate(classes):
-            need = pulp.lpSum(s * row[c] + r + (sa * row[c] + ra) / cls.num_gpus
-                              for row, (s, r, sa, ra) in zip(B, [_plus(m, x) for m, x in zip(mems, extra)]))
+            merged = [_plus(m, x) for m, x in zip(mems, extra)]
+            need = pulp.lpSum(s * row[c] + r + (sa * row[c] + ra) / cls.num_gpus for row, (s, r, sa, ra, _) in zip(B, merged))
+            if z is not None:
+                need = need + pulp.lpSum(m[4] for m in mems) * z[c] + transient
             prob += need <= cls.memory_bytes, f"memory_recompute_{layer}_class_{c}"
 
 

@@ -44,6 +44,7 @@ from engine.spmd.recompute import layers
 from engine.spmd.segments import RESPLIT, instruction_segments, source_segments
 from engine.spmd.sizes import realized_ratios, shard_classes, shard_key, shard_sizes
 from engine.spmd.utilisation import FIELDS as UTILISATION_FIELDS
+from engine.spmd.zero import record_problem, record_schema_problem
 from engine.theory import COLLECTIVES, collectives_from, form_str, leaf_forms, op_rules
 from engine.theory.core import FULL, PARTIAL, Form, parse_form
 
@@ -88,6 +89,8 @@ def check_plan(plan: Plan, model_fingerprint: str | None = None) -> None:
     check_ratios(plan)
     check_program(plan)
     check_shard_sizes(plan)
+    if (bad := record_problem(plan.graph, plan.program, plan.world_size, plan.shard_states)) is not None:
+        raise _fail(*bad)
 
 
 # ----------------------------------------------------------------------------- 1. schema
@@ -152,6 +155,8 @@ def check_plan_dict(d: dict[str, Any]) -> None:
     overlap = _typed(d, "overlap", str, required=False)
     if overlap is not None and overlap not in OVERLAP_MODES:
         raise _fail("overlap", f"{_shown(overlap)} is not an overlap mode (one of: {', '.join(OVERLAP_MODES)})")
+    if (bad := record_schema_problem(d.get("shard_states", {}))) is not None:
+        raise _fail(*bad)
     segments = _typed(d, "segments", list, required=False) or []
     for i, s in enumerate(segments):
         if not _is_int(s) or s < 0:
@@ -570,7 +575,7 @@ def check_against_cluster(plan: Plan, cluster: Cluster) -> list[str]:
                     f"'{machines[j]}' in cluster '{cluster.name}'", "plan again for this cluster (hap plan --cluster FILE)")
     try:
         cm = CostModel(plan.graph, cluster, plan.ratio_rows, plan.options, plan.segmentation, overlap=plan.overlap,
-                       recompute=frozenset(plan.recompute))
+                       recompute=frozenset(plan.recompute), states=plan.states)
         repriced = evaluate(plan.program, cm).total_s
     except (HapError, ValueError, KeyError, ZeroDivisionError) as e:
         return [f"the plan could not be re-priced on cluster '{cluster.name}' ({type(e).__name__}: {e})"]

@@ -48,7 +48,7 @@ def test_an_instruction_on_partial_sums_keeps_nothing_it_does_not_save():
     cm = CostModel(g, CLUSTER, [0.5, 0.5])
     for n in (5, 6, 8, 9, 10, 11):  # the chain run on the Partial sums of a row-parallel q
         forms = tuple(FULL if g[i].is_leaf else PARTIAL for i in g[n].inputs)
-        assert cm.compute_delta(n, False, forms=(forms, PARTIAL))[2] == (0.0, 0.0, 0.0, 0.0), g[n].name
+        assert cm.compute_delta(n, False, forms=(forms, PARTIAL))[2] == (0.0,) * 5, g[n].name
 
 
 def fan_out_graph():

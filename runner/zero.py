@@ -1,0 +1,256 @@
+"""Sharded states of Full weights (ZeRO stages 1-3, uneven): the plan's `shard_states` on one rank.
+
+For every staged weight (`engine.spmd.zero`) the rank keeps a flat slice of its flattened elements,
+`sizes[rank]` of them from offset `sum(sizes[:rank])` (the plan's integer sizes), and the optimizer
+steps that slice only, so Adam's moments exist for the slice only:
+
+- stage 1: the full gradient is kept until backward ends, then reduce-scattered (uneven, padded by the
+  list reduce-scatter) into the slice's gradient; after the step the updated slices are all-gathered
+  into the full weight the program uses. The same bytes as the all-reduce it replaces.
+- stage 2: the same, but each gradient is reduce-scattered as soon as autograd has accumulated it
+  (a post-accumulate-grad hook) and the full gradient freed.
+- stage 3: the slice is the parameter at rest. Before the forward pass each is all-gathered by an
+  autograd Function whose backward reduce-scatters the gradient into the slice; the gathered weights
+  are not kept for backward: saved-tensor hooks pack them as a reference and all-gather them again
+  when backward uses them. (They stay alive until the forward pass ends, a CPU-runner simplification;
+  the engine prices FSDP's per-layer transient.)
+
+Adam is element-wise, so stepping slices of the summed gradient is exactly stepping the whole
+weight: `hap run --verify` matches single-device training to fp32 tolerance. Checkpoints keep the
+stage-0 format (`full_view`: weights and optimizer state gathered whole), so resume and resharding
+onto another plan (another device count, other stages) work unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from engine.spmd.plan import Plan
+from engine.theory.core import FULL
+
+from .collectives import gather_padded, reduce_scatter_uneven, run_collective
+
+
+@dataclass
+class StagedParam:
+    """One staged weight on this rank."""
+
+    index: int
+    """Its position in the rank's parameter list."""
+    stage: int
+    sizes: list[int]
+    """Flattened elements on every rank."""
+    shape: torch.Size
+    """The whole weight's shape."""
+    slice: torch.nn.Parameter
+    """This rank's flat slice: what the optimizer steps (stage 3: the weight at rest)."""
+    full: torch.nn.Parameter | None = None
+    """Stages 1 and 2: the whole weight the program reads."""
+    name: str = ""
+
+    @property
+    def offset(self) -> int:
+        return sum(self.sizes[:dist.get_rank()])
+
+    def gather(self, flat: torch.Tensor) -> torch.Tensor:
+        """The whole tensor of every rank's flat slice `flat` (padded all-gather), in the weight's shape."""
+        return run_collective("all_gather", self.name, gather_padded, flat.detach().contiguous(), 0,
+                              self.sizes).view(self.shape)
+
+    def scatter(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the sum over ranks of `whole` (uneven reduce-scatter)."""
+        return run_collective("reduce_scatter", self.name, reduce_scatter_uneven, whole.reshape(-1).contiguous(), 0,
+                              self.sizes)
+
+    def mine(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's flat slice of a whole tensor (no communication)."""
+        return whole.reshape(-1)[self.offset:self.offset + self.sizes[dist.get_rank()]].clone()
+
+
+class _Gather(torch.autograd.Function):
+    """A stage-3 weight on use: all-gather its slices; backward reduce-scatters the gradient (the dual)."""
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, sp: StagedParam) -> torch.Tensor:
+        ctx.sp = sp
+        return sp.gather(flat)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        return ctx.sp.scatter(g), None
+
+
+@dataclass
+class RankStates:
+    """The staged weights of one rank and how to run them."""
+
+    staged: list[StagedParam]
+    build_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+    """The run's optimizer over given tensors (`runner.train.make_optimizer` with its name and rate)."""
+    live: dict[int, tuple[torch.Tensor, StagedParam]] = field(default_factory=dict)
+    """Stage-3 weights gathered in the running forward pass, by storage address."""
+
+    def by_index(self) -> dict[int, StagedParam]:
+        return {sp.index: sp for sp in self.staged}
+
+    # --- forward and backward ---------------------------------------------------------------
+    def program_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors the program reads: stage-3 weights gathered (and remembered for `saving`)."""
+        out = list(params)
+        for sp in self.staged:
+            if sp.stage == 3:
+                whole = _Gather.apply(sp.slice, sp)
+                self.live[whole.untyped_storage().data_ptr()] = (whole, sp)
+                out[sp.index] = whole
+        return out
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        """While forward runs: gathered stage-3 weights that autograd saves are kept as a reference and
+        gathered again when backward unpacks them; they are freed when forward ends."""
+        if not any(sp.stage == 3 for sp in self.staged):
+            yield
+            return
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self.live.clear()
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        hit = self.live.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+        if hit is None:
+            return t
+        return hit[1], tuple(t.size()), tuple(t.stride()), t.storage_offset()
+
+    @staticmethod
+    def _unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        sp, size, stride, offset = packed
+        return sp.gather(sp.slice).as_strided(size, stride, offset)
+
+    def _stage2_hook(self, sp: StagedParam):
+        def hook(p: torch.Tensor) -> None:  # every rank runs the same program: the same order of hooks
+            self._accumulate(sp, sp.scatter(p.grad))
+            p.grad = None
+        return hook
+
+    @staticmethod
+    def _accumulate(sp: StagedParam, g: torch.Tensor) -> None:
+        sp.slice.grad = g if sp.slice.grad is None else sp.slice.grad + g
+
+    def reduce_gradients(self) -> None:
+        """After backward: reduce-scatter the gradients still whole (stage 1; stage 2 set by duplex) into
+        the slices; a weight unused on this rank contributes zeros."""
+        for sp in self.staged:
+            if sp.stage == 3:
+                continue
+            if sp.full.grad is not None or sp.stage == 1:
+                g = sp.full.grad if sp.full.grad is not None else torch.zeros_like(sp.full)
+                self._accumulate(sp, sp.scatter(g))
+                sp.full.grad = None
+
+    def gather_updated(self) -> None:
+        """After the step: every rank's updated slices all-gathered into the whole weights (stages 1, 2)."""
+        with torch.no_grad():
+            for sp in self.staged:
+                if sp.full is not None:
+                    sp.full.copy_(sp.gather(sp.slice))
+
+    # --- whole values (verify, checkpoints) -------------------------------------------------
+    def whole(self, index: int, p: torch.Tensor) -> torch.Tensor:
+        """The whole weight at `index` (a collective for stage 3: call it on every rank)."""
+        sp = self.by_index().get(index)
+        return sp.gather(sp.slice) if sp is not None and sp.stage == 3 else p.detach()
+
+
+def apply_states(plan: Plan, st: Any, build_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+                 ) -> RankStates | None:
+    """Stage the plan's staged weights on this rank: slices, hooks, and an optimizer over the slices
+    (in the order of `st.params`, so its state dict indexes match a stage-0 run's). None without any."""
+    record = plan.shard_states
+    if not record:
+        return None
+    if plan.overlap == "duplex" and 3 in record["stages"].values():
+        raise ValueError("shard_states 3 does not run with overlap duplex (two streams over one gathered weight); "
+                         "re-plan with --overlap ddp")
+    states = RankStates([], build_optimizer)
+    for i, (node, form) in enumerate(st.program.params):
+        name = plan.graph[node].name
+        if form != FULL or name not in record["stages"]:
+            continue
+        full = st.params[i]
+        sizes = [int(x) for x in record["sizes"][name]]
+        sp = StagedParam(i, int(record["stages"][name]), sizes, full.shape, None, name=name)  # type: ignore[arg-type]
+        sp.slice = torch.nn.Parameter(sp.mine(full.detach()))
+        if sp.stage == 3:
+            st.params[i] = sp.slice
+        else:
+            sp.full = full
+            if sp.stage == 2:
+                full.register_post_accumulate_grad_hook(states._stage2_hook(sp))
+        st.full_params[i] = False  # not in the all-reduce bucket: reduce-scattered instead
+        states.staged.append(sp)
+    by = states.by_index()
+    st.optimizer = build_optimizer([by[i].slice if i in by else p for i, p in enumerate(st.params)])
+    return states
+
+
+def optimizer_params(st: Any) -> list[torch.Tensor]:
+    """The tensors the rank's optimizer steps, in the order of `st.params`."""
+    if st.zero is None:
+        return list(st.params)
+    by = st.zero.by_index()
+    return [by[i].slice if i in by else p for i, p in enumerate(st.params)]
+
+
+def layout_state(st: Any, index: int, p: torch.Tensor) -> tuple[dict[str, Any], torch.Size]:
+    """(optimizer state of parameter `index` as a stage-0 run keeps it, only shapes meaningful; the whole
+    weight's local shape): what `runner.reshard.layout_of` records, without communication."""
+    sp = None if st.zero is None else st.zero.by_index().get(index)
+    if sp is None:
+        return st.optimizer.state.get(p, {}), p.shape
+    state = st.optimizer.state.get(sp.slice, {})
+    return {k: torch.empty(sp.shape, device="meta") if torch.is_tensor(v) and v.dim() >= 1 else v
+            for k, v in state.items()}, sp.shape
+
+
+@contextlib.contextmanager
+def full_view(st: Any) -> Iterator[Any]:
+    """The rank state as a stage-0 run holds it (whole weights, an optimizer over them with whole state),
+    for saving and loading checkpoints; what is loaded into it is sliced back on exit. Collective:
+    every rank enters it."""
+    if st.zero is None:
+        yield st
+        return
+    z: RankStates = st.zero
+    by = z.by_index()
+    params = [torch.nn.Parameter(z.whole(i, p)) if i in by and by[i].stage == 3 else p for i, p in enumerate(st.params)]
+    opt = z.build_optimizer(params)
+    sd = st.optimizer.state_dict()
+    opt.load_state_dict({"state": {i: _map(v, by.get(i), whole=True) for i, v in sd["state"].items()},
+                         "param_groups": sd["param_groups"]})
+    yield replace(st, params=params, optimizer=opt)
+    sd = opt.state_dict()
+    st.optimizer.load_state_dict({"state": {i: _map(v, by.get(i), whole=False) for i, v in sd["state"].items()},
+                                  "param_groups": sd["param_groups"]})
+    with torch.no_grad():
+        for sp in z.staged:
+            sp.slice.copy_(sp.mine(params[sp.index].detach()))
+
+
+def _map(state: dict[str, Any], sp: StagedParam | None, *, whole: bool) -> dict[str, Any]:
+    """One parameter's optimizer state gathered whole (`whole`) or sliced back; unchanged if not staged."""
+    if sp is None:
+        return state
+    out = {}
+    for k, v in state.items():
+        if torch.is_tensor(v) and v.dim() >= 1:
+            v = sp.gather(v) if whole else sp.mine(v)
+        out[k] = v
+    return out

@@ -1,0 +1,71 @@
+"""Sharded states (ZeRO 1-3, uneven shares) train exactly as one device does (issue 26 item 3).
+
+Three gloo ranks run a data-parallel and the engine's own plan of the small MLP with every weight at
+stage 1, 2 and 3 and uneven shares, with Adam, and the test compares losses and final weights with
+single-device training (runner.verify's fp32 tolerance), as tests/runner/test_runner_equivalence.py does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from dist_harness import run_ranks
+from runner_plans import dp_even_plan, engine_plan
+from test_runner_equivalence import check_equivalence
+
+from engine.spmd.zero import StateSharding, all_params_at, to_record
+
+SHARES = (0.5, 0.3, 0.2)
+
+
+def staged(plan, stage: int, shares=SHARES):
+    """`plan` with every Full weight at `stage` and the given state shares."""
+    record = to_record(plan.graph, plan.program, StateSharding(all_params_at(plan.graph, stage), shares))
+    assert record["stages"], "the plan keeps some weight Full"
+    return dataclasses.replace(plan, shard_states=record)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_data_parallel_with_sharded_states_trains_like_one_device(stage, tmp_path):
+    plan = staged(dp_even_plan("mlp", 3), stage)
+    assert len(set(sum(plan.shard_states["sizes"].values(), []))) > 1, "uneven sizes"
+    check_equivalence(plan, tmp_path, "adam")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_engines_plan_with_sharded_states_trains_like_one_device(stage, tmp_path):
+    check_equivalence(staged(engine_plan("mlp", 3), stage), tmp_path, "adam")
+
+
+def test_a_checkpoint_of_sharded_states_resumes_after_replan_to_2_ranks_with_other_stages(tmp_path, capfd):
+    """3 ranks at stage 3 save (Adam moments gathered whole), `hap replan` to 2 ranks, the new plan at
+    stage 2 loads its slices; steps 6-11 end as single-device training."""
+    from test_runner_reshard import hap_replan, switch_and_continue, train_old
+
+    old = staged(dp_even_plan("mlp", 3), 3)
+    old_path = train_old(old, tmp_path, "adam")
+    capfd.readouterr()
+    new = hap_replan(old_path, 2, tmp_path, "adam", capfd)
+    assert new.world_size == 2
+    switch_and_continue(old_path, staged(new, 2, (0.7, 0.3)), tmp_path, "adam", capfd)
+
+
+def test_a_run_with_sharded_states_killed_after_a_checkpoint_resumes_exactly(tmp_path, monkeypatch, capfd):
+    from test_runner_reshard import assert_single_device, config, train_rank
+
+    from runner.config import FAULT_ENV
+
+    plan = staged(dp_even_plan("mlp", 3), 1)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    monkeypatch.setenv(FAULT_ENV, "1:7:kill")
+    with pytest.raises(AssertionError, match="rank 1 exited"):
+        run_ranks(train_rank, 3, tmp_path / "old", config(path, tmp_path, "adam", 12, "old", checkpoint_every=3),
+                  timeout_s=240)
+    monkeypatch.delenv(FAULT_ENV)
+    first = [json.loads(x) for x in (tmp_path / "old.jsonl").read_text().splitlines()]
+    (tmp_path / "new.jsonl").write_text("".join(json.dumps(r) + "\n" for r in first if r["step"] < 6))
+    cfg = config(path, tmp_path, "adam", 12, "new", resume=True, save_params=str(tmp_path / "params.pt"))
+    assert run_ranks(train_rank, 3, tmp_path / "new", cfg, timeout_s=240) == [0] * 3
+    assert_single_device(plan, tmp_path, "adam")
