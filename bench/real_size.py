@@ -49,7 +49,7 @@ LAYER_KEY = "num_hidden_layers"
 CLUSTERS = {"hapt": "sample_clusters/a100x8_v100x8_5gbps.json",
             "paper": "sample_clusters/hap_paper_testbed_machines.json"}
 MODES = {
-    "fp32, nothing": dict(precision="fp32", recompute="none", shard_states=0),
+    "fp32 plain": dict(precision="fp32", recompute="none", shard_states=0),
     "default": dict(precision="fp32", recompute="auto", shard_states="auto"),
     "mixed": dict(precision="MIXED", recompute="none", shard_states=0),
     "mixed+recompute": dict(precision="MIXED", recompute="all", shard_states=0),
@@ -60,7 +60,7 @@ MODES = {
 }
 """Training modes. MIXED is bf16 where every device of the cluster rates bf16, else fp16 (V100 and
 P100 have no bf16)."""
-QUICK_MODES = ("fp32, nothing", "default", "mixed", "mixed+auto")
+QUICK_MODES = ("fp32 plain", "default", "mixed", "mixed+auto")
 
 
 def _rss_gib() -> float:

@@ -127,7 +127,8 @@ def recompute_lines(plan) -> list[str]:
     from engine.spmd.recompute import describe
 
     if not getattr(plan, "recompute", None):
-        return []
+        asked = plan.options.recompute if plan.parallelism == "spmd" else "none"
+        return ["", "recompute: no layer (every activation fits)"] if asked == "auto" else []
     auto = plan.search.get("recompute_auto")
     how = (f"; auto planned {len(auto['tried'])} layer sets in {auto['elapsed_s']:.2f} s to fit memory"
            if isinstance(auto, dict) else "")

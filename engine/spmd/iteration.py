@@ -202,6 +202,8 @@ def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progr
     # modes in order (ddp, duplex, none): a tie keeps the earlier, so duplex or none is chosen only for a predicted gain
     while True:
         best = min(found.values(), key=lambda c: realized_rank(graph, cluster, c, options))
+        if realized_rank(graph, cluster, best, options)[0] and options.recompute == "none" and options.shard_states == 0:
+            raise InfeasibleError(oom_message(graph, cluster, options, deadline=deadline))  # nothing else may help
         stats["elapsed_s"] = time.perf_counter() - start
         stats["segments"] = best.segmentation.count
         made = make_plan("hap", graph, cluster, best, options, loop.history, stats)
@@ -257,7 +259,21 @@ def _plan_in(mode: str, loop: "Loop", seg: Segmentation, seeds: list[Candidate |
         best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
     if best is None:
         return None
+    if realized_rank(graph, cluster, best, options)[0]:
+        best = _refit(loop, best) or best
     return min([best, *priced], key=lambda c: realized_rank(graph, cluster, c, options))  # whole units may reorder them
+
+
+def _refit(loop: "Loop", cand: Candidate) -> Candidate | None:
+    """`cand`'s program at the LP's memory-respecting ratios, for a candidate that overflows a device
+    at its own ratios (the search bounds memory per rule, the replay counts it per instruction, and
+    whole units round the ratios): None when no ratios fit it or they still overflow."""
+    ratios = loop.memory_feasible_ratios(cand.program, cand.segmentation)
+    if ratios is None:
+        return None
+    cost = evaluate(cand.program, loop.cost_model(ratios, cand.segmentation)).total_s
+    moved = replace(cand, ratios=ratios, cost=cost, states=loop.states)
+    return None if realized_rank(loop.graph, loop.cluster, moved, loop.options)[0] else moved
 
 
 @dataclass
