@@ -61,8 +61,8 @@ def test_the_options_a_plan_was_made_with_are_recorded_and_read_back(gpt4, tmp_p
 
 
 def test_keyword_options_and_an_options_object_plan_alike(gpt4):
-    by_keyword = engine.plan(gpt4, sample_path("cpu_2"), time_budget_s=2, optimizer="sgd", overlap="none")
-    by_object = engine.plan(gpt4, sample_path("cpu_2"), options=PlanOptions(time_budget_s=2, optimizer="sgd",
+    by_keyword = engine.plan(gpt4, sample_path("cpu_2"), time_budget_s=60, optimizer="sgd", overlap="none")
+    by_object = engine.plan(gpt4, sample_path("cpu_2"), options=PlanOptions(time_budget_s=60, optimizer="sgd",
                                                                             overlap="none"))
     assert by_keyword.search["options"] == by_object.search["options"]
     assert by_keyword.program == by_object.program

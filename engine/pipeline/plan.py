@@ -22,7 +22,7 @@ from engine.pipeline.schedule import SCHEDULES
 from engine.pipeline.stages import batch_of
 from engine.spmd.plan import Plan
 from engine.spmd.program import COMM, LOAD
-from engine.spmd.utilisation import Utilisation, of_plan, recorded
+from engine.spmd.utilisation import Utilisation, Utilised, of_plan, recorded
 from engine.spmd.recompute import describe
 from engine.spmd.validate import (RATIO_TOLERANCE, _check_cluster_field, _check_search_options, _fail, _is_int,
                                   _non_negative, _shown, _typed, check_utilisation_fields, plan_from_dict)
@@ -118,7 +118,7 @@ def timeline_boxes(schedule: Schedule) -> tuple[TimelineBox, ...]:
 
 
 @dataclass(frozen=True)
-class PipelinePlan:
+class PipelinePlan(Utilised):
     """A pipeline plan: stages on device groups, boundaries, schedule and microbatches (HAPT)."""
 
     stages: tuple[PipelineStage, ...]
@@ -169,16 +169,6 @@ class PipelinePlan:
     def utilisation(self) -> Utilisation:
         """Model FLOPs of the whole graph, peak FLOP/s, and the compute bound and MFU of the predicted time."""
         return of_plan(self.graph, self.peak_flops, self.predicted_s)
-
-    @property
-    def compute_bound_s(self) -> float | None:
-        """The model's FLOPs at the summed peak: no iteration is faster (None when the peak is unknown)."""
-        return self.utilisation.compute_bound_s
-
-    @property
-    def mfu(self) -> float | None:
-        """Model FLOPs utilisation of the predicted iteration: compute bound / predicted time."""
-        return self.utilisation.mfu
 
     @property
     def options(self) -> PlanOptions:

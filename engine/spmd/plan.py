@@ -19,7 +19,7 @@ from engine.spmd.program import Instruction
 from engine.spmd.recompute import describe
 from engine.spmd.segments import Segmentation
 from engine.spmd.sizes import shard_key
-from engine.spmd.utilisation import Utilisation, of_plan, recorded
+from engine.spmd.utilisation import Utilisation, Utilised, of_plan, recorded
 from engine.spmd.zero import StateSharding, from_record, summary_line
 
 PLAN_KIND = "hap.plan"
@@ -39,7 +39,7 @@ class StageRecord:
 
 
 @dataclass
-class Plan:
+class Plan(Utilised):
     """Program Q + ratios B + predictions. `to_json` and `engine.load_plan` round-trip exactly."""
 
     parallelism: ClassVar[str] = "spmd"
@@ -84,16 +84,6 @@ class Plan:
     def utilisation(self) -> Utilisation:
         """Model FLOPs, peak FLOP/s, and the compute bound and MFU of the predicted time (`engine.spmd.utilisation`)."""
         return of_plan(self.graph, self.peak_flops, self.predicted_time_s)
-
-    @property
-    def compute_bound_s(self) -> float | None:
-        """The model's FLOPs at the summed peak: no iteration is faster (None when the peak is unknown)."""
-        return self.utilisation.compute_bound_s
-
-    @property
-    def mfu(self) -> float | None:
-        """Model FLOPs utilisation of the predicted iteration: compute bound / predicted time."""
-        return self.utilisation.mfu
     recompute: list[int] = field(default_factory=list)
     """Layers (`Node.segment` ids) whose activations are recomputed in backward (`engine.spmd.recompute`);
     empty, and absent from the JSON, when none are."""

@@ -105,6 +105,22 @@ class Utilisation:
                f"iteration at {self.peak_flops:.3g} FLOP/s summed {precision} peak)"
 
 
+class Utilised:
+    """The compute bound and MFU of a plan of either kind, read off its `utilisation` property."""
+
+    utilisation: Utilisation
+
+    @property
+    def compute_bound_s(self) -> float | None:
+        """The model's FLOPs at the summed peak: no iteration is faster (None when the peak is unknown)."""
+        return self.utilisation.compute_bound_s
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation of the predicted iteration: compute bound / predicted time."""
+        return self.utilisation.mfu
+
+
 def of_plan(graph: Graph | None, peak: float | None, iteration_s: float) -> Utilisation:
     """The utilisation of a plan's graph, recorded peak and predicted time (no graph: no FLOPs known)."""
     return Utilisation(model_flops(graph) if graph is not None else 0.0, peak if graph is not None else None,
