@@ -204,7 +204,14 @@ def oom_message(graph: Graph, cluster: Cluster, options: PlanOptions, strategy: 
     return (f"out of memory: device '{cluster.devices[j].name}' needs {gib(state + act)} but has "
             f"{gib(cluster.devices[j].memory_bytes_per_gpu)} even data-parallel with the batch split {split} "
             f"(parameters, gradients and {options.optimizer} state {gib(state)}, activations {gib(act)}); "
-            "use a smaller batch, more or larger devices, or optimizer='sgd'")
+            f"use a smaller batch, more or larger devices, or optimizer='sgd'{_memory_options_hint(options)}")
+
+
+def _memory_options_hint(options: PlanOptions) -> str:
+    """The memory-saving options the plan was kept from using (issue 26), as a hint's tail."""
+    off = [f"{name}='auto'" for name, value, idle in (("recompute", options.recompute, "none"),
+                                                       ("shard_states", options.shard_states, 0)) if value == idle]
+    return f", or {' and '.join(off)} (recompute activations, shard optimizer states)" if off else ""
 
 
 def memory_parts(program: tuple[Instruction, ...], cm: CostModel) -> list[tuple[float, float]]:

@@ -61,6 +61,8 @@ def test_auto_recomputes_the_fewest_layers_that_make_a_model_fit():
 def test_none_refuses_with_the_out_of_memory_message_of_before():
     with pytest.raises(InfeasibleError, match=r"^out of memory: device 'dev-\d' needs .* even data-parallel"):
         engine.plan(gpt(), small(TIGHT), recompute="none", **OPTS)
+    with pytest.raises(InfeasibleError, match=r"or recompute='auto' and shard_states='auto' \(recompute activations"):
+        engine.plan(gpt(), small(TIGHT), recompute="none", shard_states=0, **OPTS)
 
 
 def test_all_recomputes_every_layer_and_auto_leaves_a_plan_that_fits_unchanged():
