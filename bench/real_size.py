@@ -17,7 +17,7 @@ layers (`--layers` lists the depths tried, deepest first), and the table says ho
     PYTHONPATH=. python bench/real_size.py --quick         # Llama on the HAPT cluster only
     PYTHONPATH=. python bench/real_size.py --models llama --clusters hapt --modes default,bf16
 
-It writes `bench/results/real_size.json` and prints the table. It never asserts.
+It writes `bench/results/real_size.json` (`--out`) and prints the table. It never asserts.
 """
 from __future__ import annotations
 
@@ -47,7 +47,10 @@ Mixtral's experts run as batched matmuls, the implementation whose shapes do not
 routing (engine/model/zoo/ecosystem.py), which is how the zoo's entry captures it."""
 LAYER_KEY = "num_hidden_layers"
 CLUSTERS = {"hapt": "sample_clusters/a100x8_v100x8_5gbps.json",
-            "paper": "sample_clusters/hap_paper_testbed_machines.json"}
+            "paper": "sample_clusters/hap_paper_testbed_machines.json",
+            "paper64": "sample_clusters/hap_paper_testbed.json"}
+"""HAPT's 16 GPUs; HAP's testbed as 8 machines (each 8 GPUs in data parallel, states sharded across
+machines only) and as its 64 GPUs (states sharded across all of them)."""
 MODES = {
     "fp32 plain": dict(precision="fp32", recompute="none", shard_states=0),
     "default": dict(precision="fp32", recompute="auto", shard_states="auto"),
@@ -158,11 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--models", default="llama,mixtral")
-    ap.add_argument("--clusters", default="hapt,paper")
+    ap.add_argument("--clusters", default="hapt,paper,paper64")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {'; '.join(MODES)}")
     ap.add_argument("--layers", default="32,16,8", help="depths tried, deepest first (default 32,16,8)")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per case before fewer layers are tried")
     ap.add_argument("--quick", action="store_true", help="Llama on the HAPT cluster, four modes")
+    ap.add_argument("--out", default=str(RESULTS / "real_size.json"), help="where the figures go (JSON)")
     args = ap.parse_args(argv)
     if args.worker:
         print(json.dumps(measure(json.loads(args.worker))))
@@ -179,8 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = deepest(model, cluster, mode, depths, args.timeout)
                 results.append(r)
                 print("  " + " | ".join(row(r)), file=sys.stderr, flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "real_size.json").write_text(json.dumps({"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"cpus": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
                                                         "results": results}, indent=1))
     print(markdown(results))
     return 0
