@@ -170,7 +170,8 @@ def measured(records: list[dict], warmup: int) -> dict[str, float]:
 
 def predicted(plan_path: Path, spec: Path) -> dict[str, float]:
     """The plan's prediction: iteration, computation (slowest device per stage, plus the optimizer
-    tail of the overlap modes) and communication (every collective and gradient bucket, hidden or not)."""
+    tail of the overlap modes) and communication (every collective and gradient bucket, hidden or not,
+    and the sharded states' reduce-scatters and all-gathers with their work)."""
     import engine
     from engine.spmd.iteration import breakdown_of
     from engine.spmd.plan import Plan
@@ -178,7 +179,7 @@ def predicted(plan_path: Path, spec: Path) -> dict[str, float]:
     plan = load_plan(plan_path)
     b = breakdown_of(plan, engine.load_cluster(spec))
     return {"iteration_s": plan.predicted_time_s, "compute_s": sum(max(c) for c in b.stage_comp_s) + b.tail_s,
-            "comm_s": sum(b.stage_comm_s) + sum(x.duration_s for x in b.buckets), "ratios": plan.ratios,
+            "comm_s": sum(b.stage_comm_s) + sum(x.duration_s for x in b.buckets) + b.states_s, "ratios": plan.ratios,
             "overlap": plan.overlap, "collectives": sorted({i.rule for i in plan.program if i.kind == "comm"})}
 
 
