@@ -43,7 +43,7 @@ from engine.spmd.overlap import duplex_run_problem
 from engine.spmd.plan import Plan, stage_records
 from engine.spmd.program import Instruction
 from engine.spmd.recompute import layers as every_layer
-from engine.spmd.recompute import plan_recomputing, ranked_layers
+from engine.spmd.recompute import fits, plan_recomputing, ranked_layers
 from engine.spmd.segments import Segmentation, segment_graph, with_resplits
 from engine.spmd.sizes import realized_ratios, shard_key, shard_sizes
 from engine.spmd.synthesis import SearchProgress, SearchSpace, synthesize
@@ -105,7 +105,7 @@ def plan_layers(graph: Graph, cluster: Cluster, options: PlanOptions, progress: 
                                  states=StateSharding(all_params_at(graph, stage), _memory_shares(cluster)))
     try:
         made = plan_with_states(graph, cluster, options, progress, space=space, recompute=recompute)
-        if space is not None or _fits(made, cluster):
+        if space is not None or fits(made, cluster):
             return made
     except InfeasibleError as e:
         if space is not None:
@@ -118,7 +118,7 @@ def plan_layers(graph: Graph, cluster: Cluster, options: PlanOptions, progress: 
         except InfeasibleError as e:
             why = e
             continue
-        if _fits(made, cluster):
+        if fits(made, cluster):
             return made
     if made is None:
         raise why
@@ -136,10 +136,6 @@ def _auto_ladder(graph: Graph, cluster: Cluster, options: PlanOptions,
 
 def _memory_shares(cluster: Cluster) -> tuple[float, ...]:
     return memory_proportional_shares([d.memory_bytes_per_gpu * d.num_gpus for d in cluster.devices])
-
-
-def _fits(made: Plan, cluster: Cluster) -> bool:
-    return all(m <= d.memory_bytes_per_gpu for m, d in zip(made.memory_bytes, cluster.devices))
 
 
 def auto_stages(graph: Graph, cluster: Cluster, options: PlanOptions,
