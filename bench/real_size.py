@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 RESULTS = ROOT / "bench" / "results"
+
+from synthesis import run_worker  # noqa: E402  (bench/ is the script's folder)
 
 MODELS = {
     "llama": ("hf:LlamaForCausalLM", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32,
@@ -110,18 +111,8 @@ def _chosen(plan) -> str:
 
 
 def run_case(case: dict, timeout_s: float) -> dict:
-    """`measure(case)` in a fresh interpreter; a failure or a timeout becomes an `error` entry."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(case)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    try:
-        done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
-    except subprocess.TimeoutExpired:
-        return {**case, "error": f"timed out after {timeout_s:.0f} s"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        return {**case, "error": f"exit {done.returncode}: {tail}"}
-    return json.loads(lines[-1])
+    """`measure(case)` in a fresh interpreter (`synthesis.run_worker`)."""
+    return run_worker(Path(__file__), case, timeout_s)
 
 
 def deepest(model: str, cluster: str, mode: str, depths: list[int], timeout_s: float) -> dict:

@@ -104,8 +104,13 @@ def run_case(case: dict, timeout_s: float, repeat: int) -> dict:
 
 
 def _run_case(case: dict, timeout_s: float) -> dict:
-    """Run `measure(case)` in a fresh interpreter; a failure becomes an `error` entry, never an exception."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(case)]
+    return run_worker(Path(__file__), case, timeout_s)
+
+
+def run_worker(script: Path, case: dict, timeout_s: float) -> dict:
+    """Run `script --worker CASE` in a fresh interpreter and read the JSON of its last line; a failure
+    or a timeout becomes an `error` entry, never an exception (the benches' one-process-per-case runs)."""
+    cmd = [sys.executable, str(script.resolve()), "--worker", json.dumps(case)]
     try:
         done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
