@@ -341,23 +341,22 @@ def _check_ties(group: list[str], present: list[str], state: Mapping[str, torch.
     for other in present[1:]:
         if stored(other) != stored(first) and not torch.equal(state[first], state[other]):
             raise WeightsError(f"{report.source} holds different {first} and {other}, which the model ties (one "
-                               "tensor): the weights are for an untied model? plan it with its ties as the file has them")
+                               "tensor): the weights are for an untied model? plan it with the file's ties")
     report.tied.update({n: first for n in group if n not in present})
 
 
 def _check_tensor(name: str, target: torch.Tensor, state: Mapping[str, torch.Tensor], report: LoadReport) -> None:
     shape, dtype = spec_of(state, name)
     if shape != tuple(target.shape) or not (dtype == target.dtype or widens(dtype, target.dtype)):
+        hint = HINT if shape != tuple(target.shape) else _narrowing_hint(dtype, target.dtype)
         raise WeightsError(f"{report.source}: tensor {name} is {list(shape)} {_dt(dtype)} in the file, "
-                           f"{list(target.shape)} {_dt(target.dtype)} in the model{_dtype_hint(dtype, target.dtype, shape, target)}")
+                           f"{list(target.shape)} {_dt(target.dtype)} in the model: {hint}")
     if dtype != target.dtype:
         report.cast[name] = f"{_dt(dtype)}->{_dt(target.dtype)}"
 
 
-def _dtype_hint(dtype: torch.dtype, into: torch.dtype, shape: tuple[int, ...], target: torch.Tensor) -> str:
-    if shape != tuple(target.shape):
-        return f": {HINT}"
-    return (f": casting {_dt(dtype)} to {_dt(into)} would lose values; plan the model in {_dt(dtype)} "
+def _narrowing_hint(dtype: torch.dtype, into: torch.dtype) -> str:
+    return (f"casting {_dt(dtype)} to {_dt(into)} would lose values; plan the model in {_dt(dtype)} "
             "or a wider dtype, or convert the file")
 
 
@@ -445,7 +444,7 @@ def is_transformers_model(module: torch.nn.Module) -> bool:
 def save_model(out_dir: str | Path, module: torch.nn.Module, tokenizer_dir: str | Path | None = None) -> list[Path]:
     """Write `module` (and the tokenizer files of `tokenizer_dir`) to `out_dir`, replacing a previous save
     only once the new one is complete; the paths written, sorted."""
-    out = Path(out_dir)
+    out = Path(out_dir).absolute()  # "." has no name to put a temporary beside
     _check_replaceable(out)
     tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

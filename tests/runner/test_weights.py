@@ -92,6 +92,18 @@ def test_tied_alias_missing_from_the_file_is_filled_through_the_tie(tmp_path):
     assert fresh.lm_head.weight is fresh.model.embed_tokens.weight and same_state(fresh, model)
 
 
+def test_tied_aliases_both_in_the_file_must_be_equal(tmp_path):
+    model = llama(0, tie_word_embeddings=True)
+    tensors = {k: v.clone().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(tmp_path / "same.safetensors"))
+    assert load_pretrained(llama(1, tie_word_embeddings=True), tmp_path / "same.safetensors").tied == {}
+    tensors["lm_head.weight"] += 1
+    save_file(tensors, str(tmp_path / "untied.safetensors"))
+    with pytest.raises(WeightsError, match="holds different model.embed_tokens.weight and lm_head.weight, which the "
+                                           "model ties"):
+        load_pretrained(llama(1, tie_word_embeddings=True), tmp_path / "untied.safetensors")
+
+
 def test_sharded_directory_loads(pretrained, tmp_path):
     model, _ = pretrained
     model.save_pretrained(tmp_path, max_shard_size="20KB")
@@ -256,9 +268,10 @@ def test_weights_of_another_model_name_the_first_mismatching_tensor(tmp_path):
 def test_unexpected_tensor_is_refused_but_a_stale_rotary_buffer_ignored(pretrained, tmp_path):
     model, _ = pretrained
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
-    save_file({**tensors, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}, str(tmp_path / "a.safetensors"))
+    stale = "model.layers.0.self_attn.rotary_emb.inv_freq"  # what transformers < 4.31 wrote for Llama
+    save_file({**tensors, stale: torch.ones(4)}, str(tmp_path / "a.safetensors"))
     report = load_pretrained(llama(1), tmp_path / "a.safetensors")
-    assert report.ignored == ["model.layers.0.self_attn.rotary_emb.inv_freq"]
+    assert report.ignored == [stale]
     save_file({**tensors, "score.weight": torch.ones(2, 32)}, str(tmp_path / "b.safetensors"))
     with pytest.raises(WeightsError, match="holds score.weight, which the model has no tensor for"):
         load_pretrained(llama(1), tmp_path / "b.safetensors")
@@ -275,7 +288,8 @@ def test_shape_mismatch_names_the_tensor_and_both_shapes(pretrained, monkeypatch
 def test_narrowing_dtype_is_refused(pretrained):
     model = llama(1).to(torch.bfloat16)
     with pytest.raises(WeightsError, match=r"tensor model.embed_tokens.weight is \[256, 32\] float32 in the file, "
-                                           r"\[256, 32\] bfloat16 in the model: casting float32 to bfloat16 would lose"):
+                                           r"\[256, 32\] bfloat16 in the model: casting float32 to bfloat16 "
+                                           r"would lose values"):
         load_pretrained(model, pretrained[1])
 
 
