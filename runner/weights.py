@@ -40,7 +40,7 @@ import os
 import re
 import shutil
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -326,7 +326,7 @@ def _check_names(module: torch.nn.Module, targets: dict[str, torch.Tensor], grou
                            f"({len(unexpected)} such): {HINT}")
 
 
-def ignorable(module: torch.nn.Module, persistent: set[str]):
+def ignorable(module: torch.nn.Module, persistent: set[str]) -> Callable[[str], bool]:
     """The test for file tensors transformers skips on load (the rules in the module docstring)."""
     patterns = [re.compile(p) for p in getattr(module, "_keys_to_ignore_on_load_unexpected", None) or []]
     param_leaves = {n.rsplit(".", 1)[-1] for n, _ in module.named_parameters()}
