@@ -14,13 +14,13 @@ import pandas as pd
 
 from engine import Cluster, Graph, PipelinePlan, Plan
 from engine.compare import LANES, lane_figures
-from engine.errors import HapError
 from engine.planner import OVERLAP_MEANING  # noqa: F401 (pages show it)
-from engine.readers import check_size, parse_json
 from engine.spmd.program import COMM, COMPUTE, LOAD
 from engine.spmd.utilisation import percent
 from engine.theory import COLLECTIVES, collectives_from, form_long, form_str, leaf_forms, op_rules
 from engine.theory.core import FULL, PARTIAL
+
+from app.runs import MetricsError, parse_metrics  # noqa: F401 (the Timeline page reads metrics with them)
 
 GIB = 2**30
 FORM_SENTENCES = {
@@ -332,27 +332,6 @@ def history_rows(plan: Plan) -> list[dict[str, Any]]:
 # ----------------------------------------------------------------------------- timeline
 
 
-class MetricsError(HapError, ValueError):
-    """An uploaded metrics file is not the JSON lines `hap run --metrics` writes."""
-
-
-def parse_metrics(text: str) -> list[dict[str, Any]]:
-    """Records of a runner metrics file (JSON lines, one per step and rank; see runner.launch), each
-    line parsed within engine.readers' bounds (the upload is a user's file like any other)."""
-    check_size(len(text), "metrics file", MetricsError)
-    records = []
-    for k, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = parse_json(line, f"metrics file line {k}", MetricsError)
-        if not isinstance(rec, dict) or "rank" not in rec or "step" not in rec:
-            raise MetricsError(f"metrics file line {k}: a record needs 'step' and 'rank' (written by `hap run --metrics`)")
-        records.append(rec)
-    if not records:
-        raise MetricsError("metrics file: empty; run `hap run PLAN --metrics FILE --timing` to record one")
-    return records
-
-
 def measured_rows(records: list[dict[str, Any]], step: int | None = None) -> list[dict[str, Any]]:
     """Gantt bars of one measured step (the last by default) from `--timing` records: per rank, its
     compute, communication (waiting for slower ranks included) and emulated-slowdown segments."""
@@ -646,3 +625,47 @@ def pipeline_schedule_chart(rows: list[dict[str, Any]]) -> alt.Chart:
         x=alt.X("predicted_ms:Q", title="ms"), y=alt.Y("strategy:N", sort=None, title=None),
         color=alt.condition(alt.datum.plan, alt.value("#e45756"), alt.value("#4c78a8")),
         tooltip=["strategy", "predicted_ms", "warmup", "fits"]).properties(height=60 + 36 * len(rows))
+
+
+def _step_axis() -> alt.X:
+    """Steps are whole numbers: no 0.5 ticks on a short run."""
+    return alt.X("step:Q", title="step", axis=alt.Axis(format="d", tickMinStep=1))
+
+
+def _run_color(names: list[str], legend: bool = True) -> alt.Color:
+    """A distinct colour per run (the default theme's shades of blue are hard to tell apart), the same
+    run the same colour in every chart of the page (`names` are all the page's runs)."""
+    return alt.Color("run:N", title=None, scale=alt.Scale(domain=names, scheme="tableau10"),
+                     legend=alt.Legend(orient="right") if legend else None)
+
+
+def loss_chart(rows: list[dict[str, Any]], names: list[str]) -> alt.LayerChart:
+    """Training loss (solid) and evaluation loss (dashed, a point per evaluation) against step, a colour per run."""
+    base = alt.Chart(pd.DataFrame(rows), title="Loss").encode(
+        x=_step_axis(), y=alt.Y("value:Q", title="loss", scale=alt.Scale(zero=False)),
+        color=_run_color(names), tooltip=["run", "series", "step", "value"])
+    lines = base.mark_line().encode(strokeDash=alt.StrokeDash(
+        "series:N", title=None, scale=alt.Scale(domain=["loss", "eval loss"], range=[[1, 0], [6, 3]])))
+    points = base.transform_filter(alt.datum.series == "eval loss").mark_point(filled=True)
+    return (lines + points).properties(height=300)
+
+
+def step_series_chart(rows: list[dict[str, Any]], names: list[str], title: str, y_title: str, *,
+                      legend: bool = False) -> alt.Chart:
+    """One recorded figure (learning rate, grad norm, tokens/s) against step, a line per run (coloured as
+    in the loss chart, whose legend names them)."""
+    return alt.Chart(pd.DataFrame(rows), title=title).mark_line().encode(
+        x=_step_axis(), y=alt.Y("value:Q", title=y_title, scale=alt.Scale(zero=False)),
+        color=_run_color(names, legend), tooltip=["run", "step", "value"]).properties(height=220)
+
+
+def step_time_chart(rows: list[dict[str, Any]], names: list[str],
+                    predicted: list[dict[str, Any]]) -> alt.Chart | alt.LayerChart:
+    """Measured step time per step (a line per run) beside the plan's predicted step (a dashed rule per
+    run, `predicted_ms`, absent when there is nothing to compare with)."""
+    measured = step_series_chart(rows, names, "Measured step time against the plan's prediction", "ms", legend=True)
+    if not predicted:
+        return measured
+    rule = alt.Chart(pd.DataFrame(predicted)).mark_rule(strokeDash=[6, 3]).encode(
+        y="predicted_ms:Q", color=_run_color(names), tooltip=["run", "predicted_ms"])
+    return measured + rule

@@ -18,7 +18,8 @@ from app import services  # noqa: E402
 PAGES = [("model", "Model", ":material/model_training:"), ("cluster", "Cluster", ":material/dns:"),
          ("theory", "Theory", ":material/functions:"), ("search", "Search", ":material/travel_explore:"),
          ("plan", "Plan", ":material/account_tree:"), ("timeline", "Timeline", ":material/view_timeline:"),
-         ("compare", "Compare", ":material/leaderboard:"), ("export", "Export", ":material/download:")]
+         ("runs", "Runs", ":material/monitoring:"), ("compare", "Compare", ":material/leaderboard:"),
+         ("export", "Export", ":material/download:")]
 
 
 def main() -> None:

@@ -221,14 +221,14 @@ def upload_case(fx: Fixtures, choose: Chooser) -> tuple[Callable[[], Any], str]:
         import streamlit.logger
 
         streamlit.logger.set_log_level("error")  # no "no runtime found" warning per call outside `streamlit run`
-        from app import components, services
+        from app import runs, services
 
         if target == "graph JSON":
             services.graph_from_json(data)
         elif target == "cluster JSON":
             services.cluster_from_json(data)
         elif target == "metrics":
-            components.parse_metrics(data.decode("utf-8", errors="replace"))  # as the timeline page decodes it
+            runs.load_run("upload", data.decode("utf-8", errors="replace"))  # parse_metrics, then the Runs page's reading
         elif target == "hf config":
             services.hf_model("BertForMaskedLM", data.decode("utf-8", errors="replace"), 2, 8)
         else:

@@ -50,6 +50,8 @@ st.dataframe(pd.DataFrame(ui.lane_summary(rows)), hide_index=True,
              column_config={"hidden_%": st.column_config.NumberColumn("communication hidden", format="%.0f%%")})
 
 st.subheader("Measured timeline")
+st.page_link("app_pages/runs.py", label="Loss, evaluation loss and step time over a whole run: the Runs page",
+             icon=":material/monitoring:")
 upload = st.file_uploader("Runner metrics (JSON lines from `hap run PLAN --timing --metrics FILE`)", type=["jsonl", "json", "txt"],
                           key="timeline.metrics")
 if upload is not None:

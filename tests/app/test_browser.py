@@ -25,7 +25,7 @@ ARTIFACTS = ROOT / "tests" / "artifacts"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-PAGES = ["Model", "Cluster", "Theory", "Search", "Plan", "Timeline", "Compare", "Export"]
+PAGES = ["Model", "Cluster", "Theory", "Search", "Plan", "Timeline", "Runs", "Compare", "Export"]
 WAIT_MS = 180_000
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
