@@ -48,6 +48,8 @@ BYTES_TOKENIZER = "bytes"
 BYTES_VOCAB_SIZE = 256
 CACHE_BYTES = 64 << 20
 """Decoded Parquet row groups kept (LRU); the last one read is always kept, whatever its size."""
+OPEN_FILES = 16
+"""Parquet files of a folder kept open at once (LRU): a folder of thousands of files uses no more handles."""
 ORDERS_CACHED = 2
 """Epoch permutations kept: a batch spans at most two epochs."""
 PREPARE_HINT = "`hap data prepare TEXT --out tokens.parquet` writes one"
@@ -101,6 +103,7 @@ class _ParquetSource:
             raise DataError(f"{path} is not a Parquet file ({_first_line(e)}); give a Parquet or Arrow IPC file of "
                             f"token ids ({PREPARE_HINT})") from None
         self.path = path
+        self._file: Any = None
 
     def num_chunks(self) -> int:
         return self.metadata.num_row_groups
@@ -109,8 +112,17 @@ class _ParquetSource:
         return self.metadata.row_group(i).num_rows
 
     def read(self, i: int) -> Any:
-        table = _pa().parquet.ParquetFile(self.path, metadata=self.metadata).read_row_group(i, columns=[TOKEN_COLUMN])
+        """Row group `i`'s token column, decoded on this thread (training owns the other cores)."""
+        if self._file is None:
+            self._file = _pa().parquet.ParquetFile(self.path, metadata=self.metadata)
+        table = self._file.read_row_group(i, columns=[TOKEN_COLUMN], use_threads=False)
         return table.column(TOKEN_COLUMN).combine_chunks()
+
+    def close(self) -> None:
+        """Close the file handle (reopened on the next read)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
     def statistics(self, i: int) -> tuple[int, int] | None:
         """The row group's smallest and largest token id from its statistics; None where it has none."""
@@ -152,6 +164,9 @@ class _IpcSource:
 
     def read(self, i: int) -> Any:
         return self.batches[i].column(TOKEN_COLUMN)
+
+    def close(self) -> None:
+        """Nothing to close: the mapping lives as long as the batches."""
 
     def statistics(self, i: int) -> tuple[int, int] | None:
         return None
@@ -285,7 +300,8 @@ class TokenDataset:
         total_rows = sum(c.num_rows for c in chunks)
         self._len = total_rows * self._per_row if row_len else int(self._starts[-1]) // seq_len
         self._cache: OrderedDict[int, np.ndarray] = OrderedDict()
-        self._cache_bytes = cache_bytes
+        self._cache_bytes, self._cached = cache_bytes, 0
+        self._open: OrderedDict[int, None] = OrderedDict()
         self._ranges: dict[int, tuple[int, int]] = {}
         self._orders: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
 
@@ -299,6 +315,8 @@ class TokenDataset:
         sources = [_source(f) for f in files]
         kinds = [_check_column(s) for s in sources]
         chunks = [c for i, s in enumerate(sources) for c in _chunks(i, s)]
+        for s in sources:  # reopened on demand, at most OPEN_FILES at once
+            s.close()
         name = str(path)
         row_len = _row_len(kinds, chunks)
         tokens = sum(c.num_tokens for c in chunks)
@@ -373,7 +391,7 @@ class TokenDataset:
             self._cache.move_to_end(c)
             return self._cache[c]
         chunk = self._chunks[c]
-        column = self._sources[chunk.file].read(chunk.index)
+        column = self._source(chunk.file).read(chunk.index)
         if column.null_count:
             raise DataError(f"row {chunk.first_row + _first_null(column)} of {self.files[chunk.file]} is null; every "
                             f"row of {TOKEN_COLUMN} must hold token ids")
@@ -383,9 +401,18 @@ class TokenDataset:
                             f"every token id must be set")
         values = flat.to_numpy(zero_copy_only=False)
         self._cache[c] = values
-        while len(self._cache) > 1 and sum(v.nbytes for v in self._cache.values()) > self._cache_bytes:
-            self._cache.popitem(last=False)
+        self._cached += values.nbytes
+        while len(self._cache) > 1 and self._cached > self._cache_bytes:
+            self._cached -= self._cache.popitem(last=False)[1].nbytes
         return values
+
+    def _source(self, file: int) -> Source:
+        """File `file`'s reader, keeping at most OPEN_FILES of them open."""
+        self._open[file] = None
+        self._open.move_to_end(file)
+        while len(self._open) > OPEN_FILES:
+            self._sources[self._open.popitem(last=False)[0]].close()
+        return self._sources[file]
 
     # the vocabulary
 
@@ -436,7 +463,7 @@ class TokenDataset:
         chunk = self._chunks[c]
         if chunk.min_len == chunk.max_len:
             return pos // max(chunk.max_len, 1)
-        column = self._sources[chunk.file].read(chunk.index)
+        column = self._source(chunk.file).read(chunk.index)
         ends = np.cumsum(_pa().compute.list_value_length(column).to_numpy(zero_copy_only=False))
         return int(np.searchsorted(ends, pos, side="right"))
 
