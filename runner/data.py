@@ -59,7 +59,8 @@ class DataError(HapError, ValueError):
     """A token dataset cannot be used: missing, not Parquet/Arrow, wrong column or dtype, too small, bad ids."""
 
 
-def _pa() -> Any:
+def require_pyarrow() -> Any:
+    """pyarrow with its compute, IPC and Parquet modules, or a one-line DataError saying how to install it."""
     try:
         import pyarrow
         import pyarrow.compute  # noqa: F401
@@ -95,11 +96,11 @@ class _ParquetSource:
     """A Parquet file: its metadata at open, one row group of the token column on demand."""
 
     def __init__(self, path: Path):
-        pq = _pa().parquet
+        pq = require_pyarrow().parquet
         try:
             self.metadata = pq.read_metadata(path)
             self.schema = self.metadata.schema.to_arrow_schema()
-        except (OSError, _pa().ArrowException) as e:
+        except (OSError, require_pyarrow().ArrowException) as e:
             raise DataError(f"{path} is not a Parquet file ({_first_line(e)}); give a Parquet or Arrow IPC file of "
                             f"token ids ({PREPARE_HINT})") from None
         self.path = path
@@ -114,7 +115,7 @@ class _ParquetSource:
     def read(self, i: int) -> Any:
         """Row group `i`'s token column, decoded on this thread (training owns the other cores)."""
         if self._file is None:
-            self._file = _pa().parquet.ParquetFile(self.path, metadata=self.metadata)
+            self._file = require_pyarrow().parquet.ParquetFile(self.path, metadata=self.metadata)
         table = self._file.read_row_group(i, columns=[TOKEN_COLUMN], use_threads=False)
         return table.column(TOKEN_COLUMN).combine_chunks()
 
@@ -140,7 +141,7 @@ class _IpcSource:
     """An Arrow IPC file (or stream) memory-mapped: its batches are zero-copy views of the mapping."""
 
     def __init__(self, path: Path):
-        pa = _pa()
+        pa = require_pyarrow()
         try:
             mapped = pa.memory_map(str(path))
             try:
@@ -208,7 +209,7 @@ def _source(path: Path) -> Source:
 
 def _check_column(source: Source) -> Any:
     """The type of the token column: integers, or lists of integers."""
-    pa = _pa()
+    pa = require_pyarrow()
     names = source.schema.names
     if TOKEN_COLUMN not in names:
         raise DataError(f"{source.path} has no column '{TOKEN_COLUMN}' (its columns: {', '.join(names) or 'none'}); "
@@ -222,7 +223,7 @@ def _check_column(source: Source) -> Any:
 
 
 def _is_list(kind: Any) -> bool:
-    types = _pa().types
+    types = require_pyarrow().types
     return types.is_list(kind) or types.is_large_list(kind) or types.is_fixed_size_list(kind)
 
 
@@ -236,7 +237,7 @@ def _chunks(file: int, source: Source) -> list[Chunk]:
         if not _is_list(kind):
             lo = hi = 1
             total = rows
-        elif _pa().types.is_fixed_size_list(kind):
+        elif require_pyarrow().types.is_fixed_size_list(kind):
             lo = hi = kind.list_size
             total = rows * hi
         else:
@@ -249,7 +250,7 @@ def _chunks(file: int, source: Source) -> list[Chunk]:
 def _row_lengths(source: Source, i: int, first: int) -> tuple[int, int, int]:
     """Shortest row, longest row and tokens of chunk `i` of a list column, from its offsets (Arrow touches no
     token; Parquet decodes this one row group)."""
-    compute = _pa().compute
+    compute = require_pyarrow().compute
     column = source.read(i)
     if column.null_count:
         raise DataError(f"row {first + _first_null(column)} of {source.path} is null; every row of {TOKEN_COLUMN} "
@@ -464,7 +465,7 @@ class TokenDataset:
         if chunk.min_len == chunk.max_len:
             return pos // max(chunk.max_len, 1)
         column = self._source(chunk.file).read(chunk.index)
-        ends = np.cumsum(_pa().compute.list_value_length(column).to_numpy(zero_copy_only=False))
+        ends = np.cumsum(require_pyarrow().compute.list_value_length(column).to_numpy(zero_copy_only=False))
         return int(np.searchsorted(ends, pos, side="right"))
 
     # the order
@@ -516,3 +517,14 @@ def batch_indices(ds: TokenDataset, index: int, seed: int, batch: int) -> torch.
 def global_batch(ds: TokenDataset, index: int, seed: int, batch: int) -> torch.Tensor:
     """Global batch number `index` as a LongTensor[batch, seq_len]: a pure function of (dataset, seed, index)."""
     return ds.samples(batch_indices(ds, index, seed, batch))
+
+
+def eval_batch(ds: TokenDataset, index: int, batch: int) -> torch.Tensor:
+    """Evaluation batch `index` as a LongTensor[batch, seq_len]: samples index*batch .. (index+1)*batch - 1 in file
+    order (no shuffle: every evaluation sees the same batches); there are len(ds) // batch of them."""
+    if batch > len(ds):
+        raise DataError(f"{ds.name} holds {len(ds)} samples of {ds.seq_len} tokens, fewer than the {batch} of one "
+                        f"evaluation batch; give more held-out data or plan a smaller batch")
+    if not 0 <= index < len(ds) // batch:
+        raise DataError(f"evaluation batch {index} out of range: {ds.name} holds {len(ds) // batch} batches of {batch}")
+    return ds.samples(range(index * batch, (index + 1) * batch))

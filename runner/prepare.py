@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from runner.data import (BYTES_TOKENIZER, BYTES_VOCAB_SIZE, IPC_SUFFIXES, META_TOKENIZER, META_VOCAB_SIZE,
-                         PARQUET_SUFFIXES, TOKEN_COLUMN, DataError, _pa)
+                         PARQUET_SUFFIXES, TOKEN_COLUMN, DataError, require_pyarrow)
 
 BLOCK_BYTES = 1 << 20
 """Text tokenized at once: whole lines up to about this many bytes."""
@@ -115,7 +115,7 @@ class TokenWriter:
 
     def __init__(self, out: Path, tokenizer: Tokenizer, *, seq_len: int | None = None,
                  group_tokens: int = ROW_GROUP_TOKENS):
-        pa = _pa()
+        pa = require_pyarrow()
         self.out, self.seq_len = out, seq_len
         self._group = max(1, group_tokens // seq_len) * seq_len if seq_len else group_tokens
         self._type = pa.list_(pa.int32(), seq_len) if seq_len else pa.int32()
@@ -140,7 +140,7 @@ class TokenWriter:
         flat = np.concatenate(self._buf) if len(self._buf) > 1 else self._buf[0]
         head, rest = flat[:n], flat[n:]
         self._buf, self._buffered = ([rest] if rest.size else []), rest.size
-        pa = _pa()
+        pa = require_pyarrow()
         values = pa.array(head, pa.int32())
         column = pa.FixedSizeListArray.from_arrays(values, self.seq_len) if self.seq_len else values
         batch = pa.record_batch([column], schema=self._schema)

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from runner.data import DataError, TokenDataset, batch_indices, global_batch
+from runner.data import DataError, TokenDataset, batch_indices, eval_batch, global_batch
 from runner.hap import main as hap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,6 +134,13 @@ def test_every_sample_appears_once_per_epoch_and_epochs_differ(tmp_path):
     assert all(sorted(e) == list(range(10)) for e in epochs)
     assert epochs[0] != epochs[1]
     assert stream[9:12] == batch_indices(ds, 3, seed=1, batch=3).tolist()  # batch 3 straddles epochs 0 and 1
+
+
+def test_evaluation_batches_are_the_samples_in_file_order(tmp_path):
+    ds = small(tmp_path, n=10)
+    assert eval_batch(ds, 1, batch=4).tolist() == [[8, 9], [10, 11], [12, 13], [14, 15]]
+    with pytest.raises(DataError, match="evaluation batch 2 out of range: .* holds 2 batches of 4"):
+        eval_batch(ds, 2, batch=4)
 
 
 def test_a_dataset_smaller_than_one_batch_is_refused_with_both_numbers(tmp_path):
