@@ -101,10 +101,11 @@ class Written:
     """Bytes on disk."""
 
     def line(self, seq_len: int | None, tokenizer: Tokenizer) -> str:
+        """What `hap data prepare` prints for this file."""
         what = (f"{self.samples:,} samples of {seq_len} tokens" if seq_len else "a token stream")
         drop = f", the last {self.dropped} tokens dropped" if self.dropped else ""
-        unit = ("row group" if self.path.suffix.lower() in PARQUET_SUFFIXES else "batch") + (
-            "s" * (self.groups != 1) if self.path.suffix.lower() in PARQUET_SUFFIXES else "es" * (self.groups != 1))
+        parquet = self.path.suffix.lower() in PARQUET_SUFFIXES
+        unit = ("row group" if parquet else "batch") + ("" if self.groups == 1 else "s" if parquet else "es")
         return (f"wrote {self.path}: {self.tokens:,} tokens, {what} in {self.groups} {unit}{drop} "
                 f"({self.size / 1e6:.2f} MB; tokenizer {tokenizer.name}, {tokenizer.vocab_size} ids)")
 
@@ -162,6 +163,7 @@ class TokenWriter:
         return Written(self.out, self.tokens, samples, tail, self.groups, self.out.stat().st_size)
 
     def abort(self) -> None:
+        """Close and remove the temporary file: nothing half written stays behind."""
         try:
             self._writer.close()
         finally:
