@@ -322,7 +322,8 @@ class TokenDataset:
         row_len = _row_len(kinds, chunks)
         tokens = sum(c.num_tokens for c in chunks)
         if tokens == 0:
-            raise DataError(f"{name} is empty: it holds no token ids; prepare it from a non-empty text ({PREPARE_HINT})")
+            raise DataError(f"{name} is empty: it holds no token ids; prepare it from a non-empty text "
+                            f"({PREPARE_HINT})")
         if row_len is not None and row_len < seq_len:
             raise DataError(f"{name} holds sequences of {row_len} tokens, shorter than the plan's {seq_len} "
                             f"(sequences shorter than the plan's); prepare it with --seq-len {seq_len} or more, "
@@ -423,8 +424,8 @@ class TokenDataset:
         if self.tokenizer is not None and self.vocab_size is not None and vocab_size < self.vocab_size:
             which = ("the byte-level tokenizer" if self.tokenizer == BYTES_TOKENIZER
                      else f"the tokenizer {self.tokenizer}")
-            raise DataError(f"the model's vocab_size is {vocab_size}, smaller than the {self.vocab_size} ids of {which} "
-                            f"that prepared {self.name}; plan a model with vocab_size >= {self.vocab_size}")
+            raise DataError(f"the model's vocab_size is {vocab_size}, smaller than the {self.vocab_size} ids of "
+                            f"{which} that prepared {self.name}; plan a model with vocab_size >= {self.vocab_size}")
         for c in range(len(self._chunks)):
             lo, hi = self._range(c)
             if lo < 0 or hi >= vocab_size:

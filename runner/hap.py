@@ -60,7 +60,7 @@ def add_commands(sub: Any) -> None:
     f = sub.add_parser("profile", add_help=False, help="measure this cluster (FLOP/s, collectives) and write a cluster spec",
                        description="options go to the profiler: see `hap profile --help`")
     f.set_defaults(func=cmd_profile)
-    d = sub.add_parser("data", help="token datasets for `hap run --data`: `hap data prepare TEXT... --out tokens.parquet`",
+    d = sub.add_parser("data", help="token datasets for `hap run --data` (hap data prepare TEXT... --out FILE)",
                        epilog="options after the action go to it: see `hap data prepare --help`")
     d.add_argument("action", choices=["prepare"], help="prepare: tokenize text files into a Parquet or Arrow file")
     d.add_argument("options", nargs=argparse.REMAINDER, help="TEXT... --out FILE [--tokenizer DIR] [--seq-len N] ...")

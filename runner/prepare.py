@@ -56,8 +56,10 @@ class Tokenizer:
 
 def byte_tokenizer() -> Tokenizer:
     """A token per byte: vocabulary 256, no special tokens, any bytes (UTF-8 or not)."""
-    return Tokenizer(BYTES_TOKENIZER, BYTES_VOCAB_SIZE, lambda block, _: np.frombuffer(block, np.uint8).astype(np.int32),
-                     None)
+    def encode(block: bytes, _decoder: Any) -> np.ndarray:
+        return np.frombuffer(block, np.uint8).astype(np.int32)
+
+    return Tokenizer(BYTES_TOKENIZER, BYTES_VOCAB_SIZE, encode, None)
 
 
 def transformers_tokenizer(path: str | Path) -> Tokenizer:
@@ -152,22 +154,32 @@ class TokenWriter:
         self.tokens += n
         self.groups += 1
 
-    def close(self) -> Written:
-        """Write what is buffered (whole samples only), close, and rename into place."""
+    def finish(self) -> Written:
+        """Write what is buffered (whole samples only) and close the temporary file; `commit` renames it."""
         tail = self._buffered % self.seq_len if self.seq_len else 0
         if self._buffered - tail:
             self._flush(self._buffered - tail)
         self._writer.close()
-        os.replace(self._tmp, self.out)
         samples = self.tokens // self.seq_len if self.seq_len else None
-        return Written(self.out, self.tokens, samples, tail, self.groups, self.out.stat().st_size)
+        return Written(self.out, self.tokens, samples, tail, self.groups, self._tmp.stat().st_size)
+
+    def commit(self) -> None:
+        """Move the finished file into place."""
+        os.replace(self._tmp, self.out)
+
+    def close(self) -> Written:
+        """finish, then commit."""
+        written = self.finish()
+        self.commit()
+        return written
 
     def abort(self) -> None:
         """Close and remove the temporary file: nothing half written stays behind."""
         try:
             self._writer.close()
-        finally:
-            self._tmp.unlink(missing_ok=True)
+        except Exception:  # already closed by finish, or failing as it was when we abort: the file goes anyway
+            pass
+        self._tmp.unlink(missing_ok=True)
 
 
 def check_texts(texts: Sequence[str]) -> list[Path]:
@@ -242,7 +254,9 @@ def prepare(texts: Sequence[str], out: str, *, tokenizer: str | None = None, seq
     writers = [TokenWriter(o, tok, seq_len=seq_len, group_tokens=group_tokens) for o in outs]
     try:
         _tokenize(paths, tok, cut, writers)
-        written = [_close(w, f) for w, f in zip(writers, ("--out", "--eval-out"))]
+        written = [_finish(w, f) for w, f in zip(writers, ("--out", "--eval-out"))]
+        for w in writers:  # only once every file is complete: a refusal leaves none of them
+            w.commit()
     except BaseException:
         for w in writers:
             w.abort()
@@ -284,8 +298,9 @@ def _not_utf8(path: Path, e: UnicodeDecodeError) -> DataError:
                      f"(no --tokenizer), which takes any bytes")
 
 
-def _close(writer: TokenWriter, flag: str) -> Written:
-    written = writer.close()
+def _finish(writer: TokenWriter, flag: str) -> Written:
+    """The finished file, refused when it holds nothing usable."""
+    written = writer.finish()
     if written.tokens == 0:
         need = f"one sample of --seq-len {writer.seq_len}" if writer.seq_len else "one token"
         raise DataError(f"{flag} {writer.out} would hold less than {need}; give more text"
@@ -332,9 +347,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)
-    except (DataError, OSError) as e:
-        where = f"{e.filename}: " if isinstance(e, OSError) and e.filename else ""
-        print(f"hap data prepare: error: {where}{e}", file=sys.stderr)
+    except DataError as e:
+        print(f"hap data prepare: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a text that cannot be read, a disk that fills up
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"hap data prepare: error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
 
 

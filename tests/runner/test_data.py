@@ -164,6 +164,11 @@ def test_a_file_that_is_not_parquet_or_arrow_is_refused(tmp_path, name):
         TokenDataset.open(path, 8)
 
 
+def test_a_parquet_file_of_another_suffix_is_known_by_its_magic_bytes(tmp_path):
+    path = write_parquet(tmp_path / "t.parquet", pa.array(range(6), pa.int32())).rename(tmp_path / "tokens.data")
+    assert rows(TokenDataset.open(path, 3)) == [[0, 1, 2], [3, 4, 5]]
+
+
 def test_a_folder_without_token_files_is_refused(tmp_path):
     with pytest.raises(DataError, match="holds no .parquet, .arrow or .feather file"):
         TokenDataset.open(tmp_path, 8)
@@ -310,19 +315,27 @@ def test_prepare_with_a_local_transformers_tokenizer(tmp_path, capsys):
         ds.check_vocab(256)
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "no-folder", "bad-suffix", "eval-alone", "no-tokenizer"])
+@pytest.mark.parametrize("case", ["missing", "empty", "no-folder", "bad-suffix", "eval-alone", "no-tokenizer",
+                                  "eval-empty", "short"])
 def test_prepare_refuses_bad_input_with_one_line_and_exit_2(tmp_path, capsys, case):
     text = piece(tmp_path, 2000)
-    empty = tmp_path / "empty.txt"
+    empty, line = tmp_path / "empty.txt", tmp_path / "line.txt"
     empty.write_text("")
+    line.write_text("one line only\n")
     out = str(tmp_path / "t.parquet")
     argv, says = {
         "missing": ([str(tmp_path / "gone.txt"), "--out", out], "gone.txt: no such text file"),
         "empty": ([str(empty), "--out", out], "empty.txt is empty"),
         "no-folder": ([str(text), "--out", str(tmp_path / "no" / "t.parquet")], "the folder .* does not exist"),
         "bad-suffix": ([str(text), "--out", str(tmp_path / "t.csv")], "give a name ending .parquet"),
-        "eval-alone": ([str(text), "--out", out, "--eval-fraction", "0.1"], "--eval-fraction and --eval-out go together"),
-        "no-tokenizer": ([str(text), "--out", out, "--tokenizer", str(tmp_path / "tok")], "--tokenizer .*: no such folder"),
+        "eval-alone": ([str(text), "--out", out, "--eval-fraction", "0.1"],
+                       "--eval-fraction and --eval-out go together"),
+        "no-tokenizer": ([str(text), "--out", out, "--tokenizer", str(tmp_path / "tok")],
+                         "--tokenizer .*: no such folder"),
+        "eval-empty": ([str(line), "--out", out, "--eval-fraction", "0.5", "--eval-out", str(tmp_path / "e.parquet")],
+                       "--eval-out .*e.parquet would hold less than one token; .* a larger --eval-fraction"),
+        "short": ([str(line), "--out", out, "--seq-len", "64"], "--out .* would hold less than one sample of "
+                                                                 "--seq-len 64"),
     }[case]
     assert hap(["data", "prepare", *argv]) == 2
     err = capsys.readouterr().err.strip()
