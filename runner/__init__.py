@@ -14,5 +14,7 @@ Modules, in the order a run uses them:
 - `overlap`: the plan's gradient buckets, all-reduced from gradient hooks during backward (`ddp`);
 - `duplex`: two half-batch streams per rank on two threads and two process groups (`duplex`);
 - `timing`: measured timeline per instruction, emulated device speed and emulated link;
-- `verify`: the comparison with single-device training.
+- `verify`: the comparison with single-device training;
+- `data`: token datasets (`--data`: Parquet / Arrow IPC read on demand) and the seeded order of global batches;
+- `prepare`: `hap data prepare`, text packed into those token files.
 """

@@ -6,6 +6,7 @@ execution commands live with the code they run.
 
     hap run plan.json|BUNDLE [--steps N] [--verify] [--metrics FILE] [--seed S]   (`hap run PLAN --help`)
     hap profile --out cluster.json [--parquet raw.parquet] [--nproc N] [--speeds 1,0.5]   (`hap profile --help`)
+    hap data prepare TEXT... --out tokens.parquet [--tokenizer DIR] [--seq-len N]   (`hap data prepare --help`)
 """
 from __future__ import annotations
 
@@ -43,8 +44,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return profile_main(args.options)
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    from runner.prepare import main as prepare_main  # imports pyarrow and torch
+
+    return prepare_main(args.options)
+
+
 def add_commands(sub: Any) -> None:
-    """`run` and `profile`, beside the planning commands."""
+    """`run`, `profile` and `data`, beside the planning commands."""
     r = sub.add_parser("run", help="train a plan over torch.distributed (starts torchrun on this machine)",
                        epilog="options after PLAN go to the runner: see `hap run PLAN --help`")
     r.add_argument("plan", help="plan JSON from `hap plan --out`, or a launch bundle (folder or zip) from `hap export`")
@@ -53,6 +60,11 @@ def add_commands(sub: Any) -> None:
     f = sub.add_parser("profile", add_help=False, help="measure this cluster (FLOP/s, collectives) and write a cluster spec",
                        description="options go to the profiler: see `hap profile --help`")
     f.set_defaults(func=cmd_profile)
+    d = sub.add_parser("data", help="token datasets for `hap run --data` (hap data prepare TEXT... --out FILE)",
+                       epilog="options after the action go to it: see `hap data prepare --help`")
+    d.add_argument("action", choices=["prepare"], help="prepare: tokenize text files into a Parquet or Arrow file")
+    d.add_argument("options", nargs=argparse.REMAINDER, help="TEXT... --out FILE [--tokenizer DIR] [--seq-len N] ...")
+    d.set_defaults(func=cmd_data)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
