@@ -54,12 +54,14 @@ def rank_file(root: str | Path, steps_done: int, rank: int) -> Path:
     return step_dir(root, steps_done) / f"rank-{rank:05d}.pt"
 
 
-def run_key(plan: Plan, *, seed: int, optimizer: str, lr: float) -> dict[str, Any]:
-    """What must be equal for a checkpoint to continue this run."""
+def run_key(plan: Plan, *, seed: int, optimizer: str, lr: float, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What must be equal for a checkpoint to continue this run (`settings`: the rest of the optimiser's
+    settings and the data, runner.rank_setup.run_key)."""
     program = json.dumps([i.to_dict() for i in plan.program], sort_keys=True)
     sizes = json.dumps(plan.shard_sizes, sort_keys=True)
     return {"model": plan.model_fingerprint, "program": hashlib.sha256((program + sizes).encode()).hexdigest()[:16],
-            "world_size": plan.world_size, "seed": seed, "optimizer": optimizer, "lr": lr}
+            "world_size": plan.world_size, "seed": seed, "optimizer": optimizer, "lr": lr,
+            **({"settings": settings} if settings else {})}
 
 
 def _write_atomic(path: Path, write: Callable[[Any], None]) -> None:

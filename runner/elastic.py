@@ -168,7 +168,7 @@ def run_elastic(cfg: Any, argv: Sequence[str]) -> int:
         rank = failed[0][0]
         began = time.perf_counter()
         try:
-            new = replan(plan, without_devices(cluster, [plan.device_names[rank]]), optimizer=cfg.optimizer).plan
+            new = replan(plan, without_devices(cluster, [plan.device_names[rank]]), optimizer=plan.options.optimizer).plan
         except HapError as e:
             print(f"hap run: elastic: cannot re-plan without device {plan.device_names[rank]}: {e}", file=sys.stderr)
             return code

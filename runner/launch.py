@@ -58,7 +58,10 @@ from runner.failure import record_failure
 from runner.rank_setup import (Inputs, apply_cpu_threads, check_inputs, device_report, exit_process, extracts,
                                init_distributed, make_pacer, pick_device, run_key)
 from runner.scratch import sigterm_exits
-from runner.train import RankState, make_batch, setup_rank, train_step
+from runner.api import parallelize
+from runner.batches import Batches, batch_source
+from runner.loop import eval_loss, train_step
+from runner.train import RankState
 from runner.timing import mfu_line
 from runner.verify import verify
 
@@ -133,9 +136,16 @@ def checkpoint_due(cfg: RunConfig, steps_done: int) -> bool:
 
 
 def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metrics: MetricsFile,
-          start: int = 0, reshard_from: dict | None = None) -> RankState:
-    st = setup_rank(plan, env.rank, cfg.seed, cfg.optimizer, cfg.lr, device=device, probes=cfg.timing,
-                    grad_sync=cfg.grad_sync)
+          start: int = 0, reshard_from: dict | None = None, inputs: Inputs | None = None) -> RankState:
+    """The run on this rank: `hap run`'s loop over the library API (runner.api, runner.loop)."""
+    optim = cfg.optim(plan.options.optimizer)
+    batches = inputs.batches if inputs and inputs.batches else batch_source(plan.graph, cfg.seed, cfg.data)
+    evals = inputs.eval_batches if inputs else None
+    pacer = make_pacer(cfg, env, device)
+    model = parallelize(plan, env.rank, seed=cfg.seed, init=cfg.init_from, device=device, pacer=pacer,
+                        probes=cfg.timing, grad_sync=cfg.grad_sync)
+    opt = model.optimizer(optim.optimizer_class(), **optim.kwargs())
+    st = model.state
     if cfg.resume:
         agree_on_start(start, env.rank)
     began = time.perf_counter()
@@ -153,24 +163,74 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
         if env.rank == 0:
             elastic.report_switch(metrics.write, time.perf_counter() - began)
     key = run_key(plan, cfg)
-    pacer = make_pacer(cfg, env, device).install()
+    progress = Progress(cfg.steps, start, batches.tokens, optim.grad_accum, plan, env.rank == 0)
+    pacer.install()
     try:
+        if evals is not None and start == 0:
+            evaluate(model, evals, cfg, 0, metrics, env.rank)
         for step in range(start, cfg.steps):
             maybe_inject_fault(env.rank, step)
-            loss = train_step(plan, st, env.rank, make_batch(plan, step, cfg.seed, device), pacer, step=step)
-            record = {"step": step, "rank": env.rank, "loss": loss, "step_time_s": st.step_times[-1],
-                      "speed": pacer.speed, **pacer.last}
-            metrics.write(record)
-            if env.rank == 0:
-                print(f"step {step:4d}  loss {loss:.6f}  {st.step_times[-1] * 1e3:8.2f} ms", flush=True)
+            result = train_step(model, opt, batches, optim, step, want_norm=bool(cfg.metrics))
+            metrics.write({"step": step, "rank": env.rank, "loss": result.loss, "step_time_s": result.seconds,
+                           "lr": result.lr, "grad_norm": result.grad_norm, "grad_accum": optim.grad_accum,
+                           **progress.figures(result.seconds),
+                           "speed": pacer.speed, **pacer.last})
+            progress.show(step, result)
+            if evals is not None and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
+                evaluate(model, evals, cfg, step + 1, metrics, env.rank)
             if checkpoint_due(cfg, step + 1):
                 checkpoint.save(cfg.checkpoint_dir, key, st, env.rank, step + 1, dist.barrier,
                                 layout=reshard.layout_of(plan, st) if env.rank == 0 else None)
+                if cfg.save_model:
+                    model.save_pretrained(cfg.save_model, batches.tokenizer)
     finally:
         pacer.uninstall()
+    if cfg.save_model and not checkpoint_due(cfg, cfg.steps):
+        model.save_pretrained(cfg.save_model, batches.tokenizer)
+    if cfg.save_model and env.rank == 0:
+        print(f"hap run: saved the trained model to {cfg.save_model}", flush=True)
     if cfg.timing and env.rank == 0 and st.step_times:
         print(mfu_line(plan, st.step_times), flush=True)
     return st
+
+
+def evaluate(model, evals: Batches, cfg: RunConfig, step: int, metrics: MetricsFile, rank: int) -> None:
+    """The evaluation loss after `step` optimiser steps: a record on rank 0, and a line."""
+    loss = eval_loss(model, evals, cfg.eval_batches)
+    if rank == 0:
+        tokens = evals.tokens * cfg.eval_batches if evals.tokens else None
+        metrics.write({"step": step, "rank": rank, "eval_loss": loss, "eval_tokens": tokens})
+        print(f"eval after step {step:4d}  loss {loss:.6f}", flush=True)
+
+
+class Progress:
+    """The progress line of rank 0 (step, loss, tokens/s, ETA) and the throughput figures of the metrics."""
+
+    def __init__(self, steps: int, start: int, tokens: int | None, accum: int, plan: Plan, show: bool) -> None:
+        self.steps, self.start, self.show_lines = steps, start, show
+        self.tokens = tokens * accum if tokens else None
+        self.model_flops = plan.utilisation.model_flops * accum if plan.utilisation.model_flops else None
+        self.peak = plan.utilisation.peak_flops
+        self.times: list[float] = []
+
+    def figures(self, seconds: float) -> dict:
+        self.times.append(seconds)
+        mfu = self.model_flops / seconds / self.peak if self.model_flops and self.peak and seconds > 0 else None
+        return {"tokens": self.tokens, "tokens_per_s": self.tokens / seconds if self.tokens and seconds > 0 else None,
+                "mfu": mfu}
+
+    def show(self, step: int, result) -> None:
+        if not self.show_lines:
+            return
+        recent = self.times[-10:]
+        per_step = sum(recent) / len(recent)
+        eta = per_step * (self.steps - step - 1)
+        line = f"step {step:4d}/{self.steps}  loss {result.loss:.6f}  lr {result.lr:.3g}  {result.seconds * 1e3:8.2f} ms"
+        if result.grad_norm is not None:
+            line += f"  grad norm {result.grad_norm:.3g}"
+        if self.tokens:
+            line += f"  {self.tokens / result.seconds:,.0f} tokens/s"
+        print(f"{line}  ETA {eta:,.0f} s", flush=True)
 
 
 def report_device(inputs: Inputs, cfg: RunConfig, env: DistEnv, device: torch.device) -> bool:
@@ -221,11 +281,18 @@ def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str |
     try:
         dist.barrier()  # rank 0 has truncated the metrics file before anyone appends
         if env.rank == 0:
+            optim = cfg.optim(plan.options.optimizer)
             print(f"hap run: {plan.strategy} plan of {plan.graph.name} on {env.world_size} ranks ({backend}), "
-                  f"{cfg.steps} steps, {cfg.optimizer} lr {cfg.lr}", flush=True)
-        st = train(plan, cfg, env, device, metrics, inputs.start_step, inputs.reshard_from)
-        return verify(plan, cfg, st, env.rank, device)
-    except checkpoint.CheckpointError as e:
+                  f"{cfg.steps} steps, {optim.name} lr {optim.lr:g}"
+                  + (f" ({optim.schedule}, warm-up {optim.warmup})" if optim.schedule != "constant" or optim.warmup else "")
+                  + (f", {optim.grad_accum} microsteps a step" if optim.grad_accum > 1 else "")
+                  + f"; data: {inputs.batches.describe if inputs.batches else 'drawn'}", flush=True)
+            warning = cfg.optimizer_warning(plan.options.optimizer)
+            if warning:
+                print(f"hap run: warning: {warning}", file=sys.stderr, flush=True)
+        st = train(plan, cfg, env, device, metrics, inputs.start_step, inputs.reshard_from, inputs)
+        return verify(plan, cfg, st, env.rank, device, inputs.batches)
+    except (checkpoint.CheckpointError, HapError) as e:
         record_failure(env.rank, e)
         print(f"hap run: error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
         return 2

@@ -64,6 +64,7 @@ from runner.stage_program import (StageParams, boundary_rows, check_untied, gath
                                   loss_weights, microbatch_leaves, stage_inputs, stage_outputs, stage_params,
                                   stage_rank_program, sync_stage_gradients, tied_weight_error)
 from runner.precision import autocast, precision_of, wire_dtype
+from runner.batches import Batches, batch_source
 from runner.train import build_module, factory_device, make_batch, make_optimizer
 from runner.timing import mfu_line
 from runner.verify import compare, tolerance_for
@@ -478,14 +479,14 @@ def gathered_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor
 
 
 def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
-                         device: torch.device | str = "cpu"):
+                         device: torch.device | str = "cpu", batches: Batches | None = None):
     """Single-device training on `device` that accumulates the plan's microbatches in order (loss / B each)."""
     module = build_module(plan, seed).to(device)  # type: ignore[arg-type]  # reads plan.graph.origin only
     opt = make_optimizer(list(module.parameters()), optimizer, lr)
     B, losses = plan.microbatches, []
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
-        batch = make_batch(plan, step, seed, device)  # type: ignore[arg-type]
+        batch = tuple(t.to(device) for t in batches(step)) if batches else make_batch(plan, step, seed, device)  # type: ignore[arg-type]
         total = 0.0
         for m in range(B):
             with autocast(precision_of(plan), device):  # the stages' autocast (runner.precision)
@@ -500,7 +501,7 @@ def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: s
 # ----------------------------------------------------------------------------- `hap run` on a pipeline plan
 
 
-PIPELINE_OPTIONS = ("plan", "steps", "verify", "seed", "optimizer", "lr", "timeout_s", "emulate_links")
+PIPELINE_OPTIONS = ("plan", "steps", "verify", "seed", "optimizer", "lr", "timeout_s", "emulate_links", "data")
 """The `hap run` options (runner.config.RunConfig fields) a pipeline run uses; it refuses the others."""
 
 
@@ -509,7 +510,7 @@ def check_pipeline_options(cfg: Any) -> None:
     for f in fields(cfg):
         if f.name not in PIPELINE_OPTIONS and getattr(cfg, f.name) != f.default:
             raise PlanError(f"--{f.name.replace('_', '-')} is not supported for pipeline plans yet (they take --steps, "
-                            "--verify, --seed, --optimizer, --lr, --timeout and --emulate-links); leave it out")
+                            "--verify, --seed, --optimizer, --lr, --data, --timeout and --emulate-links); leave it out")
 
 
 def load_pipeline_plan(path: str | Path, world_size: int, model_file: str | Path | None = None) -> PipelinePlan:
@@ -538,10 +539,12 @@ def run_rank(plan: PipelinePlan, rank: int, args: Any, device: torch.device | st
     (against single-device training on the same device)."""
 
     torch.set_num_threads(1)
-    sr = setup_stage_rank(plan, rank, args.seed, args.optimizer, args.lr, device)
+    optim = args.optim(plan.options.optimizer)
+    batches = batch_source(plan.graph, args.seed, args.data)  # type: ignore[arg-type]
+    sr = setup_stage_rank(plan, rank, args.seed, optim.name, optim.lr, device)
     link_s = [b.transfer_s for b in plan.boundaries] if args.emulate_links else None
     for step in range(args.steps):
-        loss = pipeline_step(plan, sr, make_batch(plan, step, args.seed, device), link_s)  # type: ignore[arg-type]
+        loss = pipeline_step(plan, sr, tuple(t.to(device) for t in batches(step)), link_s)
         if rank == 0:
             print(f"step {step}: loss {loss:.6f}  time {sr.step_times[-1] * 1e3:.1f} ms", flush=True)
     params = gathered_params(plan, sr)
@@ -551,7 +554,7 @@ def run_rank(plan: PipelinePlan, rank: int, args: Any, device: torch.device | st
         print(mfu_line(plan, sr.step_times), flush=True)  # measured MFU beside the predicted one (no --timing here)
     if not args.verify or rank != 0:
         return 0
-    ref_losses, ref_params = microbatch_reference(plan, args.steps, args.seed, args.optimizer, args.lr, device)
+    ref_losses, ref_params = microbatch_reference(plan, args.steps, args.seed, optim.name, optim.lr, device, batches)
     result = compare(sr.losses, params, ref_losses, ref_params)
     tolerance = tolerance_for(precision_of(plan))
     print(result.render(tolerance), flush=True)

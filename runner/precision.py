@@ -74,6 +74,10 @@ class RankScaler:
         """The current scale as a number (for callers that multiply the loss themselves, the duplex halves)."""
         return float(self.scaler.scale(torch.ones((), device=self.device)))
 
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the scale now (before clipping); `step` then does not unscale again."""
+        self.scaler.unscale_(optimizer)
+
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step unless some rank's gradients overflowed (unscaled first), then update the scale; whether it stepped."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]

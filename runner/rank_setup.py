@@ -27,6 +27,10 @@ from engine.model import source
 from engine.planner import load_plan
 from engine.spmd.plan import Plan
 from runner import checkpoint, reshard
+from runner.batches import Batches, batch_source, check_source
+from runner.optim import OptimConfig
+from runner.rebuild import build_module
+from runner.weights import check_state, read_state
 from runner.config import NODE_ENV, DistEnv, RunConfig
 from runner.duplex import check_duplex
 from runner.scratch import scratch_folder, sigterm_exits
@@ -68,6 +72,10 @@ class Inputs:
     """The COMPLETE marker of that checkpoint when another plan wrote it (resharded on load, runner.reshard)."""
     scratch: str | None = None
     """Temporary folder a bundle zip was extracted to (removed at the end)."""
+    batches: Batches | None = None
+    """The run's global batches (runner.batches: --data, the model file's batches(step), or drawn)."""
+    eval_batches: Batches | None = None
+    """--eval-data's batches."""
 
 
 def extracts(path: str) -> bool:
@@ -141,7 +149,17 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
                              f"'{plan.overlap}', which sets how gradients are all-reduced")
         if cfg.emulate_link:
             EmulatedLink(cfg.emulate_link)  # a bad cluster file stops here, not in every rank
-        for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params)):
+        batches = batch_source(plan.graph, cfg.seed, cfg.data)
+        check_source(batches)
+        evals = batch_source(plan.graph, cfg.seed, cfg.eval_data, evaluation=True) if cfg.eval_data else None
+        if evals is not None:
+            check_source(evals)
+            if evals.count is not None and evals.count < cfg.eval_batches:
+                raise ValueError(f"--eval-data {cfg.eval_data} holds {evals.count} batches of the plan's size, fewer "
+                                 f"than --eval-batches {cfg.eval_batches}: lower --eval-batches or give more data")
+        if cfg.init_from:  # a missing, truncated or foreign file stops here, checked against the model's structure
+            check_state(build_module(plan, cfg.seed, "meta"), read_state(cfg.init_from))
+        for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params), ("--save-model", cfg.save_model)):
             if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
                 raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
         start, marker = 0, None
@@ -153,7 +171,8 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
                 marker = None
             if marker is not None:
                 reshard.table_of(marker, plan)  # a layout unfit for this model: refused before any process group
-        return Inputs(plan, env, opened.cluster if opened else None, start, reshard_from=marker, scratch=scratch)
+        return Inputs(plan, env, opened.cluster if opened else None, start, reshard_from=marker, scratch=scratch,
+                      batches=batches, eval_batches=evals)
     except BaseException:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
@@ -161,7 +180,13 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
 
 
 def run_key(plan: Plan, cfg: RunConfig) -> dict:
-    return checkpoint.run_key(plan, seed=cfg.seed, optimizer=cfg.optimizer, lr=cfg.lr)
+    """What a checkpoint must share with this run: the plan, the seed, every optimiser setting that
+    changes the losses, and the data (by absolute path)."""
+    optim = cfg.optim(plan.options.optimizer)
+    plain = OptimConfig(name=optim.name, lr=optim.lr, steps=optim.steps).key()
+    settings = {k: v for k, v in optim.key().items() if k not in ("name", "lr") and plain.get(k) != v}
+    data = {k: os.path.abspath(v) for k, v in (("data", cfg.data), ("init_from", cfg.init_from)) if v}
+    return checkpoint.run_key(plan, seed=cfg.seed, optimizer=optim.name, lr=optim.lr, settings={**settings, **data})
 
 
 def device_report(inputs: Inputs, rank: int, device: torch.device) -> tuple[str, str] | None:

@@ -7,56 +7,42 @@ gradients are addends) and steps its optimizer on local tensors only.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from engine.model import source, zoo
 from engine.model.dropout import RngKey, SiteKeyedDropout
 from engine.spmd.plan import Plan
-from engine.theory.core import FULL, PARTIAL
+from engine.theory.core import FULL
 
+from . import optim as O
+from .batches import Batches, drawn_batch
 from .collectives import FlatBuffer, all_reduce_coalesced, gather_padded, run_collective
-from .duplex import HalfStream, half_args, run_halves, setup_halves
+from .duplex import HalfStream, setup_halves
 from .overlap import GradBuckets
+from .optim import OptimConfig
 from .precision import RankScaler, autocast, bucket_dtype, precision_of
 from .program import RankProgram, build_rank_program, shard, sizes_of
-from .timing import Pacer
+from .rebuild import build_module
+from .weights import load_pretrained, load_state
 from .zero import RankStates, apply_states
 
 
-def build_module(plan: Plan, seed: int) -> torch.nn.Module:
-    """The single-device model the plan was made for, initialised from `seed` on the CPU.
-
-    Zoo models are called with the positional batch; file and Hugging Face models (engine.model.source)
-    come back with a forward that takes the flat batch of `make_batch` and returns the loss. Every
-    rank builds the whole model once (its memory cost) and then keeps only its slices."""
-    origin = plan.graph.origin
-    if "zoo" not in origin:
-        return source.build_module(origin, seed)
-    entry = zoo.entry(origin["zoo"])
-    torch.manual_seed(seed)
-    return entry.build(source.zoo_config(origin))
-
-
 def make_batch(plan: Plan, step: int, seed: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, ...]:
-    """The global batch of one step, a function of (seed, step): the same on every rank and in the reference."""
-    origin = plan.graph.origin
-    if "zoo" not in origin:
-        return tuple(t.to(device) for t in source.make_batch(origin, seed, step))
-    entry = zoo.entry(origin["zoo"])
-    batch = entry.example_inputs(source.zoo_config(origin), "cpu", seed=seed * source.BATCH_SEED + step)
-    return tuple(t.to(device) for t in batch)
+    """The drawn global batch of one step, a function of (seed, step): the same on every rank and in the
+    reference (runner.batches: the run's batches when it has data)."""
+    return tuple(t.to(device) for t in drawn_batch(plan.graph.origin, step, seed))
 
 
 def make_optimizer(params: list[torch.Tensor], name: str, lr: float) -> torch.optim.Optimizer:
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr)
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=lr)
-    raise ValueError(f"unknown optimizer '{name}' (choose sgd or adam)")
+    """`name` (sgd, adam, adamw) at rate `lr` over `params` (runner.optim for the other settings)."""
+    try:
+        return O.build(OptimConfig(name=name, lr=lr), params, [tuple(p.shape) for p in params])
+    except ValueError as e:
+        raise ValueError(f"unknown optimizer '{name}' (choose sgd, adam or adamw)") from e
 
 
 @dataclass
@@ -95,9 +81,12 @@ DDP does with one bucket), which is what the engine's cost model predicts (`grad
 `per-param`, one all-reduce per parameter as soon as its gradient is ready during backward."""
 
 
-def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: float = 0.05, *,
-               device: torch.device | str = "cpu", probes: bool = False, grad_sync: str = "bucket") -> RankState:
-    """Build the rank's program and its local parameter slices from the seeded single-device model."""
+def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str | OptimConfig = "sgd", lr: float = 0.05, *,
+               device: torch.device | str = "cpu", probes: bool = False, grad_sync: str = "bucket",
+               init: Mapping[str, torch.Tensor] | str | Path | None = None) -> RankState:
+    """Build the rank's program and its local parameter slices from the seeded single-device model, or
+    from `init` (whole weights: a state dict, a safetensors file or a save_pretrained directory)."""
+    optim = optimizer if isinstance(optimizer, OptimConfig) else OptimConfig(name=optimizer, lr=lr)
     if grad_sync not in GRAD_SYNC:
         raise ValueError(f"unknown gradient sync '{grad_sync}' (choose {' or '.join(GRAD_SYNC)})")
     if grad_sync != "bucket" and plan.overlap != "none":
@@ -105,7 +94,7 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
                          f"'{plan.overlap}', which sets how gradients are all-reduced")
     device = torch.device(device)
     program = build_rank_program(plan, rank, probes=probes)
-    module = build_module(plan, seed)
+    module = initial_module(plan, seed, init)
     named = dict(module.named_parameters(remove_duplicate=False))
     params, full = [], []
     for node, form in program.params:
@@ -117,10 +106,11 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
     named_buffers = dict(module.named_buffers(remove_duplicate=False))
     buffers = {node: shard(plan, node, form, rank, named_buffers[plan.graph[node].attrs["target"]]).to(device)
                for node, form in program.leaves if plan.graph[node].op == "buffer"}
-    st = RankState(program, params, full, make_optimizer(params, optimizer, lr), device, grad_sync, buffers=buffers,
+    shapes = [tuple(plan.graph[node].shape) for node, _ in program.params]
+    st = RankState(program, params, full, O.build(optim, params, shapes), device, grad_sync, buffers=buffers,
                    seed=seed, precision=precision_of(plan), bucket_dtype=bucket_dtype(plan))
     st.scaler = RankScaler(device) if st.precision == "fp16" else None
-    st.zero = apply_states(plan, st, lambda tensors: make_optimizer(tensors, optimizer, lr))
+    st.zero = apply_states(plan, st, lambda tensors: O.build(optim, tensors, shapes))
     if plan.overlap != "none":  # every rank creates the same groups in the same order
         st.halves = setup_halves(plan, rank, module, device, probes=probes) if plan.overlap == "duplex" else []
         group = dist.new_group(list(range(plan.world_size)))
@@ -128,74 +118,24 @@ def setup_rank(plan: Plan, rank: int, seed: int, optimizer: str = "sgd", lr: flo
     return st
 
 
+def initial_module(plan: Plan, seed: int, init: Mapping[str, torch.Tensor] | str | Path | None = None) -> torch.nn.Module:
+    """The single-device model a run starts from: seeded, then filled from `init` when given (checked by
+    name, shape and dtype: runner.weights)."""
+    module = build_module(plan, seed)
+    if init is None:
+        return module
+    if isinstance(init, Mapping):
+        load_state(module, init, "the state given")
+    else:
+        load_pretrained(module, init)
+    return module
+
+
 def _grad_all_reduce_hook(name: str):
     # every rank runs the same program, so autograd reaches the parameters in the same order
     def hook(p: torch.Tensor) -> None:
         run_collective("all_reduce", name, dist.all_reduce, p.grad)
     return hook
-
-
-def train_step(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...],
-               pacer: Pacer | None = None, *, step: int = 0) -> float:
-    """One synchronous step (number `step`, which keys its dropout masks); returns the global loss.
-
-    Forward, backward (each device backpropagates its addend of a Partial loss; a Full loss is
-    scaled by 1/m), the all-reduce of the gradients of Full parameters (their local gradients
-    are addends, DESIGN: semantics) carrying the loss addend along, then the optimizer step.
-    Overlap `ddp` launches the gradient buckets during backward; `duplex` runs forward and
-    backward as two half-batch streams (runner.duplex) and the buckets after both.
-    """
-    start = time.perf_counter()
-    pacer = pacer or Pacer()
-    pacer.begin_step()
-    st.optimizer.zero_grad(set_to_none=True)
-    partial = st.program.loss_form == PARTIAL
-    if st.halves:
-        value = duplex_pass(plan, st, rank, batch, step, pacer, 1.0 if partial else 1.0 / dist.get_world_size())
-    else:
-        args = program_args(plan, st, rank, batch, step)
-        with factory_device(st.device), autocast(st.precision, st.device), \
-                (st.zero.saving() if st.zero else contextlib.nullcontext()):
-            loss = st.program.module(*args)  # gathered stage-3 weights die with the call
-        pacer.set_phase("bwd")
-        value = loss.detach().float().reshape(1).clone()
-        if st.buckets is not None:
-            st.buckets.arm(value if partial else None)
-        scaled = loss if partial else loss / dist.get_world_size()
-        (st.scaler.scale(scaled) if st.scaler else scaled).backward()
-    pacer.set_phase("step")
-    sync_gradients(st, value if partial else None)
-    if st.zero:
-        st.zero.reduce_gradients()
-    if st.scaler:
-        st.scaler.step(st.optimizer)
-    else:
-        st.optimizer.step()
-    if st.zero:
-        st.zero.gather_updated()
-    pacer.end_step()
-    st.losses.append(float(value))
-    st.step_times.append(time.perf_counter() - start)
-    return st.losses[-1]
-
-
-def duplex_pass(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor, ...], step: int, pacer: Pacer,
-                scale: float) -> torch.Tensor:
-    """Forward and backward of the two half batches (runner.duplex); sets the summed gradients,
-    arms the buckets and returns the rank's loss (its addend for a Partial loss)."""
-    rng = [RngKey(st.seed, step)] if st.program.uses_rng else []
-    args = [half_args(h, st.params, rank, batch, rng) for h in st.halves]
-    pacer.set_phase("duplex")
-    pacers = [pacer.half(), pacer.half()]
-    scale *= st.scaler.factor() if st.scaler else 1.0
-    loss, grads = run_halves(st.halves, st.params, args, pacers, scale, lambda: factory_device(st.device),
-                             lambda: autocast(st.precision, st.device))
-    pacer.absorb("(duplex halves)", pacers)
-    for p, g in zip(st.params, grads):
-        p.grad = g
-    value = loss.float().reshape(1).clone()
-    st.buckets.arm(value if st.program.loss_form == PARTIAL else None)
-    return value
 
 
 def factory_device(device: torch.device) -> contextlib.AbstractContextManager:
@@ -244,24 +184,64 @@ def gathered_params(plan: Plan, st: RankState) -> dict[str, torch.Tensor]:
 
 
 def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
-                  device: torch.device | str = "cpu"):
-    """Single-device training of the same model on the same batches and dropout masks: losses and
-    final parameters."""
-    module = build_module(plan, seed).to(device)
-    opt = make_optimizer(list(module.parameters()), optimizer, lr)
+                  device: torch.device | str = "cpu", *, optim: OptimConfig | None = None,
+                  batches: Batches | None = None, init: Mapping[str, torch.Tensor] | str | Path | None = None,
+                  noise: set[str] | None = None):
+    """Single-device training of the same model on the same batches and dropout masks, with the same
+    optimiser, schedule, clipping and accumulation (`optim`; else `optimizer` at a fixed `lr`): losses
+    and final parameters. `noise`, when given, receives the names of parameters whose gradient stayed
+    rounding noise (`noise_parameters`)."""
+    optim = optim or OptimConfig(name=optimizer, lr=lr)
+    module = initial_module(plan, seed, init).to(device)
+    params = list(module.parameters())
+    opt = O.build(optim, params, [tuple(p.shape) for p in params])
     precision = precision_of(plan)
     scaler = torch.amp.GradScaler(torch.device(device).type) if precision == "fp16" else None
-    losses = []
+    draw = batches or Batches(lambda index: make_batch(plan, index, seed))
+    k = optim.grad_accum
+    losses: list[float] = []
+    peak: dict[str, float] = {}
     for step in range(steps):
+        O.set_lr(opt, optim.lr_at(step))
         opt.zero_grad(set_to_none=True)
-        with SiteKeyedDropout(RngKey(seed, step)), autocast(precision, device):  # the ranks' masks and autocast
-            loss = module(*make_batch(plan, step, seed, device))
+        total = 0.0
+        for j in range(k):
+            index = step * k + j
+            with SiteKeyedDropout(RngKey(seed, index)), autocast(precision, device):  # the ranks' masks and autocast
+                loss = module(*(t.to(device) for t in draw(index)))
+            scaled = loss if k == 1 else loss / k
+            (scaler.scale(scaled) if scaler else scaled).backward()
+            total += float(loss.detach())
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if noise is not None:
+            for name, p in module.named_parameters():
+                if p.grad is not None:
+                    peak[name] = max(peak.get(name, 0.0), float(p.grad.detach().double().abs().max()))
+        if optim.clip_grad_norm:
+            grads = [p.grad for p in params if p.grad is not None]
+            O.clip_(grads, O.total_norm(grads), optim.clip_grad_norm)
         if scaler is None:
-            loss.backward()
             opt.step()
         else:
-            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach() for k, v in module.named_parameters(remove_duplicate=False)}
+        losses.append(total / k)
+    if noise is not None and optim.name != "sgd":
+        noise.update(noise_parameters(peak))
+    return losses, {k_: v.detach() for k_, v in module.named_parameters(remove_duplicate=False)}
+
+
+NOISE = 1e-5
+"""A gradient whose largest element never exceeded this fraction of the largest gradient element of the
+model, over every step, is rounding noise (an attention key bias: softmax ignores a shift common to all
+keys, so its true gradient is exactly zero)."""
+
+
+def noise_parameters(peak: Mapping[str, float]) -> list[str]:
+    """Parameters whose gradient was only rounding noise. Adam and AdamW divide a gradient by its own
+    running magnitude, so they turn such noise into steps of the full learning rate with a random sign:
+    the distributed run and the reference then differ by about the learning rate there, which says
+    nothing about the program. SGD scales noise by the rate, and such a parameter stays at ~1e-10."""
+    top = max(peak.values(), default=0.0)
+    return sorted(name for name, value in peak.items() if top > 0 and value <= NOISE * top)

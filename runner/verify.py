@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
 from engine.spmd.plan import Plan
 
+from .batches import Batches
 from .config import RunConfig
 from .precision import precision_of
 from .train import RankState, gathered_params, reference_run
@@ -56,6 +58,8 @@ class Comparison:
     param_name: str
     missing: list[str] = field(default_factory=list)
     """Reference parameters the plan does not hold (not compared)."""
+    noise: list[str] = field(default_factory=list)
+    """Parameters whose gradient was rounding noise under an adaptive optimiser (runner.train.noise_parameters): not compared."""
 
     def ok(self, tolerance: float = TOLERANCE) -> bool:
         return self.loss_rel <= tolerance and self.param_rel <= tolerance
@@ -65,6 +69,9 @@ class Comparison:
                  f"verify: largest parameter relative difference {self.param_rel:.3e} ({self.param_name})"]
         if self.missing:
             lines.append(f"verify: not in the plan, not compared: {', '.join(self.missing)}")
+        if self.noise:
+            lines.append(f"verify: gradient only rounding noise, which Adam scales to full steps; not compared: "
+                         f"{', '.join(self.noise)}")
         verdict = "OK" if self.ok(tolerance) else "FAILED"
         lines.append(f"verify: {verdict} (tolerance {tolerance:.0e} relative)")
         return "\n".join(lines)
@@ -87,21 +94,22 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
 
 
 def compare(losses: list[float], params: dict[str, torch.Tensor],
-            ref_losses: list[float], ref_params: dict[str, torch.Tensor]) -> Comparison:
+            ref_losses: list[float], ref_params: dict[str, torch.Tensor], noise: Sequence[str] = ()) -> Comparison:
     """Largest differences; a reference parameter reached under several names (tied weights) is
     compared once, under whichever name the plan holds."""
     loss_rels = [rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, ref_losses)]
     if len(losses) != len(ref_losses):
         loss_rels.append(math.inf)
     step = max(range(len(loss_rels)), key=loss_rels.__getitem__, default=0)
-    param_rels = {k: rel_diff(params[k], v, NEAR_ZERO) for k, v in ref_params.items() if k in params}
+    param_rels = {k: rel_diff(params[k], v, NEAR_ZERO) for k, v in ref_params.items() if k in params and k not in noise}
     name = max(param_rels, key=param_rels.__getitem__, default="-")
     held = {v.data_ptr() for k, v in ref_params.items() if k in params and v.numel()}
     missing = sorted(k for k, v in ref_params.items() if k not in params and not (v.numel() and v.data_ptr() in held))
-    return Comparison(max(loss_rels, default=0.0), step, param_rels.get(name, 0.0), name, missing)
+    return Comparison(max(loss_rels, default=0.0), step, param_rels.get(name, 0.0), name, missing,
+                      sorted(k for k in noise if k in params))
 
 
-def verify(plan: Plan, cfg: RunConfig, st: RankState, rank: int, device: torch.device) -> int:
+def verify(plan: Plan, cfg: RunConfig, st: RankState, rank: int, device: torch.device, batches: Batches | None = None) -> int:
     """Gather parameters (every rank takes part), then save and/or compare them on rank 0.
 
     Returns the rank's exit status: 1 on rank 0 when the differences exceed the tolerance.
@@ -115,10 +123,13 @@ def verify(plan: Plan, cfg: RunConfig, st: RankState, rank: int, device: torch.d
         torch.save({k: v.cpu() for k, v in params.items()}, cfg.save_params)
     if not cfg.verify:
         return 0
-    ref_losses, ref_params = reference_run(plan, cfg.steps, cfg.seed, cfg.optimizer, cfg.lr, device)
-    result = compare(st.losses, params, ref_losses, ref_params)
+    optim = cfg.optim(plan.options.optimizer)
+    noise: set[str] = set()
+    ref_losses, ref_params = reference_run(plan, cfg.steps, cfg.seed, device=device, optim=optim, batches=batches,
+                                           init=cfg.init_from, noise=noise)
+    result = compare(st.losses, params, ref_losses, ref_params, sorted(noise))
     print(f"verify: {cfg.steps} steps against single-device training "
-          f"({cfg.optimizer}, lr {cfg.lr}, seed {cfg.seed})")
+          f"({optim.name}, lr {optim.lr:g}, seed {cfg.seed})")
     tolerance = tolerance_for(precision_of(plan))
     print(result.render(tolerance), flush=True)
     return 0 if result.ok(tolerance) else 1

@@ -51,7 +51,7 @@ from safetensors.torch import save_file
 from engine.errors import HapError
 from engine.spmd.plan import Plan
 
-from .train import build_module
+from .rebuild import build_module
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -279,6 +279,19 @@ def load_pretrained(module: torch.nn.Module, path: str | Path) -> LoadReport:
 
 def load_state(module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str | None = None) -> LoadReport:
     """Check `state` against `module.state_dict()` by the module docstring's rules, then copy it in."""
+    targets, picks, report = _checked(module, state, source)
+    _copy(targets, picks, state, report)
+    return report
+
+
+def check_state(module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str | None = None) -> LoadReport:
+    """The checks of `load_state` without the copy: `module` may live on the meta device (`hap run` checks
+    `--init-from` this way before any rank starts, without building the model in memory)."""
+    return _checked(module, state, source)[2]
+
+
+def _checked(module: torch.nn.Module, state: Mapping[str, torch.Tensor], source: str | None
+             ) -> tuple[dict[str, torch.Tensor], dict[str, list[str]], LoadReport]:
     source = source or getattr(state, "source", "the state")
     targets = module.state_dict(keep_vars=True)
     groups = tie_groups(targets)
@@ -290,8 +303,7 @@ def load_state(module: torch.nn.Module, state: Mapping[str, torch.Tensor], sourc
         if group[0] in picks:
             _check_ties(group, picks[group[0]], state, report)
             _check_tensor(picks[group[0]][0], targets[group[0]], state, report)
-    _copy(targets, picks, state, report)
-    return report
+    return targets, picks, report
 
 
 def tie_groups(targets: dict[str, torch.Tensor]) -> list[list[str]]:

@@ -54,6 +54,8 @@ class RngKey:
 
     seed: int
     step: int
+    train: bool = True
+    """False for an evaluation pass: every site passes its input through, as `module.eval()` does."""
 
 
 def site_words(key: RngKey, site: int) -> tuple[int, int]:
@@ -106,6 +108,8 @@ def keep_mask(p: float, key: RngKey, site: int, global_shape: Sequence[int], sta
 
 def dropout(x: Tensor, p: float, key: RngKey, site: int, global_shape: Sequence[int], starts: Sequence[int]) -> Tensor:
     """Dropout of a local region `x` (starting at `starts` of the global tensor) with the site's mask."""
+    if not key.train:
+        return x
     if p >= 1.0:
         return x * 0.0
     keep = keep_mask(p, key, site, global_shape, starts, x.shape, x.device)

@@ -181,7 +181,8 @@ def first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _call(filename: str, what: str, fn: Callable[[], Any]) -> Any:
+def call_file_function(filename: str, what: str, fn: Callable[[], Any]) -> Any:
+    """`fn()` of a model file, its exception turned into one ModelError line naming the file and function."""
     try:
         return fn()
     except Exception as e:
@@ -194,7 +195,7 @@ def build_on_meta(module: ModuleType, filename: str) -> tuple[torch.nn.Module, t
         with torch.device("meta"):
             return module.build_model(), module.example_inputs()
     except Exception:  # e.g. .item() or numpy at build time: meta tensors hold no data
-        return _call(filename, "build_model", module.build_model), _call(filename, "example_inputs", module.example_inputs)
+        return call_file_function(filename, "build_model", module.build_model), call_file_function(filename, "example_inputs", module.example_inputs)
 
 
 def capture_file(path: str | Path, *, fallback: str | None = None) -> Graph:
@@ -231,7 +232,7 @@ def file_inputs(module: ModuleType, filename: str, seed: int) -> tuple | dict:
     """The file's example inputs on the CPU, drawn from torch's global RNG seeded with `seed` (restored after)."""
     with torch.random.fork_rng(devices=[]), torch.device("cpu"):
         torch.manual_seed(seed)
-        inputs = _call(filename, "example_inputs", module.example_inputs)
+        inputs = call_file_function(filename, "example_inputs", module.example_inputs)
     if any(t.is_meta for t in flat_tensors(inputs)):
         raise ModelError(f"model file {filename}: example_inputs() returned meta tensors; the runner needs data: create "
                          "them without device= (the engine plans them on meta itself)")
@@ -464,19 +465,20 @@ def checked_module(path: str, sha256: str | None) -> tuple[ModuleType, str]:
     return exec_model_file(data, filename), filename
 
 
-def build_module(origin: dict[str, Any], seed: int) -> torch.nn.Module:
+def build_module(origin: dict[str, Any], seed: int, device: str = "cpu") -> torch.nn.Module:
     """The single-device module of a file or hf origin on the CPU, initialised from `seed`; its
-    forward takes the flat batch of `make_batch` and returns the loss. Every rank builds all of it."""
+    forward takes the flat batch of `make_batch` and returns the loss. Every rank builds all of it
+    (`device="meta"`: its structure only, names, shapes and dtypes, for checks before a run)."""
     if "file" in origin:
         module, filename = checked_module(origin["file"], origin.get("sha256"))
         torch.manual_seed(seed)
-        with torch.device("cpu"):
-            model = _call(filename, "build_model", module.build_model)
+        with torch.device(device):
+            model = call_file_function(filename, "build_model", module.build_model)
         return flat_forward(model, CallShape.of(file_inputs(module, filename, seed)))
     if "hf" in origin:
         spec = spec_of(origin)
         torch.manual_seed(seed)
-        with torch.device("cpu"):
+        with torch.device(device):
             model = hf_build(spec)
             return flat_forward(model, CallShape.of(hf_inputs(spec)))
     check_rebuildable(origin)
@@ -499,18 +501,18 @@ def make_batch(origin: dict[str, Any], seed: int, step: int) -> tuple[torch.Tens
     return tensors
 
 
-def check_batch(origin: dict[str, Any], tensors: tuple[torch.Tensor, ...]) -> None:
-    """The batch must have the shapes and dtypes the plan was made for."""
+def check_batch(origin: dict[str, Any], tensors: tuple[torch.Tensor, ...], what: str = "example_inputs()") -> None:
+    """The batch (from the file's function `what`) must have the shapes and dtypes the plan was made for."""
     want = origin.get("inputs")
     if not isinstance(want, list):
         return
     got = input_spec(tensors)
     if len(got) != len(want):
-        raise ModelError(f"example_inputs() gave {len(got)} tensors but the plan was made for {len(want)}")
+        raise ModelError(f"{what} gave {len(got)} tensors but the plan was made for {len(want)}")
     for g, w in zip(got, want):
         if g["shape"] != list(w["shape"]) or g["dtype"] != w["dtype"]:
-            raise ModelError(f"example_inputs() gave input {w['name']} as {g['dtype']}{g['shape']} but the plan was made "
-                             f"for {w['dtype']}{list(w['shape'])}: make example_inputs() return the same shapes every call")
+            raise ModelError(f"{what} gave input {w['name']} as {g['dtype']}{g['shape']} but the plan was made "
+                             f"for {w['dtype']}{list(w['shape'])}: make {what} return the same shapes every call")
 
 
 def with_model_file(origin: dict[str, Any], path: str | Path) -> dict[str, Any]:

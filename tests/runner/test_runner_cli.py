@@ -145,7 +145,7 @@ def test_engine_does_not_import_the_runner():
 def test_run_config_rejects_bad_values_with_the_value():
     with pytest.raises(ValueError, match="--steps must be at least 1, got 0"):
         RunConfig(plan="p.json", steps=0)
-    with pytest.raises(ValueError, match="--optimizer must be sgd or adam, got 'lamb'"):
+    with pytest.raises(ValueError, match="--optimizer must be one of sgd, adam, adamw, got 'lamb'"):
         RunConfig(plan="p.json", optimizer="lamb")
     assert parse_args(["p.json", "--steps", "7", "--verify", "--speeds", "1,0.5"]) == \
         RunConfig(plan="p.json", steps=7, verify=True, speeds="1,0.5")
