@@ -28,9 +28,11 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0
 PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch._dynamo", "torch.optim", "engine", "engine.model.source",
-           "engine.theory", "runner.launch", "runner.pipeline", "runner.train", "runner.reshard", "dist_harness", "warm_run"]
+           "engine.theory", "runner.launch", "runner.pipeline", "runner.train", "runner.reshard", "runner.data",
+           "pyarrow.parquet", "transformers.models.llama.modeling_llama", "dist_harness", "warm_run"]
 """Imported once, in the forkserver, before any rank forks from it. torch._dynamo among them: the first
-optimizer a process builds imports it (torch.optim's `_disable_dynamo`), 10 s per rank on 2 cores."""
+optimizer a process builds imports it (torch.optim's `_disable_dynamo`), 10 s per rank on 2 cores. The
+transformers Llama: examples/llama_tiny.py and hf:LlamaForCausalLM plans import it in every rank (5 s each)."""
 START_METHOD = os.environ.get("HAP_TEST_START_METHOD", "forkserver")
 """`forkserver` (warm ranks); `spawn` gives every rank a fresh interpreter, to rule the harness out."""
 
