@@ -163,6 +163,10 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
         if env.rank == 0:
             elastic.report_switch(metrics.write, time.perf_counter() - began)
     key = run_key(plan, cfg)
+    if env.rank == 0:  # what the steps that follow were trained with (kept by a resume, as every event)
+        metrics.write({"event": "run", "from_step": start, "world_size": env.world_size, "seed": cfg.seed,
+                       "optimizer": optim.record(), "data": batches.describe, "eval_data": cfg.eval_data,
+                       "init_from": cfg.init_from, "plan": plan.model_fingerprint})
     progress = Progress(cfg.steps, start, batches.tokens, optim.grad_accum, plan, env.rank == 0)
     pacer.install()
     try:

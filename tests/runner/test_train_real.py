@@ -192,3 +192,41 @@ def test_a_pipeline_plan_trains_on_the_data_too(work, tmp_path):
     assert drawn.returncode == 0 and drawn.stdout.split("step 0: loss")[1][:9] != r.stdout.split("step 0: loss")[1][:9]
     refused = run_hap("run", str(tmp_path / "pipe.json"), "--steps", "2", "--lr-schedule", "cosine")
     assert refused.returncode == 2 and "--lr-schedule is not supported for pipeline plans" in refused.stderr
+
+
+MODEL_WITH_BATCHES = '''
+import torch
+
+def build_model():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 24), torch.nn.Linear(24, 4)
+
+        def forward(self, x, y):
+            return torch.nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), y)
+    return Net()
+
+def example_inputs():
+    return torch.randn(12, 8), torch.randint(0, 4, (12,))
+
+def batches(step):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(12, 8, generator=g)
+    return x, (x[:, 0] > 0).long() + 2 * (x[:, 1] > 0).long()   # a learnable rule, not noise
+'''
+
+
+def test_a_model_file_may_give_its_own_batches(tmp_path):
+    (tmp_path / "net.py").write_text(MODEL_WITH_BATCHES)
+    engine.plan(engine.load_model(str(tmp_path / "net.py")), engine.load_cluster(str(CLUSTER))).save(tmp_path / "p.json")
+    r = warm_hap("run", str(tmp_path / "p.json"), "--steps", "30", "--lr", "0.05", "--verify",
+                 "--metrics", str(tmp_path / "m.jsonl"), timeout=300)
+    assert r.returncode == 0 and "verify: OK" in r.stdout and "net.py: batches(step)" in r.stdout, r.stdout + r.stderr
+    trained = losses(tmp_path / "m.jsonl")
+    assert trained[29] < 0.6 * trained[0], "the rule in batches(step) is learnt"
+    (tmp_path / "bad.py").write_text(MODEL_WITH_BATCHES.replace("torch.randn(12, 8, generator=g)", "torch.randn(10, 8, generator=g)"))
+    engine.plan(engine.load_model(str(tmp_path / "bad.py")), engine.load_cluster(str(CLUSTER))).save(tmp_path / "b.json")
+    bad = run_hap("run", str(tmp_path / "b.json"), "--steps", "3")
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
+    assert "batches(step) gave input" in bad.stderr and "[10, 8]" in bad.stderr, bad.stderr
