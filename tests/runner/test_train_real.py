@@ -188,7 +188,7 @@ def test_a_pipeline_plan_trains_on_the_data_too(work, tmp_path):
     r = warm_hap("run", str(tmp_path / "pipe.json"), "--data", str(work / "tokens.parquet"), "--steps", "2",
                  "--optimizer", "adamw", "--verify", timeout=300)
     assert r.returncode == 0 and "verify: OK" in r.stdout, r.stdout + r.stderr
-    drawn = warm_hap("run", str(tmp_path / "pipe.json"), "--steps", "2", "--optimizer", "adamw", timeout=300)
+    drawn = warm_hap("run", str(tmp_path / "pipe.json"), "--steps", "1", "--optimizer", "adamw", timeout=300)
     assert drawn.returncode == 0 and drawn.stdout.split("step 0: loss")[1][:9] != r.stdout.split("step 0: loss")[1][:9]
     refused = run_hap("run", str(tmp_path / "pipe.json"), "--steps", "2", "--lr-schedule", "cosine")
     assert refused.returncode == 2 and "--lr-schedule is not supported for pipeline plans" in refused.stderr
@@ -230,3 +230,23 @@ def test_a_model_file_may_give_its_own_batches(tmp_path):
     bad = run_hap("run", str(tmp_path / "b.json"), "--steps", "3")
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert "batches(step) gave input" in bad.stderr and "[10, 8]" in bad.stderr, bad.stderr
+
+
+def test_a_model_trained_on_tokenizer_data_is_saved_with_the_tokenizer(work, tmp_path):
+    from test_data import tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    tok = tiny_tokenizer(tmp_path / "tok")
+    r = run_hap("data", "prepare", str(work / "text.txt"), "--out", str(tmp_path / "t.parquet"), "--tokenizer", str(tok))
+    assert r.returncode == 0, r.stderr
+    r = run_hap("plan", "--model", "hf:LlamaForCausalLM", "--set", "vocab_size=320", "--set", "hidden_size=32",
+                "--set", "intermediate_size=64", "--set", "num_hidden_layers=1", "--set", "num_attention_heads=4",
+                "--set", "num_key_value_heads=2", "--set", "batch=6", "--set", "seq_len=16",
+                "--cluster", str(CLUSTER), "--out", str(tmp_path / "p.json"))
+    assert r.returncode == 0, r.stderr
+    r = warm_hap("run", str(tmp_path / "p.json"), "--data", str(tmp_path / "t.parquet"), "--steps", "2",
+                 "--save-model", str(tmp_path / "out"), timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (tmp_path / "out" / "model.safetensors").is_file() and (tmp_path / "out" / "tokenizer.json").is_file()
+    assert AutoTokenizer.from_pretrained(tmp_path / "out")("In the beginning")["input_ids"] == \
+        AutoTokenizer.from_pretrained(tok)("In the beginning")["input_ids"]
