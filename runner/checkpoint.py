@@ -101,6 +101,8 @@ def _rank_state(st: RankState, rank: int, steps_done: int) -> dict[str, Any]:
                              "rng": torch.get_rng_state()}
     if st.device.type == "cuda":
         state["cuda_rng"] = torch.cuda.get_rng_state(st.device)
+    if st.scaler is not None:  # fp16: the loss scale and its growth counter, so a resumed run scales alike
+        state["scaler"] = st.scaler.state_dict()
     return state
 
 
@@ -200,3 +202,5 @@ def _load(root: str | Path, steps_done: int, rank: int, st: RankState) -> None:
     torch.set_rng_state(state["rng"].cpu())
     if "cuda_rng" in state and st.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"].cpu(), st.device)
+    if "scaler" in state and st.scaler is not None:
+        st.scaler.load_state_dict(state["scaler"])

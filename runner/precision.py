@@ -74,6 +74,14 @@ class RankScaler:
         """The current scale as a number (for callers that multiply the loss themselves, the duplex halves)."""
         return float(self.scaler.scale(torch.ones((), device=self.device)))
 
+    def state_dict(self) -> dict:
+        """The scale, its growth counter and the skipped steps (plain numbers: a checkpoint keeps them)."""
+        return {"scaler": self.scaler.state_dict(), "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scaler.load_state_dict(state["scaler"])
+        self.skipped = int(state.get("skipped", 0))
+
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the scale now (before clipping); `step` then does not unscale again."""
         self.scaler.unscale_(optimizer)

@@ -232,6 +232,8 @@ def _load_resharded(root: str | Path, steps: int, marker: dict[str, Any], plan: 
     st.optimizer.load_state_dict({"state": opt_state, "param_groups": sd["param_groups"]})
     st.losses[:] = [float(x) for x in files.state(home)["losses"]]
     torch.set_rng_state(files.state(home)["rng"].cpu())
+    if "scaler" in files.state(home) and st.scaler is not None:  # fp16's loss scale: the same on every rank
+        st.scaler.load_state_dict(files.state(home)["scaler"])
     return table
 
 

@@ -121,3 +121,19 @@ def test_a_bf16_pipeline_sends_bf16_activations_and_matches_microbatch_accumulat
     assert not result.missing and result.ok(MIXED_TOLERANCE["bf16"]), result.render()
     ref_fp32, _ = microbatch_reference(fp32, 3, 3, "sgd", 0.05)
     assert max(rel_diff(torch.tensor(a), torch.tensor(b)) for a, b in zip(results[0]["losses"], ref_fp32)) > 1e-6
+
+
+def test_a_checkpoint_keeps_the_fp16_loss_scale(tmp_path):
+    """A resumed fp16 run continues with the scale (and growth counter) it had, not the initial 65536."""
+    from runner import checkpoint
+    from runner.train import setup_rank
+
+    plan = engine.plan(graph("mlp"), mixed_cluster(), optimizer="sgd", precision="fp16", overlap="none")
+    st = setup_rank(plan, 0, 3)
+    st.scaler.factor()  # the scaler makes its scale on first use
+    st.scaler.scaler.update(new_scale=1024.0)
+    checkpoint.save(tmp_path, {"model": "m"}, st, 0, 1, lambda: None)
+    fresh = setup_rank(plan, 0, 3)
+    assert fresh.scaler.factor() == 65536.0
+    checkpoint.load(tmp_path, 1, 0, fresh)
+    assert fresh.scaler.factor() == 1024.0
