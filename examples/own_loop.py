@@ -15,6 +15,7 @@ ordinary PyTorch. With the same plan, data, seed and settings, `hap run plan.jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -66,8 +67,10 @@ def main() -> None:
         total = 0.0
         for j in range(args.accum):
             index = step * args.accum + j
-            loss = model(model.local_batch(batches(index)), step=index)  # step= keys the dropout masks
-            (loss if args.accum == 1 else loss / args.accum).backward()
+            # the first microsteps keep their gradients local; the last backward synchronises the sum
+            with model.no_sync() if j < args.accum - 1 else contextlib.nullcontext():
+                loss = model(model.local_batch(batches(index)), step=index)  # step= keys the dropout masks
+                (loss if args.accum == 1 else loss / args.accum).backward()
             total += float(loss.detach())
         norm = model.clip_grad_norm_(args.clip) if args.clip else None
         lr = opt.param_groups[0]["lr"]

@@ -18,7 +18,8 @@ What the object does for you, and why each piece is here:
   callback, as DDP does), synchronises gradients as the plan says: its buckets (overlap), the
   reduce-scatters of sharded states (ZeRO). Gradients already held from earlier microsteps are set
   aside during a backward and added back after it, so accumulation sums correctly synchronised
-  gradients (each microstep is synchronised; there is no `no_sync`);
+  gradients; `with model.no_sync():` around the first microsteps of a step keeps their gradients local
+  and the last backward synchronises the sum, once per step, as DDP's `no_sync` does;
 - `optimizer(cls, **kw)` builds `cls` over what this rank steps (its ZeRO slices where the plan shards
   states), weight decay only on matrices (runner.optim.decays of the whole weight), and its `step()` does
   fp16's agreed loss scaling and the all-gathers of updated slices. It is a subclass of `cls`, so
@@ -96,6 +97,10 @@ class ParallelModel:
         self._held: list[torch.Tensor | None] = []
         self._pending: list[torch.Tensor | None] | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self._sync = True
+        """False inside `no_sync()`: backward keeps gradients local."""
+        self._local = False
+        """Whether the replicated weights' gradients hold local addends not yet synchronised (after a backward under no_sync)."""
 
     # --- what the plan is -----------------------------------------------------------------------
     @property
@@ -203,14 +208,33 @@ class ParallelModel:
         self._pending = grads
         return loss.detach().float().reshape(()), torch.zeros((), requires_grad=True)
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside keep this rank's gradients local, summed into `.grad`; the first backward
+        after it synchronises the sum (DDP's `no_sync`, for gradient accumulation: one synchronisation per
+        optimiser step). Weights whose states are sharded at stage 2 or 3 still reduce-scatter as their
+        gradients come (their whole gradients are not kept). Use it for the first microsteps of a step."""
+        if self.state.grad_sync != "bucket":
+            raise ApiError("no_sync() needs the bucket gradient sync: per-parameter sync all-reduces inside backward")
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
     def _backward_begins(self, g: torch.Tensor) -> None:
         """Before any parameter gradient of this backward: set aside the gradients of earlier microsteps
         that this backward's synchronisation would count again, and arm the buckets."""
         st = self.state
+        already = [p.grad is not None for p, synced in zip(st.params, st.full_params) if synced]
+        if not self._sync and any(already) and not self._local:
+            raise ApiError("a backward under no_sync() after a synchronised one in the same step would count the "
+                           "synchronised gradients again: use no_sync() for the first microsteps of a step only")
         self._held = []
         for p, synced in zip(st.params, st.full_params):
-            self._held.append(p.grad if synced else None)
-            if synced:
+            hold = synced and self._sync and not self._local  # local addends of no_sync microsteps are synchronised now
+            self._held.append(p.grad if hold else None)
+            if hold:
                 p.grad = None
         if self._pending is not None:  # duplex: the halves' gradients, times the loss's incoming gradient
             scale = float(g)
@@ -219,13 +243,17 @@ class ParallelModel:
                     grad = grad if scale == 1.0 else grad * scale
                     p.grad = grad if p.grad is None else p.grad + grad
             self._pending = None
-        if st.buckets is not None:
+        if st.buckets is not None and self._sync:
             st.buckets.arm(None)
 
     def _backward_ends(self) -> None:
         """After the backward pass: synchronise as the plan says, then add back the held gradients."""
         st = self.state
         self.pacer.set_phase("step")
+        if not self._sync:
+            self._local = True
+            return
+        self._local = False
         sync_gradients(st, None)
         if st.zero:
             st.zero.reduce_gradients()
@@ -269,6 +297,7 @@ class ParallelModel:
 
     def zero_grad(self) -> None:
         st = self.state
+        self._local = False
         for p in list(st.params) + list(optimizer_params(st)):
             p.grad = None
         if st.zero:

@@ -1,12 +1,14 @@
 """`hap run`'s training step, written against the library API (runner.api) like any user's loop.
 
 One optimiser step s: its learning rate `optim.lr_at(s)`, then K = `optim.grad_accum` microsteps, each
-the global batch number s*K + j (its dropout key the same number), its loss weighted 1/K; then the global
+the global batch number s*K + j (its dropout key the same number), its loss weighted 1/K, all but the last
+under `model.no_sync()` (one gradient synchronisation per step); then the global
 gradient norm (clipped when asked), then the optimiser's step. `examples/own_loop.py` does the same with
 torch's own scheduler, and gives bit-identical losses.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -42,8 +44,10 @@ def train_step(model: ParallelModel, opt: torch.optim.Optimizer, batches: Batche
     total = 0.0
     for j in range(k):
         index = step * k + j
-        loss = model(model.local_batch(batches(index)), step=index)
-        (loss if k == 1 else loss / k).backward()
+        local = j < k - 1 and model.state.grad_sync == "bucket"  # synchronise once, after the last microstep
+        with model.no_sync() if local else contextlib.nullcontext():
+            loss = model(model.local_batch(batches(index)), step=index)
+            (loss if k == 1 else loss / k).backward()
         total += float(loss.detach())
     norm = None
     if optim.clip_grad_norm:

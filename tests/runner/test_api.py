@@ -8,6 +8,7 @@ global gradient norm the ranks clip with must be the single-device one.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -37,7 +38,7 @@ def factor(s: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * done))
 
 
-def own_loop_rank(rank: int, world: int, init_method: str, plan) -> dict:
+def own_loop_rank(rank: int, world: int, init_method: str, plan, no_sync: bool = False) -> dict:
     """A user's loop: everything but `parallelize`, `local_batch`, `optimizer` and `clip_grad_norm_` is torch."""
     init_gloo(rank, world, init_method)
     model = runner.parallelize(plan, seed=SEED)
@@ -49,8 +50,9 @@ def own_loop_rank(rank: int, world: int, init_method: str, plan) -> dict:
         total = 0.0
         for j in range(ACCUM):
             index = step * ACCUM + j
-            loss = model(model.local_batch(make_batch(plan, index, SEED)), step=index)
-            (loss / ACCUM).backward()
+            with model.no_sync() if (no_sync and j < ACCUM - 1) else contextlib.nullcontext():
+                loss = model(model.local_batch(make_batch(plan, index, SEED)), step=index)
+                (loss / ACCUM).backward()
             total += float(loss.detach())
         norms.append(float(model.clip_grad_norm_(CLIP)))
         opt.step()
@@ -82,11 +84,12 @@ def reference_norms(plan) -> list[float]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["engine", "zero1", "zero3"])
-def test_own_loop_over_parallelize_trains_like_one_device(kind, tmp_path):
+@pytest.mark.parametrize("kind, no_sync", [("engine", False), ("engine", True), ("zero1", True), ("zero3", False)])
+def test_own_loop_over_parallelize_trains_like_one_device(kind, no_sync, tmp_path):
+    """With and without no_sync() around the first microstep (one synchronisation per step, or one per microstep)."""
     plan = {"engine": lambda: engine_plan("mlp", 3), "zero1": lambda: staged(dp_even_plan("mlp", 3), 1),
             "zero3": lambda: staged(engine_plan("mlp", 3), 3)}[kind]()
-    results = run_ranks(own_loop_rank, 3, tmp_path, plan)
+    results = run_ranks(own_loop_rank, 3, tmp_path, plan, no_sync)
     assert all(r["losses"] == results[0]["losses"] for r in results), "every rank reports the global loss"
     assert all(r["norms"] == results[0]["norms"] for r in results), "every rank clips by the same global norm"
     ref_losses, ref_params = reference_run(plan, STEPS, SEED, optim=OPTIM)
@@ -109,12 +112,18 @@ def state_rank(rank: int, world: int, init_method: str, plan) -> bool:
         model.load_full_state_dict({k: v[..., :1] if v.dim() else v for k, v in whole.items()})
     with pytest.raises(ApiError, match="the plan's model takes"):
         model.local_batch(make_batch(plan, 0, SEED)[:1])
+    if any(model.state.full_params):  # replicated weights: their gradients are all-reduced
+        local = model.local_batch(make_batch(plan, 0, SEED))
+        model(local).backward()
+        with pytest.raises(ApiError, match="no_sync"), model.no_sync():  # would count the synchronised gradients twice
+            model(local).backward()
     return all(torch.equal(whole[k], back[k]) for k in whole)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
-def test_full_state_round_trips_through_the_shards(stage, tmp_path):
-    plan = engine_plan("mlp", 3) if stage == 0 else staged(engine_plan("mlp", 3), stage)
+@pytest.mark.parametrize("kind", ["engine", "dp-even", "zero2"])
+def test_full_state_round_trips_through_the_shards(kind, tmp_path):
+    plan = {"engine": lambda: engine_plan("mlp", 3), "dp-even": lambda: dp_even_plan("mlp", 3),
+            "zero2": lambda: staged(engine_plan("mlp", 3), 2)}[kind]()
     assert run_ranks(state_rank, 3, tmp_path, plan) == [True] * 3
 
 
