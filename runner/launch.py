@@ -163,10 +163,9 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
         if env.rank == 0:
             elastic.report_switch(metrics.write, time.perf_counter() - began)
     key = run_key(plan, cfg)
-    if env.rank == 0:  # what the steps that follow were trained with (kept by a resume, as every event)
-        metrics.write({"event": "run", "from_step": start, "world_size": env.world_size, "seed": cfg.seed,
-                       "optimizer": optim.record(), "data": batches.describe, "eval_data": cfg.eval_data,
-                       "init_from": cfg.init_from, "plan": plan.model_fingerprint})
+    # what the steps from here on were trained with: in the first step record of every launch (a resume is one)
+    launched = {"world_size": env.world_size, "seed": cfg.seed, "optimizer": optim.record(), "data": batches.describe,
+                "eval_data": cfg.eval_data, "init_from": cfg.init_from, "plan": plan.model_fingerprint}
     progress = Progress(cfg.steps, start, batches.tokens, optim.grad_accum, plan, env.rank == 0)
     pacer.install()
     try:
@@ -178,7 +177,8 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
             metrics.write({"step": step, "rank": env.rank, "loss": result.loss, "step_time_s": result.seconds,
                            "lr": result.lr, "grad_norm": result.grad_norm, "grad_accum": optim.grad_accum,
                            **progress.figures(result.seconds),
-                           "speed": pacer.speed, **pacer.last})
+                           "speed": pacer.speed, **pacer.last,
+                           **({"run": launched} if env.rank == 0 and step == start else {})})
             progress.show(step, result)
             if evals is not None and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
                 evaluate(model, evals, cfg, step + 1, metrics, env.rank)
