@@ -185,6 +185,8 @@ class StageRank:
     `plans` are then the stages' own plans and every microbatch runs the same program."""
     device: torch.device = torch.device("cpu")
     """Where this rank's parameters, batches and messages live (its GPU under NCCL)."""
+    grad_sync: str = "bucket"
+    """A stage synchronises its gradients in one bucket after the drain (runner.loop reads it: no_sync applies)."""
 
     @property
     def hap(self) -> bool:

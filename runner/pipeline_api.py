@@ -23,7 +23,8 @@ these differences, each forced by what a pipeline is:
 - `loss.backward()` therefore computes nothing: it synchronises those gradients inside each stage
   (the all-reduce of data-parallel or Full-parameter addends), scales them by the loss's incoming
   gradient (so `(loss / K).backward()` accumulates K microsteps as torch does) and adds them to
-  `.grad`. A forward whose loss is never backpropagated leaves no gradient; backpropagating an older
+  `.grad`; under `with model.no_sync():` it only adds them, and the next backward synchronises the sum
+  (one synchronisation per accumulated step, as for SPMD plans). A forward whose loss is never backpropagated leaves no gradient; backpropagating an older
   loss after a newer forward is refused;
 - `optimizer(cls, **kw)` builds `cls` over this rank's stage parameters (its shards under a stage plan),
   weight decay on matrices by their whole shape (runner.optim.param_groups). It is `cls` itself: there
@@ -41,6 +42,7 @@ these differences, each forced by what a pipeline is:
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Sequence
@@ -96,6 +98,10 @@ class PipelineModel:
         self._pending: list[torch.Tensor | None] | None = None
         self._pending_forward = -1
         self._optimizer: torch.optim.Optimizer | None = None
+        self._sync = True
+        """False inside `no_sync()`: backward keeps the stage's gradients local."""
+        self._local = False
+        """Whether `.grad` holds local addends of no_sync microsteps not yet synchronised inside the stage."""
 
     # --- what the plan is -----------------------------------------------------------------------
     @property
@@ -178,16 +184,35 @@ class PipelineModel:
             raise ApiError("loss.backward() on a pipeline loss applies the gradients of the last model(batch) "
                            "only, once: call backward on the newest loss before the next forward")
         held = [p.grad for p in sr.params]
+        if not self._sync and not self._local and any(h is not None for h in held):
+            raise ApiError("a backward under no_sync() after a synchronised one in the same step would count the "
+                           "synchronised gradients again: use no_sync() for the first microsteps of a step only")
         for p, grad in zip(sr.params, self._pending):
             p.grad = grad
         self._pending = None
-        sync_stage(sr, len(self.plan.stages[sr.stage].devices))
+        summed = not self._sync or self._local  # local addends of no_sync microsteps: synchronised as one sum
+        if not summed:
+            sync_stage(sr, len(self.plan.stages[sr.stage].devices))
         scale = float(g)
         for p, h in zip(sr.params, held):
-            if scale != 1.0:
+            if p.grad is not None and scale != 1.0:
                 p.grad.mul_(scale)
             if h is not None:
-                p.grad = h.add_(p.grad)
+                p.grad = h if p.grad is None else h.add_(p.grad)
+        if summed and self._sync:
+            sync_stage(sr, len(self.plan.stages[sr.stage].devices))
+        self._local = not self._sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside add the schedule's gradients to `.grad` without the stage's synchronisation;
+        the first backward after it synchronises the sum, once (DDP's `no_sync`, for the first microsteps of
+        an accumulated step)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     @torch.no_grad()
     def evaluate(self, batch: PipelineBatch | Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> float:
@@ -215,6 +240,7 @@ class PipelineModel:
         for p in self.state.params:
             p.grad = None
         self._pending = None
+        self._local = False
 
     # --- gradients ------------------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:

@@ -4,10 +4,13 @@ and cosine, clipping on the global norm and accumulation of 2.
 
 Two plans on gloo: two stages of two uneven ranks each running a stage plan with sharded weights (the
 norm sums shards and counts replicated gradients once per stage), and two one-rank stages on three ranks
-where the partition left rank 0 idle (its optimiser steps nothing, its loop runs unchanged).
+where the partition left rank 0 idle (its optimiser steps nothing, its loop runs unchanged). Even steps
+accumulate under `no_sync()` (one synchronisation inside each stage per step), odd ones synchronise each
+microstep.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 
@@ -53,8 +56,10 @@ def own_loop_rank(rank: int, world: int, init_method: str, plan_json: str) -> di
         model.zero_grad()
         total = 0.0
         for j in range(ACCUM):
-            loss = model(model.local_batch(make_batch(plan, step * ACCUM + j, SEED)))
-            (loss / ACCUM).backward()
+            local = j < ACCUM - 1 and step % 2 == 0  # even steps synchronise once, odd ones every microstep
+            with model.no_sync() if local else contextlib.nullcontext():
+                loss = model(model.local_batch(make_batch(plan, step * ACCUM + j, SEED)))
+                (loss / ACCUM).backward()
             total += float(loss.detach())
         norms.append(float(model.clip_grad_norm_(CLIP)))
         opt.step()
@@ -62,6 +67,7 @@ def own_loop_rank(rank: int, world: int, init_method: str, plan_json: str) -> di
         losses.append(total / ACCUM)
     evaluated = model.evaluate(make_batch(plan, 100, SEED))
     state = model.full_state_dict()
+    started = runner.parallelize(plan, seed=SEED + 1, init=state).full_state_dict()  # --init-from's path
     gen = torch.Generator().manual_seed(7)
     noise = {k: torch.randn(v.shape, generator=gen) for k, v in state.items()}
     model.load_full_state_dict(noise)
@@ -69,7 +75,8 @@ def own_loop_rank(rank: int, world: int, init_method: str, plan_json: str) -> di
     with pytest.raises(ApiError, match="not a local one"):
         model.local_batch(tuple(t[:1] for t in make_batch(plan, 0, SEED)))
     return {"losses": losses, "norms": norms, "eval": evaluated, "state": state,
-            "round_trip": all(torch.equal(noise[k], back[k]) for k in noise), "stage": model.stage}
+            "round_trip": all(torch.equal(noise[k], back[k]) and torch.equal(state[k], started[k]) for k in noise),
+            "stage": model.stage}
 
 
 def reference_norms_and_eval(plan) -> tuple[list[float], float]:
@@ -110,7 +117,7 @@ def test_own_loop_over_a_pipeline_plan_trains_like_one_device(kind, tmp_path):
     first = results[0]
     assert all(r["losses"] == first["losses"] and r["norms"] == first["norms"] and r["eval"] == first["eval"]
                for r in results), "every rank reports the global loss and clips by the same global norm"
-    assert all(r["round_trip"] for r in results), "load_full_state_dict then full_state_dict gives the tensors back"
+    assert all(r["round_trip"] for r in results), "init= and load_full_state_dict, then full_state_dict, give them back"
     if kind == "idle-rank":
         assert first["stage"] == -1
     ref_losses, ref_params = microbatch_reference(plan, STEPS, SEED, optim=OPTIM)
