@@ -24,7 +24,8 @@ that sender. `link_s` emulates slow links: each transfer also carries its send t
 receiver waits until send time (or the link's previous arrival) plus the boundary's transfer time.
 
 A launch bundle of a pipeline plan (`hap export`) runs here too: each rank checks it against its
-manifest and joins as the rank its bundle node gives it (runner.launch hands pipeline plans here).
+manifest and joins as the rank its bundle node gives it (`pipeline_inputs`; runner.launch hands pipeline
+plans to runner.pipeline_run).
 
 Devices: NCCL on each rank's GPU when CUDA is present (`runner.rank_setup.pick_device`), gloo on the CPU
 otherwise; tensors the ranks send and receive, and those the programs create, live on that device.
@@ -509,7 +510,8 @@ def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: s
         total = 0.0
         for j in range(K):
             index = step * K + j
-            batch = tuple(t.to(device) for t in batches(index)) if batches else make_batch(plan, index, seed, device)  # type: ignore[arg-type]
+            batch = (tuple(t.to(device) for t in batches(index)) if batches
+                     else make_batch(plan, index, seed, device))  # type: ignore[arg-type]
             for m in range(B):
                 with autocast(precision_of(plan), device):  # the stages' autocast (runner.precision)
                     loss = module(*(x.chunk(B, 0)[m] for x in batch)) / B

@@ -24,8 +24,8 @@ these differences, each forced by what a pipeline is:
   (the all-reduce of data-parallel or Full-parameter addends), scales them by the loss's incoming
   gradient (so `(loss / K).backward()` accumulates K microsteps as torch does) and adds them to
   `.grad`; under `with model.no_sync():` it only adds them, and the next backward synchronises the sum
-  (one synchronisation per accumulated step, as for SPMD plans). A forward whose loss is never backpropagated leaves no gradient; backpropagating an older
-  loss after a newer forward is refused;
+  (one synchronisation per accumulated step, as for SPMD plans). A forward whose loss is never
+  backpropagated leaves no gradient; backpropagating an older loss after a newer forward is refused;
 - `optimizer(cls, **kw)` builds `cls` over this rank's stage parameters (its shards under a stage plan),
   weight decay on matrices by their whole shape (runner.optim.param_groups). It is `cls` itself: there
   is no loss scaling (fp16 is refused for pipelines) and no sharded optimizer state. A rank the

@@ -105,7 +105,8 @@ def reference_norms_and_eval(plan) -> tuple[list[float], float]:
 
 
 PLANS = {
-    "sharded-stages": lambda: (with_sharded_stages(two_stage_plan("mlp", 4, ((0, 2), (1, 3)), 2, "1f1b"), cluster(4)), 4),
+    "sharded-stages": lambda: (with_sharded_stages(two_stage_plan("mlp", 4, ((0, 2), (1, 3)), 2, "1f1b"), cluster(4)),
+                               4),
     "idle-rank": lambda: (two_stage_plan("mlp", 3, ((1,), (2,)), 2, "1f1b"), 3),
 }
 
@@ -125,5 +126,5 @@ def test_own_loop_over_a_pipeline_plan_trains_like_one_device(kind, tmp_path):
     assert not result.missing and result.ok(1e-4), result.render()
     ref_norms, ref_eval = reference_norms_and_eval(plan)
     assert max(abs(a - b) / b for a, b in zip(first["norms"], ref_norms)) < 1e-5, (first["norms"], ref_norms)
-    assert any(n > CLIP for n in ref_norms) and any(n < CLIP for n in ref_norms), ref_norms  # clipping acted, not always
+    assert any(n > CLIP for n in ref_norms) and any(n < CLIP for n in ref_norms), ref_norms  # clipped, not always
     assert abs(first["eval"] - ref_eval) / ref_eval < 1e-5, (first["eval"], ref_eval)
