@@ -211,6 +211,11 @@ def test_a_pipeline_plan_trains_with_the_same_settings_evaluates_and_saves(work,
         assert torch.isfinite(tuned(input_ids=ids, labels=ids).loss)
     refused = run_hap("run", str(tmp_path / "pipe.json"), "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"))
     assert refused.returncode == 2 and "--checkpoint-dir is not supported for pipeline plans" in refused.stderr
+    bad = write_tokens(tmp_path / "col.parquet", pa.table({"tokens": pa.array(list(range(100)) * 10, pa.int64())}))
+    for extra, needle in [(["--data", bad], "has no column 'input_ids'"),
+                          (["--init-from", str(tmp_path / "none")], "no such file or directory")]:
+        r = run_hap("run", str(tmp_path / "pipe.json"), "--steps", "2", *extra)  # checked before any rank starts
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
 
 
 MODEL_WITH_BATCHES = '''
