@@ -10,6 +10,7 @@ Modules, in the order a run uses them:
   replicate as autograd Functions whose backward is the exact dual, and the hierarchical
   all-reduce, all-gather and reduce-scatter over machine and peer sub-groups;
 - `api`: the library API, `runner.parallelize(plan) -> ParallelModel`, for your own training loop;
+  `pipeline_api`: its `PipelineModel` for pipeline plans; `global_batch`: the batch check both share;
 - `loop`: `hap run`'s training step over that API (accumulation, schedule, clipping) and evaluation;
 - `optim`: the optimiser settings (AdamW, weight decay on matrices, LR schedules, clipping, accumulation);
 - `batches`, `data`, `prepare`: where global batches come from (a token dataset, the model file's
@@ -21,6 +22,9 @@ Modules, in the order a run uses them:
 - `duplex`: two half-batch streams per rank on two threads and two process groups (`duplex`);
 - `timing`: measured timeline per instruction, emulated device speed and emulated link;
 - `verify`: the comparison with single-device training;
+- `run_report`: the metrics file, the progress line and evaluation records of `hap run`;
+- `pipeline`, `stage_program`, `pipeline_run`: pipeline plans (stages, schedules, sends between stages),
+  and `hap run`'s rank entry for them;
 - `data`: token datasets (`--data`: Parquet / Arrow IPC read on demand) and the seeded order of global batches;
 - `prepare`: `hap data prepare`, text packed into those token files.
 """
@@ -28,7 +32,7 @@ Modules, in the order a run uses them:
 
 def __getattr__(name: str):
     """`runner.parallelize` without importing torch.distributed for every `runner.*` import."""
-    if name in ("parallelize", "ParallelModel"):
+    if name in ("parallelize", "ParallelModel", "PipelineModel"):
         from . import api
 
         return getattr(api, name)

@@ -29,8 +29,12 @@ What the object does for you, and why each piece is here:
 - `full_state_dict` / `load_full_state_dict` gather or scatter the single-device parameters (names as the
   model has them); `save_pretrained` writes them as safetensors (runner.weights).
 
-Pipeline plans are not covered: `parallelize` refuses them (a stage rank holds part of the model and
-runs a schedule of microbatches); `hap run` trains them, `--data` included.
+Pipeline plans: `parallelize` returns a `runner.pipeline_api.PipelineModel` with the same surface where it
+applies, so the loop above runs unchanged. What differs: `local_batch` returns the whole global batch
+(every stage reads it), `model(batch)` runs the batch's whole schedule, forward and backward of every
+microbatch (a pipeline cannot separate them), and `loss.backward()` only synchronises the gradients inside
+each stage and applies them, scaled by the loss's incoming gradient; the optimiser is `cls` itself (no
+ZeRO, no fp16); no dropout. Its module docstring says more.
 """
 from __future__ import annotations
 
@@ -42,23 +46,22 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.errors import HapError
 from engine.model.dropout import RngKey
+from engine.bundle.archive import plan_parallelism
+from engine.pipeline.plan import PipelinePlan
 from engine.spmd.plan import Plan
 from engine.theory.core import FULL, PARTIAL
 
 from . import optim as O
 from .collectives import run_collective
 from .duplex import run_halves
+from .global_batch import ApiError, flat_batch
+from .pipeline_api import PipelineModel, parallelize_pipeline
 from .precision import autocast
 from .program import shard
 from .timing import Pacer
 from .train import RankState, factory_device, gathered_params, setup_rank, sync_gradients
 from .zero import optimizer_params
-
-
-class ApiError(HapError):
-    """The library API was used in a way the plan cannot honour (no process group, a pipeline plan, ...)."""
 
 
 @dataclass
@@ -144,22 +147,7 @@ class ParallelModel:
         return not self.state.program.is_param[node] and node not in self.state.buffers
 
     def _flat(self, batch: Sequence[torch.Tensor] | Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        inputs = sorted((n for n in self.plan.graph.nodes if n.op == "placeholder"), key=lambda n: n.attrs["index"])
-        if isinstance(batch, Mapping):
-            missing = [str(n.attrs.get("name", n.name)) for n in inputs if n.attrs.get("name", n.name) not in batch]
-            if missing:
-                raise ApiError(f"the global batch has no {', '.join(missing)}; the plan's model takes "
-                               f"{', '.join(str(n.attrs.get('name', n.name)) for n in inputs)}")
-            batch = [batch[n.attrs.get("name", n.name)] for n in inputs]
-        flat = tuple(batch)
-        if len(flat) != len(inputs):
-            raise ApiError(f"the global batch has {len(flat)} tensors; the plan's model takes {len(inputs)} "
-                           f"({', '.join(str(n.attrs.get('name', n.name)) for n in inputs)})")
-        for t, n in zip(flat, inputs):
-            if tuple(t.shape) != tuple(n.shape):
-                raise ApiError(f"input {n.attrs.get('name', n.name)} has shape {list(t.shape)} but the plan was made "
-                               f"for {list(n.shape)}: give the global batch (every rank the same), not a local one")
-        return flat
+        return flat_batch(self.plan.graph, batch)
 
     # --- forward and backward ---------------------------------------------------------------------
     def __call__(self, local: LocalBatch, *, step: int | None = None) -> torch.Tensor:
@@ -411,17 +399,22 @@ def _parallel_class(cls: type[torch.optim.Optimizer], model: ParallelModel) -> t
     return type(f"Parallel{cls.__name__}", (cls,), {"step": step, "__module__": __name__})
 
 
-def parallelize(plan: Plan | str | Path, rank: int | None = None, *, seed: int = 0,
+def parallelize(plan: Plan | PipelinePlan | str | Path, rank: int | None = None, *, seed: int = 0,
                 init: Mapping[str, torch.Tensor] | str | Path | None = None, device: torch.device | str | None = None,
-                pacer: Pacer | None = None, probes: bool = False, grad_sync: str = "bucket") -> ParallelModel:
-    """This rank's model for an SPMD plan (a Plan or a plan JSON), under an initialised process group.
+                pacer: Pacer | None = None, probes: bool = False, grad_sync: str = "bucket",
+                emulate_links: bool = False) -> ParallelModel | PipelineModel:
+    """This rank's model for a plan (a Plan, a PipelinePlan or a plan JSON), under an initialised process group.
 
     The parameters start from the single-device model initialised from `seed`, or from `init` (a state
-    dict, or a safetensors file / save_pretrained directory: runner.weights), and are sharded by the plan."""
+    dict, or a safetensors file / save_pretrained directory: runner.weights), and are sharded by the plan.
+    A pipeline plan gives a `runner.pipeline_api.PipelineModel` (`emulate_links`: its transfers between
+    stages take their predicted time; `pacer`, `probes` and `grad_sync` are SPMD settings)."""
     if not dist.is_available() or not dist.is_initialized():
         raise ApiError("runner.parallelize needs a process group: call torch.distributed.init_process_group "
                        "first (under torchrun, or with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set)")
     world = dist.get_world_size()
+    if isinstance(plan, PipelinePlan) or (isinstance(plan, (str, Path)) and plan_parallelism(plan) == "pipeline"):
+        return parallelize_pipeline(plan, rank, seed=seed, init=init, device=device, emulate_links=emulate_links)
     if not isinstance(plan, Plan):
         from .rank_setup import load_spmd_plan
 

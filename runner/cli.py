@@ -37,7 +37,7 @@ from runner import launch
 from runner.config import RunConfig, parse_args
 from runner.elastic import run_elastic
 from runner.pipeline import check_pipeline_options, load_pipeline_plan
-from runner.rank_setup import check_inputs, exit_process, opened_source
+from runner.rank_setup import check_inputs, checked_sources, exit_process, opened_source
 from runner.torchrun import run_torchrun, under_launcher
 
 
@@ -66,10 +66,11 @@ def check_launch(cfg: RunConfig, plan_path: str, opened: OpenedBundle | None,
     """(rank module, world size, warnings) once the plan and options are checked as every rank will check them."""
     plan = load_plan(plan_path)  # validated (engine.spmd.validate): an inconsistent plan stops here
     warnings = check_on_cluster(plan, opened.cluster) if opened else []
-    if isinstance(plan, PipelinePlan):  # its own runner (runner.pipeline), one rank per device
+    if isinstance(plan, PipelinePlan):  # its own rank entry (runner.pipeline_run), one rank per device
         check_pipeline_options(cfg)
-        load_pipeline_plan(plan_path, plan.world_size, model_file_of(opened) if opened else None)
-        return "runner.pipeline", plan.world_size, warnings
+        pipe = load_pipeline_plan(plan_path, plan.world_size, model_file_of(opened) if opened else None)
+        checked_sources(pipe, cfg)  # data, evaluation data, weights and output folders, before torchrun
+        return "runner.pipeline_run", plan.world_size, warnings
     check_inputs(dataclasses.replace(cfg, plan=source), plan.world_size)
     return "runner.launch", plan.world_size, warnings
 

@@ -17,7 +17,7 @@ bundle against its manifest before anything else, extracts a zip safely (its own
 folder), joins as the rank the bundle gives its node and local rank (HAP_NODE_RANK, set by the
 bundle's launch files; see engine.bundle.archive.plan_rank), and compares its GPU with the type the
 plan's device has (engine.bundle.archive.gpu_type_check). A pipeline plan, bare or in a bundle, is handed
-to its own entry, runner.pipeline (`main`, by engine.bundle.archive.plan_parallelism).
+to its own entry, runner.pipeline_run (`main`, by engine.bundle.archive.plan_parallelism).
 
 Order of work in `run`: read the launch environment, check the inputs (bundle, plan for this
 world size, options, checkpoint to resume), check the GPU type, start the process group (NCCL on
@@ -36,14 +36,12 @@ a RuntimeError (an exception in the training code).
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
 import sys
 import time
 import traceback
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -59,49 +57,12 @@ from runner.rank_setup import (Inputs, apply_cpu_threads, check_inputs, device_r
                                init_distributed, make_pacer, pick_device, run_key)
 from runner.scratch import sigterm_exits
 from runner.api import parallelize
-from runner.batches import Batches, batch_source
-from runner.loop import eval_loss, train_step
+from runner.batches import batch_source
+from runner.loop import train_step
+from runner.run_report import MetricsFile, Progress, evaluate
 from runner.train import RankState
 from runner.timing import mfu_line
 from runner.verify import verify
-
-
-class MetricsFile:
-    """JSON lines appended by every rank; each record is one `write` on an O_APPEND descriptor.
-
-    Rank 0 empties the file at start; a resumed run keeps the records of the steps before
-    `keep_before` (rewritten in place, so every rank appends to the same file).
-    """
-
-    def __init__(self, path: str | None, rank: int, keep_before: int = 0) -> None:
-        self.fd = None
-        if path:
-            kept = self._kept(path, keep_before) if rank == 0 and keep_before else b""
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if rank == 0 else 0)
-            self.fd = os.open(path, flags, 0o644)
-            if kept:
-                os.write(self.fd, kept)
-
-    @staticmethod
-    def _kept(path: str, keep_before: int) -> bytes:
-        if not os.path.isfile(path):
-            return b""
-        lines = Path(path).read_bytes().splitlines(keepends=True)
-        return b"".join(ln for ln in lines if ln.strip() and MetricsFile._keep(json.loads(ln), keep_before))
-
-    @staticmethod
-    def _keep(record: dict, keep_before: int) -> bool:
-        """Step records of the steps before `keep_before`, and every event (an elastic switch)."""
-        return "event" in record or record.get("step", keep_before) < keep_before
-
-    def write(self, record: dict) -> None:
-        if self.fd is not None:
-            os.write(self.fd, (json.dumps(record) + "\n").encode())
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 
 def maybe_inject_fault(rank: int, step: int) -> None:
@@ -198,45 +159,6 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
     return st
 
 
-def evaluate(model, evals: Batches, cfg: RunConfig, step: int, metrics: MetricsFile, rank: int) -> None:
-    """The evaluation loss after `step` optimiser steps: a record on rank 0, and a line."""
-    loss = eval_loss(model, evals, cfg.eval_batches)
-    if rank == 0:
-        tokens = evals.tokens * cfg.eval_batches if evals.tokens else None
-        metrics.write({"step": step, "rank": rank, "eval_loss": loss, "eval_tokens": tokens})
-        print(f"eval after step {step:4d}  loss {loss:.6f}", flush=True)
-
-
-class Progress:
-    """The progress line of rank 0 (step, loss, tokens/s, ETA) and the throughput figures of the metrics."""
-
-    def __init__(self, steps: int, start: int, tokens: int | None, accum: int, plan: Plan, show: bool) -> None:
-        self.steps, self.start, self.show_lines = steps, start, show
-        self.tokens = tokens * accum if tokens else None
-        self.model_flops = plan.utilisation.model_flops * accum if plan.utilisation.model_flops else None
-        self.peak = plan.utilisation.peak_flops
-        self.times: list[float] = []
-
-    def figures(self, seconds: float) -> dict:
-        self.times.append(seconds)
-        mfu = self.model_flops / seconds / self.peak if self.model_flops and self.peak and seconds > 0 else None
-        return {"tokens": self.tokens, "tokens_per_s": self.tokens / seconds if self.tokens and seconds > 0 else None,
-                "mfu": mfu}
-
-    def show(self, step: int, result) -> None:
-        if not self.show_lines:
-            return
-        recent = self.times[-10:]
-        per_step = sum(recent) / len(recent)
-        eta = per_step * (self.steps - step - 1)
-        line = f"step {step:4d}/{self.steps}  loss {result.loss:.6f}  lr {result.lr:.3g}  {result.seconds * 1e3:8.2f} ms"
-        if result.grad_norm is not None:
-            line += f"  grad norm {result.grad_norm:.3g}"
-        if self.tokens:
-            line += f"  {self.tokens / result.seconds:,.0f} tokens/s"
-        print(f"{line}  ETA {eta:,.0f} s", flush=True)
-
-
 def report_device(inputs: Inputs, cfg: RunConfig, env: DistEnv, device: torch.device) -> bool:
     """Print this rank's GPU-type check; False when a mismatch must stop the run (--device-check error)."""
     found = device_report(inputs, env.rank, device) if cfg.device_check != "off" else None
@@ -311,7 +233,7 @@ def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str |
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = parse_args(argv)
     if bundle.plan_parallelism(cfg.plan) == "pipeline":  # a pipeline plan or bundle has its own rank entry
-        from .pipeline import main as pipeline_main
+        from .pipeline_run import main as pipeline_main
 
         return pipeline_main(argv)
     try:

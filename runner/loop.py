@@ -1,4 +1,5 @@
-"""`hap run`'s training step, written against the library API (runner.api) like any user's loop.
+"""`hap run`'s training step, written against the library API (runner.api) like any user's loop, for SPMD
+and pipeline plans alike (runner.pipeline_api: there a microstep's forward runs its whole schedule).
 
 One optimiser step s: its learning rate `optim.lr_at(s)`, then K = `optim.grad_accum` microsteps, each
 the global batch number s*K + j (its dropout key the same number), its loss weighted 1/K, all but the last
@@ -16,6 +17,7 @@ import torch
 
 from . import optim as O
 from .api import ParallelModel
+from .pipeline_api import PipelineModel
 from .batches import Batches
 from .optim import OptimConfig
 
@@ -32,8 +34,8 @@ class StepResult:
     seconds: float
 
 
-def train_step(model: ParallelModel, opt: torch.optim.Optimizer, batches: Batches, optim: OptimConfig, step: int,
-               *, want_norm: bool = False) -> StepResult:
+def train_step(model: ParallelModel | PipelineModel, opt: torch.optim.Optimizer, batches: Batches, optim: OptimConfig,
+               step: int, *, want_norm: bool = False) -> StepResult:
     """One synchronous optimiser step of `model` (see the module docstring)."""
     start = time.perf_counter()
     model.pacer.begin_step()
@@ -62,6 +64,6 @@ def train_step(model: ParallelModel, opt: torch.optim.Optimizer, batches: Batche
     return StepResult(total / k, lr, norm, seconds)
 
 
-def eval_loss(model: ParallelModel, batches: Batches, count: int) -> float:
+def eval_loss(model: ParallelModel | PipelineModel, batches: Batches, count: int) -> float:
     """Mean global loss over the first `count` batches of an evaluation source (no gradients, no dropout)."""
     return sum(model.evaluate(model.local_batch(batches(i))) for i in range(count)) / count

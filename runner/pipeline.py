@@ -24,29 +24,32 @@ that sender. `link_s` emulates slow links: each transfer also carries its send t
 receiver waits until send time (or the link's previous arrival) plus the boundary's transfer time.
 
 A launch bundle of a pipeline plan (`hap export`) runs here too: each rank checks it against its
-manifest and joins as the rank its bundle node gives it (runner.launch hands pipeline plans here).
+manifest and joins as the rank its bundle node gives it (`pipeline_inputs`; runner.launch hands pipeline
+plans to runner.pipeline_run).
 
 Devices: NCCL on each rank's GPU when CUDA is present (`runner.rank_setup.pick_device`), gloo on the CPU
 otherwise; tensors the ranks send and receive, and those the programs create, live on that device.
 
+The library API (`runner.parallelize(pipeline_plan)`, runner.pipeline_api) and `hap run`'s rank entry
+(runner.pipeline_run) are built on `setup_stage_rank` and `schedule_pass`; `pipeline_step` is one plain
+step of both with the stage's own optimiser.
+
 Limits (issue 15): the NCCL path has not run on a GPU yet; no dropout; a weight used by two stages
-(tied embeddings) is refused, not summed; no hierarchical collectives inside a stage; no checkpoints
-or metrics (`hap run` options a pipeline does not take are refused, PIPELINE_OPTIONS).
+(tied embeddings) is refused, not summed; no hierarchical collectives inside a stage; no checkpoints,
+emulated speeds or timing (`hap run` options a pipeline does not take are refused, PIPELINE_OPTIONS).
 """
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from dataclasses import dataclass, field, fields, replace
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-from engine.errors import HapError, PlanError
+from engine.errors import PlanError
 from engine.pipeline.plan import PipelinePlan
 from engine.pipeline.schedule import stage_order
 from engine.pipeline.stage_plan import data_parallel_program
@@ -56,18 +59,17 @@ from engine.spmd.segments import Segmentation
 from engine.spmd.sizes import shard_key, shard_units, split_sizes
 from engine.theory.core import FULL, PARTIAL
 from runner import collectives as C
-from runner.config import DistEnv, parse_args
+from runner.config import DistEnv
 from runner.program import ProgramPiece, RankProgram, build_rank_program, shard
-from runner.rank_setup import bundle_rank, extracts, open_source, pick_device
-from runner.scratch import sigterm_exits
+from runner.rank_setup import bundle_rank, open_source
 from runner.stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans,
                                   loss_weights, microbatch_leaves, stage_inputs, stage_outputs, stage_params,
                                   stage_rank_program, sync_stage_gradients, tied_weight_error)
 from runner.precision import autocast, precision_of, wire_dtype
-from runner.batches import Batches, batch_source
-from runner.train import build_module, factory_device, make_batch, make_optimizer
-from runner.timing import mfu_line
-from runner.verify import compare, tolerance_for
+from runner.batches import Batches
+from runner import optim as O
+from runner.optim import OptimConfig
+from runner.train import factory_device, initial_module, make_batch, make_optimizer
 
 
 def stage_plan(plan: PipelinePlan, program: tuple[Instruction, ...], stage: int) -> Plan:
@@ -184,6 +186,8 @@ class StageRank:
     `plans` are then the stages' own plans and every microbatch runs the same program."""
     device: torch.device = torch.device("cpu")
     """Where this rank's parameters, batches and messages live (its GPU under NCCL)."""
+    grad_sync: str = "bucket"
+    """A stage synchronises its gradients in one bucket after the drain (runner.loop reads it: no_sync applies)."""
 
     @property
     def hap(self) -> bool:
@@ -193,13 +197,17 @@ class StageRank:
 IDLE = -1
 """The stage (and index) of a rank the partition left without a stage."""
 
+Init = Mapping[str, torch.Tensor] | str | Path | None
+"""Whole weights a run starts from: a state dict, a safetensors file or a save_pretrained directory."""
+
 
 def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
-                     device: torch.device | str = "cpu") -> StageRank:
-    """Every rank calls this (process groups are made collectively): its stage's programs and parameters."""
+                     device: torch.device | str = "cpu", init: Init = None) -> StageRank:
+    """Every rank calls this (process groups are made collectively): its stage's programs and parameters,
+    from the seeded single-device model or from `init` (whole weights, runner.train.initial_module)."""
     device = torch.device(device)
     if has_stage_plans(plan):
-        return setup_planned_stage_rank(plan, rank, seed, optimizer, lr, device)
+        return setup_planned_stage_rank(plan, rank, seed, optimizer, lr, device, init)
     program = data_parallel_program(plan.graph)
     plans = [stage_plan(plan, program, i) for i in range(len(plan.stages))]
     pieces = program_pieces(plan, program)
@@ -210,7 +218,7 @@ def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = 
     index = plan.stages[stage].devices.index(rank)
     g = len(plan.stages[stage].devices)
     programs = [build_rank_program(plans[stage], m * g + index, piece=pieces[stage]) for m in range(plan.microbatches)]
-    module = build_module(plans[stage], seed)
+    module = initial_module(plans[stage], seed, init)
     named = dict(module.named_parameters(remove_duplicate=False))
     named_buffers = dict(module.named_buffers(remove_duplicate=False))
     graph, first = plan.graph, programs[0]
@@ -222,7 +230,7 @@ def setup_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str = 
 
 
 def setup_planned_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer: str, lr: float,
-                             device: torch.device) -> StageRank:
+                             device: torch.device, init: Init = None) -> StageRank:
     """`setup_stage_rank` for stages with their own HAP plans (runner.stage_program)."""
     plans = [s.plan for s in plan.stages]
     check_untied(plans)  # type: ignore[arg-type]
@@ -233,7 +241,7 @@ def setup_planned_stage_rank(plan: PipelinePlan, rank: int, seed: int, optimizer
         return StageRank(IDLE, IDLE, plans, pieces, [], [], {}, None, groups, device=device)
     index = plan.stages[stage].devices.index(rank)
     program = stage_rank_program(plans[stage], index)
-    held = stage_params(plans[stage], program, index, build_module(plan, seed), device)  # type: ignore[arg-type]
+    held = stage_params(plans[stage], program, index, initial_module(plan, seed, init), device)  # type: ignore[arg-type]
     return StageRank(stage, index, plans, pieces, [program] * plan.microbatches, held.params, held.buffers,
                      make_optimizer(held.params, optimizer, lr), groups, held=held, device=device)
 
@@ -373,10 +381,22 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
     start = time.perf_counter()
     if sr.stage == IDLE:
         return _idle_step(sr, start)
+    sr.optimizer.zero_grad(set_to_none=True)
+    loss_sum = schedule_pass(plan, sr, batch, link_s)
+    sync_stage(sr, len(plan.stages[sr.stage].devices))
+    sr.optimizer.step()
+    dist.all_reduce(loss_sum)  # only the last stage's ranks hold addends
+    sr.losses.append(float(loss_sum))
+    sr.step_times.append(time.perf_counter() - start)
+    return sr.losses[-1]
+
+
+def schedule_pass(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, ...],
+                  link_s: Sequence[float] | None = None) -> torch.Tensor:
+    """Forward and backward of every microbatch in the planned order, gradients summed into the stage's
+    parameters (not yet synchronised inside the stage); this rank's addend of the global loss (fp64)."""
     S, B, i = len(plan.stages), plan.microbatches, sr.stage
     links, piece = Links(plan, sr, link_s), sr.pieces[i]
-    g = len(plan.stages[i].devices)
-    sr.optimizer.zero_grad(set_to_none=True)
     held: dict[int, tuple[dict, Any]] = {}
     loss_sum = torch.zeros(1, dtype=torch.float64, device=sr.device)
     weights = loss_scales(plan, sr, batch)
@@ -413,12 +433,7 @@ def pipeline_step(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, 
                 links.send(i - 1, m, 1, {p: (x.grad if x.grad is not None else torch.zeros_like(x))
                                          for p, x in cut.items()})
     links.drain()
-    sync_stage(sr, g)
-    sr.optimizer.step()
-    dist.all_reduce(loss_sum)  # only the last stage's ranks hold addends
-    sr.losses.append(float(loss_sum))
-    sr.step_times.append(time.perf_counter() - start)
-    return sr.losses[-1]
+    return loss_sum
 
 
 def loss_scales(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, ...]) -> list[float]:
@@ -479,38 +494,59 @@ def gathered_params(plan: PipelinePlan, sr: StageRank) -> dict[str, torch.Tensor
 
 
 def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
-                         device: torch.device | str = "cpu", batches: Batches | None = None):
-    """Single-device training on `device` that accumulates the plan's microbatches in order (loss / B each)."""
-    module = build_module(plan, seed).to(device)  # type: ignore[arg-type]  # reads plan.graph.origin only
-    opt = make_optimizer(list(module.parameters()), optimizer, lr)
-    B, losses = plan.microbatches, []
+                         device: torch.device | str = "cpu", batches: Batches | None = None, *,
+                         optim: OptimConfig | None = None, init: Init = None):
+    """Single-device training on `device` that accumulates the plan's microbatches in order (loss / B each),
+    with the run's optimiser settings (`optim`: decay on matrices, schedule, clipping, K microsteps a step,
+    each loss / K; else `optimizer` at a fixed `lr`), from the seeded model or `init`."""
+    optim = optim or OptimConfig(name=optimizer, lr=lr)
+    module = initial_module(plan, seed, init).to(device)  # type: ignore[arg-type]  # reads plan.graph.origin only
+    params = list(module.parameters())
+    opt = O.build(optim, params, [tuple(p.shape) for p in params])
+    B, K, losses = plan.microbatches, optim.grad_accum, []
     for step in range(steps):
+        O.set_lr(opt, optim.lr_at(step))
         opt.zero_grad(set_to_none=True)
-        batch = tuple(t.to(device) for t in batches(step)) if batches else make_batch(plan, step, seed, device)  # type: ignore[arg-type]
         total = 0.0
-        for m in range(B):
-            with autocast(precision_of(plan), device):  # the stages' autocast (runner.precision)
-                loss = module(*(x.chunk(B, 0)[m] for x in batch)) / B
-            loss.backward()
-            total += float(loss.detach())
+        for j in range(K):
+            index = step * K + j
+            batch = (tuple(t.to(device) for t in batches(index)) if batches
+                     else make_batch(plan, index, seed, device))  # type: ignore[arg-type]
+            for m in range(B):
+                with autocast(precision_of(plan), device):  # the stages' autocast (runner.precision)
+                    loss = module(*(x.chunk(B, 0)[m] for x in batch)) / B
+                (loss if K == 1 else loss / K).backward()
+                total += float(loss.detach())
+        if optim.clip_grad_norm:
+            grads = [p.grad for p in params if p.grad is not None]
+            O.clip_(grads, O.total_norm(grads), optim.clip_grad_norm)
         opt.step()
-        losses.append(total)
+        losses.append(total / K)
     return losses, {k: v.detach() for k, v in module.named_parameters(remove_duplicate=False)}
 
 
 # ----------------------------------------------------------------------------- `hap run` on a pipeline plan
 
 
-PIPELINE_OPTIONS = ("plan", "steps", "verify", "seed", "optimizer", "lr", "timeout_s", "emulate_links", "data")
-"""The `hap run` options (runner.config.RunConfig fields) a pipeline run uses; it refuses the others."""
+PIPELINE_OPTIONS = ("plan", "steps", "verify", "seed", "optimizer", "lr", "weight_decay", "lr_schedule", "warmup",
+                    "min_lr", "clip_grad_norm", "grad_accum", "data", "eval_data", "eval_every", "eval_batches",
+                    "init_from", "save_model", "metrics", "save_params", "timeout_s", "emulate_links", "digest")
+"""The `hap run` options (runner.config.RunConfig fields) a pipeline run uses (runner.pipeline_run); it refuses
+the others: checkpoints and resume (so --elastic), emulated speeds and timing, --grad-sync, --device-check."""
+
+
+def option_flag(name: str) -> str:
+    """The command-line flag of a RunConfig field."""
+    return {"timeout_s": "--timeout"}.get(name, "--" + name.replace("_", "-"))
 
 
 def check_pipeline_options(cfg: Any) -> None:
-    """PlanError naming the first `hap run` option a pipeline run would ignore (checkpoints, metrics, ...)."""
+    """PlanError naming the first `hap run` option a pipeline run would ignore (checkpoints, timing, ...)."""
     for f in fields(cfg):
         if f.name not in PIPELINE_OPTIONS and getattr(cfg, f.name) != f.default:
-            raise PlanError(f"--{f.name.replace('_', '-')} is not supported for pipeline plans yet (they take --steps, "
-                            "--verify, --seed, --optimizer, --lr, --data, --timeout and --emulate-links); leave it out")
+            taken = ", ".join(option_flag(n) for n in PIPELINE_OPTIONS if n != "plan")
+            raise PlanError(f"{option_flag(f.name)} is not supported for pipeline plans yet (they take {taken}); "
+                            "leave it out")
 
 
 def load_pipeline_plan(path: str | Path, world_size: int, model_file: str | Path | None = None) -> PipelinePlan:
@@ -534,39 +570,11 @@ def load_pipeline_plan(path: str | Path, world_size: int, model_file: str | Path
     return plan
 
 
-def run_rank(plan: PipelinePlan, rank: int, args: Any, device: torch.device | str = "cpu") -> int:
-    """One rank of `hap run PIPELINE_PLAN` on `device`: train, print losses and times on rank 0, verify if asked
-    (against single-device training on the same device)."""
-
-    torch.set_num_threads(1)
-    optim = args.optim(plan.options.optimizer)
-    batches = batch_source(plan.graph, args.seed, args.data)  # type: ignore[arg-type]
-    sr = setup_stage_rank(plan, rank, args.seed, optim.name, optim.lr, device)
-    link_s = [b.transfer_s for b in plan.boundaries] if args.emulate_links else None
-    for step in range(args.steps):
-        loss = pipeline_step(plan, sr, tuple(t.to(device) for t in batches(step)), link_s)
-        if rank == 0:
-            print(f"step {step}: loss {loss:.6f}  time {sr.step_times[-1] * 1e3:.1f} ms", flush=True)
-    params = gathered_params(plan, sr)
-    if rank == 0:
-        print(f"pipeline: {len(plan.stages)} stages, {plan.schedule}, {plan.microbatches} microbatches; "
-              f"predicted {plan.predicted_s * 1e3:.3f} ms per step", flush=True)
-        print(mfu_line(plan, sr.step_times), flush=True)  # measured MFU beside the predicted one (no --timing here)
-    if not args.verify or rank != 0:
-        return 0
-    ref_losses, ref_params = microbatch_reference(plan, args.steps, args.seed, optim.name, optim.lr, device, batches)
-    result = compare(sr.losses, params, ref_losses, ref_params)
-    tolerance = tolerance_for(precision_of(plan))
-    print(result.render(tolerance), flush=True)
-    return 0 if result.ok(tolerance) else 1
-
-
 def pipeline_inputs(cfg: Any) -> tuple[PipelinePlan, Any, str | None]:
     """(plan, this rank's DistEnv, scratch folder of an extracted zip) of a plan file or a bundle, checked
     before any process group starts: the options, the bundle against its manifest, the rank the bundle
     node gives this process (HAP_NODE_RANK), the plan's world size and its model file."""
     from engine.bundle import archive as bundle
-
 
     check_pipeline_options(cfg)
     plan_path, opened, scratch = open_source(cfg.plan, "hap-pipeline-", cfg.digest)
@@ -578,37 +586,3 @@ def pipeline_inputs(cfg: Any) -> tuple[PipelinePlan, Any, str | None]:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
     return plan, env, scratch
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry of each torchrun rank (`python -m runner.pipeline PLAN|BUNDLE ...`; runner.launch hands
-    pipeline plans here). A bundle is checked against its manifest on every rank (a zip extracted
-    to the rank's own scratch folder) and the rank joins as the plan device its bundle node gives it."""
-
-    cfg = parse_args(argv)
-    with sigterm_exits(extracts(cfg.plan)):  # a zip's scratch folder goes however the rank ends, SIGTERM included
-        try:
-            plan, env, scratch = pipeline_inputs(cfg)
-        except (HapError, ValueError) as e:
-            print(f"hap run: error: {e}", file=sys.stderr)
-            return 2
-        try:
-            backend, device = pick_device(env.local_rank)
-            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                    timeout=timedelta(seconds=cfg.timeout_s))
-            status = run_rank(plan, env.rank, cfg, device)
-        except (HapError, ValueError) as e:  # ValueError: more ranks on this machine than GPUs
-            print(f"hap run: error: {e}", file=sys.stderr)
-            status = 2
-        finally:
-            if scratch:
-                shutil.rmtree(scratch, ignore_errors=True)
-    sys.stdout.flush()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return status
-
-
-
-if __name__ == "__main__":
-    sys.exit(main())

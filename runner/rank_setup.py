@@ -25,6 +25,7 @@ from engine.cluster.spec import Cluster
 from engine.errors import BundleError
 from engine.model import source
 from engine.planner import load_plan
+from engine.pipeline.plan import PipelinePlan
 from engine.spmd.plan import Plan
 from runner import checkpoint, reshard
 from runner.batches import Batches, batch_source, check_source
@@ -149,19 +150,7 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
                              f"'{plan.overlap}', which sets how gradients are all-reduced")
         if cfg.emulate_link:
             EmulatedLink(cfg.emulate_link)  # a bad cluster file stops here, not in every rank
-        batches = batch_source(plan.graph, cfg.seed, cfg.data)
-        check_source(batches)
-        evals = batch_source(plan.graph, cfg.seed, cfg.eval_data, evaluation=True) if cfg.eval_data else None
-        if evals is not None:
-            check_source(evals)
-            if evals.count is not None and evals.count < cfg.eval_batches:
-                raise ValueError(f"--eval-data {cfg.eval_data} holds {evals.count} batches of the plan's size, fewer "
-                                 f"than --eval-batches {cfg.eval_batches}: lower --eval-batches or give more data")
-        if cfg.init_from:  # a missing, truncated or foreign file stops here, checked against the model's structure
-            check_state(build_module(plan, cfg.seed, "meta"), read_state(cfg.init_from))
-        for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params), ("--save-model", cfg.save_model)):
-            if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-                raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
+        batches, evals = checked_sources(plan, cfg)
         start, marker = 0, None
         if cfg.resume:
             key = run_key(plan, cfg)
@@ -177,6 +166,25 @@ def check_inputs(cfg: RunConfig, world_size: int, env: DistEnv | None = None) ->
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)
         raise
+
+
+def checked_sources(plan: Plan | PipelinePlan, cfg: RunConfig) -> tuple[Batches, Batches | None]:
+    """The run's batches and evaluation batches, each drawn once, the weights to start from checked against
+    the model's structure, and the output folders: what can fail in the inputs of any plan's run."""
+    batches = batch_source(plan.graph, cfg.seed, cfg.data)
+    check_source(batches)
+    evals = batch_source(plan.graph, cfg.seed, cfg.eval_data, evaluation=True) if cfg.eval_data else None
+    if evals is not None:
+        check_source(evals)
+        if evals.count is not None and evals.count < cfg.eval_batches:
+            raise ValueError(f"--eval-data {cfg.eval_data} holds {evals.count} batches of the plan's size, fewer "
+                             f"than --eval-batches {cfg.eval_batches}: lower --eval-batches or give more data")
+    if cfg.init_from:  # a missing, truncated or foreign file stops here, checked against the model's structure
+        check_state(build_module(plan, cfg.seed, "meta"), read_state(cfg.init_from))
+    for what, path in (("--metrics", cfg.metrics), ("--save-params", cfg.save_params), ("--save-model", cfg.save_model)):
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise ValueError(f"{what} {path}: directory {os.path.dirname(os.path.abspath(path))} does not exist")
+    return batches, evals
 
 
 def run_key(plan: Plan, cfg: RunConfig) -> dict:

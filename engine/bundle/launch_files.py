@@ -615,9 +615,11 @@ SPMD_RUN_OPTIONS = """Runner options go after the bundle or the script, the same
 restarted job can always pass it)."""
 
 PIPELINE_RUN_OPTIONS = """Runner options go after the bundle or the script, the same on every node: `--steps N`, `--verify`,
-`--seed S`, `--optimizer sgd|adam`, `--lr LR`, `--timeout S` and `--emulate-links` (each stage-to-stage
-transfer takes at least its predicted time). A pipeline plan runs over NCCL on each rank's GPU where
-CUDA is present, else over gloo on the CPU; it neither checkpoints nor writes metrics yet, and refuses
+`--seed S`, `--metrics FILE`, `--data PATH`, `--optimizer sgd|adam|adamw`, `--lr LR`, `--weight-decay W`,
+`--lr-schedule constant|cosine|linear`, `--warmup N`, `--min-lr R`, `--clip-grad-norm C`, `--grad-accum K`,
+`--eval-data PATH --eval-every N`, `--init-from PATH`, `--save-model DIR`, `--timeout S` and `--emulate-links`
+(each stage-to-stage transfer takes at least its predicted time). A pipeline plan runs over NCCL on each
+rank's GPU where CUDA is present, else over gloo on the CPU; it does not checkpoint yet, and refuses
 those options."""
 
 SPMD_DEVICE_CHECK = """At start every rank

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0
 PRELOAD = ["torch", "torch.distributed", "torch.fx", "torch._dynamo", "torch.optim", "engine", "engine.model.source",
-           "engine.theory", "runner.launch", "runner.pipeline", "runner.train", "runner.reshard", "runner.data",
+           "engine.theory", "runner.launch", "runner.pipeline", "runner.pipeline_run", "runner.train", "runner.reshard",
+           "runner.data",
            "pyarrow.parquet", "transformers.models.llama.modeling_llama", "dist_harness", "warm_run"]
 """Imported once, in the forkserver, before any rank forks from it. torch._dynamo among them: the first
 optimizer a process builds imports it (torch.optim's `_disable_dynamo`), 10 s per rank on 2 cores. The

@@ -46,7 +46,8 @@ def train_rank(rank: int, world: int, init_method: str, cfg: RunConfig) -> int:
 
 
 def records(metrics: Path) -> list[tuple[int, int, float]]:
-    return sorted((r["step"], r["rank"], r["loss"]) for r in map(json.loads, metrics.read_text().splitlines()))
+    return sorted((r["step"], r["rank"], r["loss"]) for r in map(json.loads, metrics.read_text().splitlines())
+                  if "event" not in r)
 
 
 def config(plan_path: Path, tmp_path: Path, name: str, **kw) -> RunConfig:

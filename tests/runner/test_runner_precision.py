@@ -39,7 +39,7 @@ def train_rank(rank: int, world: int, init_method: str, cfg: RunConfig) -> int:
 
 
 def losses(metrics: Path) -> list[float]:
-    recs = [json.loads(line) for line in metrics.read_text().splitlines()]
+    recs = [r for r in map(json.loads, metrics.read_text().splitlines()) if "event" not in r]
     return [r["loss"] for r in sorted(recs, key=lambda r: r["step"]) if r["rank"] == 0]
 
 

@@ -180,18 +180,42 @@ def test_bad_optimiser_settings_are_usage_errors(work, extra, needle):
     assert r.returncode == 2 and needle in r.stderr.strip().splitlines()[-1], r.stderr
 
 
-def test_a_pipeline_plan_trains_on_the_data_too(work, tmp_path):
+def test_a_pipeline_plan_trains_with_the_same_settings_evaluates_and_saves(work, tmp_path):
+    """`hap run` on a pipeline plan: the same data, optimiser settings, metrics, evaluation and saved model
+    as an SPMD plan's run (runner.pipeline_run over runner.pipeline_api), verified against single-device
+    microbatch accumulation with the same settings."""
+    from transformers import AutoModelForCausalLM
+
     graph = engine.load_model(str(ROOT / "examples" / "llama_tiny.py"))
     plan = engine.plan(graph, engine.load_cluster(str(CLUSTER)), parallelism="pipeline")
     assert plan.parallelism == "pipeline"
     plan.save(tmp_path / "pipe.json")
-    r = warm_hap("run", str(tmp_path / "pipe.json"), "--data", str(work / "tokens.parquet"), "--steps", "2",
-                 "--optimizer", "adamw", "--verify", timeout=300)
+    data = ["--data", str(work / "tokens.parquet"), "--eval-data", str(work / "eval.parquet"), "--eval-every", "2",
+            "--eval-batches", "2"]
+    r = warm_hap("run", str(tmp_path / "pipe.json"), "--steps", "3", *SETTINGS, *data, "--verify",
+                 "--metrics", str(tmp_path / "m.jsonl"), "--save-model", str(tmp_path / "out"), timeout=300)
     assert r.returncode == 0 and "verify: OK" in r.stdout, r.stdout + r.stderr
-    drawn = warm_hap("run", str(tmp_path / "pipe.json"), "--steps", "1", "--optimizer", "adamw", timeout=300)
-    assert drawn.returncode == 0 and drawn.stdout.split("step 0: loss")[1][:9] != r.stdout.split("step 0: loss")[1][:9]
-    refused = run_hap("run", str(tmp_path / "pipe.json"), "--steps", "2", "--lr-schedule", "cosine")
-    assert refused.returncode == 2 and "--lr-schedule is not supported for pipeline plans" in refused.stderr
+    assert "tokens.parquet" in r.stdout and "step    2/3" in r.stdout
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    steps = [x for x in records if "loss" in x and x["rank"] == 0]
+    assert [x["step"] for x in steps] == [0, 1, 2]
+    schedule = OptimConfig(name="adamw", lr=3e-3, schedule="cosine", warmup=2, steps=3)
+    assert [x["lr"] for x in steps] == [schedule.lr_at(s) for s in range(3)] and steps[0]["lr"] == pytest.approx(1.5e-3)
+    assert all(x["grad_norm"] > 0 and x["step_time_s"] > 0 and x["tokens"] == 2 * 6 * 16 and x["grad_accum"] == 2
+               for x in steps)
+    assert [x["step"] for x in records if "eval_loss" in x] == [0, 2, 3]
+    assert next(x for x in records if x.get("event") == "run")["optimizer"]["schedule"] == "cosine"
+    tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.isfinite(tuned(input_ids=ids, labels=ids).loss)
+    refused = run_hap("run", str(tmp_path / "pipe.json"), "--steps", "2", "--checkpoint-dir", str(tmp_path / "ck"))
+    assert refused.returncode == 2 and "--checkpoint-dir is not supported for pipeline plans" in refused.stderr
+    bad = write_tokens(tmp_path / "col.parquet", pa.table({"tokens": pa.array(list(range(100)) * 10, pa.int64())}))
+    for extra, needle in [(["--data", bad], "has no column 'input_ids'"),
+                          (["--init-from", str(tmp_path / "none")], "no such file or directory")]:
+        r = run_hap("run", str(tmp_path / "pipe.json"), "--steps", "2", *extra)  # checked before any rank starts
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
 
 
 MODEL_WITH_BATCHES = '''
