@@ -59,7 +59,7 @@ from runner.scratch import sigterm_exits
 from runner.api import parallelize
 from runner.batches import batch_source
 from runner.loop import train_step
-from runner.run_report import MetricsFile, Progress, evaluate
+from runner.run_report import MetricsFile, Progress, evaluate, run_settings
 from runner.train import RankState
 from runner.timing import mfu_line
 from runner.verify import verify
@@ -124,9 +124,7 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
         if env.rank == 0:
             elastic.report_switch(metrics.write, time.perf_counter() - began)
     key = run_key(plan, cfg)
-    # what the steps from here on were trained with: in the first step record of every launch (a resume is one)
-    launched = {"world_size": env.world_size, "seed": cfg.seed, "optimizer": optim.record(), "data": batches.describe,
-                "eval_data": cfg.eval_data, "init_from": cfg.init_from, "plan": plan.model_fingerprint}
+    launched = run_settings(plan, cfg, batches)
     progress = Progress(cfg.steps, start, batches.tokens, optim.grad_accum, plan, env.rank == 0)
     pacer.install()
     try:

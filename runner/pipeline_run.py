@@ -30,7 +30,7 @@ from runner.pipeline import microbatch_reference, pipeline_inputs
 from runner.pipeline_api import PipelineModel, parallelize_pipeline
 from runner.precision import precision_of
 from runner.rank_setup import checked_sources, extracts, pick_device
-from runner.run_report import MetricsFile, Progress, evaluate
+from runner.run_report import MetricsFile, Progress, evaluate, run_settings
 from runner.scratch import sigterm_exits
 from runner.timing import mfu_line
 from runner.verify import compare, tolerance_for
@@ -59,7 +59,8 @@ def run_rank(plan: PipelinePlan, rank: int, cfg: RunConfig, device: torch.device
             result = train_step(model, opt, batches, optim, step, want_norm=bool(cfg.metrics))
             metrics.write({"step": step, "rank": rank, "loss": result.loss, "step_time_s": result.seconds,
                            "lr": result.lr, "grad_norm": result.grad_norm, "grad_accum": optim.grad_accum,
-                           "stage": model.stage, **progress.figures(result.seconds)})
+                           "stage": model.stage, **progress.figures(result.seconds),
+                           **({"run": run_settings(plan, cfg, batches)} if rank == 0 and step == 0 else {})})
             progress.show(step, result)
             if evals is not None and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
                 evaluate(model, evals, cfg, step + 1, metrics, rank)
@@ -71,7 +72,7 @@ def run_rank(plan: PipelinePlan, rank: int, cfg: RunConfig, device: torch.device
 
 
 def announce(plan: PipelinePlan, cfg: RunConfig, batches: Batches, metrics: MetricsFile) -> None:
-    """Rank 0's first line, its warning on an optimiser the plan was not priced for, the metrics' run event."""
+    """Rank 0's first line and its warning on an optimiser the plan was not priced for."""
     optim = cfg.optim(plan.options.optimizer)
     print(f"hap run: pipeline plan of {plan.graph.name} on {plan.world_size} ranks, {len(plan.stages)} stages, "
           f"{cfg.steps} steps, {optim.name} lr {optim.lr:g}"
@@ -81,9 +82,6 @@ def announce(plan: PipelinePlan, cfg: RunConfig, batches: Batches, metrics: Metr
     warning = cfg.optimizer_warning(plan.options.optimizer)
     if warning:
         print(f"hap run: warning: {warning}", file=sys.stderr, flush=True)
-    metrics.write({"event": "run", "from_step": 0, "world_size": plan.world_size, "seed": cfg.seed,
-                   "optimizer": optim.record(), "data": batches.describe, "eval_data": cfg.eval_data,
-                   "init_from": cfg.init_from, "plan": plan.model_fingerprint})
 
 
 def finish(model: PipelineModel, cfg: RunConfig, batches: Batches, device: torch.device | str) -> int:

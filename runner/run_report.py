@@ -52,6 +52,14 @@ class MetricsFile:
             self.fd = None
 
 
+def run_settings(plan: Plan | PipelinePlan, cfg: RunConfig, batches: Batches) -> dict:
+    """What the steps of a launch were trained with: the `run` field of its first step record on rank 0
+    (a resume is a launch of its own)."""
+    return {"world_size": plan.world_size, "seed": cfg.seed, "optimizer": cfg.optim(plan.options.optimizer).record(),
+            "data": batches.describe, "eval_data": cfg.eval_data, "init_from": cfg.init_from,
+            "plan": plan.model_fingerprint}
+
+
 def evaluate(model, evals: Batches, cfg: RunConfig, step: int, metrics: MetricsFile, rank: int) -> None:
     """The evaluation loss after `step` optimiser steps: a record on rank 0, and a line."""
     loss = eval_loss(model, evals, cfg.eval_batches)
