@@ -46,6 +46,8 @@ import heapq
 import math
 import time
 from bisect import bisect_left
+from operator import add as _plus
+from operator import sub as _minus
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Callable, Iterator
@@ -56,6 +58,7 @@ from engine.spmd.cost import DUAL, MEM_ZERO, ZERO, Acc, CostModel, add
 from engine.spmd.overlap import first_use
 from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
 from engine.spmd.segments import RESPLIT, Segmentation
+from engine.spmd.step_terms import StepTerms
 from engine.theory import collectives_from, leaf_forms, op_rules
 from engine.theory.core import FULL, PARTIAL, OpRule
 
@@ -254,6 +257,10 @@ class _Search:
         self.frontier: list[SearchProgress] = []
         self.width_used = [0] * (len(self.prep.order) + 1)
         self.debt_cache: dict[tuple, float] = {}
+        self.state_debt: dict[tuple[int, frozenset], float] = {}
+        """`_debt` per (position, properties): every state of one dominance bucket owes the same."""
+        self.terms = StepTerms(cm)
+        """Load, rule and half-collective terms, computed once per search (`engine.spmd.step_terms`)."""
         self.ways_cache: dict[tuple, list[tuple]] = {}
         self.slice_ok = "slice" in self.prep.collectives
         self.deltas = [{(sh, whole): self._compute_delta(k, sh, whole) for sh in (False, True) for whole in (False, True)}
@@ -314,6 +321,13 @@ class _Search:
     def _debt(self, s: _State) -> float:
         """Communication that live tensors must still pay: a tensor none of whose forms its next
         consumer accepts needs at least one collective (forward and backward dual). Admissible."""
+        key = (s.p, s.props)
+        total = self.state_debt.get(key)
+        if total is None:
+            total = self.state_debt[key] = self._props_debt(s)
+        return total
+
+    def _props_debt(self, s: _State) -> float:
         forms: dict[int, list[int]] = {}
         for c in s.props:
             if c >= 0:
@@ -590,8 +604,8 @@ class _Search:
                 props.difference_update(code(t, d) for d in range(graph[t].rank))
             step.append((COMM, t, key, ((t, src),), g))
         for t, f in loads.items():
-            sync, m = cm.load_delta(t, f)
-            mem = add(mem, cm.memory_by_class(m, k))
+            sync, m, _ = self.terms.load(t, f, k)
+            mem = add(mem, m)
             if graph[t].op == "parameter" and f == FULL:  # its gradient joins the bucket (engine.spmd.cost)
                 closed += cm.nbytes[t] * self.bucket_s_per_byte
                 if _BUCKET not in props:
@@ -615,8 +629,7 @@ class _Search:
         its work and memory added, and the forms no later consumer wants dropped from `props`."""
         graph = self.graph
         step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
-        df, db = self.deltas[s.p][(r.sharded, self.cm.weights_whole(nid, r.inputs))]
-        dm = self.rule_memory[s.p][(r.inputs, r.output)]
+        df, db, dm = self.terms.rule(self, s.p, nid, r)
         step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
         props.add(code(nid, r.output))
         props -= self.prep.dead_codes[s.p]
@@ -650,10 +663,10 @@ class _Search:
                 props.difference_update(code(t, d) for d in range(graph[t].rank))
             step.append((COMM, t, key, ((t, src),), g))
         for t, f in loads.items():
-            sync, m = cm.load_delta(t, f)
-            mem = add(mem, cm.memory_by_class(m, k))
-            if any(sync):
-                ov[0] = tuple(a + b for a, b in zip(ov[0], cm.class_times(sync, k)))
+            _, m, sync_times = self.terms.load(t, f, k)
+            mem = add(mem, m)
+            if sync_times is not None:
+                ov[0] = tuple(map(_plus, ov[0], sync_times))
             props.add(code(t, f))
             step.append((LOAD, t, graph[t].op, (), f))
         for slot, members, finishes in self.slot_events[s.p]:
@@ -737,7 +750,7 @@ def _worst_memory(graph: Graph, cm: CostModel) -> tuple[float, ...]:
 
 def _maxdiff(a: tuple[float, ...], b: tuple[float, ...]) -> float:
     """max_c (a_c - b_c): bounds max_c(a_c + y_c) - max_c(b_c + y_c) for every y (either sign)."""
-    return max(x - y for x, y in zip(a, b))
+    return max(map(_minus, a, b))
 
 
 class _Mode:
@@ -762,8 +775,7 @@ class _Mode:
         self.zero = (0.0,) * len(self.cm.classes)
 
     def half_time(self, key: str, t: int, segments: tuple[int, ...]) -> float:
-        const, per = self.cm.half_comm_terms(key, t)
-        return const + per * max(self.cm.max_ratios[k] for k in segments)
+        return self.search.terms.half_time(key, t, segments)
 
 
 class _Ddp(_Mode):
