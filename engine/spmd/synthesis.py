@@ -161,6 +161,8 @@ class _Prepared:
             if 0 <= p < len(self.order):
                 self.dead_after[p].append(t)
         self.codes = [[code(t, f) for f in range(_COMMUNICATED, graph[t].rank)] for t in range(len(graph))]
+        self.leaf = [n.is_leaf for n in graph.nodes]
+        """Whether each tensor is a leaf (the inner loop's lookup, without a node access)."""
         self.dead_codes = [frozenset(c for t in dead for c in self.codes[t]) for dead in self.dead_after]
         self.live_inputs = [[t for t in dict.fromkeys(graph[nid].inputs) if self.last_use[t] > k]
                             for k, nid in enumerate(self.order)]
@@ -334,7 +336,7 @@ class _Search:
                 forms.setdefault(c // _K, []).append(c % _K - _OFF)
         total = 0.0
         for t, fs in forms.items():
-            if self.graph[t].is_leaf:
+            if self.prep.leaf[t]:
                 continue
             key = (t, s.p, tuple(sorted(fs)))
             d = self.debt_cache.get(key)
@@ -514,11 +516,12 @@ class _Search:
 
     def _ways(self, props: frozenset, t: int, f: int, k: int) -> list[tuple]:
         """How operand t can be had in form f: ("have",), ("slice",), ("load", g), ("comm", src, key, g)."""
-        if code(t, f) in props:
+        base = t * _K + _OFF  # code(t, form) = base + form
+        if base + f in props:
             return [("have",)]
-        if f >= 0 and self.slice_ok and code(t, FULL) in props:
+        if f >= 0 and self.slice_ok and base + FULL in props:
             return [("slice",)]
-        if self.graph[t].is_leaf:
+        if self.prep.leaf[t]:
             if any(c in props for c in self.prep.codes[t]):
                 return []  # loaded in another form already; leaves are never communicated
             ok = self.prep.leaf_ok[t]
@@ -526,7 +529,7 @@ class _Search:
             if f >= 0 and self.slice_ok and FULL in ok and len(self.prep.consumers[t]) > 1:
                 ways.append(("load", FULL))  # Full for a later consumer, sliced here
             return ways
-        if code(t, _COMMUNICATED) in props:
+        if base + _COMMUNICATED in props:
             return []
         return self._comm_ways(props, t, f, k)
 
