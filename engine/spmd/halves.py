@@ -7,7 +7,7 @@ from engine.errors import ModelError, PlanError
 from engine.model.graph import Graph
 from engine.spmd.plan import Plan
 from engine.spmd.program import LOAD
-from engine.spmd.sizes import shard_key, shard_sizes
+from engine.spmd.sizes import ShardKey, shard_classes, shard_key, shard_sizes
 
 
 def batch_of(graph: Graph) -> int:
@@ -41,16 +41,31 @@ def capture_at(graph: Graph, batch: int) -> Graph:
 def half_plan(plan: Plan, graph: Graph) -> Plan:
     """The plan's program and ratios on `graph` (the model at a half's batch size)."""
     seg = plan.segmentation
-    sizes = shard_sizes(plan.program, graph, plan.ratio_rows, seg)
-    keyed = {shard_key(graph, seg, t, d, k): v for (t, d, k), v in sizes.items()}
-    for node, form in ((ins.node, ins.post) for ins in plan.program if ins.kind == LOAD and ins.post >= 0
-                                           and graph[ins.node].op == "parameter"):
-        if keyed[shard_key(graph, seg, node, form, seg.of_node[node])] != plan.sizes(node, form):
-            raise PlanError(f"duplex refused: the shard of '{graph[node].name}' is linked to the batch, so half "
-                            "batches would change it; use --overlap ddp")
+    keyed = {shard_key(graph, seg, t, d, k): v for (t, d, k), v in half_sizes(plan, graph).items()}
     return Plan(plan.strategy, graph, plan.cluster_name, plan.cluster_fingerprint, plan.device_names, plan.program,
                 plan.ratios, keyed, plan.predicted_time_s, plan.stages, plan.memory_bytes, segment_of=plan.segment_of,
                 overlap=plan.overlap, recompute=plan.recompute)
+
+
+def half_sizes(plan: Plan, graph: Graph) -> dict[ShardKey, list[int]]:
+    """Every sharded dim's sizes in the half `graph`. A class of linked dims whose sizes do not change
+    with the batch keeps the plan's sizes (the plan rounds the LP's ratios, which its stored, realised
+    ratios need not round to again); one that changes is the plan's ratios rounded on the half's
+    dims, and must hold no parameter: the halves share the weights, so their shards cannot differ."""
+    seg = plan.segmentation
+    rounded = shard_sizes(plan.program, graph, plan.ratio_rows, seg)
+    params = {ins.node for ins in plan.program if ins.kind == LOAD and graph[ins.node].op == "parameter"}
+    out: dict[ShardKey, list[int]] = {}
+    for members in shard_classes(plan.program, graph, seg):
+        if all(graph[t].shape[d] == plan.graph[t].shape[d] for t, d, _ in members):
+            out.update({(t, d, k): plan.shard_sizes[shard_key(plan.graph, seg, t, d, k)] for t, d, k in members})
+            continue
+        param = next((t for t, _, _ in members if t in params), None)
+        if param is not None:
+            raise PlanError(f"duplex refused: the shard of '{graph[param].name}' is linked to the batch, so half "
+                            "batches would change it; use --overlap ddp")
+        out.update({m: rounded[m] for m in members})
+    return out
 
 
 def halves_problem(plan: Plan) -> str | None:
