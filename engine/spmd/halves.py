@@ -3,6 +3,8 @@ and ratios on it. Shared by the planner (which keeps a duplex plan only when its
 and the runner (which runs them, runner/duplex.py)."""
 from __future__ import annotations
 
+import json
+
 from engine.errors import ModelError, PlanError
 from engine.model.graph import Graph
 from engine.spmd.plan import Plan
@@ -15,8 +17,31 @@ def batch_of(graph: Graph) -> int:
     return int(origin["config"].get("batch", 0) if "zoo" in origin else origin["inputs"].get("batch", 0))
 
 
+CAPTURES_KEPT = 8
+"""Captures at other batch sizes kept per process: the duplex search space, the planner's check of
+the chosen plan and the runner's halves each need the same one (seconds each for a Hugging Face model)."""
+_captured: dict[tuple[str, int], Graph] = {}
+
+
 def capture_at(graph: Graph, batch: int) -> Graph:
-    """The plan's model captured at another batch size; it must be the same graph but for sizes."""
+    """The plan's model captured at another batch size; it must be the same graph but for sizes.
+    Kept per (origin, batch) for the process (`CAPTURES_KEPT`): the origin names the model and its config."""
+    key = (json.dumps(graph.origin, sort_keys=True, default=str), batch)
+    if key not in _captured:
+        if len(_captured) >= CAPTURES_KEPT:
+            del _captured[next(iter(_captured))]
+        _captured[key] = _capture(graph, batch)
+    other = _captured[key]
+    same = len(other) == len(graph) and all(
+        (a.name, a.op, a.inputs) == (b.name, b.op, b.inputs) for a, b in zip(graph.nodes, other.nodes))
+    if not same:
+        raise PlanError(f"duplex refused: the model's graph changes with the batch size (captured at {batch}); "
+                        "use --overlap ddp")
+    return other
+
+
+def _capture(graph: Graph, batch: int) -> Graph:
+    """`graph`'s model (zoo or Hugging Face, by its origin) captured at `batch`."""
     from engine.model.source import load_model
 
     origin = graph.origin
@@ -30,11 +55,6 @@ def capture_at(graph: Graph, batch: int) -> Graph:
             other = capture_hf(type(spec)(spec.cls, spec.config, spec.task, {**spec.inputs, "batch": batch}))
     except ModelError as e:
         raise PlanError(f"duplex refused: the model cannot be captured at batch {batch}: {e}") from None
-    same = len(other) == len(graph) and all(
-        (a.name, a.op, a.inputs) == (b.name, b.op, b.inputs) for a, b in zip(graph.nodes, other.nodes))
-    if not same:
-        raise PlanError(f"duplex refused: the model's graph changes with the batch size (captured at {batch}); "
-                        "use --overlap ddp")
     return other
 
 
