@@ -184,11 +184,12 @@ def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progr
         "overlap_request": options.overlap, "overlap_s": {}, "overlap_skipped": skipped}
     loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace(), recompute=recompute,
                 states=states)
-    spaces = mode_spaces(graph, loop.space, modes, options.overlap, skipped)
-    modes = [m for m in modes if m in spaces]
+    base = loop.space
     found: dict[str, Candidate] = {}
     for k, mode in enumerate(modes):
-        loop.space = spaces[mode]
+        loop.space = mode_space(graph, base, mode, options.overlap, skipped)
+        if loop.space is None:
+            continue
         share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - k)
         cand = _plan_in(mode, loop, seg, list(seeds.values()), share)
         if cand is not None:
@@ -228,20 +229,21 @@ def _without_duplex(modes: list[str], skipped: dict[str, str], overlap: str) -> 
     return [m for m in modes if m != "duplex"], {**skipped, "duplex": STAGE3_DUPLEX} if "duplex" in modes else skipped
 
 
-def mode_spaces(graph: Graph, space: SearchSpace, modes: list[str], overlap: str,
-                skipped: dict[str, str]) -> dict[str, SearchSpace]:
-    """The search space of each overlap mode: `space`, narrowed in duplex to the programs its half
-    streams can run (`engine.spmd.duplex_space`). Where duplex has none, `auto` records why in
-    `skipped` and plans the other modes; a forced duplex is refused with the reason."""
-    out = {m: space for m in modes if m != "duplex"}
-    if "duplex" in modes:
-        try:
-            out["duplex"] = duplex_space(graph, space)
-        except PlanError as e:
-            if overlap == "duplex" or not out:
-                raise PlanError(f"model '{graph.name}': {e}") from None
-            skipped["duplex"] = str(e)
-    return out
+def mode_space(graph: Graph, space: SearchSpace, mode: str, overlap: str,
+               skipped: dict[str, str]) -> SearchSpace | None:
+    """The search space of one overlap mode: `space`, narrowed in duplex to the programs its half
+    streams can run (`engine.spmd.duplex_space`; it captures the model at half the batch, in
+    duplex's share of the budget). Where duplex has none, `auto` records why in `skipped` and gets
+    None; a forced duplex is refused with the reason."""
+    if mode != "duplex":
+        return space
+    try:
+        return duplex_space(graph, space)
+    except PlanError as e:
+        if overlap == "duplex":
+            raise PlanError(f"model '{graph.name}': {e}") from None
+        skipped["duplex"] = str(e)
+        return None
 
 
 def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]]:
