@@ -38,6 +38,7 @@ from engine.spmd.baselines import (Candidate, baselines, check_total_memory, dat
                                    proportional_ratios, unlimited)
 from engine.spmd.breakdown import Breakdown
 from engine.spmd.cost import STATE_BYTES_PER_PARAM_BYTE, CostModel, evaluate
+from engine.spmd.duplex_space import duplex_space
 from engine.spmd.halves import halves_problem
 from engine.spmd.overlap import duplex_run_problem
 from engine.spmd.plan import Plan, stage_records
@@ -183,8 +184,12 @@ def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progr
         "overlap_request": options.overlap, "overlap_s": {}, "overlap_skipped": skipped}
     loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace(), recompute=recompute,
                 states=states)
+    base = loop.space
     found: dict[str, Candidate] = {}
     for k, mode in enumerate(modes):
+        loop.space = mode_space(graph, base, mode, options.overlap, skipped)
+        if loop.space is None:
+            continue
         share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - k)
         cand = _plan_in(mode, loop, seg, list(seeds.values()), share)
         if cand is not None:
@@ -222,6 +227,23 @@ def _without_duplex(modes: list[str], skipped: dict[str, str], overlap: str) -> 
         raise PlanError(f"overlap 'duplex' with shard_states 3: {STAGE3_DUPLEX}; use overlap ddp, none or auto, "
                         "or shard_states 1 or 2")
     return [m for m in modes if m != "duplex"], {**skipped, "duplex": STAGE3_DUPLEX} if "duplex" in modes else skipped
+
+
+def mode_space(graph: Graph, space: SearchSpace, mode: str, overlap: str,
+               skipped: dict[str, str]) -> SearchSpace | None:
+    """The search space of one overlap mode: `space`, narrowed in duplex to the programs its half
+    streams can run (`engine.spmd.duplex_space`; it captures the model at half the batch, in
+    duplex's share of the budget). Where duplex has none, `auto` records why in `skipped` and gets
+    None; a forced duplex is refused with the reason."""
+    if mode != "duplex":
+        return space
+    try:
+        return duplex_space(graph, space)
+    except PlanError as e:
+        if overlap == "duplex":
+            raise PlanError(f"model '{graph.name}': {e}") from None
+        skipped["duplex"] = str(e)
+        return None
 
 
 def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]]:

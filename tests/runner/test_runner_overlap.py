@@ -111,10 +111,14 @@ def test_duplex_refuses_training_mode_batch_norm_in_one_line_before_any_rank_sta
 
 
 def test_hap_run_verifies_a_duplex_plan_on_cpu_4_uneven(tmp_path):
-    gpt = engine.load_model("zoo:gpt", layers=1, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, batch=8)
-    plan = dataclasses.replace(engine.plan(gpt, sample_path("cpu_4_uneven")), overlap="duplex")
+    """Issue 28's GPT, planned with duplex forced: its MLP weights are split in the LP's whole units,
+    which the plan's realised ratios round differently; each half keeps the plan's weight shards."""
+    gpt = engine.load_model("zoo:gpt", layers=2, hidden=64, heads=4, vocab=256, seq_len=16, batch=16)
+    plan = engine.plan(gpt, sample_path("cpu_4_uneven"), overlap="duplex", max_iterations=2)
+    assert plan.overlap == "duplex" and set(plan.search["overlap_s"]) == {"duplex"}
+    assert len(set(plan.shard_sizes["p_blocks_0_fc_weight:0"])) > 1, "the case: a weight split unevenly"
     plan.save(tmp_path / "plan.json")
-    r = warm_hap("run", str(tmp_path / "plan.json"), "--steps", "5", "--verify", timeout=300)
+    r = warm_hap("run", str(tmp_path / "plan.json"), "--steps", "3", "--verify", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verify: OK" in r.stdout
 
