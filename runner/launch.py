@@ -59,7 +59,7 @@ from runner.scratch import sigterm_exits
 from runner.api import parallelize
 from runner.batches import batch_source
 from runner.loop import train_step
-from runner.run_report import MetricsFile, Progress, evaluate, run_settings
+from runner.run_report import MetricsFile, Progress, announce, evaluate, run_settings
 from runner.train import RankState
 from runner.timing import mfu_line
 from runner.verify import verify
@@ -205,15 +205,8 @@ def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str |
     try:
         dist.barrier()  # rank 0 has truncated the metrics file before anyone appends
         if env.rank == 0:
-            optim = cfg.optim(plan.options.optimizer)
-            print(f"hap run: {plan.strategy} plan of {plan.graph.name} on {env.world_size} ranks ({backend}), "
-                  f"{cfg.steps} steps, {optim.name} lr {optim.lr:g}"
-                  + (f" ({optim.schedule}, warm-up {optim.warmup})" if optim.schedule != "constant" or optim.warmup else "")
-                  + (f", {optim.grad_accum} microsteps a step" if optim.grad_accum > 1 else "")
-                  + f"; data: {inputs.batches.describe if inputs.batches else 'drawn'}", flush=True)
-            warning = cfg.optimizer_warning(plan.options.optimizer)
-            if warning:
-                print(f"hap run: warning: {warning}", file=sys.stderr, flush=True)
+            announce(f"{plan.strategy} plan of {plan.graph.name} on {env.world_size} ranks ({backend})", plan, cfg,
+                     inputs.batches.describe if inputs.batches else "drawn")
         st = train(plan, cfg, env, device, metrics, inputs.start_step, inputs.reshard_from, inputs)
         return verify(plan, cfg, st, env.rank, device, inputs.batches)
     except (checkpoint.CheckpointError, HapError) as e:

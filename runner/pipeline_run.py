@@ -30,7 +30,7 @@ from runner.pipeline import microbatch_reference, pipeline_inputs
 from runner.pipeline_api import PipelineModel, parallelize_pipeline
 from runner.precision import precision_of
 from runner.rank_setup import checked_sources, extracts, pick_device
-from runner.run_report import MetricsFile, Progress, evaluate, run_settings
+from runner.run_report import MetricsFile, Progress, announce, evaluate, run_settings
 from runner.scratch import sigterm_exits
 from runner.timing import mfu_line
 from runner.verify import compare, tolerance_for
@@ -51,7 +51,8 @@ def run_rank(plan: PipelinePlan, rank: int, cfg: RunConfig, device: torch.device
     try:
         dist.barrier()  # rank 0 has truncated the metrics file before anyone appends
         if rank == 0:
-            announce(plan, cfg, batches, metrics)
+            announce(f"pipeline plan of {plan.graph.name} on {plan.world_size} ranks, {len(plan.stages)} stages", plan,
+                     cfg, batches.describe)
         progress = Progress(cfg.steps, 0, batches.tokens, optim.grad_accum, plan, rank == 0)
         if evals is not None:
             evaluate(model, evals, cfg, 0, metrics, rank)
@@ -69,19 +70,6 @@ def run_rank(plan: PipelinePlan, rank: int, cfg: RunConfig, device: torch.device
     if cfg.save_model:
         model.save_pretrained(cfg.save_model, batches.tokenizer)
     return finish(model, cfg, batches, device)
-
-
-def announce(plan: PipelinePlan, cfg: RunConfig, batches: Batches, metrics: MetricsFile) -> None:
-    """Rank 0's first line and its warning on an optimiser the plan was not priced for."""
-    optim = cfg.optim(plan.options.optimizer)
-    print(f"hap run: pipeline plan of {plan.graph.name} on {plan.world_size} ranks, {len(plan.stages)} stages, "
-          f"{cfg.steps} steps, {optim.name} lr {optim.lr:g}"
-          + (f" ({optim.schedule}, warm-up {optim.warmup})" if optim.schedule != "constant" or optim.warmup else "")
-          + (f", {optim.grad_accum} microsteps a step" if optim.grad_accum > 1 else "")
-          + f"; data: {batches.describe}", flush=True)
-    warning = cfg.optimizer_warning(plan.options.optimizer)
-    if warning:
-        print(f"hap run: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def finish(model: PipelineModel, cfg: RunConfig, batches: Batches, device: torch.device | str) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from engine.pipeline.plan import PipelinePlan
@@ -50,6 +51,19 @@ class MetricsFile:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def announce(what: str, plan: Plan | PipelinePlan, cfg: RunConfig, data: str) -> None:
+    """Rank 0's first line (`what`: the plan and its ranks) and its warning on an optimiser the plan was not
+    priced for."""
+    optim = cfg.optim(plan.options.optimizer)
+    print(f"hap run: {what}, {cfg.steps} steps, {optim.name} lr {optim.lr:g}"
+          + (f" ({optim.schedule}, warm-up {optim.warmup})" if optim.schedule != "constant" or optim.warmup else "")
+          + (f", {optim.grad_accum} microsteps a step" if optim.grad_accum > 1 else "")
+          + f"; data: {data}", flush=True)
+    warning = cfg.optimizer_warning(plan.options.optimizer)
+    if warning:
+        print(f"hap run: warning: {warning}", file=sys.stderr, flush=True)
 
 
 def run_settings(plan: Plan | PipelinePlan, cfg: RunConfig, batches: Batches) -> dict:
