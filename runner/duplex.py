@@ -90,24 +90,6 @@ def setup_halves(plan: Plan, rank: int, module: torch.nn.Module, device: torch.d
     return out
 
 
-def half_args(half: HalfStream, params: list[torch.nn.Parameter], rank: int, batch: tuple[torch.Tensor, ...],
-              rng: list) -> list:
-    """The half program's arguments: the step's dropout key, the rank's parameters (shared by the
-    halves), the half's buffers and its shares of its rows of the batch."""
-    it = iter(params)
-    args = list(rng)
-    for node, form in half.program.leaves:
-        if half.program.is_param[node]:
-            args.append(next(it))
-        elif node in half.buffers:
-            args.append(half.buffers[node])
-        else:
-            index = half.plan.graph[node].attrs["index"]
-            d, start, count = half.rows[index]
-            args.append(shard(half.plan, node, form, rank, batch[index].narrow(d, start, count)))
-    return args
-
-
 def run_halves(halves: list[HalfStream], params: list[torch.nn.Parameter], args: list[list], pacers: list[Pacer],
                scale: float, factory, forward_context=contextlib.nullcontext) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
     """Forward and backward of both halves on two threads; the rank's loss (its addend for a

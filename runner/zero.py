@@ -90,7 +90,8 @@ class RankStates:
 
     staged: list[StagedParam]
     build_optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer]
-    """The run's optimizer over given tensors (`runner.train.make_optimizer` with its name and rate)."""
+    """The run's optimizer class and settings over given tensors (set by `runner.api.ParallelModel.optimizer`;
+    `runner.optim.build` until then)."""
     live: dict[int, tuple[torch.Tensor, StagedParam]] = field(default_factory=dict)
     """Stage-3 weights gathered in the running forward pass, by storage address."""
 
