@@ -110,7 +110,66 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot capture the model with torch.export: {first} "
                          "(make forward() free of data-dependent Python control flow)") from e
-    return number_dropout_sites(ep)
+    return number_dropout_sites(inline_grad_mode_regions(ep))
+
+
+_SET_GRAD = getattr(getattr(torch.ops, "higher_order", None), "wrap_with_set_grad_enabled", None)
+
+
+def inline_grad_mode_regions(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Inline the `torch.no_grad()` / `enable_grad()` regions that export keeps as submodules.
+
+    Non-strict export (torch 2.11 on) records a grad-mode region as
+    `wrap_with_set_grad_enabled(enabled, submod, *operands)` read back by `getitem`s; transformers'
+    rotary embeddings run under `no_grad`. The planner lowers ATen operators one by one, so the
+    region's operators are copied into the program in place of the call (the grad mode itself
+    changes no value; like `detach`, it is not modelled). Nested regions are inlined in turn."""
+    if _SET_GRAD is None:
+        return ep
+    gm = ep.graph_module
+    graph = gm.graph
+    while True:
+        calls = [n for n in graph.nodes if n.op == "call_function" and n.target is _SET_GRAD]
+        if not calls:
+            break
+        for call in calls:
+            _inline_region(gm, call)
+    graph.lint()
+    gm.recompile()
+    return ep
+
+
+def _inline_region(gm: torch.fx.GraphModule, call: torch.fx.Node) -> None:
+    """Copy the region's submodule graph before `call`, rewire the `getitem`s of its results, drop the call."""
+    graph = gm.graph
+    _enabled, holder, *operands = call.args
+    sub = getattr(gm, holder.target)
+    env: dict[torch.fx.Node, Any] = {}
+    inputs = iter(operands)
+    results: Any = None
+    with graph.inserting_before(call):
+        for node in sub.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(inputs)
+            elif node.op == "output":
+                results = node.args[0]
+            elif node.op == "get_attr":  # a nested region's submodule or a constant: move it up
+                name = f"{holder.target}_{node.target}".replace(".", "_")
+                setattr(gm, name, getattr(sub, node.target))
+                env[node] = graph.get_attr(name)
+                env[node].meta = dict(node.meta)
+            else:
+                env[node] = graph.node_copy(node, lambda x: env[x])
+    outs = torch.fx.map_arg(results, lambda x: env[x])
+    for user in list(call.users):
+        if user.op == "call_function" and user.target is operator.getitem and isinstance(outs, (tuple, list)):
+            user.replace_all_uses_with(outs[user.args[1]])
+            graph.erase_node(user)
+        else:
+            user.replace_input_with(call, outs)
+    graph.erase_node(call)
+    if not holder.users:
+        graph.erase_node(holder)
 
 
 FALLBACKS = (None, "auto", "replicate", "strict")

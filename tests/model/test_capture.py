@@ -456,3 +456,42 @@ def test_large_gpt_captures_on_meta() -> None:
     assert g.num_parameters == meta_param_count("gpt", layers=4, hidden=4096, heads=32, ffn=16384, vocab=50304)
     assert grown_gib < 1.0, f"capture grew the process by {grown_gib:.1f} GiB: weights were allocated"
     assert g.op_histogram()["sdpa"] == 4
+
+
+class _GradRegions(nn.Module):
+    """A rotary-like side computation under no_grad (with a nested enable_grad), as transformers' rotary
+    embeddings run it; `plain` computes the same without grad-mode regions."""
+
+    def __init__(self, plain: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.register_buffer("freq", torch.arange(8.0))
+        self.plain = plain
+
+    def side(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float() * self.freq
+        y = y + 1
+        return y.cos()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain:
+            z = self.side(x)
+        else:
+            with torch.no_grad():
+                y = x.float() * self.freq
+                with torch.enable_grad():
+                    y = y + 1
+                z = y.cos()
+        return (x @ self.w * z).sum()
+
+
+def test_grad_mode_regions_are_inlined_into_the_graph() -> None:
+    """Export keeps `no_grad` regions as wrap_with_set_grad_enabled submodules (transformers' Llama
+    rotary on torch 2.11 was refused as 'get_attr submod_1'); they lower to the same operators as
+    the same code without the region."""
+    x = torch.randn(4, 8)
+    regions = engine.load_model(_GradRegions(), (x,))
+    plain = engine.load_model(_GradRegions(plain=True), (x,))
+    shape = lambda g: [(n.op, n.inputs, n.shape) for n in g.nodes]  # noqa: E731
+    assert shape(regions) == shape(plain)
+    assert "cos" in [n.op for n in regions.nodes]
