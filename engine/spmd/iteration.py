@@ -9,11 +9,12 @@ baselines (`engine.spmd.baselines`) seed the search as incumbents, so a HAP plan
 slower than them.
 
 Overlap (`engine.spmd.overlap`): the loop runs with the cost model and the LP of one overlap mode.
-`overlap="auto"` runs it in `ddp` (gradient buckets during backward) and in `duplex` (HiDup's two
-half-batches), each with its share of the time budget, and keeps the faster prediction; duplex
-wins only where it predicts a gain. The ddp plan is also priced with one bucket after backward
+`overlap="auto"` runs it in `ddp` (gradient buckets during backward), in `duplex` (HiDup's two
+half-batches) and in `none`, each with its share of the time budget, and keeps the fastest
+prediction (`engine.spmd.auto_modes`: the best of the three separate searches); duplex and none
+win only where they predict a gain. The ddp plan is also priced with one bucket after backward
 (`none`): every bucket pays a latency, so where backward is too short to hide them, not
-overlapping is faster, and auto keeps that.
+overlapping is faster, and auto keeps that where the none search found nothing faster.
 
 With `segments=g > 1` (§5.2) the model is cut into g segments at layer boundaries, B becomes one
 ratio vector per segment, and tensors crossing a boundary are re-split by all-to-alls. The
@@ -32,6 +33,7 @@ from engine.cluster.spec import Cluster
 from engine.errors import InfeasibleError, PlanError
 from engine.model.graph import Graph
 from engine.options import PlanOptions
+from engine.spmd.auto_modes import AUTO_MODES, AUTO_MODES_WITHOUT_DUPLEX, best_of_none
 from engine.spmd.balance import balance
 from engine.spmd.baselines import (Candidate, baselines, check_total_memory, data_parallel, left_s,
                                    memory_fitted_baseline, memory_parts, memory_ratios, oom_message, priced_in,
@@ -163,7 +165,7 @@ def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progr
     recomputed in backward.
 
     `options.overlap` is the overlap mode to plan in (`none`, `ddp`, `duplex`), or `auto`: plan in
-    ddp and in duplex (each with an equal share of what is left of the budget), price the ddp plan
+    ddp, duplex and none (each with an equal share of what is left of the budget), price the ddp plan
     in none too, and keep the fastest; the plan's search stats record every mode's predicted time
     (`overlap_s`) and why one was skipped (`overlap_skipped`). `options.segments` > 1 then iterates
     again with that many runs of layers, each with its own ratios (§5.2), starting from the
@@ -198,7 +200,8 @@ def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progr
     if not found:
         raise InfeasibleError(oom_message(graph, cluster, options, deadline=deadline))
     if options.overlap == "auto" and "ddp" in found:
-        found["none"] = priced_in(found["ddp"], graph, cluster, options, "none")
+        found["none"] = best_of_none(found.get("none"), priced_in(found["ddp"], graph, cluster, options, "none"),
+                                     lambda c: realized_rank(graph, cluster, c, options))
         stats["overlap_s"]["none"] = realized_rank(graph, cluster, found["none"], options)[1]
     # modes in order (ddp, duplex, none): a tie keeps the earlier, so duplex or none is chosen only for a predicted gain
     while True:
@@ -253,7 +256,7 @@ def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]
     if overlap == "duplex" and problem:
         raise PlanError(f"model '{graph.name}': {problem}")
     if overlap == "auto":
-        return (["ddp"], {"duplex": problem}) if problem else (["ddp", "duplex"], {})
+        return (list(AUTO_MODES_WITHOUT_DUPLEX), {"duplex": problem}) if problem else (list(AUTO_MODES), {})
     return [overlap], {}
 
 
