@@ -319,9 +319,9 @@ class ParallelModel:
             if p.grad is None:
                 continue
             (replicated if form == FULL and i not in staged else sliced).append(p.grad)
-        mine = O.total_norm(sliced).double().square()
+        mine = O.total_norm(sliced).double().square().to(st.device)  # NCCL reduces only tensors on the GPU
         run_collective("all_reduce", "grad_norm", dist.all_reduce, mine)
-        return (O.total_norm(replicated).double().square() + mine).sqrt().float()
+        return (O.total_norm(replicated).double().square() + mine.cpu()).sqrt().float()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale every gradient so their global norm is at most `max_norm`; returns the norm before clipping."""

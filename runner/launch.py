@@ -79,9 +79,9 @@ def maybe_inject_fault(rank: int, step: int) -> None:
     os._exit(1)
 
 
-def agree_on_start(start: int, rank: int) -> None:
+def agree_on_start(start: int, rank: int, device: torch.device) -> None:
     """Every rank must resume from the same checkpoint (they read it independently before the process group)."""
-    mine = torch.tensor([start], dtype=torch.int64)
+    mine = torch.tensor([start], dtype=torch.int64, device=device)  # on the GPU under NCCL
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     starts = [int(t) for t in every]
@@ -108,7 +108,7 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
     opt = model.optimizer(optim.optimizer_class(), **optim.kwargs())
     st = model.state
     if cfg.resume:
-        agree_on_start(start, env.rank)
+        agree_on_start(start, env.rank, device)
     began = time.perf_counter()
     if start and reshard_from is not None:
         table = reshard.load_resharded(cfg.checkpoint_dir, start, reshard_from, plan, env.rank, st)
@@ -201,7 +201,7 @@ def run_checked(cfg: RunConfig, env: DistEnv, inputs: Inputs, init_method: str |
         return 2
     if device.type == "cpu":
         apply_cpu_threads(env, emulating=bool(cfg.speeds))
-    init_distributed(env, backend, cfg.timeout_s, init_method)
+    init_distributed(env, backend, cfg.timeout_s, init_method, device)
     try:
         dist.barrier()  # rank 0 has truncated the metrics file before anyone appends
         if env.rank == 0:

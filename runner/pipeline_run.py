@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-from datetime import timedelta
 from typing import Sequence
 
 import torch
@@ -29,7 +28,7 @@ from runner.loop import train_step
 from runner.pipeline import microbatch_reference, pipeline_inputs
 from runner.pipeline_api import PipelineModel, parallelize_pipeline
 from runner.precision import precision_of
-from runner.rank_setup import checked_sources, extracts, pick_device
+from runner.rank_setup import checked_sources, extracts, init_distributed, pick_device
 from runner.run_report import MetricsFile, Progress, announce, evaluate, run_settings
 from runner.scratch import sigterm_exits
 from runner.timing import mfu_line
@@ -112,8 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             batches, evals = checked_sources(plan, cfg)
             backend, device = pick_device(env.local_rank)
-            dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                    timeout=timedelta(seconds=cfg.timeout_s))
+            init_distributed(env, backend, cfg.timeout_s, device=device)
             status = run_rank(plan, env.rank, cfg, device, batches, evals)
         except (HapError, ValueError, OSError) as e:  # ValueError: more ranks on this machine than GPUs
             print(f"hap run: error: {e}", file=sys.stderr)

@@ -90,7 +90,7 @@ class RankScaler:
         """Step unless some rank's gradients overflowed (unscaled first), then update the scale; whether it stepped."""
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         finite = all(bool(torch.isfinite(t).all()) for t in grads)
-        bad = torch.tensor([0.0 if finite else 1.0])
+        bad = torch.tensor([0.0 if finite else 1.0], device=self.device)  # on the GPU under NCCL
         if dist.is_initialized():
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.group)
         if bad.item() and finite and grads:

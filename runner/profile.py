@@ -893,7 +893,7 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
     speed = parse_speeds(cfg.speeds, env.world_size)[env.rank] if cfg.speeds else 1.0
     if device.type == "cpu":
         apply_cpu_threads(env, emulating=bool(cfg.speeds))
-    init_distributed(env, backend, cfg.timeout_s, init_method)
+    init_distributed(env, backend, cfg.timeout_s, init_method, device)
     try:
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         pacer = Pacer(speed, sync=sync if device.type == "cuda" else None)

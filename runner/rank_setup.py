@@ -218,9 +218,13 @@ def pick_device(local_rank: int) -> tuple[str, torch.device]:
     return "gloo", torch.device("cpu")
 
 
-def init_distributed(env: DistEnv, backend: str, timeout_s: float, init_method: str | None = None) -> None:
+def init_distributed(env: DistEnv, backend: str, timeout_s: float, init_method: str | None = None,
+                     device: torch.device | None = None) -> None:
+    """The process group, bound to this rank's GPU under NCCL (`device_id`: NCCL need not guess the
+    rank's GPU from its global rank, which hangs where ranks map to GPUs unevenly)."""
+    bound = {"device_id": device} if backend == "nccl" and device is not None and device.type == "cuda" else {}
     dist.init_process_group(backend, init_method=init_method or "env://", rank=env.rank,
-                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s))
+                            world_size=env.world_size, timeout=timedelta(seconds=timeout_s), **bound)
 
 
 def apply_cpu_threads(env: DistEnv, emulating: bool) -> None:
