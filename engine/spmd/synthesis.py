@@ -161,6 +161,8 @@ class _Prepared:
             if 0 <= p < len(self.order):
                 self.dead_after[p].append(t)
         self.codes = [[code(t, f) for f in range(_COMMUNICATED, graph[t].rank)] for t in range(len(graph))]
+        self.forms = [[(f, code(t, f)) for f in range(PARTIAL, graph[t].rank)] for t in range(len(graph))]
+        """Per tensor, (form, property code) of every form it can hold (`_comm_ways`' lookup)."""
         self.leaf = [n.is_leaf for n in graph.nodes]
         """Whether each tensor is a leaf (the inner loop's lookup, without a node access)."""
         self.dead_codes = [frozenset(c for t in dead for c in self.codes[t]) for dead in self.dead_after]
@@ -276,6 +278,8 @@ class _Search:
         self.rerun = [bool(cm.recompute) and graph[nid].segment in cm.recompute for nid in self.prep.order]
         """Whether position k's layer is recomputed: its collectives run again in backward (engine.spmd.recompute)."""
         self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
+        self.zero_times = (0.0,) * len(cm.classes)
+        """The class times of no work (an open stage a collective has just closed)."""
         self.mode = _Ddp(self) if cm.overlap == "ddp" else _Duplex(self) if cm.overlap == "duplex" else None
         self.deepest = 0
         """Furthest position any kept state reached: where a failed search got stuck."""
@@ -311,10 +315,14 @@ class _Search:
         slack = sum(w * (top - t) for w, t in zip(self.weights, times))
         return top + max(0.0, remaining - slack) / self.sum_flops
 
-    def _finish(self, s: _State) -> None:
+    def _times(self, s: _State) -> None:
+        """The open stages' class times (the score reads them, and so do the children a collective closes them in)."""
         k = self.seg[max(s.p - 1, 0)]  # the open stages hold work of the last computed position's segment
         s.tf = tuple(self.cm.class_times(s.facc, k))
         s.tb = tuple(self.cm.class_times(s.bacc, k))
+
+    def _finish(self, s: _State) -> None:
+        self._times(s)
         if self.mode is not None:
             s.score = self.mode.score(s)
             return
@@ -502,6 +510,8 @@ class _Search:
         graph = self.graph
         nid = self.prep.order[s.p]
         node = graph[nid]
+        if not s.tf:  # a state that was never queued (the tests' exhaustive enumeration)
+            self._times(s)
         for r in self.prep.rules[s.p]:
             pairs = list(zip(node.inputs, r.inputs))
             ways = [self._ways(s.props, t, f, self.seg[s.p]) for t, f in pairs]
@@ -534,7 +544,7 @@ class _Search:
         return self._comm_ways(props, t, f, k)
 
     def _comm_ways(self, props: frozenset, t: int, f: int, k: int) -> list[tuple]:
-        present = tuple(src for src in range(-2, self.graph[t].rank) if code(t, src) in props)
+        present = tuple(src for src, c in self.prep.forms[t] if c in props)
         key = (t, f, present, k)
         ways = self.ways_cache.get(key)
         if ways is None:
@@ -589,18 +599,19 @@ class _Search:
             return self._after_compute_overlap(s, nid, r, loads, comms, slices)
         cm, graph = self.cm, self.graph
         closed, facc, bacc, mem = s.closed, s.facc, s.bacc, s.mem
+        tf, tb = s.tf, s.tb  # the open stages' class times (`_finish`), until a collective closes them
         props = set(s.props)
         k = self.seg[s.p]
         step: list[tuple] = []  # instructions as plain tuples; built into Instructions only for the result
         for t, src, key, g in comms:
-            closed += cm.stage_time(facc, k) + cm.comm_time(key, t, (k,))
-            facc = ZERO
+            closed += max(tf) + cm.comm_time(key, t, (k,))
+            facc, tf = ZERO, self.zero_times
             if cm.requires_grad[t]:
-                closed += cm.stage_time(bacc, k) + cm.comm_time(DUAL[key], t, (k,))
-                bacc = ZERO
+                closed += max(tb) + cm.comm_time(DUAL[key], t, (k,))
+                bacc, tb = ZERO, self.zero_times
             if self.rerun[s.p]:
-                closed += cm.stage_time(bacc, k) + cm.comm_time(key, t, (k,))
-                bacc = ZERO
+                closed += max(tb) + cm.comm_time(key, t, (k,))
+                bacc, tb = ZERO, self.zero_times
             props.add(code(t, g))
             props.add(code(t, _COMMUNICATED))
             if g == FULL and self.slice_ok:  # Full subsumes every shard: a slice is free
@@ -648,18 +659,20 @@ class _Search:
         cm, graph, mode = self.cm, self.graph, self.mode
         ov = list(s.ov)
         closed, facc, bacc, mem = s.closed, s.facc, s.bacc, s.mem
+        tf, tb = s.tf, s.tb  # the open stages' class times (`_finish`), until a collective closes them
+        zero = self.zero_times
         props = set(s.props)
         k = self.seg[s.p]
         step: list[tuple] = []
         for t, src, key, g in comms:
-            closed = mode.open_forward(ov, closed, facc, key, t, (k,), k)
-            facc = ZERO
+            closed = mode.open_forward(ov, closed, facc, tf, key, t, (k,))
+            facc, tf = ZERO, zero
             if cm.requires_grad[t]:
-                closed = mode.open_backward(ov, closed, bacc, DUAL[key], t, (k,), k)
-                bacc = ZERO
+                closed = mode.open_backward(ov, closed, bacc, tb, DUAL[key], t, (k,))
+                bacc, tb = ZERO, zero
             if self.rerun[s.p]:
-                closed = mode.open_backward(ov, closed, bacc, key, t, (k,), k)
-                bacc = ZERO
+                closed = mode.open_backward(ov, closed, bacc, tb, key, t, (k,))
+                bacc, tb = ZERO, zero
             props.add(code(t, g))
             props.add(code(t, _COMMUNICATED))
             if g == FULL and self.slice_ok:
@@ -680,7 +693,7 @@ class _Search:
                         closed = mode.grow_slot(ov, closed, nbytes)
                     else:
                         props.add(_SLOT)
-                        closed = mode.start_slot(ov, closed, self.bucket_latency + nbytes, bacc, k)
+                        closed = mode.start_slot(ov, closed, self.bucket_latency + nbytes, tb)
             if finishes and _SLOT in props:
                 props.discard(_SLOT)
                 mode.finish_slot(ov)
@@ -692,9 +705,9 @@ class _Search:
             if p < len(self.prep.order):
                 for t, d in self._live_shards(props):
                     segments = (k, self.seg[p])
-                    closed = mode.open_forward(ov, closed, ZERO, RESPLIT, t, segments, k)
+                    closed = mode.open_forward(ov, closed, ZERO, zero, RESPLIT, t, segments)
                     if cm.requires_grad[t]:
-                        closed = mode.open_backward(ov, closed, ZERO, RESPLIT, t, segments, k)
+                        closed = mode.open_backward(ov, closed, ZERO, zero, RESPLIT, t, segments)
                     step.append((COMM, t, RESPLIT, ((t, d),), d))
         out = _State(p, frozenset(props), closed, facc, bacc, mem, s, tuple(step))
         out.ov = tuple(ov)
@@ -804,18 +817,19 @@ class _Ddp(_Mode):
     def root(self) -> tuple:
         return (self.zero, 0.0, 0.0, -math.inf, None, 0.0, None, None)
 
-    def open_forward(self, ov: list, closed: float, facc: Acc, key: str, t: int, segments: tuple[int, ...], k: int) -> float:
-        return closed + self.cm.stage_time(facc, k) + self.cm.comm_time(key, t, segments)
+    def open_forward(self, ov: list, closed: float, facc: Acc, ftimes: tuple[float, ...], key: str, t: int,
+                     segments: tuple[int, ...]) -> float:
+        return closed + max(ftimes) + self.cm.comm_time(key, t, segments)
 
-    def open_backward(self, ov: list, closed: float, bacc: Acc, key: str, t: int, segments: tuple[int, ...], k: int) -> float:
-        top = self._close_backward(ov, bacc, k)
+    def open_backward(self, ov: list, closed: float, bacc: Acc, btimes: tuple[float, ...], key: str, t: int,
+                      segments: tuple[int, ...]) -> float:
+        top = self._close_backward(ov, btimes)
         dual = self.cm.comm_time(key, t, segments)
         ov[1] += top + dual
         return closed + top + dual
 
-    def _close_backward(self, ov: list, bacc: Acc, k: int) -> float:
-        """Close the open backward stage: fix the ready points inside it; its slowest device's time."""
-        tot = self.cm.class_times(bacc, k)
+    def _close_backward(self, ov: list, tot: tuple[float, ...]) -> float:
+        """Close the open backward stage of class times `tot`: fix the ready points inside it; its slowest device's time."""
         top = max(tot)
         cb = ov[1]
         if ov[4] is not None:
@@ -826,8 +840,8 @@ class _Ddp(_Mode):
             ov[6] = None
         return top
 
-    def start_slot(self, ov: list, closed: float, duration: float, bacc: Acc, k: int) -> float:
-        ov[5], ov[6], ov[7] = duration, tuple(self.cm.class_times(bacc, k)), None
+    def start_slot(self, ov: list, closed: float, duration: float, btimes: tuple[float, ...]) -> float:
+        ov[5], ov[6], ov[7] = duration, btimes, None
         return closed
 
     def grow_slot(self, ov: list, closed: float, duration: float) -> float:
@@ -845,7 +859,7 @@ class _Ddp(_Mode):
         ov[5], ov[6], ov[7] = 0.0, None, None
 
     def close(self, ov: list, closed: float, facc: Acc, bacc: Acc, k: int, last: bool) -> float:
-        top = self._close_backward(ov, bacc, k)
+        top = self._close_backward(ov, self.cm.class_times(bacc, k))
         ov[1] += top
         return closed + self.cm.stage_time(facc, k) + top
 
@@ -905,20 +919,22 @@ class _Duplex(_Mode):
             return  # an empty blank stage is no stage
         ov[i + 1] = c
 
-    def _open(self, ov: list, i: int, acc: Acc, k: int, m: float) -> None:
-        self._append_stage(ov, i, self.cm.stage_time(acc, k) / 2, any(acc))
+    def _open(self, ov: list, i: int, acc: Acc, times: tuple[float, ...], m: float) -> None:
+        self._append_stage(ov, i, max(times) / 2, any(acc))
         ov[i] += max(ov[i + 1], m)
         ov[i + 1], ov[i + 2] = m, False
 
-    def open_forward(self, ov: list, closed: float, facc: Acc, key: str, t: int, segments: tuple[int, ...], k: int) -> float:
-        self._open(ov, 1, facc, k, self.half_time(key, t, segments))
+    def open_forward(self, ov: list, closed: float, facc: Acc, ftimes: tuple[float, ...], key: str, t: int,
+                     segments: tuple[int, ...]) -> float:
+        self._open(ov, 1, facc, ftimes, self.half_time(key, t, segments))
         return closed
 
-    def open_backward(self, ov: list, closed: float, bacc: Acc, key: str, t: int, segments: tuple[int, ...], k: int) -> float:
-        self._open(ov, 4, bacc, k, self.half_time(key, t, segments))
+    def open_backward(self, ov: list, closed: float, bacc: Acc, btimes: tuple[float, ...], key: str, t: int,
+                      segments: tuple[int, ...]) -> float:
+        self._open(ov, 4, bacc, btimes, self.half_time(key, t, segments))
         return closed
 
-    def start_slot(self, ov: list, closed: float, duration: float, bacc: Acc, k: int) -> float:
+    def start_slot(self, ov: list, closed: float, duration: float, btimes: tuple[float, ...]) -> float:
         return closed + duration
 
     def grow_slot(self, ov: list, closed: float, duration: float) -> float:
