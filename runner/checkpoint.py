@@ -59,8 +59,12 @@ def run_key(plan: Plan, *, seed: int, optimizer: str, lr: float, settings: dict[
     settings and the data, runner.rank_setup.run_key)."""
     program = json.dumps([i.to_dict() for i in plan.program], sort_keys=True)
     sizes = json.dumps(plan.shard_sizes, sort_keys=True)
+    # mixed precision changes the losses, so an fp32 checkpoint must not continue a bf16 run (fp32 adds no
+    # field, so the keys of checkpoints written before this still match)
+    mixed = {k: v for k, v in (("precision", plan.options.precision), ("grad_dtype", plan.options.grad_dtype))
+             if v != "fp32"}
     return {"model": plan.model_fingerprint, "program": hashlib.sha256((program + sizes).encode()).hexdigest()[:16],
-            "world_size": plan.world_size, "seed": seed, "optimizer": optimizer, "lr": lr,
+            "world_size": plan.world_size, "seed": seed, "optimizer": optimizer, "lr": lr, **mixed,
             **({"settings": settings} if settings else {})}
 
 

@@ -71,7 +71,7 @@ def run_settings(plan: Plan | PipelinePlan, cfg: RunConfig, batches: Batches) ->
     (a resume is a launch of its own)."""
     return {"world_size": plan.world_size, "seed": cfg.seed, "optimizer": cfg.optim(plan.options.optimizer).record(),
             "data": batches.describe, "eval_data": cfg.eval_data, "init_from": cfg.init_from,
-            "plan": plan.model_fingerprint}
+            "model": plan.model_fingerprint, "precision": plan.options.precision, "grad_dtype": plan.options.grad_dtype}
 
 
 def evaluate(model, evals: Batches, cfg: RunConfig, step: int, metrics: MetricsFile, rank: int) -> None:

@@ -183,3 +183,17 @@ def test_run_key_changes_with_what_would_change_the_losses(plan2):
     assert run_key(plan, cfg) == run_key(plan, RunConfig(plan="q.json", seed=1, steps=99))
     assert run_key(plan, cfg) != run_key(plan, RunConfig(plan="p.json", seed=2))
     assert run_key(plan, cfg) != run_key(plan, RunConfig(plan="p.json", seed=1, lr=0.1))
+
+
+def test_run_key_tells_mixed_precision_apart(plan2):
+    """The same program planned in bf16 trains to other losses: its checkpoints are not an fp32 run's
+    (seen on the GPU: the fp32 and bf16 plans of one model share their program). fp32 adds no field."""
+    import dataclasses
+
+    plan, _ = plan2
+    cfg = RunConfig(plan="p.json", seed=1)
+    options = {**plan.search["options"], "precision": "bf16"}
+    mixed = dataclasses.replace(plan, search={**plan.search, "options": options})
+    assert "precision" not in run_key(plan, cfg)
+    assert run_key(mixed, cfg) != run_key(plan, cfg)
+    assert run_key(mixed, cfg)["precision"] == "bf16"
