@@ -110,8 +110,9 @@ if "pipeline" in s.get("parallelism_s", {}):
     st.caption(f"parallelism: spmd kept; the best pipeline predicts {ui.ms(s['parallelism_s']['pipeline'])}")
 for kind, why in s.get("parallelism_skipped", {}).items():
     st.caption(f"{kind}: {why}")
-st.caption("proven optimal for its rule set" if s.get("optimal") else
-           "beam-limited or stopped by the budget: the best plan found, not proven optimal")
+st.caption("Every search was exact: each Q<->B step's program is proven optimal for the rule set at that step's "
+           "ratios (the alternation with the LP is a heuristic, as in HAP)." if s.get("optimal") else
+           "Beam-limited or stopped by the budget: the best plan found, not proven optimal.")
 points = st.session_state.get(services.Keys.FRONTIER) or s.get("frontier", [])
 if points:
     st.altair_chart(ui.frontier_chart(ui.frontier_rows(points)), width="stretch")

@@ -87,3 +87,14 @@ def test_search_asks_the_engine_for_the_chosen_precision_and_gradient_dtype(app)
     no_exception(at)
     plan = at.session_state[Keys.PLAN]
     assert plan.options.precision == "fp16" and plan.options.grad_dtype == "bf16"
+
+
+def test_the_optimality_caption_claims_only_what_the_searches_proved(app, tiny_plan):
+    """Issue 28: 'proven optimal' only when every search was exact, and then for each step's ratios."""
+    import dataclasses
+
+    for optimal, says in ((False, "not proven optimal"), (True, "Every search was exact")):
+        app.session_state[Keys.PLAN] = dataclasses.replace(tiny_plan, search={**tiny_plan.search, "optimal": optimal})
+        at = open_page(app, "search")
+        no_exception(at)
+        assert any(says in c.value for c in at.caption), [c.value for c in at.caption]
