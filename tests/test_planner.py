@@ -575,3 +575,29 @@ def test_auto_does_not_pick_duplex_where_the_cluster_measured_it_slow():
     slowed = engine.plan(mlp, spec, time_budget_s=3)
     assert slowed.overlap != "duplex"
     assert slowed.search["overlap_s"]["duplex"] > fast.search["overlap_s"]["duplex"]
+
+
+def test_the_loop_starts_at_the_lps_balance_of_the_seed_and_stops_where_b_does_not_move(load_sample, monkeypatch):
+    """Issue 28, item 2: B(0) is the LP's ratios for the best data-parallel seed (not HAP's flops-proportional
+    split), and a B step that leaves the ratios where the search ran ends the loop: the next search would
+    run at the same ratios. Here the LP always answers an even split, so one search is all it takes."""
+    from engine.spmd.iteration import Loop
+
+    graph = engine.load_model("zoo:gpt", layers=2, hidden=64, heads=4, ffn=128, vocab=256, seq_len=16, batch=16)
+    cluster = load_sample("hap_paper_testbed_machines")
+    even = [[1.0 / cluster.num_devices] * cluster.num_devices]
+    asked = []
+    monkeypatch.setattr(Loop, "memory_feasible_ratios", lambda self, program, seg: asked.append(program) or even)
+    plan = engine.plan(graph, cluster, overlap="ddp")
+    qs = [h for h in plan.history if h["step"] == "Q"]
+    assert qs[0]["ratios"] == even, "the first search runs at the seed's balance"
+    assert len(qs) == 1 and plan.search["iterations"] == 1, "B did not move: no second search"
+    assert len(asked) >= 2  # the seed's balance, then the found program's
+
+
+def test_same_ratios_allows_the_lps_rounding_only():
+    from engine.spmd.iteration import same_ratios
+
+    assert same_ratios([[0.5, 0.5]], [[0.5 + 1e-12, 0.5 - 1e-12]])
+    assert not same_ratios([[0.5, 0.5]], [[0.5001, 0.4999]])
+    assert not same_ratios([[0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]])
