@@ -133,6 +133,9 @@ def assert_stale_everywhere(page, change: str, shot: str) -> None:
         goto(page, title)
         main = page.locator('[data-testid="stMain"]')
         main.get_by_text(change).first.wait_for()
+        main.get_by_role("button", name="Plan again").wait_for()
+        idle(page)
+        page.wait_for_selector('[data-stale="true"]', state="detached")  # nothing left over from the page before
         assert main.get_by_role("button", name="Plan again").count() == 1
         assert main.locator(OLD_PLAN).count() == 0, f"{title} shows the old plan after: {change}"
         assert_no_exception(page)
