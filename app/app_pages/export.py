@@ -36,6 +36,12 @@ st.markdown("**Bundle digest** (the sha256 of its manifest.json, which holds the
 st.code(f"sha256:{digest}\n\nhap bundle check hap_bundle.zip --digest {digest}\n"
         f"hap run hap_bundle.zip --digest {digest} --steps 5 --verify", language="bash")
 st.subheader("Run it")
+machines = sorted({d.machine for d in cluster.devices})
+if len(machines) > 1:
+    st.markdown(f"Across its {len(machines)} machines: unzip the bundle on each machine and, in its folder, start "
+                f"that machine's node (NODE_RANK 0 to {len(machines) - 1}, in the order the bundle's README lists "
+                "the machines):")
+    st.code(f"bash launch_node.sh NODE_RANK --digest {digest} --steps 100", language="bash")
 if pipeline:
     st.markdown(f"On one machine, {plan.world_size} processes, one per device (NCCL on the GPUs where CUDA is present, "
                 "else gloo on the CPU):")

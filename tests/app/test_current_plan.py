@@ -165,6 +165,7 @@ def test_export_expands_a_plan_on_virtual_devices_to_one_rank_per_gpu_and_offers
     assert [b.proto.label for b in at.get("download_button")] == [
         "Download plan.json", "Download cluster.json", "Download launch bundle (zip)"]
     assert any("--nproc-per-node=4 " in c.value for c in at.code)
+    assert any(c.value.startswith("bash launch_node.sh NODE_RANK --digest ") for c in at.code)  # 2 machines
     out = services.export_set(services.plan_key(plan), engine.load_cluster(MACHINES).fingerprint(), plan,
                               engine.load_cluster(MACHINES))
     assert out.plan.cluster_fingerprint == out.cluster.fingerprint() and out.plan.world_size == 4
