@@ -298,9 +298,13 @@ def ratio_rows(plan: Plan) -> list[dict[str, Any]]:
 
 
 def memory_rows(plan: Plan, cluster: Cluster) -> list[dict[str, Any]]:
-    """Predicted peak memory per GPU of every device against its capacity."""
-    return [{"device": d.name, "predicted_gib": m / GIB, "capacity_gib": d.memory_bytes_per_gpu / GIB,
-             "fits": m <= d.memory_bytes_per_gpu} for d, m in zip(cluster.devices, plan.memory_bytes)]
+    """Predicted peak memory per GPU of every plan device against its capacity, joined by device name
+    (never by position: a cluster that is not the plan's has other devices in other places). A plan
+    device the cluster lacks has no capacity (None)."""
+    by_name = {d.name: d.memory_bytes_per_gpu for d in cluster.devices}
+    return [{"device": name, "predicted_gib": m / GIB,
+             "capacity_gib": by_name[name] / GIB if name in by_name else None,
+             "fits": name in by_name and m <= by_name[name]} for name, m in zip(plan.device_names, plan.memory_bytes)]
 
 
 # ----------------------------------------------------------------------------- search
@@ -469,17 +473,18 @@ def bubble_share(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def pipeline_stage_rows(plan: PipelinePlan, cluster: Cluster) -> list[dict[str, Any]]:
-    """One row per stage: its devices, layers, warm-up count, per-microbatch times, peak memory and program."""
-
+    """One row per stage: its devices, layers, warm-up count, per-microbatch times, peak memory and program
+    (the devices' GPU models and capacity joined by device name)."""
+    by_name = {d.name: d for d in cluster.devices}
     rows = []
     for i, s in enumerate(plan.stages):
-        devs = [cluster.devices[j] for j in s.devices]
-        rows.append({"stage": i, "devices": ", ".join(d.name for d in devs),
+        devs = [by_name[plan.device_names[j]] for j in s.devices if plan.device_names[j] in by_name]
+        rows.append({"stage": i, "devices": ", ".join(plan.device_names[j] for j in s.devices),
                      "gpus": ", ".join(sorted({d.gpu_model for d in devs})), "sub_cluster": s.sub_cluster,
                      "layers": f"{s.layers[0]}-{s.layers[1] - 1}", "warmup": s.warmup,
                      "forward_ms": s.forward_s * 1e3, "backward_ms": s.backward_s * 1e3, "sync_ms": s.sync_s * 1e3,
                      "peak_gib": s.peak_memory_bytes / GIB,
-                     "capacity_gib": min(d.memory_bytes_per_gpu for d in devs) / GIB,
+                     "capacity_gib": min(d.memory_bytes_per_gpu for d in devs) / GIB if devs else None,
                      "program": s.program_summary()})
     return rows
 

@@ -33,8 +33,9 @@ def main() -> None:
         st.caption(f"**Model** {st.session_state[services.Keys.MODEL_SOURCE]}")
         st.caption(f"**Cluster** {cluster.name} ({cluster.num_devices} devices)")
         if plan is not None:
-            fresh = services.plan_matches(plan, graph, cluster)
-            st.caption(f"**Plan** {ui.ms(plan.predicted_time_s)} / iteration" + ("" if fresh else " (stale: re-run Search)"))
+            status = services.current_status()
+            st.caption(f"**Plan** {ui.ms(plan.predicted_time_s)} / iteration" if status.current else
+                       f"**Plan** made for another {' and '.join(status.changed)}: plan again")
     nav.run()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,7 @@ from engine import Cluster, Graph, HapError, ModelError, PipelinePlan, Plan, Pla
 from engine import compare as engine_compare
 from engine.bundle.archive import MANIFEST, bundle_digest
 from engine.bundle.launch_files import cluster_launch_warnings
+from engine.cluster.per_gpu import per_gpu_cluster
 from engine.model import source as engine_source
 from engine.model.zoo import ZOO
 from engine.pipeline import partition as engine_partition
@@ -55,6 +57,9 @@ class Keys:
     CLUSTER = "cluster.cluster"
     CLUSTER_SOURCE = "cluster.source"
     PLAN = "search.plan"
+    PLAN_FOR = "search.plan_for"
+    """(model fingerprint, cluster fingerprint, model source, cluster name) the current plan was made from:
+    names for the stale-plan message, used while the fingerprints are the plan's."""
     BUDGET = "search.budget"
     OVERLAP = "search.overlap"
     """The overlap mode asked of the planner (`auto`, `none`, `ddp`, `duplex`)."""
@@ -251,7 +256,95 @@ def plan_json(plan: Plan | PipelinePlan) -> str:
 
 def plan_matches(plan: Plan | PipelinePlan, graph: Graph, cluster: Cluster) -> bool:
     """Whether the plan was made for this model and cluster."""
-    return plan.model_fingerprint == graph.fingerprint() and plan.cluster_fingerprint == cluster.fingerprint()
+    return plan_status(plan, graph, cluster).current
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanStatus:
+    """Whether a plan belongs to the current model and cluster and, if not, what changed."""
+
+    changed: tuple[str, ...]
+    """"model" and/or "cluster": the inputs whose fingerprint differs from the one the plan records."""
+    message: str
+    """Sentences for the page ("The cluster changed from X to Y since this plan was made."); "" when current."""
+
+    @property
+    def current(self) -> bool:
+        return not self.changed
+
+
+def plan_status(plan: Plan | PipelinePlan, graph: Graph, cluster: Cluster,
+                made_for: tuple[str, str] | None = None, now: tuple[str, str] | None = None) -> PlanStatus:
+    """Compare the graph and cluster fingerprints the plan records (either kind of plan) with the current
+    model's and cluster's. `made_for` and `now` are (model name, cluster name) for the message; by default
+    the plan's graph and cluster names and the current ones."""
+    old_model, old_cluster = made_for or (plan.graph.name if plan.graph is not None else "another model",
+                                          plan.cluster_name)
+    new_model, new_cluster = now or (graph.name, cluster.name)
+    sentences, changed = [], []
+    if plan.model_fingerprint != graph.fingerprint():
+        changed.append("model")
+        sentences.append(_change_sentence("model", old_model, new_model))
+    if plan.cluster_fingerprint != cluster.fingerprint():
+        changed.append("cluster")
+        sentences.append(_change_sentence("cluster", old_cluster, new_cluster))
+    return PlanStatus(tuple(changed), " ".join(sentences))
+
+
+def _change_sentence(what: str, old: str, new: str) -> str:
+    if old == new:
+        return f"The {what} {new} was edited since this plan was made."
+    return f"The {what} changed from {old} to {new} since this plan was made."
+
+
+def current_status() -> PlanStatus:
+    """plan_status of the session's plan against the session's model and cluster, with the names they were
+    chosen under (the model's source, the cluster's name)."""
+    graph, cluster, plan = current()
+    assert plan is not None, "current_status needs a plan"
+    ss = st.session_state
+    recorded = ss.get(Keys.PLAN_FOR)
+    made_for = recorded[2:] if recorded and recorded[:2] == (plan.model_fingerprint, plan.cluster_fingerprint) else None
+    now = (ss.get(Keys.MODEL_SOURCE) or graph.name, cluster.name)
+    return plan_status(plan, graph, cluster, made_for, now)
+
+
+def set_plan(plan: Plan | PipelinePlan) -> None:
+    """Make `plan` the session's plan, recording the names of the model and cluster it was made for."""
+    ss = st.session_state
+    ss[Keys.PLAN] = plan
+    ss[Keys.PLAN_FOR] = (plan.model_fingerprint, plan.cluster_fingerprint,
+                         ss.get(Keys.MODEL_SOURCE) or ss[Keys.GRAPH].name, plan.cluster_name)
+
+
+def plan_again() -> None:
+    """Plan the current model on the current cluster with the stale plan's options; make it current."""
+    graph, cluster, plan = current()
+    with st.spinner("Planning the current model on the current cluster ..."):
+        set_plan(run_plan(graph, cluster, plan.options))
+
+
+def current_plan(page: str) -> tuple[Graph, Cluster, Plan | PipelinePlan]:
+    """The guard of every page that shows a plan: (model, cluster, plan) when the plan belongs to the
+    current model and cluster. Otherwise the page says what changed, offers "Plan again" and stops,
+    drawing nothing of the old plan."""
+    graph, cluster, plan = current()
+    if plan is None:
+        st.info("No plan yet: run the search on the Search page.")
+        st.stop()
+    status = current_status()
+    if not status.current:
+        st.warning(f"{status.message} Its numbers belong to the old inputs, so this page shows none of them "
+                   "until the current model is planned on the current cluster.")
+        if st.button("Plan again", type="primary", key=f"{page}.plan_again"):
+            try:
+                plan_again()
+            except HapError as e:
+                show_error(e)
+                st.stop()
+            st.rerun()
+        st.stop()
+    return graph, cluster, plan
 
 
 @st.cache_data(max_entries=16)
@@ -319,9 +412,54 @@ def bundle_zip(plan_json: str, cluster_text: str,
         zips = sorted(d.rglob("*.zip"))
         if res.returncode != 0 or not zips:
             lines = (res.stderr or res.stdout).strip().splitlines()
-            return None, lines[-1] if lines else f"hap export exited with status {res.returncode}", None
+            return None, browser_message(lines[-1]) if lines else "The launch bundle could not be built.", None
         digest = bundle_digest({MANIFEST: (d / "bundle" / MANIFEST).read_bytes()})
         return zips[0].read_bytes(), (res.stdout.strip().splitlines() or [""])[0], digest
+
+
+PREFIXES = re.compile(r"^(?:(?:hap(?: [a-z]+)?|error|[A-Za-z]*Error):\s*)+")
+FLAG = re.compile(r"(?:^|\s)--[a-z][a-z-]*")
+
+
+def browser_message(text: str) -> str:
+    """A command's error line as a sentence for a browser user: no "hap export: hap: error:" prefixes and no
+    clause that tells the reader to pass a flag."""
+    text = PREFIXES.sub("", text.strip())
+    kept = [c for c in text.split("; ") if not FLAG.search(c)] or [FLAG.sub("", text.split("; ")[0])]
+    sentence = "; ".join(kept).strip().rstrip(".:;,")
+    return sentence[:1].upper() + sentence[1:] + "." if sentence else "The launch bundle could not be built."
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSet:
+    """What the Export page offers together: a plan, the cluster it was made for and their bundle."""
+
+    plan: Plan | PipelinePlan | None
+    """The plan of plan.json: the current plan, or its expansion to one rank per GPU; None when it cannot run."""
+    cluster: Cluster
+    """The cluster of cluster.json, the one `plan` was made for (the per-GPU cluster after an expansion)."""
+    note: str
+    """A sentence on what was done to the plan, or why it cannot run ("" when it is exported as it is)."""
+
+
+@st.cache_data(show_spinner="Expanding the plan to one rank per GPU ...", max_entries=8)
+def export_set(key: str, cluster_fp: str, _plan: Plan | PipelinePlan, _cluster: Cluster) -> ExportSet:
+    """The matching set to export for the current plan (cached on the plan's and the cluster's hashes). A plan
+    on virtual devices is expanded by the engine to one rank per GPU (engine.expand_to_gpus); a pipeline plan
+    there cannot be, and the set holds only the per-GPU cluster to plan on."""
+    virtual = [d for d in _cluster.devices if d.num_gpus > 1]
+    if not virtual:
+        return ExportSet(_plan, _cluster, "")
+    try:
+        plan, gpus = engine.expand_to_gpus(_plan, _cluster)
+    except engine.PlanError as e:
+        return ExportSet(None, per_gpu_cluster(_cluster), browser_message(str(e)))
+    note = (f"The runner starts one process per GPU, so this plan's {len(virtual)} virtual devices (machines of "
+            f"{', '.join(sorted({str(d.num_gpus) for d in virtual}))} GPUs) are exported expanded to {plan.world_size} "
+            f"ranks on the per-GPU cluster {gpus.name}: the same program with each machine's share split evenly "
+            f"among its GPUs, predicted at {ui.ms(plan.predicted_time_s)} per iteration "
+            f"({ui.ms(_plan.predicted_time_s)} as planned).")
+    return ExportSet(plan, gpus, note)
 
 
 def launch_warnings(cluster: Cluster) -> list[str]:
@@ -350,7 +488,7 @@ def init_state() -> None:
         ss.setdefault(key, default)
     if Keys.PLAN not in ss:
         with st.spinner("Planning the default model on the default cluster ..."):
-            ss[Keys.PLAN] = run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], plan_options(DEFAULT_BUDGET_S))
+            set_plan(run_plan(ss[Keys.GRAPH], ss[Keys.CLUSTER], plan_options(DEFAULT_BUDGET_S)))
 
 
 def set_model(graph: Graph, source: str, model_file: tuple[str, bytes] | None = None) -> None:

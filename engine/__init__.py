@@ -14,6 +14,7 @@ Public surface (scripts rely on these names):
     engine.evaluate(model, cluster, "ddp" | "dp-even" | "dp-proportional") -> Plan    (priced as DDP runs)
     engine.validate_plan(plan_or_dict, cluster=None) -> warnings
     engine.replan(old_plan, new_cluster) -> Replan (new plan, report of what changes, resharding table)
+    engine.expand_to_gpus(plan, cluster) -> (Plan, Cluster)   (virtual devices split into one rank per GPU)
 
 Layout, by capability (each subpackage's docstring says what it owns and may import; the import
 contracts in pyproject.toml enforce it): `model/`, `cluster/`, `theory/`, `spmd/` (HAP), `pipeline/`
@@ -22,6 +23,7 @@ contracts in pyproject.toml enforce it): `model/`, `cluster/`, `theory/`, `spmd/
 never starts a process group.
 """
 from engine.cluster.spec import Cluster, load_cluster
+from engine.elastic.per_gpu import expand_to_gpus
 from engine.elastic.replan import replan
 from engine.errors import ClusterError, HapError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
 from engine.model.graph import Graph, Node
@@ -43,7 +45,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'engine' has no attribute {name!r}")
 
 
-__all__ = ["load_model", "load_cluster", "plan", "evaluate", "replan", "load_plan", "validate_plan", "PlanOptions",
+__all__ = ["load_model", "load_cluster", "plan", "evaluate", "replan", "expand_to_gpus", "load_plan", "validate_plan", "PlanOptions",
            "AnyPlan", "BASELINES", "PARALLELISMS", "OVERLAP_MODES", "Plan", "PipelinePlan", "Graph", "Node", "Cluster",
            "SearchProgress", "HapError", "ClusterError", "ModelError", "PlanError", "InfeasibleError",
            "UnsupportedOpError"]

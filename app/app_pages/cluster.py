@@ -97,6 +97,6 @@ else:
         st.dataframe(pd.DataFrame(traffic), hide_index=True, key="cluster.replan.traffic")
         st.altair_chart(ui.replan_traffic_chart(traffic), width="stretch")
         if st.button("Use the new cluster and plan", key="cluster.replan.use"):
-            st.session_state[services.Keys.PLAN] = result.plan
+            services.set_plan(result.plan)
             st.session_state[services.Keys.BASE] = new_cluster
             services.set_cluster(new_cluster, f"{cluster.name} (re-planned)")

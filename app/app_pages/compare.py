@@ -8,10 +8,7 @@ from app import services
 from engine import HapError
 
 st.title("Compare")
-graph, cluster, plan = services.current()
-if plan is None or not services.plan_matches(plan, graph, cluster):
-    st.info("No plan for this model and cluster yet: run the search on the Search page.")
-    st.stop()
+graph, cluster, plan = services.current_plan("compare")
 budget = float(st.session_state[services.Keys.BUDGET])
 if plan.parallelism == "pipeline":
     rows = ui.pipeline_schedule_rows(plan)

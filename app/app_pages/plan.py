@@ -6,12 +6,7 @@ from app import components as ui
 from app import services
 
 st.title("Plan")
-graph, cluster, plan = services.current()
-if plan is None:
-    st.info("No plan yet: run the search on the Search page.")
-    st.stop()
-if not services.plan_matches(plan, graph, cluster):
-    st.warning("This plan was made for another model or cluster: run the Search page again to update it.")
+graph, cluster, plan = services.current_plan("plan")
 if plan.parallelism == "pipeline":
     times = plan.search.get("parallelism_s", {})
     c = st.columns(4)

@@ -46,8 +46,9 @@ st.subheader("Step time against the plan")
 graph, cluster, plan = services.current()
 if plan is None:
     st.info("No plan in this session: plan one on the Search page to draw its predicted step time beside these.")
-elif not services.plan_matches(plan, graph, cluster):
-    st.info("The plan in this session was made for another model or cluster: re-run the Search page first.")
+elif not (status := services.current_status()).current:
+    st.info(f"{status.message} Plan again to draw its predicted step time beside these runs.")
+    plan = None
 comparable = []
 for run in loaded if plan is not None else []:
     if problem := runs.world_mismatch(run, plan.world_size):

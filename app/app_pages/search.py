@@ -74,7 +74,7 @@ if go:
             options = services.plan_options(budget, int(segments), overlap, parallelism, precision, grad_dtype,
                                             recompute, shard_states)
             plan = services.run_plan(graph, cluster, options, progress)
-        st.session_state[services.Keys.PLAN] = plan
+        services.set_plan(plan)
         st.session_state[services.Keys.FRONTIER] = points or None
         st.rerun()  # redraw the page (and the sidebar) around the new plan
     except HapError as e:
@@ -83,8 +83,11 @@ if go:
         live.empty()
         services.show_error(e)
 
-if plan is None or not services.plan_matches(plan, graph, cluster):
+if plan is None:
     st.info("No plan for this model and cluster yet: run the search.")
+    st.stop()
+if not (status := services.current_status()).current:
+    st.info(f"{status.message} Run the search to plan the current model on the current cluster.")
     st.stop()
 s = plan.search
 if plan.parallelism == "pipeline":

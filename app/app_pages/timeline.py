@@ -7,14 +7,7 @@ from app import services
 from engine import HapError
 
 st.title("Timeline")
-graph, cluster, plan = services.current()
-if plan is None:
-    st.info("No plan yet: run the search on the Search page.")
-    st.stop()
-if not services.plan_matches(plan, graph, cluster) and (
-        plan.parallelism == "pipeline" or plan.cluster_fingerprint != cluster.fingerprint()):
-    st.info("This plan was made for another cluster: run the search again on the Search page.")
-    st.stop()
+graph, cluster, plan = services.current_plan("timeline")
 if plan.parallelism == "pipeline":
     from engine.pipeline.schedule import SCHEDULES
 

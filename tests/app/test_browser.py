@@ -1,6 +1,8 @@
 """The workbench in a real headless Chromium (Debian `chromium`, driven by Playwright's Python API).
 
-`hap ui --port <free port>` serves the app on 127.0.0.1; the test picks the zoo MLP and
+`hap ui --port <free port>` serves the app on 127.0.0.1; the test exports the default plan (expanded to one
+rank per GPU), switches the cluster and then the model without searching and checks that Plan, Timeline,
+Compare and Export each say what changed and draw nothing of the old plan, picks the zoo MLP and
 `hap_paper_testbed.json`, runs the search, checks that the frontier and timeline charts render
 (Vega canvas or svg present, no Streamlit exception box), downloads the plan and parses it, and
 saves a screenshot of every page under tests/artifacts/.
@@ -112,6 +114,34 @@ def shoot(page, name: str) -> None:
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
+OLD_PLAN = ('[data-testid="stVegaLiteChart"], [data-testid="stDataFrame"], [data-testid="stDownloadButton"], '
+            '[data-testid="stGraphVizChart"], [data-testid="stMetric"], [data-testid="stCode"]')
+"""What would show the old plan's numbers: charts, tables, downloads, metrics, listings and commands."""
+
+
+def use_sample(page, name: str) -> None:
+    goto(page, "Cluster")
+    pick(page, "Sample", name)
+    page.get_by_role("button", name="Use this sample").click()
+    idle(page)
+    page.get_by_text(f"{name.removesuffix('.json')}: ").first.wait_for()
+
+
+def assert_stale_everywhere(page, change: str, shot: str) -> None:
+    """Plan, Timeline, Compare and Export each say `change` and draw nothing of the old plan."""
+    for title in ("Plan", "Timeline", "Compare", "Export"):
+        goto(page, title)
+        main = page.locator('[data-testid="stMain"]')
+        main.get_by_text(change).first.wait_for()
+        main.get_by_role("button", name="Plan again").wait_for()
+        idle(page)
+        page.wait_for_selector('[data-stale="true"]', state="detached")  # nothing left over from the page before
+        assert main.get_by_role("button", name="Plan again").count() == 1
+        assert main.locator(OLD_PLAN).count() == 0, f"{title} shows the old plan after: {change}"
+        assert_no_exception(page)
+        shoot(page, f"{shot}_{title.lower()}")
+
+
 def test_workbench_in_chromium(server, browser, tmp_path):
     import engine
 
@@ -130,6 +160,24 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     goto(page, "Timeline")
     page.locator('[data-testid="stVegaLiteChart"]').first.wait_for()
     shoot(page, "timeline_default")
+    goto(page, "Export")  # the default plan is on machines of 8 GPUs: exported expanded to one rank per GPU
+    page.get_by_text("exported expanded to 64 ranks").wait_for()
+    with page.expect_download() as dl:
+        page.get_by_role("button", name="Download plan.json").click()
+    dl.value.save_as(tmp_path / "default_plan.json")
+    default = load_plan(tmp_path / "default_plan.json")
+    assert default.world_size == 64 and default.cluster_name == "hap_paper_testbed_machines_per_gpu"
+    idle(page)  # a download button's click reruns the page
+    page.get_by_role("button", name="Download launch bundle (zip)").wait_for()
+    assert_no_exception(page)
+    shoot(page, "export_default")
+
+    # switch the cluster, then the model, without searching: no page shows the old plan
+    use_sample(page, "a100x2_p100x2.json")
+    assert_stale_everywhere(page, "The cluster changed from hap_paper_testbed_machines to a100x2_p100x2", "stale_cluster")
+    use_sample(page, "hap_paper_testbed_machines.json")  # the plan's own cluster again: current once more
+    goto(page, "Plan")
+    assert charts(page, 2) >= 2
 
     goto(page, "Model")
     pick(page, "Zoo model", "mlp")
@@ -138,6 +186,7 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     page.get_by_text("Current model: zoo:mlp").wait_for()
     assert_no_exception(page)
     shoot(page, "model")
+    assert_stale_everywhere(page, "The model changed from zoo:gpt", "stale_model")
 
     goto(page, "Cluster")
     pick(page, "Sample", "hap_paper_testbed.json")

@@ -129,7 +129,8 @@ def test_timeline_page_asks_for_a_new_search_on_another_cluster(app):
     app.session_state[Keys.CLUSTER] = engine.load_cluster(ROOT / "sample_clusters" / "cpu_2.json")
     at = open_page(app, "timeline")
     no_exception(at)
-    assert any("another cluster" in i.value for i in at.info) and not at.get("vega_lite_chart")
+    assert any("The cluster changed from a100x2_p100x2 to cpu_2" in w.value for w in at.warning)
+    assert not at.get("vega_lite_chart")
 
 
 def test_bad_metrics_upload_shows_one_line(app):
