@@ -2,7 +2,7 @@
 
 A virtual device (`Device.num_gpus` > 1) is a machine whose GPUs run data parallel inside (HAP §3);
 the runner starts one process per plan device, so a plan on virtual devices runs only after it is
-expanded to one rank per GPU (`engine.spmd.per_gpu`). The new devices are named like a `count`
+expanded to one rank per GPU (`engine.elastic.per_gpu`). The new devices are named like a `count`
 entry of the cluster JSON (`<name>-0` .. `<name>-{k-1}`), keep the machine, group and per-GPU
 figures, and talk at the virtual device's `intra_bandwidth_Bps` inside their machine.
 """
