@@ -151,3 +151,16 @@ def test_a_bundle_and_a_pipeline_plan_written_by_main_at_66fbce9_run_and_verify(
     r = hap("run", str(dst), "--steps", "2", "--verify")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "verify: OK" in r.stdout + r.stderr, r.stdout[-2000:]
+
+
+def test_repr_is_one_short_line_for_logs(load_sample):
+    """Issue 31: repr() of a graph, a cluster and either kind of plan is one line (the dataclass repr of a
+    4-layer GPT plan was 61 411 characters); only the rich displays draw."""
+    graph = engine.load_model("zoo:gpt", layers=2, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=8)
+    cluster = load_sample("cpu_4_uneven")
+    spmd = engine.plan(graph, cluster, max_iterations=1, overlap="none")
+    pipe = engine.plan(graph, cluster, parallelism="pipeline")
+    for obj, name in ((graph, "Graph"), (cluster, "Cluster"), (spmd, "Plan"), (pipe, "PipelinePlan")):
+        text = repr(obj)
+        assert text.startswith(f"<{name} ") and "\n" not in text and len(text) < 160, text
+    assert "4 devices" in repr(spmd) and "ms per iteration" in repr(pipe)

@@ -271,6 +271,11 @@ class Cluster:
     collectives: dict[str, CollectiveFit]
     """Fit per collective, with exactly the keys of COLLECTIVES."""
 
+    def __repr__(self) -> str:
+        """One line for logs."""
+        gpus = sum(d.num_gpus for d in self.devices)
+        return f"<Cluster '{self.name}': {self.num_devices} devices, {gpus} GPUs, {len(self.machines)} machines>"
+
     def __hash__(self) -> int:
         """Hash of the fingerprint."""
         return hash(self.fingerprint())

@@ -97,6 +97,11 @@ class Graph:
             assert n.id == i, f"node ids must be 0..n-1 in order, node {n.name} has id {n.id} at {i}"
             assert all(j < i for j in n.inputs), f"node {n.name} uses a later node"
 
+    def __repr__(self) -> str:
+        """One line for logs (the dataclass repr of a GPT ran to tens of thousands of characters)."""
+        params = sum(n.numel for n in self.parameters)
+        return f"<Graph '{self.name}': {len(self.nodes)} nodes, {params:,} parameters>"
+
     def __len__(self) -> int:
         return len(self.nodes)
 

@@ -151,6 +151,12 @@ class PipelinePlan(Utilised):
     """The kind of plan (`engine.spmd.plan.Plan` says "spmd"): the one attribute callers branch on
     (both kinds implement `engine.planner.AnyPlan`)."""
 
+    def __repr__(self) -> str:
+        """One line for logs (the dataclass repr of a pipeline plan ran past 100 000 characters)."""
+        model = self.graph.name if self.graph is not None else "?"
+        return (f"<PipelinePlan of '{model}' on '{self.cluster_name}': {len(self.stages)} stages, {self.schedule}, "
+                f"{self.microbatches} microbatches, {self.predicted_s * 1e3:.4g} ms per iteration>")
+
     @property
     def world_size(self) -> int:
         return len(self.device_names)
