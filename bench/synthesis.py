@@ -87,6 +87,7 @@ def measure(case: dict) -> dict:
     return {**case, "devices": cluster.num_devices, "nodes": len(graph), "planning_time_s": elapsed,
             "planning_cpu_s": cpu,
             "expanded": plan.search["expanded"], "iterations": plan.search["iterations"],
+            "expanded_per_search": [[h["overlap"], h.get("expanded")] for h in plan.history if h["step"] == "Q"],
             "optimal": bool(plan.search["optimal"]), "predicted_time_s": plan.predicted_time_s,
             "compute_bound_s": plan.compute_bound_s, "mfu": plan.mfu,
             "dp_even_time_s": dp_even,
@@ -217,6 +218,11 @@ def report(results: list[dict], g: dict, verdicts: list[dict]) -> str:
              f"fitted exponent time ~ layers^{_fmt(g['exponent'], '.2f')} (authors' Rust 24->48: "
              f"~layers^{g['rust_exponent']:.2f})", ""]
     lines += [f"{v['status']:8} {v['target']}: {_fmt(v['value'], '.2f')}" for v in verdicts]
+    per_search = [f"  {_label(r)} / {Path(r['cluster']).stem}: " + ", ".join(f"{m} {n}" for m, n in r["expanded_per_search"])
+                  for r in results if r.get("expanded_per_search")]
+    if per_search:
+        lines += ["", "states expanded by each search, in order (a mode's later searches are its later Q<->B iterations):"]
+        lines += per_search
     return "\n".join(lines)
 
 

@@ -601,3 +601,12 @@ def test_same_ratios_allows_the_lps_rounding_only():
     assert same_ratios([[0.5, 0.5]], [[0.5 + 1e-12, 0.5 - 1e-12]])
     assert not same_ratios([[0.5, 0.5]], [[0.5001, 0.4999]])
     assert not same_ratios([[0.5, 0.5]], [[0.5, 0.5], [0.5, 0.5]])
+
+
+def test_each_q_step_records_the_states_its_search_expanded(load_sample):
+    """Issue 28, item 2: how much each Q<->B iteration costs is in the plan's history (bench/synthesis.py prints it)."""
+    graph = engine.load_model("zoo:gpt", layers=2, hidden=32, heads=2, ffn=64, vocab=64, seq_len=8, batch=8)
+    plan = engine.plan(graph, load_sample("cpu_4_uneven"))
+    qs = [h for h in plan.history if h["step"] == "Q"]
+    assert qs and all(h["expanded"] > 0 for h in qs)
+    assert sum(h["expanded"] for h in qs) == plan.search["expanded"]

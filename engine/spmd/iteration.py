@@ -358,7 +358,7 @@ class Loop:
                 ratios, rebalanced = moved, True
                 continue
             _accumulate(self.stats, res)
-            self._record(it, "Q", res.cost, ratios, seg)
+            self._record(it, "Q", res.cost, ratios, seg, expanded=res.expanded)
             best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap, self.recompute, self.states))
             key = tuple(res.program)
             if key in seen:
@@ -387,9 +387,12 @@ class Loop:
             self.states = self.states.with_shares(res.shares)
         return res.by_segment
 
-    def _record(self, it: int, step: str, cost: float, ratios: list[list[float]], seg: Segmentation) -> None:
+    def _record(self, it: int, step: str, cost: float, ratios: list[list[float]], seg: Segmentation,
+                **extra: Any) -> None:
+        """One history record (a Q step also records the states its search expanded: how much each
+        Q<->B iteration costs, issue 28)."""
         self.history.append({"iteration": it, "step": step, "predicted_time_s": cost, "ratios": ratios,
-                             "segments": seg.count, "overlap": self.overlap})
+                             "segments": seg.count, "overlap": self.overlap, **extra})
 
 
 def same_ratios(a: list[list[float]], b: list[list[float]], rel: float = 1e-9) -> bool:
