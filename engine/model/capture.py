@@ -575,6 +575,66 @@ def _h_unary(c: _Ctx) -> int:
     return c.emit(op, [c.tid(c.fx.args[0])], attrs, _UNARY_FLOPS.get(op, 1) * _numel(c.shape))
 
 
+def _h_clamp(c: _Ctx) -> int:
+    """clamp / clamp_min / clamp_max / hardtanh / relu6 with number bounds: one `clamp`."""
+    name = c.fx.target._opname
+    if name == "relu6":
+        low, high = 0, 6
+    elif name == "hardtanh":
+        low, high = _arg(c.fx, 1, "min_val", -1.0), _arg(c.fx, 2, "max_val", 1.0)
+    elif name == "clamp_min":
+        low, high = _arg(c.fx, 1, "min"), None
+    elif name == "clamp_max":
+        low, high = None, _arg(c.fx, 1, "max")
+    else:
+        low, high = _arg(c.fx, 1, "min"), _arg(c.fx, 2, "max")
+    if any(isinstance(v, torch.fx.Node) for v in (low, high)):
+        raise _Unsupported(f"aten.{name} with tensor bounds")
+    bounds = {"min": None if low is None else _scalar(low), "max": None if high is None else _scalar(high)}
+    return c.emit("clamp", [c.tid(c.fx.args[0])], bounds, _numel(c.shape))
+
+
+def _h_square(c: _Ctx) -> int:
+    return c.emit("pow", [c.tid(c.fx.args[0])], {"scalar": 2, "scalar_first": False}, _numel(c.shape))
+
+
+def _h_softplus(c: _Ctx) -> int:
+    attrs = {"beta": _scalar(_arg(c.fx, 1, "beta", 1.0)), "threshold": _scalar(_arg(c.fx, 2, "threshold", 20.0))}
+    return c.emit("softplus", [c.tid(c.fx.args[0])], attrs, 4 * _numel(c.shape))
+
+
+def _h_stack(c: _Ctx) -> int:
+    """stack = every operand unsqueezed at `dim` (a view), then cat: no rule of its own is needed."""
+    dim = _norm_dim(_arg(c.fx, 1, "dim", 0), len(c.shape))
+    parts = []
+    for k, t in enumerate(c.fx.args[0]):
+        x = c.node(t)
+        shape = x.shape[:dim] + (1,) + x.shape[dim:]
+        parts.append(c.emit("view", [x.id], {"shape": list(shape)}, name=f"{c.fx.name}_part{k}", shape=shape,
+                            dtype=x.dtype))
+    if len(parts) == 1:
+        return c.emit("identity", parts)
+    return c.emit("cat", parts, {"dim": dim})
+
+
+def _h_baddbmm(c: _Ctx) -> int:
+    """baddbmm(input, b1, b2, beta, alpha) = beta * input + alpha * (b1 @ b2) (ALiBi's attention scores):
+    a matmul, its scaling, then an add of the (broadcast) input."""
+    bias, b1, b2 = (c.node(a) for a in c.fx.args[:3])
+    beta, alpha = _scalar(_arg(c.fx, 3, "beta", 1)), _scalar(_arg(c.fx, 4, "alpha", 1))
+    flops = _numel(c.shape)
+    out = c.emit("matmul", [b1.id, b2.id], flops=2.0 * flops * b1.shape[-1], name=c.fx.name + "_mm")
+    if alpha != 1:
+        out = c.emit("mul", [out], {"scalar": alpha, "scalar_first": False}, flops, name=c.fx.name + "_alpha")
+    if beta == 0:
+        return c.emit("identity", [out])
+    term = bias.id
+    if beta != 1:
+        term = c.emit("mul", [bias.id], {"scalar": beta, "scalar_first": False}, _numel(bias.shape),
+                      name=c.fx.name + "_beta", shape=bias.shape, dtype=bias.dtype)
+    return c.emit("add", [out, term], flops=flops)
+
+
 def _h_view(c: _Ctx) -> int:
     x = c.node(c.fx.args[0])
     if x.shape == c.shape:
@@ -870,7 +930,9 @@ _HANDLERS.update({
 })
 _HANDLERS.update({
     "cat": _h_cat, "concat": _h_cat, "slice": _h_slice, "narrow": _h_narrow, "select": _h_select,
-    "expand": _h_expand, "broadcast_to": _h_expand,
+    "expand": _h_expand, "broadcast_to": _h_expand, "stack": _h_stack, "baddbmm": _h_baddbmm,
+    "clamp": _h_clamp, "clamp_min": _h_clamp, "clamp_max": _h_clamp, "hardtanh": _h_clamp, "relu6": _h_clamp,
+    "softplus": _h_softplus, "square": _h_square,
 })
 _SPLITS: dict[str, Callable[[_Ctx], list[int | None]]] = {
     "split": _m_split, "split_with_sizes": _m_split, "chunk": _m_split, "unbind": _m_unbind,

@@ -254,6 +254,8 @@ def _arange(node: Node, inputs: Sequence[Tensor]) -> Tensor:
 
 
 _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
+    "clamp": lambda n, x: torch.clamp(x[0], n.attrs["min"], n.attrs["max"]),
+    "softplus": lambda n, x: F.softplus(x[0], n.attrs["beta"], n.attrs["threshold"]),
     "einsum": lambda n, x: torch.einsum(n.attrs["equation"], *x),
     "topk_values": _topk, "topk_indices": _topk,
     "one_hot": lambda n, x: F.one_hot(x[0], n.attrs["num_classes"]),

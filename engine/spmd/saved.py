@@ -42,7 +42,7 @@ ALIAS_OPS = frozenset({"view", "permute", "expand", "narrow", "select", "identit
 copy and is not one of them)."""
 SAVES_OUTPUT = frozenset({"relu", "tanh", "sigmoid", "exp", "rsqrt", "sqrt", "softmax", "log_softmax"})
 """Operators whose backward reads their result."""
-SAVES_OPERANDS = frozenset({"gelu", "silu", "cos", "sin", "pow", "layer_norm", "batch_norm", "cross_entropy",
+SAVES_OPERANDS = frozenset({"gelu", "silu", "cos", "sin", "pow", "clamp", "softplus", "layer_norm", "batch_norm", "cross_entropy",
                             "mse_loss", "avg_pool", "adaptive_avg_pool"})
 """Operators whose backward reads their operands (a norm's weight and bias are leaves: state, not here;
 cross-entropy keeps a log-softmax of the logits' size)."""

@@ -25,7 +25,7 @@ NONLINEAR_BINARY = ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_
 
 
 @rule("relu", "gelu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity", "dropout", "cos", "sin",
-      "logical_not")
+      "logical_not", "clamp", "softplus")
 def unary_rules(node: Node, graph: Graph) -> list[OpRule]:
     rules = [replicate(node)] + [OpRule("shard", (d,), d) for d in range(node.rank)]
     if node.op in _LINEAR_UNARY and "dtype" not in node.attrs:  # a cast is not linear (it rounds)

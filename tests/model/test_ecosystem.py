@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from conftest import cluster_dict, sample_path
 from test_cli import assert_one_line_error
 
@@ -170,3 +171,31 @@ class StarArgs(nn.Module):
 def test_positional_inputs_keep_forwards_names_or_stay_positional_for_star_args() -> None:
     g = engine.load_model(StarArgs(), (torch.randn(4, 3),))
     assert [n.attrs["index"] for n in g.placeholders] == [0] and g.name == "StarArgs"
+
+
+class CoreOps(nn.Module):
+    """Operators of issue 29's list that now lower: stack (interleaved rotary), baddbmm (ALiBi scores),
+    softplus (Mamba), clamp / hardtanh / ReLU6 (MobileNetV2)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.k = nn.Linear(8, 8)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        q, k = self.q(x), self.k(x)
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), beta=0.5, alpha=0.25)  # ALiBi-style
+        mixed = torch.stack([q, F.softplus(k, beta=2.0, threshold=1.0)], dim=-1).flatten(-2)  # interleaved
+        h = F.hardtanh(mixed, -0.5, 0.75) + F.relu6(mixed) + torch.clamp(mixed, min=-0.1) + mixed.clamp(max=0.2)
+        return (self.out(h) * scores.softmax(-1).sum(-1, keepdim=True)).square().mean()
+
+
+def test_stack_baddbmm_softplus_and_clamps_lower_to_ruled_operators_that_compute_the_same() -> None:
+    torch.manual_seed(0)
+    module = CoreOps().double()
+    inputs = (torch.randn(2, 5, 8, dtype=torch.float64), torch.randn(2, 1, 5, dtype=torch.float64))
+    graph = engine.load_model(module, inputs, fallback="strict")
+    assert {"clamp", "softplus", "cat", "matmul"} <= {n.op for n in graph.nodes}
+    assert all(op_rules(n, graph) for n in graph.nodes if not n.is_leaf)
+    assert torch.allclose(interpret(graph, module, inputs), module(*inputs), rtol=1e-12, atol=1e-12)

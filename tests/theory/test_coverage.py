@@ -110,7 +110,7 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand",
         "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm", "einsum", "topk_values", "topk_indices",
         "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "where",
-        "index_add", "scatter_add", "histc", "roll"}
+        "index_add", "scatter_add", "histc", "roll", "clamp", "softplus"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -123,6 +123,8 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     **{op: ([(3, 4)], {}) for op in ("relu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity",
                                      "cos", "sin", "logical_not")},
     "gelu": ([(3, 4)], {"approximate": "none"}),
+    "clamp": ([(3, 4)], {"min": -0.25, "max": 0.5}),
+    "softplus": ([(3, 4)], {"beta": 2.0, "threshold": 1.0}),
     "dropout": ([(3, 4)], {"p": 0.1, "train": False}),
     **{op: ([(3, 4), (4,)], {}) for op in ("add", "sub", "mul", "div")},
     "linear": ([(2, 3, 4), (5, 4)], {}),
