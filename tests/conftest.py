@@ -24,6 +24,20 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: the workers share the co
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "sample_clusters"
 GIB = 2**30
+
+TWO_VIRTUAL_MACHINES = {
+    "schema_version": 1, "name": "two_machines",
+    "devices": [
+        {"name": "fast", "gpu_model": "A100-SXM4-40GB", "machine": "m0", "num_gpus": 2, "flops_per_gpu": 4e10,
+         "memory_bytes_per_gpu": 8 * 2**30, "intra_bandwidth_Bps": 3e10},
+        {"name": "slow", "gpu_model": "P100-PCIE-16GB", "machine": "m1", "num_gpus": 2, "flops_per_gpu": 2e10,
+         "memory_bytes_per_gpu": 8 * 2**30, "intra_bandwidth_Bps": 1e10},
+    ],
+    "network": {"latency_s": 5e-5, "bandwidth_Bps": {"inter_machine": 2e9}},
+}
+"""Two machines of 2 GPUs each as virtual devices (like hap_paper_testbed_machines, smaller): plans on them
+are expanded to one rank per GPU (engine.expand_to_gpus)."""
+
 SERIAL_FILES = ("tests/runner/test_runner_timing.py", "tests/runner/test_slurm.py")
 """Where the `serial` tests live: `make test`'s second pass collects these files only (wall-clock measurements,
 and the real Slurm, whose daemons are one per machine)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+from conftest import TWO_VIRTUAL_MACHINES
 from ui_helpers import (ROOT, TINY_GPT, app, cpu_cluster, no_exception, open_page, tiny_graph,  # noqa: F401 (fixtures)
                         tiny_plan)
 
@@ -122,17 +123,7 @@ def test_browser_messages_lose_cli_prefixes_and_flags():
     assert services.browser_message("PlanError: no such device") == "No such device."
 
 
-MACHINES = {
-    "schema_version": 1, "name": "two_machines",
-    "devices": [
-        {"name": "fast", "gpu_model": "A100-SXM4-40GB", "machine": "m0", "num_gpus": 2, "flops_per_gpu": 4e10,
-         "memory_bytes_per_gpu": 8 * 2**30, "intra_bandwidth_Bps": 3e10},
-        {"name": "slow", "gpu_model": "P100-PCIE-16GB", "machine": "m1", "num_gpus": 2, "flops_per_gpu": 2e10,
-         "memory_bytes_per_gpu": 8 * 2**30, "intra_bandwidth_Bps": 1e10},
-    ],
-    "network": {"latency_s": 5e-5, "bandwidth_Bps": {"inter_machine": 2e9}},
-}
-"""Two machines of 2 GPUs each, as virtual devices (like the default hap_paper_testbed_machines, smaller)."""
+MACHINES = TWO_VIRTUAL_MACHINES
 
 
 @functools.cache

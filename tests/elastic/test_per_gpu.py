@@ -4,22 +4,14 @@ from __future__ import annotations
 import functools
 
 import pytest
+from conftest import TWO_VIRTUAL_MACHINES
 
 import engine
 from engine.bundle.archive import check_runnable
 from engine.cluster.per_gpu import per_gpu_cluster
 
 TINY_GPT = dict(layers=1, hidden=32, heads=4, ffn=64, vocab=64, seq_len=8, batch=12)
-MACHINES = {
-    "schema_version": 1, "name": "two_machines",
-    "devices": [
-        {"name": "fast", "gpu_model": "A100-SXM4-40GB", "machine": "m0", "num_gpus": 2, "flops_per_gpu": 4e10,
-         "memory_bytes_per_gpu": 8 * 2**30, "intra_bandwidth_Bps": 3e10},
-        {"name": "slow", "gpu_model": "P100-PCIE-16GB", "machine": "m1", "num_gpus": 2, "flops_per_gpu": 2e10,
-         "memory_bytes_per_gpu": 8 * 2**30, "intra_bandwidth_Bps": 1e10},
-    ],
-    "network": {"latency_s": 5e-5, "bandwidth_Bps": {"inter_machine": 2e9}},
-}
+MACHINES = TWO_VIRTUAL_MACHINES
 
 
 @functools.cache
