@@ -371,7 +371,7 @@ class Loop:
             self._record(it, "B", cost, moved, seg)
             best = _better(best, Candidate(res.program, moved, cost, seg, self.overlap, self.recompute, self.states))
             if same_ratios(moved, ratios):
-                break  # B did not move: Q(s+1) = argmin t(Q, B(s)) = Q(s), the loop's fixed point (issue 28)
+                break  # B did not move: the next search would run at the same ratios (the loop's fixed point, issue 28)
             ratios, incumbent = moved, res.program
         return best
 

@@ -788,7 +788,7 @@ class _Mode:
         for row in events:  # a slot finishes before the next (in launch order, the one used earlier) starts
             row.sort(key=lambda e: -e[0])
         search.slot_events = events
-        self.zero = (0.0,) * len(self.cm.classes)
+        self.zero = search.zero_times
 
     def half_time(self, key: str, t: int, segments: tuple[int, ...]) -> float:
         return self.search.terms.half_time(key, t, segments)
