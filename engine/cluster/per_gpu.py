@@ -2,20 +2,16 @@
 
 A virtual device (`Device.num_gpus` > 1) is a machine whose GPUs run data parallel inside (HAP §3);
 the runner starts one process per plan device, so a plan on virtual devices runs only after it is
-expanded to one rank per GPU (`engine.elastic.per_gpu`). The new devices are named like a `count`
-entry of the cluster JSON (`<name>-0` .. `<name>-{k-1}`), keep the machine, group and per-GPU
-figures, and talk at the virtual device's `intra_bandwidth_Bps` inside their machine.
+expanded to one rank per GPU (`engine.elastic.per_gpu`). Each virtual device becomes a `count` entry
+of the cluster JSON, so the spec's own expansion names the new devices (`<name>-0` .. `<name>-{k-1}`);
+they keep the machine, group and per-GPU figures, and talk at the virtual device's
+`intra_bandwidth_Bps` inside their machine.
 """
 from __future__ import annotations
 
 from typing import Any
 
 from engine.cluster.spec import Cluster, Device
-
-
-def gpu_names(device: Device) -> list[str]:
-    """Names of a device's GPUs in the per-GPU cluster (the device's own name when it has one GPU)."""
-    return [device.name] if device.num_gpus == 1 else [f"{device.name}-{j}" for j in range(device.num_gpus)]
 
 
 def per_gpu_cluster(cluster: Cluster) -> Cluster:
@@ -31,7 +27,7 @@ def per_gpu_cluster(cluster: Cluster) -> Cluster:
     d["name"] = f"{cluster.name}_per_gpu"
     d["description"] = f"{cluster.name} with each virtual device split into its GPUs, one device per GPU. " \
                        + cluster.description
-    d["devices"] = [_one_gpu(dev.to_dict(), name) for dev in cluster.devices for name in gpu_names(dev)]
+    d["devices"] = [_one_gpu(dev) for dev in cluster.devices]
     levels = dict(cluster.network.bandwidth_Bps)
     intra = [dev.intra_bandwidth_Bps for dev in virtual] + ([levels["intra_machine"]] if "intra_machine" in levels else [])
     levels["intra_machine"] = min(intra)
@@ -39,5 +35,7 @@ def per_gpu_cluster(cluster: Cluster) -> Cluster:
     return Cluster.from_dict(d)
 
 
-def _one_gpu(device: dict[str, Any], name: str) -> dict[str, Any]:
-    return {**device, "name": name, "num_gpus": 1}
+def _one_gpu(device: Device) -> dict[str, Any]:
+    """A device's JSON entry with one GPU per device: `count` of them for a virtual device."""
+    entry = device.to_dict()
+    return entry if device.num_gpus == 1 else {**entry, "num_gpus": 1, "count": device.num_gpus}
