@@ -33,7 +33,7 @@ from engine.bundle.grammar import digest_arg
 from engine.bundle.launch_files import cluster_launch_warnings
 from engine.errors import HapError
 from engine.options import GRAD_DTYPES, OPTIMIZERS, PARALLELISMS, PLAN_OVERLAPS, PRECISIONS, RECOMPUTE, PlanOptions
-from engine.planner import BASELINES, OVERLAP_MEANING, PARALLELISM_MEANING
+from engine.planner import BASELINES, OVERLAP_MEANING, PARALLELISM_MEANING, SPMD_ON, spmd_alternatives
 from engine.spmd.utilisation import percent
 
 GIB = 2**30
@@ -98,7 +98,7 @@ def _report(plan, baselines: dict[str, float | None], cluster) -> str:
 
     lines = [f"model {plan.graph.name}: {plan.graph.num_parameters / 1e6:.1f}M parameters, "
              f"{len(plan.graph)} nodes; cluster {cluster.name}: {cluster.num_devices} devices",
-             plan.utilisation.line(), ""]
+             plan.utilisation.line(), f"devices: the plan {plan.device_use.line()}", ""]
     rows = [["strategy", "predicted iteration", "speed-up of hap", "MFU"]]
     rows.append(["hap", f"{plan.predicted_time_s * 1e3:.2f} ms", "", percent(plan.mfu)])
     batch_of_one = unsplittable_input(plan.graph)
@@ -243,14 +243,15 @@ def _pipeline_report(pipe, graph, cluster) -> str:
     """Stages (devices, layers, warm-up, program), boundaries, every schedule's time and peak memory, and the SPMD time."""
 
     lines = [f"model {graph.name}: {graph.num_parameters / 1e6:.1f}M parameters, {len(graph)} nodes; "
-             f"cluster {cluster.name}: {cluster.num_devices} devices", pipe.utilisation.line(), ""]
-    times = pipe.search.get("parallelism_s", {})
+             f"cluster {cluster.name}: {cluster.num_devices} devices", pipe.utilisation.line(),
+             f"devices: the pipeline {pipe.device_use.line()}", ""]
     rows = [["parallelism", "predicted iteration", "speed-up of the pipeline", "MFU"],
             ["pipeline", f"{pipe.predicted_s * 1e3:.2f} ms", "", percent(pipe.mfu)]]
-    if "spmd" in times:
-        rows.append(["spmd (best HAP plan)", f"{times['spmd'] * 1e3:.2f} ms", f"{times['spmd'] / pipe.predicted_s:.2f}x",
-                     percent(pipe.utilisation.mfu_at(times["spmd"]))])
+    rows += [[alt.label, f"{alt.predicted_time_s * 1e3:.2f} ms", f"{alt.predicted_time_s / pipe.predicted_s:.2f}x",
+              percent(pipe.utilisation.mfu_at(alt.predicted_time_s))] for alt in spmd_alternatives(pipe)]
     lines += [_table(rows), ""]
+    lines += [f"SPMD on {', '.join(r['devices'])} alone: {r['skipped']}" for r in pipe.search.get(SPMD_ON, [])
+              if "skipped" in r]
     lines += [f"spmd: {why}" for k, why in pipe.search.get("parallelism_skipped", {}).items() if k == "spmd"]
     lines.append(f"parallelism: pipeline ({PARALLELISM_MEANING['pipeline']}); schedule {pipe.schedule}, "
                  f"B = {pipe.microbatches} microbatches, t_max {pipe.t_max_s * 1e3:.3f} ms per microbatch")

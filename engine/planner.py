@@ -3,7 +3,9 @@
 `plan(model, cluster, ...)` builds one `PlanOptions` and dispatches on `options.parallelism`:
 `spmd` (default) is HAP's Q<->B iteration (`engine.spmd.iteration.plan_spmd`); `pipeline` is
 HAPT's stage partitioning with HAP inside every stage (`engine.pipeline.hapt.plan_pipeline`); `auto`
-plans both and keeps the faster prediction (SPMD on a tie). Both kinds implement `AnyPlan`, and
+plans both and keeps the faster prediction (SPMD on a tie). When the pipeline it keeps leaves devices
+idle, `auto` also prices SPMD on each sub-cluster the pipeline uses and on its own devices
+(`spmd_alternatives`), so the pipeline's speed-up is against the best SPMD plan on the same hardware. Both kinds implement `AnyPlan`, and
 `load_plan` reads either back, validated.
 
 The baselines (`ddp`, `dp-even`, `dp-proportional`, `evaluate`) are data parallelism priced as
@@ -12,7 +14,7 @@ PyTorch DDP runs it, by the same cost model (`engine.spmd.baselines`).
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,6 +24,7 @@ from engine.model.graph import Graph
 from engine.options import PARALLELISMS, PlanOptions, options_of
 from engine.pipeline.hapt import plan_pipeline
 from engine.pipeline.plan import PIPELINE_PLAN_KIND, PipelinePlan, pipeline_plan_from_dict
+from engine.pipeline.stage_cost import group_cluster, sub_clusters
 from engine.spmd.baselines import (BASELINE_OVERLAP, BASELINES, Candidate, baseline_ratios, data_parallel, oom_message,
                                    unsplittable_input)
 from engine.spmd.cost import CostModel
@@ -29,11 +32,11 @@ from engine.spmd.iteration import Progress, make_plan, plan_spmd
 from engine.spmd.plan import PLAN_KIND, Plan, read_plan_json
 from engine.spmd.precision import check_rates
 from engine.spmd.segments import Segmentation
-from engine.spmd.utilisation import Utilisation
+from engine.spmd.utilisation import DeviceUse, Utilisation, name_runs
 from engine.spmd.validate import _shown, plan_from_dict
 
-__all__ = ["AnyPlan", "plan", "evaluate", "load_plan", "BASELINES", "PARALLELISMS", "PARALLELISM_MEANING",
-           "OVERLAP_MEANING"]
+__all__ = ["AnyPlan", "plan", "evaluate", "load_plan", "spmd_alternatives", "SpmdAlternative", "BASELINES",
+           "PARALLELISMS", "PARALLELISM_MEANING", "OVERLAP_MEANING"]
 
 PARALLELISM_MEANING = {"spmd": "every device runs every layer on its share of the batch (HAP)",
                        "pipeline": "layers in stages on device groups, microbatches through them (HAPT)"}
@@ -75,6 +78,11 @@ class AnyPlan(Protocol):
 
     @property
     def utilisation(self) -> Utilisation: ...
+
+    @property
+    def device_use(self) -> DeviceUse:
+        """The devices the plan runs work on and those it leaves idle."""
+        ...
 
     @property
     def compute_bound_s(self) -> float | None: ...
@@ -148,14 +156,17 @@ def _plan_auto(graph: Graph, cluster: Cluster, options: PlanOptions, progress: P
                start: float) -> Plan | PipelinePlan:
     """The faster of the best pipeline and the best SPMD plan; the pipeline DP first (no deadline),
     then the SPMD search in what is left of the budget. Either kind may have no plan (InfeasibleError):
-    the other is returned with the reason recorded; with neither, the SPMD error is raised."""
+    the other is returned with the reason recorded; with neither, the SPMD error is raised. A pipeline that
+    leaves devices idle is also measured against SPMD on the hardware it uses (`SPMD_ON`): the time left is
+    shared among those searches."""
     skipped: dict[str, str] = {}
     budget = options.time_budget_s
     try:
         pipe = plan_pipeline(graph, cluster, options.with_budget(None if budget is None else budget / 2))
     except InfeasibleError as e:
         pipe, skipped["pipeline"] = None, str(e)
-    left = None if budget is None else max(0.05, budget - (time.perf_counter() - start))
+    idle_sets = _pipeline_device_sets(cluster, pipe) if pipe is not None else []
+    left = _left(budget, start, 2 if idle_sets else 1)
     try:
         spmd = plan_spmd(graph, cluster, replace(options, time_budget_s=left, microbatches=None), progress)
     except InfeasibleError as e:
@@ -163,13 +174,74 @@ def _plan_auto(graph: Graph, cluster: Cluster, options: PlanOptions, progress: P
             raise
         spmd, skipped["spmd"] = None, str(e)
     times = {k: p.predicted_time_s for k, p in (("spmd", spmd), ("pipeline", pipe)) if p is not None}
-    stats = {"parallelism_request": "auto", "parallelism_s": times, "parallelism_skipped": skipped,
-             "parallelism_elapsed_s": time.perf_counter() - start}
+    stats = {"parallelism_request": "auto", "parallelism_s": times, "parallelism_skipped": skipped}
     if spmd is not None and (pipe is None or spmd.predicted_time_s <= pipe.predicted_s):
-        spmd.search.update({**stats, "options": options.to_dict()})
+        spmd.search.update({**stats, "options": options.to_dict(), "parallelism_elapsed_s": time.perf_counter() - start})
         return spmd
     assert pipe is not None
-    return _with_search(pipe, graph, cluster, options, stats)
+    stats[SPMD_ON] = [_spmd_on(graph, cluster, devices, replace(options, time_budget_s=_left(budget, start, len(idle_sets) - k),
+                                                                microbatches=None))
+                      for k, devices in enumerate(idle_sets)]
+    return _with_search(pipe, graph, cluster, options, {**stats, "parallelism_elapsed_s": time.perf_counter() - start})
+
+
+SPMD_ON = "spmd_on_devices"
+"""Key of `search` where `auto` records SPMD priced on the hardware a pipeline uses, when the pipeline leaves
+devices idle: a list of {"devices": [names], "predicted_time_s": seconds} or {"devices", "skipped": why}."""
+
+
+def _left(budget: float | None, start: float, searches: int) -> float | None:
+    """A fair share of what is left of the time budget for the next of `searches` searches (at least 0.05 s)."""
+    return None if budget is None else max(0.05, (budget - (time.perf_counter() - start)) / max(1, searches))
+
+
+def _pipeline_device_sets(cluster: Cluster, pipe: PipelinePlan) -> list[tuple[int, ...]]:
+    """When `pipe` leaves devices idle: each sub-cluster its stages use, and the devices it uses, as rank tuples
+    (each once, the whole cluster left out: SPMD on it is priced anyway). Empty when it uses every device."""
+    used = tuple(sorted({j for s in pipe.stages for j in s.devices}))
+    if len(used) == cluster.num_devices:
+        return []
+    names = {s.sub_cluster for s in pipe.stages}
+    sets = [sub.devices for sub in sub_clusters(cluster) if sub.name in names] + [used]
+    return [d for d in dict.fromkeys(sets) if len(d) < cluster.num_devices]
+
+
+def _spmd_on(graph: Graph, cluster: Cluster, devices: tuple[int, ...], options: PlanOptions) -> dict[str, Any]:
+    """SPMD (HAP) on `devices` of the cluster alone: its predicted time, or why no plan fits there."""
+    names = [cluster.devices[j].name for j in devices]
+    try:
+        return {"devices": names, "predicted_time_s": plan_spmd(graph, group_cluster(cluster, devices), options).predicted_time_s}
+    except InfeasibleError as e:
+        return {"devices": names, "skipped": str(e)}
+
+
+@dataclass(frozen=True)
+class SpmdAlternative:
+    """An SPMD plan priced on some of the plan's hardware: what a pipeline's speed-up is measured against."""
+
+    devices: tuple[str, ...]
+    predicted_time_s: float
+    whole_cluster: bool
+
+    @property
+    def label(self) -> str:
+        """'SPMD on all 16 devices' or 'SPMD on a100-0 to a100-7 alone (8 devices)'."""
+        if self.whole_cluster:
+            return f"SPMD on all {len(self.devices)} devices"
+        return f"SPMD on {name_runs(self.devices)} alone ({len(self.devices)} device{'s' if len(self.devices) > 1 else ''})"
+
+
+def spmd_alternatives(plan: Any) -> list[SpmdAlternative]:
+    """The SPMD plans `parallelism="auto"` priced beside a pipeline plan, fastest first: on the whole cluster and,
+    when the pipeline leaves devices idle, on each sub-cluster it uses and on its own devices. Empty for a plan
+    made without `auto`."""
+    out = []
+    whole = plan.search.get("parallelism_s", {}).get("spmd")
+    if whole is not None:
+        out.append(SpmdAlternative(tuple(plan.device_names), whole, True))
+    out += [SpmdAlternative(tuple(r["devices"]), r["predicted_time_s"], False)
+            for r in plan.search.get(SPMD_ON, []) if "predicted_time_s" in r]
+    return sorted(out, key=lambda a: a.predicted_time_s)
 
 
 def _with_search(pipe: PipelinePlan, graph: Graph, cluster: Cluster, options: PlanOptions,

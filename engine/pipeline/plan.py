@@ -22,7 +22,7 @@ from engine.pipeline.schedule import SCHEDULES
 from engine.pipeline.stages import batch_of
 from engine.spmd.plan import Plan
 from engine.spmd.program import COMM, LOAD
-from engine.spmd.utilisation import Utilisation, Utilised, of_plan, recorded
+from engine.spmd.utilisation import DeviceUse, Utilisation, Utilised, of_plan, recorded
 from engine.spmd.recompute import describe
 from engine.spmd.validate import (RATIO_TOLERANCE, _check_cluster_field, _check_search_options, _fail, _is_int,
                                   _non_negative, _shown, _typed, check_utilisation_fields, plan_from_dict)
@@ -177,6 +177,11 @@ class PipelinePlan(Utilised):
         return of_plan(self.graph, self.peak_flops, self.predicted_s)
 
     @property
+    def device_use(self) -> DeviceUse:
+        """The devices of some stage; the rest of the cluster sits idle (the DP may leave machines out)."""
+        return DeviceUse.of(self.device_names, (j for s in self.stages for j in s.devices))
+
+    @property
     def options(self) -> PlanOptions:
         """The options the plan was made with (`search["options"]`; plans written before `PlanOptions`
         recorded none: the defaults of a pipeline with this plan's microbatches)."""
@@ -222,7 +227,7 @@ class PipelinePlan(Utilised):
         lines = [f"pipeline plan of {name} on {self.cluster_name} ({self.world_size} devices): {len(self.stages)} "
                  f"stages, {self.microbatches} microbatches, schedule {self.schedule}",
                  f"predicted iteration {self.predicted_s * 1e3:.2f} ms (t_max {self.t_max_s * 1e3:.2f} ms)",
-                 self.utilisation.detail(self.options.precision)]
+                 self.utilisation.detail(self.options.precision), self.device_use.line()]
         lines += [self.stage_line(i) for i in range(len(self.stages))]
         return "\n".join(lines)
 

@@ -19,7 +19,7 @@ from engine.spmd.program import Instruction
 from engine.spmd.recompute import describe
 from engine.spmd.segments import Segmentation
 from engine.spmd.sizes import shard_key
-from engine.spmd.utilisation import Utilisation, Utilised, of_plan, recorded
+from engine.spmd.utilisation import DeviceUse, Utilisation, Utilised, of_plan, recorded
 from engine.spmd.zero import StateSharding, from_record, summary_line
 
 PLAN_KIND = "hap.plan"
@@ -89,6 +89,11 @@ class Plan(Utilised):
     empty, and absent from the JSON, when none are."""
 
     @property
+    def device_use(self) -> DeviceUse:
+        """The devices that get a share of some segment's batch (all, unless the balancer gave one none)."""
+        return DeviceUse.of(self.device_names, (j for row in self.ratio_rows for j, r in enumerate(row) if r > 0))
+
+    @property
     def states(self) -> StateSharding | None:
         """The plan's sharded states for the cost model (None when none)."""
         return from_record(self.graph, self.shard_states)
@@ -146,7 +151,7 @@ class Plan(Utilised):
         lines = [f"{self.strategy} SPMD plan of {self.graph.name} on {self.cluster_name} ({self.world_size} devices)",
                  f"predicted iteration {self.predicted_time_s * 1e3:.2f} ms, overlap {self.overlap}, "
                  f"{self.segmentation.count} segment{'s' if self.segmentation.count > 1 else ''}",
-                 self.utilisation.detail(self.options.precision)]
+                 self.utilisation.detail(self.options.precision), self.device_use.line()]
         base = {k: v for k, v in self.search.get("baselines_s", {}).items() if isinstance(v, (int, float)) and v > 0}
         if base and self.predicted_time_s > 0:
             name = min(base, key=base.get)

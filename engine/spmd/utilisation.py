@@ -28,6 +28,8 @@ are None (unknown) until it is priced against a cluster again (`peak_flops(clust
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,3 +150,45 @@ def milliseconds(seconds: float) -> str:
     bound is not shown as 0."""
     ms = seconds * 1e3
     return f"{ms:.2f} ms" if abs(ms) >= 1 else f"{ms:.3g} ms"
+
+
+@dataclass(frozen=True)
+class DeviceUse:
+    """Which of the cluster's devices a plan runs work on, and which it leaves idle (a pipeline may use a
+    few groups; an SPMD plan gives every device a share). Said beside the predicted time, so a plan on
+    7 of 16 devices never reads as a plan on 16."""
+
+    used: tuple[str, ...]
+    idle: tuple[str, ...]
+
+    @classmethod
+    def of(cls, device_names: Sequence[str], used: Iterable[int]) -> "DeviceUse":
+        """The use of `device_names` (in rank order) when the ranks in `used` run work."""
+        ranks = set(used)
+        return cls(tuple(n for j, n in enumerate(device_names) if j in ranks),
+                   tuple(n for j, n in enumerate(device_names) if j not in ranks))
+
+    @property
+    def total(self) -> int:
+        return len(self.used) + len(self.idle)
+
+    def line(self) -> str:
+        """'uses 7 of 16 devices; idle: a100-7, v100-0 to v100-7' (or 'uses all 4 devices')."""
+        if not self.idle:
+            return f"uses all {self.total} devices"
+        return f"uses {len(self.used)} of {self.total} devices; idle: {name_runs(self.idle)}"
+
+
+def name_runs(names: Sequence[str]) -> str:
+    """Device names with runs of consecutive numbered names shortened: 'a100-7, v100-0 to v100-7'."""
+    parts: list[list[tuple[str, str]]] = []
+    for name in names:
+        m = re.fullmatch(r"(.*?)(\d+)", name)
+        head, num = (m.group(1), m.group(2)) if m else (name, "")
+        last = parts[-1][-1] if parts else None
+        if last and num and last[1] and last[0] == head and int(last[1]) + 1 == int(num):
+            parts[-1].append((head, num))
+        else:
+            parts.append([(head, num)])
+    return ", ".join("".join(run[0]) if len(run) == 1 else f"{''.join(run[0])} to {''.join(run[-1])}"
+                     for run in parts)
