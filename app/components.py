@@ -14,7 +14,7 @@ import pandas as pd
 
 from engine import Cluster, Graph, PipelinePlan, Plan
 from engine.compare import LANES, lane_figures
-from engine.planner import OVERLAP_MEANING  # noqa: F401 (pages show it)
+from engine.planner import OVERLAP_MEANING, spmd_alternatives  # noqa: F401 (pages show OVERLAP_MEANING)
 from engine.spmd.program import COMM, COMPUTE, LOAD
 from engine.spmd.utilisation import percent
 from engine.theory import COLLECTIVES, collectives_from, form_long, form_str, leaf_forms, op_rules
@@ -497,8 +497,8 @@ def pipeline_boundary_rows(plan: PipelinePlan) -> list[dict[str, Any]]:
 
 
 def pipeline_schedule_rows(plan: PipelinePlan) -> list[dict[str, Any]]:
-    """The plan's partition under every schedule (time, warm-up and peak memory per stage, fits),
-    and the SPMD plan's predicted time when the planner made one (`parallelism="auto"`)."""
+    """The plan's partition under every schedule (time, warm-up and peak memory per stage, fits), and the
+    SPMD plans the planner priced on the same hardware (`parallelism="auto"`: `engine.planner.spmd_alternatives`)."""
     rows = []
     for name, r in plan.schedules.items():
         row = {"strategy": f"pipeline, {name}", "predicted_ms": r.iteration_s * 1e3,
@@ -506,10 +506,9 @@ def pipeline_schedule_rows(plan: PipelinePlan) -> list[dict[str, Any]]:
                "warmup": " ".join(map(str, r.warmup)), "fits": r.fits, "plan": name == plan.schedule}
         row.update({f"stage {i} peak GiB": m / GIB for i, m in enumerate(r.peak_memory_bytes)})
         rows.append(row)
-    spmd = plan.search.get("parallelism_s", {}).get("spmd")
-    if spmd is not None:
-        rows.append({"strategy": "spmd (best HAP plan)", "predicted_ms": spmd * 1e3,
-                     "mfu": plan.utilisation.mfu_at(spmd), "warmup": "", "fits": True, "plan": False})
+    for alt in spmd_alternatives(plan):
+        rows.append({"strategy": alt.label, "predicted_ms": alt.predicted_time_s * 1e3,
+                     "mfu": plan.utilisation.mfu_at(alt.predicted_time_s), "warmup": "", "fits": True, "plan": False})
     return rows
 
 

@@ -16,7 +16,9 @@ if plan.parallelism == "pipeline":
                 "times: **GPipe** all forwards then all backwards; **1F1B** warm-up S - i + 1; **Eager-1F1B** "
                 "2(S - i) + 1; **H-1F1B** sized by each boundary's transfer time. More warm-up hides transfers but "
                 "holds more microbatches' activations: peak memory per stage is per GPU on its fullest device. "
-                "The SPMD row is the best SPMD (HAP) plan of the same search (`auto`).")
+                "The SPMD rows are the SPMD (HAP) plans of the same search (parallelism auto): on every device and, "
+                "where the pipeline leaves devices idle, on each sub-cluster it uses and on its own devices alone, "
+                f"so it is measured against the best plan on the same hardware. The pipeline {plan.device_use.line()}.")
     st.altair_chart(ui.pipeline_schedule_chart(rows), width="stretch")
     st.dataframe(pd.DataFrame(ui.in_percent(rows)), hide_index=True, width="stretch",
                  column_config={"predicted_ms": st.column_config.NumberColumn("predicted ms", format="%.3f"),

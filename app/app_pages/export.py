@@ -18,7 +18,7 @@ if out.plan is None:
 plan, cluster = out.plan, out.cluster
 pipeline = plan.parallelism == "pipeline"
 st.markdown(f"plan.json, cluster.json and the launch bundle are one set: the plan was made for cluster "
-            f"**{cluster.name}** ({plan.world_size} ranks, one per device).")
+            f"**{cluster.name}** ({plan.world_size} ranks, one per device). The plan {plan.device_use.line()}.")
 st.download_button("Download plan.json (pipeline)" if pipeline else "Download plan.json", services.plan_json(plan),
                    file_name="plan.json", mime="application/json", type="primary", key="export.plan")
 st.download_button("Download cluster.json", services.cluster_json(cluster), file_name="cluster.json",

@@ -4,20 +4,24 @@ import streamlit as st
 
 from app import components as ui
 from app import services
+from engine.planner import spmd_alternatives
 
 st.title("Plan")
 graph, cluster, plan = services.current_plan("plan")
 if plan.parallelism == "pipeline":
-    times = plan.search.get("parallelism_s", {})
     c = st.columns(4)
     c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
     c[1].metric("Stages", len(plan.stages))
     c[2].metric("Schedule, microbatches", f"{plan.schedule}, B = {plan.microbatches}")
-    if "spmd" in times:
-        c[3].metric("vs best SPMD plan", f"{times['spmd'] / plan.predicted_time_s:.2f}x faster",
-                    help=f"the best SPMD (HAP) plan: {ui.ms(times['spmd'])}")
+    if alternatives := spmd_alternatives(plan):
+        best, ratio = alternatives[0], alternatives[0].predicted_time_s / plan.predicted_time_s
+        c[3].metric("vs the best SPMD plan on this hardware", f"{ratio:.2f}x faster" if ratio >= 1 else
+                    f"{1 / ratio:.2f}x slower", help=f"the best of the SPMD (HAP) plans priced: {best.label}, "
+                    f"{ui.ms(best.predicted_time_s)}. Priced: " + "; ".join(
+                        f"{a.label} {ui.ms(a.predicted_time_s)}" for a in alternatives))
     for col, (label, value, why) in zip(st.columns(4), ui.utilisation_metrics(plan)):
         col.metric(label, value, help=why)
+    st.markdown(f"The pipeline {plan.device_use.line()}.")
     st.markdown("A **pipeline** plan (HAPT): each stage runs a run of layers on its own group of devices, with "
                 "HAP's plan of the stage inside the group (its **program**: data parallelism, or sharded weights "
                 "and collectives); microbatches flow through the stages and their activations (forward) and "
@@ -39,7 +43,8 @@ if plan.parallelism == "pipeline":
 base = {k: v for k, v in plan.search.get("baselines_s", {}).items() if v is not None}
 c = st.columns(4)
 c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
-c[1].metric("Devices", plan.world_size)
+use = plan.device_use
+c[1].metric("Devices used", f"{len(use.used)} of {use.total}", help=f"the plan {use.line()}")
 c[2].metric("Overlap", plan.overlap, help=ui.OVERLAP_MEANING[plan.overlap])
 if base:
     name = min(base, key=base.get)

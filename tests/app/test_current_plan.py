@@ -111,7 +111,8 @@ def test_export_set_of_a_plan_on_single_gpu_devices_is_the_plan_and_its_cluster(
 def test_export_page_says_plan_and_cluster_are_one_set(app, tiny_plan):
     at = open_page(app, "export")
     no_exception(at)
-    assert any("made for cluster **a100x2_p100x2** (4 ranks" in m.value for m in at.markdown)
+    assert any("made for cluster **a100x2_p100x2** (4 ranks, one per device). The plan uses all 4 devices."
+               in m.value for m in at.markdown)
     assert [b.proto.label for b in at.get("download_button")] == [
         "Download plan.json", "Download cluster.json", "Download launch bundle (zip)"]
 

@@ -15,6 +15,7 @@ def test_plan_page_shows_the_plan(app, tiny_plan):
     assert at.metric[0].value == ui.ms(tiny_plan.predicted_time_s)
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Overlap"] == tiny_plan.overlap
+    assert metrics["Devices used"] == "4 of 4"  # every plan says how many devices it uses (issue 30, item 3)
     base = tiny_plan.search["baselines_s"]
     best = min(base, key=lambda k: base[k])
     assert metrics[f"vs best baseline ({best})"] == f"{base[best] / tiny_plan.predicted_time_s:.2f}x faster"
