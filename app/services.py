@@ -40,8 +40,11 @@ DEFAULT_ZOO = "gpt"
 DEFAULT_KNOBS: dict[str, Any] = {"layers": 4, "hidden": 512, "heads": 8, "ffn": 2048, "vocab": 16384,
                                  "seq_len": 128, "batch": 32}
 """A GPT small enough to plan in a couple of seconds, big enough to need more than data parallelism."""
-DEFAULT_CLUSTER = "hap_paper_testbed_machines.json"
-"""The paper's testbed (§7.1) as 8 virtual devices: plans in seconds, pictures stay readable."""
+DEFAULT_CLUSTER = "a100x2_p100x2.json"
+"""HAP §2.4's small heterogeneous cluster (2 A100 + 2 P100, one device per GPU): its plans export as they are
+and run here as 4 CPU ranks."""
+PAPER_TESTBED = "hap_paper_testbed_machines.json"
+"""The paper's testbed (§7.1) as 8 virtual devices, one click from the first screen."""
 DEFAULT_BUDGET_S = 10.0
 REPORT_EVERY = 64
 """Expansions between two progress reports of the search (a point of the frontier chart)."""
@@ -356,6 +359,25 @@ def pipeline_gantt(key: str, schedule: str, _plan: PipelinePlan) -> list[dict[st
     warmup = tuple(s.warmup for s in _plan.stages) if schedule == _plan.schedule else None
     run = engine_schedule.run_schedule(pipe, schedule, warmup=warmup)
     return ui.pipeline_rows(run.timeline.rows(), len(_plan.stages))
+
+
+@st.cache_data(max_entries=16)
+def ratio_reason(key: str, cluster_fp: str, _plan: Plan, _cluster: Cluster) -> engine_compare.RatioReason:
+    """Why the plan's ratios look as they do (`engine.compare.ratio_reason`, cached on plan and cluster hashes)."""
+    return engine_compare.ratio_reason(_plan, _cluster)
+
+
+def plan_on_sample(name: str) -> None:
+    """Make the sample cluster `name` current and plan the current model on it with the session plan's options
+    (the first screen's one click to the paper's testbed)."""
+    ss = st.session_state
+    cluster = sample_cluster(name)
+    ss[Keys.BASE] = ss[Keys.CLUSTER] = cluster
+    ss[Keys.CLUSTER_SOURCE] = f"sample_clusters/{name}"
+    graph, _, plan = current()
+    options = plan.options if plan is not None else plan_options(DEFAULT_BUDGET_S)
+    with st.spinner(f"Planning the current model on {cluster.name} ..."):
+        set_plan(run_plan(graph, cluster, options))
 
 
 @st.cache_data(show_spinner="Comparing with the baselines and the ablations ...", max_entries=16)

@@ -378,3 +378,67 @@ def schedule_spans(schedule: Schedule) -> list[tuple[str, str, float, float]]:
         if lane in LANES and device:
             out.append((device, lane, s.start_s, s.end_s))
     return out
+
+
+SHAPE_TOLERANCE = 0.2
+"""How close (as a share of the spread between even and FLOP/s-proportional ratios) ratios must be to one
+of the two to be called by its name."""
+
+
+@dataclass(frozen=True)
+class RatioReason:
+    """Why an SPMD plan's ratios look as they do, read off its own figures: how far they are from even and from
+    FLOP/s-proportional shares, and how much of the predicted iteration is communication no computation hides."""
+
+    ratios: tuple[float, ...]
+    """The plan's shares (its first segment), in device order."""
+    proportional: tuple[float, ...]
+    """Shares proportional to each device's FLOP/s in the plan's precision."""
+    communication_share: float
+    """Communication not hidden behind computation over the predicted iteration, on the device with most of it."""
+
+    @property
+    def shape(self) -> str:
+        """"even", "proportional" (to FLOP/s), "alike" (the devices compute alike: both are even) or "between"."""
+        n = len(self.ratios)
+        spread = max(abs(p - 1 / n) for p in self.proportional)
+        if spread < 1e-6:
+            return "alike"
+        to_even = max(abs(r - 1 / n) for r in self.ratios) / spread
+        to_prop = max(abs(r - p) for r, p in zip(self.ratios, self.proportional)) / spread
+        return "even" if to_even <= SHAPE_TOLERANCE else "proportional" if to_prop <= SHAPE_TOLERANCE else "between"
+
+    @property
+    def bound(self) -> str:
+        """"communication" when exposed communication is at least half the iteration, else "compute"."""
+        return "communication" if self.communication_share >= 0.5 else "compute"
+
+    def sentence(self) -> str:
+        """One or two sentences for the first screen, e.g. 'Communication-bound: ratios even. ...'."""
+        part = "under 1%" if self.communication_share < 0.005 else f"{self.communication_share:.0%}"
+        share = f"{part} of the predicted iteration is communication that computation does not hide"
+        low, high = min(self.ratios), max(self.ratios)
+        span = f"{low:.3g} each" if high - low < 5e-4 else f"{low:.3g} to {high:.3g}"
+        flops = f"{min(self.proportional):.3g} to {max(self.proportional):.3g}"
+        head = f"{self.bound.capitalize()}-bound: "
+        if self.shape == "alike":
+            return f"{head}ratios even ({span}): the devices compute alike, so each takes the same share; {share}."
+        if self.shape == "even":
+            return (f"{head}ratios even ({span}) although the devices' FLOP/s would give {flops}: {share}, and that "
+                    "costs every device the same, so moving work to the faster ones would save little.")
+        if self.shape == "proportional":
+            return (f"{head}ratios follow the devices' FLOP/s ({span}), so every device finishes its computation at "
+                    f"the same time; {share}.")
+        return (f"{head}ratios {span}, between even and the devices' FLOP/s ({flops}): the load balancer (HAP §5.1) "
+                f"weighs the faster devices' computation against what each share costs to communicate; {share}.")
+
+
+def ratio_reason(the_plan: Plan, cluster: Cluster) -> RatioReason:
+    """Why `the_plan`'s ratios look as they do on `cluster` (the one it was made for; devices joined by name)."""
+    by_name = {d.name: d for d in cluster.devices}
+    precision = the_plan.options.precision
+    flops = [d.num_gpus * (d.flops_per_gpu_in(precision) or d.flops_per_gpu)
+             for d in (by_name[n] for n in the_plan.device_names)]
+    figures = lane_figures(schedule_spans(predicted_schedule(the_plan, cluster)))
+    exposed = max(((f.network_s - f.overlapped_s) / f.span_s for f in figures if f.span_s > 0), default=0.0)
+    return RatioReason(tuple(the_plan.ratio_rows[0]), tuple(f / sum(flops) for f in flops), exposed)

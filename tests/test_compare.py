@@ -126,3 +126,24 @@ def test_what_if_predicts_and_replans(setting):
     assert w.replanned_s <= w.same_plan_s * (1 + 1e-9)
     assert w.replanned.cluster_fingerprint == w.cluster.fingerprint() != cluster.fingerprint()
     assert w.replanned.search["overlap_request"] == plan.search["overlap_request"] == "auto"
+
+
+def test_ratio_reason_reads_the_shape_and_the_bound_off_the_plans_figures(setting):
+    """Issue 30, item 5: why the first screen's ratios look as they do, derived from the plan, not written in."""
+    graph, cluster, plan = setting
+    reason = compare.ratio_reason(plan, cluster)
+    assert reason.ratios == tuple(plan.ratio_rows[0])
+    assert reason.proportional == pytest.approx(tuple(proportional_ratios(cluster)))
+    assert 0 <= reason.communication_share <= 1
+    assert reason.sentence().startswith(f"{reason.bound.capitalize()}-bound: ratios ")
+    prop = (0.4, 0.4, 0.1, 0.1)
+    even = compare.RatioReason((0.25,) * 4, prop, 0.8)
+    assert (even.shape, even.bound) == ("even", "communication")
+    assert even.sentence().startswith("Communication-bound: ratios even (0.25 each) although the devices' FLOP/s "
+                                      "would give 0.1 to 0.4: 80% of the predicted iteration is communication")
+    follows = compare.RatioReason((0.39, 0.39, 0.11, 0.11), prop, 0.1)
+    assert (follows.shape, follows.bound) == ("proportional", "compute")
+    assert follows.sentence().startswith("Compute-bound: ratios follow the devices' FLOP/s (0.11 to 0.39)")
+    assert compare.RatioReason((0.3, 0.3, 0.2, 0.2), prop, 0.002).shape == "between"
+    assert "under 1% of the predicted iteration" in compare.RatioReason((0.3, 0.3, 0.2, 0.2), prop, 0.002).sentence()
+    assert compare.RatioReason((0.5, 0.5), (0.5, 0.5), 0.6).shape == "alike"

@@ -4,9 +4,27 @@ import streamlit as st
 
 from app import components as ui
 from app import services
+from engine import HapError
 from engine.planner import spmd_alternatives
 
 st.title("Plan")
+st.markdown("The **HAP workbench** plans the training of one model on a cluster of unlike GPUs. It searches for the "
+            "program every device runs (which tensors to shard, where the collectives go) and the share of the work "
+            "each device gets (HAP, EuroSys '24), and predicts how long one training iteration takes.")
+steps = st.columns(3)
+for col, (page, label) in zip(steps, (("model", "1. Model: a zoo model, a Hugging Face class or your file"),
+                                      ("cluster", "2. Cluster: pick or edit the devices and links"),
+                                      ("search", "3. Search: plan the model on the cluster"))):
+    col.page_link(f"app_pages/{page}.py", label=label)
+if st.session_state[services.Keys.CLUSTER_SOURCE] != f"sample_clusters/{services.PAPER_TESTBED}" and st.button(
+        "Plan it on the paper's testbed", key="plan.testbed", help="HAP §7.1: 2 machines of 8 V100 and 6 of 8 P100, as 8 "
+        "virtual devices, the current model with the current plan's options"):
+    try:
+        services.plan_on_sample(services.PAPER_TESTBED)
+    except HapError as e:
+        services.show_error(e)
+        st.stop()
+    st.rerun()
 graph, cluster, plan = services.current_plan("plan")
 if plan.parallelism == "pipeline":
     c = st.columns(4)
@@ -57,6 +75,8 @@ for mode, why in plan.search.get("overlap_skipped", {}).items():
 if "pipeline" in plan.search.get("parallelism_s", {}):
     st.caption(f"parallelism: spmd kept; the best pipeline predicts {ui.ms(plan.search['parallelism_s']['pipeline'])}")
 
+reason = services.ratio_reason(services.plan_key(plan), cluster.fingerprint(), plan, cluster)
+st.markdown(f"**Why these ratios.** {reason.sentence()}")
 left, right = st.columns(2)
 left.altair_chart(ui.ratios_chart(ui.ratio_rows(plan)), width="stretch")
 right.altair_chart(ui.memory_chart(ui.memory_rows(plan, cluster)), width="stretch")

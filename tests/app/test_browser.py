@@ -1,7 +1,7 @@
 """The workbench in a real headless Chromium (Debian `chromium`, driven by Playwright's Python API).
 
-`hap ui --port <free port>` serves the app on 127.0.0.1; the test exports the default plan (expanded to one
-rank per GPU), switches the cluster and then the model without searching and checks that Plan, Timeline,
+`hap ui --port <free port>` serves the app on 127.0.0.1; the test exports the default plan (4 ranks, one
+per GPU), switches the cluster and then the model without searching and checks that Plan, Timeline,
 Compare and Export each say what changed and draw nothing of the old plan, picks the zoo MLP and
 `hap_paper_testbed.json`, runs the search, checks that the frontier and timeline charts render
 (Vega canvas or svg present, no Streamlit exception box), downloads the plan and parses it, and
@@ -153,29 +153,29 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     page.get_by_text("Predicted iteration").first.wait_for()
     idle(page)
     sidebar = page.locator('[data-testid="stSidebar"]').inner_text()
-    assert "zoo:gpt" in sidebar and "hap_paper_testbed_machines" in sidebar
+    assert "zoo:gpt" in sidebar and "a100x2_p100x2" in sidebar
     assert charts(page, 2) >= 2  # ratios and memory
     assert_no_exception(page)
     shoot(page, "plan_default")
     goto(page, "Timeline")
     page.locator('[data-testid="stVegaLiteChart"]').first.wait_for()
     shoot(page, "timeline_default")
-    goto(page, "Export")  # the default plan is on machines of 8 GPUs: exported expanded to one rank per GPU
-    page.get_by_text("exported expanded to 64 ranks").wait_for()
+    goto(page, "Export")  # the default cluster has one device per GPU: its plan is exported as it is
+    page.get_by_text("(4 ranks, one per device)").wait_for()
     with page.expect_download() as dl:
         page.get_by_role("button", name="Download plan.json").click()
     dl.value.save_as(tmp_path / "default_plan.json")
     default = load_plan(tmp_path / "default_plan.json")
-    assert default.world_size == 64 and default.cluster_name == "hap_paper_testbed_machines_per_gpu"
+    assert default.world_size == 4 and default.cluster_name == "a100x2_p100x2"
     idle(page)  # a download button's click reruns the page
     page.get_by_role("button", name="Download launch bundle (zip)").wait_for()
     assert_no_exception(page)
     shoot(page, "export_default")
 
     # switch the cluster, then the model, without searching: no page shows the old plan
-    use_sample(page, "a100x2_p100x2.json")
-    assert_stale_everywhere(page, "The cluster changed from hap_paper_testbed_machines to a100x2_p100x2", "stale_cluster")
-    use_sample(page, "hap_paper_testbed_machines.json")  # the plan's own cluster again: current once more
+    use_sample(page, "hap_paper_testbed_machines.json")
+    assert_stale_everywhere(page, "The cluster changed from a100x2_p100x2 to hap_paper_testbed_machines", "stale_cluster")
+    use_sample(page, "a100x2_p100x2.json")  # the plan's own cluster again: current once more
     goto(page, "Plan")
     assert charts(page, 2) >= 2
 
