@@ -20,13 +20,12 @@ def test_first_screen_says_what_the_workbench_is_the_three_steps_and_why_the_rat
     assert f"**Why these ratios.** {why}" in text
 
 
-def test_default_cluster_is_one_device_per_gpu_so_its_plans_export_as_they_are(tiny_plan, cpu_cluster):
-    """The AppTest fixtures plan on the default cluster; `hap run BUNDLE --steps 1 --verify` of the default model's
-    plan on it was run by hand (the export tests build its bundle)."""
+def test_default_cluster_is_one_device_per_gpu_so_its_plans_export_as_they_are(cpu_cluster):
+    """The AppTest fixtures plan on the default cluster, so the export tests (test_current_plan, test_export_page)
+    build its plans' bundles as they are; `hap run BUNDLE --steps 1 --verify` of the default model's plan on it
+    passes on 4 CPU ranks (about 2 minutes: run by hand, not in the suite)."""
     default = services.sample_cluster(services.DEFAULT_CLUSTER)
     assert default == cpu_cluster and all(d.num_gpus == 1 for d in default.devices)
-    out = services.export_set(services.plan_key(tiny_plan), default.fingerprint(), tiny_plan, default)
-    assert out.plan is tiny_plan and out.note == ""
 
 
 def test_the_paper_testbed_is_one_click_away(app, tiny_plan):
