@@ -77,6 +77,8 @@ class Keys:
     """Activation recomputation (`auto`, `none`, `all`)."""
     SHARD_STATES = "search.shard_states"
     """ZeRO stage of replicated weights' states (`auto`, 0, 1, 2, 3)."""
+    KEPT = "inputs.kept"
+    """{widget key: value} of every input that goes through `kept`: what each showed when its page was last drawn."""
     PYTHON_TRUST = "model.trust"
     EDITOR = "cluster.editor"
     BASE = "cluster.base"
@@ -531,6 +533,37 @@ def set_cluster(cluster: Cluster, source: str) -> None:
     st.session_state[Keys.CLUSTER_SOURCE] = source
     if changed:
         st.rerun()
+
+
+VALUE_PARAMETER = {"selectbox": "index", "radio": "index", "multiselect": "default"}
+"""The argument that starts each kind of Streamlit input (`value` for the others)."""
+
+
+def kept(widget: Callable[..., Any], label: str, key: str, default: Any, *args: Any, **kwargs: Any) -> Any:
+    """`widget(label, *args, key=key, **kwargs)` (e.g. `st.selectbox`, `cols[0].slider`) started from the value it
+    had when its page was last drawn, `default` the first time. Streamlit drops a widget's state as soon as a page
+    without it runs, so every input of the workbench goes through here to survive navigation (issue 30, item 6)."""
+    store = st.session_state.setdefault(Keys.KEPT, {})
+    value = store.get(key, default)
+    parameter = VALUE_PARAMETER.get(getattr(widget, "__name__", ""), "value")
+    if parameter == "index":
+        options = list(args[0])
+        kwargs["index"] = options.index(value) if value in options else options.index(default) if default in options else 0
+    elif parameter == "default":
+        kwargs["default"] = [v for v in value if v in list(args[0])]
+    else:
+        kwargs["value"] = value
+    store[key] = out = widget(label, *args, key=key, **kwargs)
+    return out
+
+
+def earlier_upload(source: str, prefix: str) -> str:
+    """A sentence naming the file the current model or cluster (`source`, e.g. "graph net.json") was uploaded from,
+    shown once the upload box is empty again (Streamlit empties it when the page is left); "" when `source` is not
+    an upload of that kind (`prefix`, e.g. "graph ")."""
+    if not source.startswith(prefix):
+        return ""
+    return f"In use: {source[len(prefix):]}, uploaded earlier. Upload another file to replace it."
 
 
 def current() -> tuple[Graph, Cluster, Plan | PipelinePlan | None]:

@@ -8,10 +8,11 @@ from engine import HapError, views
 from engine.views import charts
 
 st.title("Cluster")
-kind = st.radio("Source", ["Sample cluster", "Upload JSON"], horizontal=True, key="cluster.kind")
+kind = services.kept(st.radio, "Source", "cluster.kind", "Sample cluster", ["Sample cluster", "Upload JSON"],
+                     horizontal=True)
 if kind == "Sample cluster":
     names = services.sample_clusters()
-    name = st.selectbox("Sample", names, index=names.index(services.DEFAULT_CLUSTER), key="cluster.sample")
+    name = services.kept(st.selectbox, "Sample", "cluster.sample", services.DEFAULT_CLUSTER, names)
     if st.button("Use this sample", type="primary"):
         sample = services.sample_cluster(name)
         st.session_state.pop(f"{services.Keys.EDITOR}.{sample.fingerprint()[:12]}", None)  # start from the file
@@ -19,6 +20,8 @@ if kind == "Sample cluster":
         services.set_cluster(sample, f"sample_clusters/{name}")
 else:
     upload = st.file_uploader("Cluster spec JSON (schema_version 1, see sample_clusters/)", type=["json"], key="cluster.upload")
+    if upload is None and (note := services.earlier_upload(st.session_state[services.Keys.CLUSTER_SOURCE], "upload ")):
+        st.caption(note)
     if upload is not None:
         try:
             base = services.cluster_from_json(upload.getvalue())
@@ -29,6 +32,10 @@ else:
             services.show_error(e)
 
 base = st.session_state.setdefault(services.Keys.BASE, st.session_state[services.Keys.CLUSTER])
+if f"{services.Keys.EDITOR}.{base.fingerprint()[:12]}" not in st.session_state:
+    # the tables are drawn afresh (first visit, or back from another page, which drops their edits): they start from
+    # the current cluster, edits included, so what they show is what is planned on
+    base = st.session_state[services.Keys.BASE] = st.session_state[services.Keys.CLUSTER]
 st.subheader(f"{base.name}: {base.num_devices} devices")
 st.caption(base.description)
 st.markdown("**Devices** (edit cells, add or delete rows; checked by the engine as you type)")
@@ -62,8 +69,8 @@ if plan is None or not services.plan_matches(plan, graph, cluster):
     st.info("Plan the current model on this cluster first (Search page): the re-plan starts from that plan.")
 else:
     names = [d.name for d in cluster.devices]
-    remove = st.multiselect("Remove devices", names, key="cluster.replan.remove")
-    add = st.selectbox("Add a copy of device", ["(none)", *names], key="cluster.replan.add")
+    remove = services.kept(st.multiselect, "Remove devices", "cluster.replan.remove", [], names)
+    add = services.kept(st.selectbox, "Add a copy of device", "cluster.replan.add", "(none)", ["(none)", *names])
     try:
         changed = services.changed_cluster(cluster, remove, None if add == "(none)" else add)
     except HapError as e:

@@ -54,10 +54,10 @@ st.subheader("What if?")
 models = sorted({d.gpu_model for d in cluster.devices})
 levels = sorted(cluster.network.bandwidth_Bps)
 c = st.columns(2)
-gpu = c[0].selectbox("GPU model", models, key="compare.gpu")
-flops = c[0].slider("scale its FLOP/s", 0.25, 4.0, 1.0, 0.25, key="compare.flops")
-level = c[1].selectbox("Link level", levels, key="compare.level") if levels else None
-bw = c[1].slider("scale its bandwidth", 0.25, 16.0, 1.0, 0.25, key="compare.bw", disabled=not levels)
+gpu = services.kept(c[0].selectbox, "GPU model", "compare.gpu", models[0], models)
+flops = services.kept(c[0].slider, "scale its FLOP/s", "compare.flops", 1.0, 0.25, 4.0, step=0.25)
+level = services.kept(c[1].selectbox, "Link level", "compare.level", levels[0], levels) if levels else None
+bw = services.kept(c[1].slider, "scale its bandwidth", "compare.bw", 1.0, 0.25, 16.0, step=0.25, disabled=not levels)
 if flops == 1.0 and bw == 1.0:
     st.caption("Move a slider to re-plan on a changed cluster.")
     st.stop()

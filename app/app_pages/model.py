@@ -8,11 +8,11 @@ from engine.model.zoo import ZOO
 from engine.views import charts
 
 st.title("Model")
-source = st.radio("Source", ["Zoo model", "Hugging Face model", "Graph JSON", "Python file"], horizontal=True,
-                  key="model.kind")
+source = services.kept(st.radio, "Source", "model.kind", "Zoo model",
+                       ["Zoo model", "Hugging Face model", "Graph JSON", "Python file"], horizontal=True)
 
 if source == "Zoo model":
-    name = st.selectbox("Zoo model", sorted(ZOO), index=sorted(ZOO).index(services.DEFAULT_ZOO), key="model.zoo")
+    name = services.kept(st.selectbox, "Zoo model", "model.zoo", services.DEFAULT_ZOO, sorted(ZOO))
     defaults = services.DEFAULT_KNOBS if name == services.DEFAULT_ZOO else {}
     knobs = {}
     cols = st.columns(4)
@@ -21,13 +21,13 @@ if source == "Zoo model":
         with cols[k % 4]:
             key = f"model.knob.{name}.{knob}"
             if kind is bool:
-                knobs[knob] = st.checkbox(knob, value=value, key=key)
+                knobs[knob] = services.kept(st.checkbox, knob, key, value)
             elif kind is int:
-                knobs[knob] = st.number_input(knob, value=value, min_value=1, step=1, key=key)
+                knobs[knob] = services.kept(st.number_input, knob, key, value, min_value=1, step=1)
             elif kind is float:
-                knobs[knob] = st.number_input(knob, value=value, key=key)
+                knobs[knob] = services.kept(st.number_input, knob, key, value)
             else:
-                knobs[knob] = st.text_input(knob, value=str(value), key=key)
+                knobs[knob] = services.kept(st.text_input, knob, key, str(value))
     if st.button("Load zoo model", type="primary"):
         try:
             services.set_model(services.zoo_model(name, tuple(knobs.items())),
@@ -35,18 +35,19 @@ if source == "Zoo model":
         except HapError as e:
             services.show_error(e)
 elif source == "Hugging Face model":
-    cls = st.selectbox("Class (built from its config: no weights are downloaded)", services.HF_CLASSES, key="model.hf.class")
+    cls = services.kept(st.selectbox, "Class (built from its config: no weights are downloaded)", "model.hf.class",
+                        services.HF_CLASSES[0], services.HF_CLASSES)
     try:
         starting = services.hf_small_config(cls)
     except HapError as e:  # e.g. transformers is not installed
         services.show_error(e)
         st.stop()
-    config = st.text_area("Config: keys of the transformers config as JSON (every other key keeps its default)",
-                          value=starting, height=180, key=f"model.hf.config.{cls}")
+    config = services.kept(st.text_area, "Config: keys of the transformers config as JSON (every other key keeps its "
+                           "default)", f"model.hf.config.{cls}", starting, height=180)
     cols = st.columns(2)
-    batch = cols[0].number_input("batch", value=8, min_value=1, step=1, key="model.hf.batch")
+    batch = services.kept(cols[0].number_input, "batch", "model.hf.batch", 8, min_value=1, step=1)
     seq_len = None if services.hf_is_vision(cls) else \
-        cols[1].number_input("seq_len", value=32, min_value=1, step=1, key="model.hf.seq_len")
+        services.kept(cols[1].number_input, "seq_len", "model.hf.seq_len", 32, min_value=1, step=1)
     if st.button("Build and capture", type="primary", key="model.hf.load"):
         try:
             services.set_model(services.hf_model(cls, config, int(batch), None if seq_len is None else int(seq_len)),
@@ -55,6 +56,8 @@ elif source == "Hugging Face model":
             services.show_error(e)
 elif source == "Graph JSON":
     upload = st.file_uploader("Graph IR JSON (from `hap capture` or Graph.save)", type=["json"], key="model.json")
+    if upload is None and (note := services.earlier_upload(st.session_state[services.Keys.MODEL_SOURCE], "graph ")):
+        st.caption(note)
     if upload is not None:
         try:
             services.set_model(services.graph_from_json(upload.getvalue()), f"graph {upload.name}")
@@ -66,6 +69,8 @@ else:
                "for a file you wrote or have read.", icon=":material/warning:")
     st.code(services.PYTHON_CONVENTION, language="text")
     upload = st.file_uploader("Python model file", type=["py"], key="model.py")
+    if upload is None and (note := services.earlier_upload(st.session_state[services.Keys.MODEL_SOURCE], "python ")):
+        st.caption(note)
     digest = services.content_digest(upload.getvalue()) if upload is not None else "none"
     # the box belongs to this file's content: another upload must be trusted anew
     trusted = st.checkbox("I trust this code and want to run it", key=f"{services.Keys.PYTHON_TRUST}.{digest}")
@@ -91,6 +96,6 @@ left, right = st.columns([1, 2])
 left.altair_chart(charts.histogram_chart(graph.op_histogram()), width="stretch")
 with right:
     segs = list(range(graph.num_segments))
-    expand = st.multiselect("Layers shown in full (others collapse into one box)", segs,
-                            default=segs if len(graph) <= 150 else segs[:1], key="model.expand")
+    expand = services.kept(st.multiselect, "Layers shown in full (others collapse into one box)",
+                           f"model.expand.{services.graph_key(graph)[:12]}", segs if len(graph) <= 150 else segs[:1], segs)
     st.graphviz_chart(views.graph_dot(graph, expand=expand), width="stretch")

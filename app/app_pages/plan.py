@@ -84,7 +84,8 @@ right.altair_chart(charts.memory_chart(views.memory_rows(plan, cluster)), width=
 st.subheader("Model graph, coloured by each tensor's sharding")
 st.caption("grey: Full, orange: Partial, blue/green/purple: Shard(dim); ⇄ marks a collective on the tensor")
 segs = list(range(plan.graph.num_segments))
-expand = st.multiselect("Layers shown in full", segs, default=segs[:1] if len(plan.graph) > 150 else segs, key="plan.expand")
+expand = services.kept(st.multiselect, "Layers shown in full", f"plan.expand.{services.plan_key(plan)[:12]}",
+                       segs[:1] if len(plan.graph) > 150 else segs, segs)
 st.graphviz_chart(views.graph_dot(plan.graph, expand=expand, forms=views.plan_forms(plan), comms=views.plan_collectives(plan)),
                   width="stretch")
 st.dataframe(pd.DataFrame(views.form_counts(plan)), hide_index=True)

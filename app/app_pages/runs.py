@@ -57,8 +57,8 @@ for run in loaded if plan is not None else []:
         comparable.append(run)
 accum = 1
 if any(r.grad_accum is None for r in comparable):
-    accum = st.number_input("Microsteps per step (`--grad-accum`)", min_value=1, value=1, key="runs.grad_accum",
-                            help="A plan's iteration is one microstep; a step of K microsteps is predicted to take K of them.")
+    accum = services.kept(st.number_input, "Microsteps per step (`--grad-accum`)", "runs.grad_accum", 1, min_value=1,
+                          help="A plan's iteration is one microstep; a step of K microsteps is predicted to take K of them.")
 comparisons = [runs.compare_to_plan(r, plan.predicted_time_s, accum) for r in comparable]
 predicted = [{"run": c.run, "predicted_ms": c.predicted_s * 1e3} for c in comparisons]
 st.altair_chart(charts.step_time_chart(runs.field_rows(loaded, "step_time_s", 1e3), names, predicted), width="stretch")

@@ -13,9 +13,7 @@ from engine.views import charts
 
 def ui_choice(where, label: str, choices: tuple, key: str):
     """A select box of `choices` in `where` that starts from, and keeps, the session's value under `key`."""
-    options = list(choices)
-    value = where.selectbox(label, options, index=options.index(st.session_state[key]), format_func=str,
-                            key=f"{key}_choice")
+    value = services.kept(where.selectbox, label, f"{key}_choice", st.session_state[key], list(choices), format_func=str)
     st.session_state[key] = value
     return value
 
@@ -27,8 +25,8 @@ st.markdown(f"Model **{st.session_state[services.Keys.MODEL_SOURCE]}** ({len(gra
 budget = st.slider("Time budget (s): the search returns the best plan found when it runs out", 1.0, 120.0,
                    value=float(st.session_state[services.Keys.BUDGET]), key="search.budget_slider")
 st.session_state[services.Keys.BUDGET] = budget
-segments = st.number_input("Segments: runs of layers with their own sharding ratios (HAP §5.2; 1 = one set of ratios)",
-                           min_value=1, max_value=max(1, graph.num_segments), value=1, step=1, key="search.segments")
+segments = services.kept(st.number_input, "Segments: runs of layers with their own sharding ratios (HAP §5.2; 1 = one "
+                         "set of ratios)", "search.segments", 1, min_value=1, max_value=max(1, graph.num_segments), step=1)
 modes = ["auto", *engine.OVERLAP_MODES]
 overlap = st.selectbox("Overlap: 'auto' plans with DDP's gradient buckets (ddp) and with HiDup's two half-batches "
                        "(duplex) and keeps the faster", modes, index=modes.index(st.session_state[services.Keys.OVERLAP]),

@@ -16,10 +16,12 @@ st.markdown("A **Hoare triple** `{pre} instruction {post}` says: if the devices 
 graph = st.session_state[services.Keys.GRAPH]
 rows = services.theory(services.graph_key(graph), graph)
 c = st.columns(3)
-ops = c[0].multiselect("Operator", sorted({r["op"] for r in rows}), key="theory.ops")
-tensors = c[1].multiselect("Tensor", list(dict.fromkeys(r["tensor"] for r in rows)), key="theory.tensors")
-colls = c[2].multiselect("Collective", sorted({r["collective"] for r in rows if r["collective"]}), key="theory.colls")
-kinds = st.multiselect("Kind", ["leaf", "compute", "collective"], default=["leaf", "compute", "collective"], key="theory.kinds")
+ops = services.kept(c[0].multiselect, "Operator", "theory.ops", [], sorted({r["op"] for r in rows}))
+tensors = services.kept(c[1].multiselect, "Tensor", "theory.tensors", [], list(dict.fromkeys(r["tensor"] for r in rows)))
+colls = services.kept(c[2].multiselect, "Collective", "theory.colls", [],
+                      sorted({r["collective"] for r in rows if r["collective"]}))
+kinds = services.kept(st.multiselect, "Kind", "theory.kinds", ["leaf", "compute", "collective"],
+                      ["leaf", "compute", "collective"])
 shown = [r for r in rows if r["kind"] in kinds and (not ops or r["op"] in ops) and (not tensors or r["tensor"] in tensors)
          and (not colls or r["collective"] in colls)]
 st.caption(f"{len(shown)} of {len(rows)} triples")

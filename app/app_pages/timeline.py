@@ -16,7 +16,7 @@ if plan.parallelism == "pipeline":
     st.markdown("A **pipeline** plan: a lane per stage with one box per microbatch forward and backward (labelled with "
                 "its microbatch), a lane per link direction with the transfers, and each stage's gradient sync after "
                 "the pipeline drains. Grey boxes are **bubbles**: the stage idles, waiting for a microbatch.")
-    schedule = st.selectbox("Schedule", SCHEDULES, index=SCHEDULES.index(plan.schedule), key="timeline.schedule")
+    schedule = services.kept(st.selectbox, "Schedule", "timeline.schedule", plan.schedule, SCHEDULES)
     try:
         rows = services.pipeline_gantt(services.plan_key(plan), schedule, plan)
     except HapError as e:
@@ -33,7 +33,7 @@ st.markdown(f"Overlap mode **{plan.overlap}**: {OVERLAP_MEANING[plan.overlap]}. 
             "and a **network** lane; where both are busy at once, communication is hidden behind computation. A "
             "forward stage opens with its collective, a backward stage ends with its dual (HAP §3.2); a device "
             "idles until the slowest one is done.")
-group = st.toggle("Group devices with identical timelines", value=plan.world_size > 16, key="timeline.group")
+group = services.kept(st.toggle, "Group devices with identical timelines", "timeline.group", plan.world_size > 16)
 try:
     rows = services.predicted_lanes(services.plan_key(plan), cluster.fingerprint(), group, plan, cluster)
 except HapError as e:
