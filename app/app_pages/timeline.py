@@ -27,7 +27,8 @@ if plan.parallelism == "pipeline":
                     width="stretch")
     st.dataframe(pd.DataFrame(views.bubble_share(rows)), hide_index=True,
                  column_config={"bubble_%": st.column_config.NumberColumn("bubbles", format="%.0f%%")})
-    st.caption("Measured pipeline timelines are not drawn yet: the runner does not execute pipeline plans in this build.")
+    st.caption("The runner executes pipeline plans but records no per-stage timeline of them, so only the predicted "
+               "one is drawn here; the Runs page draws a pipeline run's loss and step time beside this prediction.")
     st.stop()
 st.markdown(f"Overlap mode **{plan.overlap}**: {OVERLAP_MEANING[plan.overlap]}. Every device has a **compute** lane "
             "and a **network** lane; where both are busy at once, communication is hidden behind computation. A "

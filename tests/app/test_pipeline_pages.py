@@ -6,7 +6,7 @@ import functools
 import json
 
 import pytest
-from ui_helpers import MAIN, ROOT, TIMEOUT_S, no_exception, open_page
+from ui_helpers import MAIN, ROOT, TIMEOUT_S, assert_prose_for_people, no_exception, open_page
 
 from app.services import Keys
 from engine import views
@@ -51,7 +51,7 @@ def pipe_app(pipe_plan):
 
 def test_plan_page_lists_stages_devices_layers_and_warmup(pipe_app, pipe_plan):
     at = open_page(pipe_app, "plan")
-    no_exception(at)
+    assert_prose_for_people(at)  # issue 30: prose for a browser user, pipeline pages too
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["Predicted iteration"] == views.ms(pipe_plan.predicted_time_s)
     assert metrics["Stages"] == str(len(pipe_plan.stages))
@@ -73,7 +73,7 @@ def test_plan_page_lists_stages_devices_layers_and_warmup(pipe_app, pipe_plan):
 
 def test_timeline_page_draws_one_box_per_microbatch_and_bubbles(pipe_app, pipe_plan):
     at = open_page(pipe_app, "timeline")
-    no_exception(at)
+    assert_prose_for_people(at)  # issue 30: prose for a browser user, pipeline pages too
     assert at.selectbox(key="timeline.schedule").value == pipe_plan.schedule
     spec = json.loads(at.get("vega_lite_chart")[0].proto.spec)
     assert "per iteration" in json.dumps(spec.get("title", ""))
@@ -102,7 +102,7 @@ def test_pipeline_rows_have_every_microbatch_forward_backward_and_transfer(pipe_
 
 def test_compare_page_shows_every_schedule_beside_spmd_with_peak_memory(pipe_app, pipe_plan):
     at = open_page(pipe_app, "compare")
-    no_exception(at)
+    assert_prose_for_people(at)  # issue 30: prose for a browser user, pipeline pages too
     table = at.dataframe[0].value
     alternatives = spmd_alternatives(pipe_plan)
     assert list(table["strategy"]) == [f"pipeline, {n}" for n in SCHEDULES] + [a.label for a in alternatives]
@@ -119,7 +119,7 @@ def test_export_page_offers_the_pipeline_plan_file_and_its_bundle(pipe_app, pipe
     from engine.planner import load_plan
 
     at = open_page(pipe_app, "export")
-    no_exception(at)
+    assert_prose_for_people(at)  # issue 30: prose for a browser user, pipeline pages too
     assert not at.error, [e.value for e in at.error]
     labels = [b.proto.label for b in at.get("download_button")]
     assert labels == ["Download plan.json (pipeline)", "Download cluster.json", "Download launch bundle (zip)"]
