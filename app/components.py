@@ -14,10 +14,39 @@ FLOPS_COLUMN = "flops_per_gpu_"
 a table cell holds no map, so `flops_per_gpu` shows the fp32 rate and each dtype has a column."""
 
 
+UNITS = {"flops_per_gpu": ("TFLOP/s", 1e12), "memory_bytes_per_gpu": ("GiB", 2**30), "memory_bandwidth_Bps": ("GB/s", 1e9),
+         "intra_bandwidth_Bps": ("GB/s", 1e9), "activation_bandwidth_Bps": ("GB/s", 1e9), "bandwidth_Bps": ("GB/s", 1e9)}
+"""The unit each figure of the cluster tables is edited in (a field, or a field's prefix: `flops_per_gpu_bf16`),
+and its size in the JSON's unit: people read 19.5 TFLOP/s and 40 GiB, not 19500000000000 and 42949672960."""
+
+
+def _unit(field: str) -> tuple[str, float] | None:
+    return UNITS.get(field) or next((u for k, u in UNITS.items() if field.startswith(f"{k}_")), None)
+
+
+def in_table_units(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of JSON fields as table columns in people's units ("flops_per_gpu (TFLOP/s)": 19.5)."""
+    out = {}
+    for k, v in row.items():
+        unit = _unit(k)
+        out[f"{k} ({unit[0]})" if unit else k] = v / unit[1] if unit and isinstance(v, (int, float)) else v
+    return out
+
+
+def from_table_units(row: dict[str, Any]) -> dict[str, Any]:
+    """A table row back to JSON fields in the JSON's units (the inverse of `in_table_units`)."""
+    out = {}
+    for k, v in row.items():
+        field = k.rsplit(" (", 1)[0]
+        unit = _unit(field) if field != k else None
+        out[field] = v * unit[1] if unit and isinstance(v, (int, float)) else v
+    return out
+
+
 def device_rows(cluster: Cluster) -> list[dict[str, Any]]:
-    """Devices as editable table rows (the JSON fields of a device, less the Slurm hints: a nested object no table
-    cell holds; `services.cluster_with_edits` keeps them by device name; a per-dtype `flops_per_gpu` is spread
-    over one column per dtype, `flops_map` folds it back)."""
+    """Devices as editable table rows in people's units (the JSON fields of a device, less the Slurm hints: a
+    nested object no table cell holds; `services.cluster_with_edits` keeps them by device name; a per-dtype
+    `flops_per_gpu` is spread over one column per dtype, `flops_map` folds it back)."""
     rows = []
     for d in cluster.devices:
         row: dict[str, Any] = {}
@@ -27,12 +56,14 @@ def device_rows(cluster: Cluster) -> list[dict[str, Any]]:
                 row.update({f"{FLOPS_COLUMN}{dtype}": rate for dtype, rate in d.flops_by_dtype})
             elif k != "slurm":
                 row[k] = v
-        rows.append(row)
+        rows.append(in_table_units(row))
     return rows
 
 
 def flops_map(row: dict[str, Any]) -> dict[str, Any]:
-    """A table row with its per-dtype rate columns folded back into `flops_per_gpu` (the inverse of `device_rows`)."""
+    """A table row back to a device's JSON: units undone, per-dtype rate columns folded back into `flops_per_gpu`
+    (the inverse of `device_rows`)."""
+    row = from_table_units(row)
     rates = {k[len(FLOPS_COLUMN):]: row[k] for k in row if k.startswith(FLOPS_COLUMN)}
     out = {k: v for k, v in row.items() if not k.startswith(FLOPS_COLUMN)}
     if rates and "flops_per_gpu" in out:
@@ -41,8 +72,8 @@ def flops_map(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def link_rows(cluster: Cluster) -> list[dict[str, Any]]:
-    """Link levels and their bandwidth as editable table rows."""
-    return [{"level": k, "bandwidth_Bps": v} for k, v in cluster.network.bandwidth_Bps.items()]
+    """Link levels and their bandwidth as editable table rows (GB/s; `from_table_units` reads them back)."""
+    return [in_table_units({"level": k, "bandwidth_Bps": v}) for k, v in cluster.network.bandwidth_Bps.items()]
 
 
 def records(df: pd.DataFrame) -> list[dict[str, Any]]:

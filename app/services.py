@@ -207,12 +207,24 @@ def cluster_with_edits(cluster: Cluster, devices: list[dict[str, Any]], links: l
     hints = {dev.name: dict(dev.slurm) for dev in cluster.devices if dev.slurm}  # not in the table: kept by name
     devices = [{**row, "slurm": hints[row["name"]]} if row.get("name") in hints and "slurm" not in row else row
                for row in map(ui.flops_map, devices)]
-    levels = {str(r.get("level", "")): r.get("bandwidth_Bps") for r in links}
-    if devices == d["devices"] and levels == d["network"]["bandwidth_Bps"] and latency_s == d["network"]["latency_s"]:
+    levels = {str(r.get("level", "")): r.get("bandwidth_Bps") for r in map(ui.from_table_units, links)}
+    if _same(devices, d["devices"]) and _same(levels, d["network"]["bandwidth_Bps"]) and _same(latency_s, d["network"]["latency_s"]):
         return cluster
     d["devices"] = devices
     d["network"] = {"latency_s": latency_s, "bandwidth_Bps": levels}  # collective fits re-derived for the new layout
     return engine.load_cluster(d)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal up to the rounding of a unit round trip (19.5 TFLOP/s back to FLOP/s): the tables, read back unedited,
+    are the cluster itself, not an edit of it."""
+    if isinstance(a, float) and isinstance(b, (int, float)) or isinstance(b, float) and isinstance(a, (int, float)):
+        return abs(a - b) <= 1e-9 * max(abs(a), abs(b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
 
 
 # ----------------------------------------------------------------------------- plans

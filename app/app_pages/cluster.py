@@ -41,11 +41,11 @@ st.caption(base.description)
 st.markdown("**Devices** (edit cells, add or delete rows; checked by the engine as you type)")
 devices = st.data_editor(pd.DataFrame(ui.device_rows(base)), num_rows="dynamic", width="stretch",
                          key=f"{services.Keys.EDITOR}.{base.fingerprint()[:12]}")
-st.markdown("**Links** (bandwidth in bytes/s per link level) and per-hop latency")
+st.markdown("**Links** (bandwidth per link level) and per-hop latency")
 links = st.data_editor(pd.DataFrame(ui.link_rows(base)), width="stretch", num_rows="dynamic",
                        key=f"cluster.links.{base.fingerprint()[:12]}")
-latency = st.number_input("network latency (s)", value=base.network.latency_s, format="%.2e",
-                          key=f"cluster.latency.{base.fingerprint()[:12]}")
+latency = st.number_input("network latency (µs)", value=base.network.latency_s * 1e6, format="%.4g",
+                          key=f"cluster.latency.{base.fingerprint()[:12]}") / 1e6
 try:
     edited = services.cluster_with_edits(base, ui.records(devices), ui.records(links), latency)
     if edited != base:
@@ -58,7 +58,8 @@ cluster = st.session_state[services.Keys.CLUSTER]
 for warning in services.launch_warnings(cluster):
     st.warning(warning, icon=":material/warning:")
 st.graphviz_chart(views.cluster_dot(cluster), width="stretch")
-st.dataframe(pd.DataFrame([{"collective": k, "latency_s": f.latency_s, "bandwidth_Bps": f.bandwidth_Bps}
+st.dataframe(pd.DataFrame([{"collective": k, "latency": views.in_units(f.latency_s, "s"),
+                            "bandwidth": views.in_units(f.bandwidth_Bps, "B/s")}
                            for k, f in cluster.collectives.items()]), hide_index=True)
 
 st.subheader("Re-plan on a changed cluster")

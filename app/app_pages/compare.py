@@ -40,10 +40,15 @@ try:
                   help=f"{best.name}: {views.ms(best.predicted_time_s)}; the plan: {views.ms(plan.predicted_time_s)} "
                        f"(overlap {plan.overlap})")
     st.altair_chart(charts.compare_chart(table), width="stretch")
-    st.dataframe(pd.DataFrame(views.in_percent(table)), hide_index=True, width="stretch",
+    st.dataframe(pd.DataFrame(views.blank_missing(views.in_percent(table))), hide_index=True, width="stretch",
                  column_config={"predicted_ms": st.column_config.NumberColumn("predicted ms", format="%.2f"),
                                 "plan_speedup": st.column_config.NumberColumn("plan speed-up", format="%.2fx"),
-                                "mfu": st.column_config.NumberColumn("MFU", format="%.3g%%")})
+                                "mfu": st.column_config.NumberColumn("MFU", format="%.3g%%"),
+                                "what": st.column_config.TextColumn("what", width="large"),
+                                "note": st.column_config.TextColumn("note", width="large")})
+    for row in table:
+        if row["note"]:
+            st.caption(f"**{row['strategy']}**: {row['note']}")  # in full: a table cell cuts long notes short
     if result.compute_bound_s is not None:
         st.caption(f"MFU: the compute bound, {views.ms(result.compute_bound_s)} (the model's FLOPs at the devices' summed "
                    "peak, the same for every row), over each row's predicted time.")

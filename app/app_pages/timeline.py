@@ -41,9 +41,20 @@ except HapError as e:
     services.show_error(e)
     st.stop()
 tooltip = ["device", "lane", "kind", "name", "stage", "half", "start_ms", "end_ms"]
-st.altair_chart(charts.gantt_chart(rows, f"Predicted: {views.ms(plan.predicted_time_s)} per iteration", tooltip), width="stretch")
+focus_end = views.focus_end_ms(rows)
+span = max((r["end_ms"] for r in rows), default=0.0)
+focus = focus_end is not None and services.kept(
+    st.toggle, "Focus on the forward and backward (the time axis ends where the optimizer step starts)", "timeline.focus",
+    focus_end < span / 2)
+st.altair_chart(charts.gantt_chart(rows, f"Predicted: {views.ms(plan.predicted_time_s)} per iteration", tooltip,
+                                   until_ms=focus_end if focus else None), width="stretch")
+if focus:
+    st.caption(f"Shown: the first {views.ms(focus_end / 1e3)} of the iteration; the optimizer step takes the other "
+               f"{views.ms((span - focus_end) / 1e3)}. Switch the focus off to see the whole iteration.")
 st.dataframe(pd.DataFrame(views.lane_summary(rows)), hide_index=True,
-             column_config={"hidden_%": st.column_config.NumberColumn("communication hidden", format="%.0f%%")})
+             column_config={"hidden_%": st.column_config.NumberColumn("communication hidden", format="%.0f%%"),
+                            **{k: st.column_config.NumberColumn(k.replace("_", " "), format="%.4g")
+                               for k in ("compute_ms", "network_ms", "overlapped_ms", "idle_ms")}})
 
 st.subheader("Measured timeline")
 st.page_link("app_pages/runs.py", label="Loss, evaluation loss and step time over a whole run: the Runs page",

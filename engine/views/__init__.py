@@ -10,8 +10,8 @@ Altair and pandas in `charts` only; those are optional for the engine (the `app`
 bring them) and `require` names the pip command where they are missing. Never Streamlit or the runner.
 """
 from engine.views.dot import form_color, graph_dot, cluster_dot
-from engine.views.figures import GIB, bandwidth_label, in_percent, ms, utilisation_metrics
-from engine.views.lanes import lane_label, lane_summary, measured_rows, predicted_lane_rows
+from engine.views.figures import GIB, bandwidth_label, blank_missing, in_percent, in_units, ms, utilisation_metrics
+from engine.views.lanes import focus_end_ms, lane_label, lane_summary, measured_rows, predicted_lane_rows
 from engine.views.pipeline import (bubble_share, pipeline_boundary_rows, pipeline_rows, pipeline_schedule_rows,
                                    pipeline_stage_rows)
 from engine.views.plan import (form_counts, frontier_rows, history_rows, memory_rows, plan_collectives, plan_forms,
@@ -19,8 +19,8 @@ from engine.views.plan import (form_counts, frontier_rows, history_rows, memory_
 from engine.views.requires import ViewsUnavailable, require
 from engine.views.theory import FORM_SENTENCES, collective_rows, model_summary, rule_counts, theory_rows
 
-__all__ = ["form_color", "graph_dot", "cluster_dot", "GIB", "bandwidth_label", "in_percent", "ms",
-           "utilisation_metrics", "lane_label", "lane_summary", "measured_rows", "predicted_lane_rows",
+__all__ = ["form_color", "graph_dot", "cluster_dot", "GIB", "bandwidth_label", "blank_missing", "in_percent", "in_units", "ms",
+           "utilisation_metrics", "focus_end_ms", "lane_label", "lane_summary", "measured_rows", "predicted_lane_rows",
            "bubble_share", "pipeline_boundary_rows", "pipeline_rows", "pipeline_schedule_rows", "pipeline_stage_rows",
            "form_counts", "frontier_rows", "history_rows", "memory_rows", "plan_collectives", "plan_forms",
            "ratio_rows", "replan_ratio_rows", "replan_traffic_rows", "ViewsUnavailable", "require", "FORM_SENTENCES",

@@ -13,20 +13,37 @@ alt = require("altair")
 pd = require("pandas")
 
 
-def _kind_scale() -> alt.Scale:
-    return alt.Scale(domain=list(KIND_COLORS), range=list(KIND_COLORS.values()))
+LANE_PX = 24
+"""Height of one Gantt lane: room for its label, so Vega never drops one as overlapping."""
 
 
-def gantt_chart(rows: list[dict[str, Any]], title: str, tooltip: list[str]) -> alt.Chart:
-    """Horizontal bars over time, one row per device (or per device lane, where rows carry `row`),
-    coloured by compute / communication / gradient bucket / idle."""
+def lanes_height(lanes: int) -> int:
+    """Height of a chart of `lanes` labelled lanes (every lane keeps its label)."""
+    return max(120, LANE_PX * lanes)
+
+
+def lane_axis(field: str) -> alt.Y:
+    """The lane axis of a Gantt chart: every label drawn, none cut short."""
+    return alt.Y(f"{field}:N", sort=None, title=None, axis=alt.Axis(labelOverlap=False, labelLimit=0))
+
+
+def drawn_scale(colors: dict[str, str], rows: list[dict[str, Any]]) -> alt.Scale:
+    """A colour scale of the kinds the rows draw, in `colors`' order: the legend lists only what is drawn."""
+    kinds = [k for k in colors if k in {r["kind"] for r in rows}]
+    return alt.Scale(domain=kinds, range=[colors[k] for k in kinds])
+
+
+def gantt_chart(rows: list[dict[str, Any]], title: str, tooltip: list[str], *, until_ms: float | None = None) -> alt.Chart:
+    """Horizontal bars over time, one row per device (or per device lane, where rows carry `row`), coloured by
+    compute / communication / gradient bucket / optimizer; `until_ms` cuts the time axis there (a focus on the
+    forward and backward, whose millisecond bars vanish beside a long optimizer step)."""
     y = "row" if rows and "row" in rows[0] else "device"
-    height = max(160, 34 * len({r[y] for r in rows}))
-    return alt.Chart(pd.DataFrame(rows), title=title).mark_bar().encode(
-        x=alt.X("start_ms:Q", title="time (ms)"), x2="end_ms:Q",
-        y=alt.Y(f"{y}:N", sort=None, title=None),
-        color=alt.Color("kind:N", scale=_kind_scale(), title=None),
-        tooltip=tooltip).properties(height=height)
+    x = alt.X("start_ms:Q", title="time (ms)",
+              scale=alt.Scale(domain=[0, until_ms], clamp=True) if until_ms else alt.Undefined)
+    return alt.Chart(pd.DataFrame(rows), title=title).mark_bar(clip=True).encode(
+        x=x, x2="end_ms:Q", y=lane_axis(y),
+        color=alt.Color("kind:N", scale=drawn_scale(KIND_COLORS, rows), title=None),
+        tooltip=tooltip).properties(height=lanes_height(len({r[y] for r in rows})))
 
 
 def frontier_chart(rows: list[dict[str, Any]]) -> alt.VConcatChart:
@@ -57,12 +74,18 @@ def ratios_chart(rows: list[dict[str, Any]]) -> alt.Chart:
 
 
 def memory_chart(rows: list[dict[str, Any]]) -> alt.LayerChart:
+    """Predicted peak memory per GPU (bars) against capacity (black ticks) on a log scale, so a 0.5 GiB peak
+    stays visible beside a 40 GiB capacity."""
     df = pd.DataFrame(rows)
+    values = [v for r in rows for v in (r["predicted_gib"], r["capacity_gib"]) if v]
+    floor = min(values) / 4 if values else 1e-3
+    y = alt.Y("predicted_gib:Q", title="GiB (log scale)", scale=alt.Scale(type="log", domainMin=floor))
     bars = alt.Chart(df, title="Memory per GPU vs capacity").mark_bar().encode(
-        x=alt.X("device:N", sort=None), y=alt.Y("predicted_gib:Q", title="GiB"),
+        x=alt.X("device:N", sort=None), y=y, y2=alt.datum(floor),
         color=alt.condition("datum.fits", alt.value("#4c78a8"), alt.value("#e45756")),
-        tooltip=["device", "predicted_gib", "capacity_gib"])
-    cap = alt.Chart(df).mark_tick(color="black", thickness=2, size=30).encode(x=alt.X("device:N", sort=None), y="capacity_gib:Q")
+        tooltip=["device", alt.Tooltip("predicted_gib:Q", format=".3g"), alt.Tooltip("capacity_gib:Q", format=".3g")])
+    cap = alt.Chart(df).mark_tick(color="black", thickness=2, size=30).encode(x=alt.X("device:N", sort=None),
+                                                                             y=alt.Y("capacity_gib:Q"))
     return (bars + cap).properties(height=240)
 
 
@@ -91,15 +114,13 @@ def pipeline_gantt_chart(rows: list[dict[str, Any]], title: str) -> alt.LayerCha
     """One lane per stage and link direction, a box per microbatch forward/backward/transfer labelled
     with its microbatch, idle gaps of a stage drawn as bubbles."""
     df = pd.DataFrame(rows)
-    base = alt.Chart(df).encode(
-        x=alt.X("start_ms:Q", title="time (ms)"), y=alt.Y("row:N", sort=None, title=None))
+    base = alt.Chart(df).encode(x=alt.X("start_ms:Q", title="time (ms)"), y=lane_axis("row"))
     bars = base.mark_bar(stroke="white", strokeWidth=0.5).encode(
-        x2="end_ms:Q", color=alt.Color("kind:N", title=None, scale=alt.Scale(domain=list(PIPELINE_COLORS),
-                                                                           range=list(PIPELINE_COLORS.values()))),
+        x2="end_ms:Q", color=alt.Color("kind:N", title=None, scale=drawn_scale(PIPELINE_COLORS, rows)),
         tooltip=["row", "kind", "name", "microbatch", "start_ms", "end_ms"])
     labels = base.transform_calculate(mid="(datum.start_ms + datum.end_ms) / 2").mark_text(
         fontSize=9, color="white").encode(x="mid:Q", text="microbatch:N")
-    return (bars + labels).properties(title=title, height=max(160, 30 * len(set(df["row"])) if len(df) else 160))
+    return (bars + labels).properties(title=title, height=lanes_height(len({r["row"] for r in rows})))
 
 
 def pipeline_schedule_chart(rows: list[dict[str, Any]]) -> alt.Chart:

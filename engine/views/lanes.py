@@ -93,3 +93,11 @@ def lane_summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     spans = [(r["device"], r["lane"], r["start_ms"], r["end_ms"]) for r in rows]
     return [{"device": f.device, "compute_ms": f.compute_s, "network_ms": f.network_s, "overlapped_ms": f.overlapped_s,
              "idle_ms": f.idle_s, "hidden_%": 100 * f.hidden_share} for f in lane_figures(spans)]
+
+
+def focus_end_ms(rows: list[dict[str, Any]]) -> float | None:
+    """Where the forward and backward end (the last bar that is no optimizer step): the end of the time axis of a
+    focus view, so millisecond compute is visible beside a long optimizer step. None when no optimizer step is drawn."""
+    if not any(r["kind"] == TASK_KINDS["tail"] for r in rows):
+        return None
+    return max((r["end_ms"] for r in rows if r["kind"] != TASK_KINDS["tail"]), default=None)

@@ -57,13 +57,13 @@ def test_valid_upload_becomes_the_cluster(app):
 
 
 def test_table_edits_are_validated_live(app, cpu_cluster):
-    app.session_state[_editor_key(cpu_cluster)] = {"edited_rows": {0: {"flops_per_gpu": -1.0}}, "added_rows": [], "deleted_rows": []}
+    app.session_state[_editor_key(cpu_cluster)] = {"edited_rows": {0: {"flops_per_gpu (TFLOP/s)": -1.0}}, "added_rows": [], "deleted_rows": []}
     at = open_page(app, "cluster")
     no_exception(at)
     # the A100 rates each dtype, so the table's flops_per_gpu is the fp32 entry of its map
     assert len(at.error) == 1 and "devices[0].flops_per_gpu.fp32: must be a positive number" in at.error[0].value
     assert at.session_state[Keys.CLUSTER] == cpu_cluster
-    at.session_state[_editor_key(cpu_cluster)] = {"edited_rows": {0: {"flops_per_gpu": 4e14}}, "added_rows": [], "deleted_rows": [1]}
+    at.session_state[_editor_key(cpu_cluster)] = {"edited_rows": {0: {"flops_per_gpu (TFLOP/s)": 400.0}}, "added_rows": [], "deleted_rows": [1]}
     at.run()
     no_exception(at)
     edited = at.session_state[Keys.CLUSTER]

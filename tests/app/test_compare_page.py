@@ -21,6 +21,8 @@ def test_compare_table_lists_baselines_ablations_and_duplex_with_times(app, tiny
     assert abs(table["predicted_ms"].iloc[0] - base["ddp"] * 1e3) < 1e-9 * plan_ms
     assert (table["predicted_ms"].iloc[:3] >= plan_ms * (1 - 1e-9)).all()  # the plan never loses to DP
     assert "Predicted iteration time" in at.get("vega_lite_chart")[0].proto.spec
+    assert not table[["what", "note"]].isna().any().any()  # no "None" cell (issue 30, item 4)
+    assert table["note"].map(lambda n: isinstance(n, str)).all()
     best = min(base, key=lambda k: base[k])
     metric = at.metric[0]
     assert metric.label == f"Plan vs the best baseline ({best})"

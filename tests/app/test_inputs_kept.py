@@ -50,9 +50,9 @@ def test_cluster_inputs_and_an_uploaded_cluster_survive_a_visit_to_another_page(
     assert at.radio(key="cluster.kind").value == "Upload JSON"
     assert "In use: mine.json, uploaded earlier. Upload another file to replace it." in [c.value for c in at.caption]
     fp = at.session_state[Keys.CLUSTER].fingerprint()[:12]
-    at.number_input(key=f"cluster.latency.{fp}").set_value(1e-3).run()
+    at.number_input(key=f"cluster.latency.{fp}").set_value(1000.0).run()  # µs
     edited = at.session_state[Keys.CLUSTER]
-    assert edited.network.latency_s == 1e-3
+    assert edited.network.latency_s == pytest.approx(1e-3)
     at = _there_and_back(at, "cluster")
     assert at.session_state[Keys.CLUSTER] == edited  # and the tables show it, edits included
-    assert at.number_input(key=f"cluster.latency.{edited.fingerprint()[:12]}").value == 1e-3
+    assert at.number_input(key=f"cluster.latency.{edited.fingerprint()[:12]}").value == pytest.approx(1000.0)

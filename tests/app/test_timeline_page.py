@@ -7,7 +7,11 @@ import pytest
 from ui_helpers import ROOT, app, cpu_cluster, no_exception, open_page, tiny_graph, tiny_plan  # noqa: F401 (fixtures)
 
 from app.runs import parse_metrics
+from app.services import Keys
 from engine import views
+from engine.compare import predicted_schedule
+from engine.views.charts import LANE_PX, lanes_height
+from engine.views.lanes import KIND_COLORS
 
 
 def _metrics(ranks: int = 2, steps: int = 2) -> str:
@@ -111,7 +115,13 @@ def test_timeline_page_draws_predicted_and_measured(app, tiny_plan):
     no_exception(at)
     charts = at.get("vega_lite_chart")
     assert len(charts) == 1 and "Predicted" in charts[0].proto.spec
-    assert '"y": {"field": "row"' in charts[0].proto.spec  # one chart row per device lane
+    spec = json.loads(charts[0].proto.spec)
+    rows = views.predicted_lane_rows(predicted_schedule(tiny_plan, at.session_state[Keys.CLUSTER]).rows())
+    lanes, kinds = {r["row"] for r in rows}, {r["kind"] for r in rows}
+    assert spec["encoding"]["y"]["field"] == "row"  # one chart row per device lane, each labelled (issue 30, item 4)
+    assert spec["encoding"]["y"]["axis"] == {"labelOverlap": False, "labelLimit": 0}
+    assert spec["height"] == lanes_height(len(lanes)) >= LANE_PX * len(lanes)
+    assert spec["encoding"]["color"]["scale"]["domain"] == [k for k in KIND_COLORS if k in kinds]  # the legend: what is drawn
     assert list(at.dataframe[0].value["device"]) == tiny_plan.device_names
     assert {"compute_ms", "network_ms", "overlapped_ms", "idle_ms"} <= set(at.dataframe[0].value.columns)
     assert any(f"Overlap mode **{tiny_plan.overlap}**" in m.value for m in at.markdown)
@@ -119,7 +129,7 @@ def test_timeline_page_draws_predicted_and_measured(app, tiny_plan):
     no_exception(at)
     charts = at.get("vega_lite_chart")
     assert len(charts) == 3 and "Measured, step 1" in charts[2].proto.spec
-    assert '"y": {"field": "row"' in charts[2].proto.spec
+    assert json.loads(charts[2].proto.spec)["encoding"]["y"]["field"] == "row"
     assert list(at.dataframe[1].value["device"]) == ["rank 0", "rank 1"]
 
 
@@ -157,3 +167,21 @@ def test_measured_rows_from_the_runner_pacer():
     assert all(r["device"] == "rank 0" and r["end_ms"] >= r["start_ms"] for r in rows)
     with pytest.raises(ValueError, match="no 'timeline'"):
         views.measured_rows([{"step": 0, "rank": 0}])
+
+
+def test_focus_view_ends_the_time_axis_where_the_optimizer_step_starts():
+    rows = [{"kind": "compute", "start_ms": 0.0, "end_ms": 1.5}, {"kind": "communication", "start_ms": 1.0, "end_ms": 2.0},
+            {"kind": "optimizer", "start_ms": 2.0, "end_ms": 150.0}]
+    assert views.focus_end_ms(rows) == 2.0
+    assert views.focus_end_ms(rows[:2]) is None  # nothing to cut off
+    from engine.views.charts import gantt_chart
+
+    spec = gantt_chart([{**r, "row": "d · compute"} for r in rows], "t", ["kind"], until_ms=2.0).to_dict()
+    assert spec["encoding"]["x"]["scale"] == {"domain": [0, 2.0], "clamp": True}
+    assert spec["encoding"]["color"]["scale"]["domain"] == ["compute", "communication", "optimizer"]
+
+
+def test_units_follow_the_magnitude_in_one_helper():
+    assert [views.in_units(v, u) for v, u in ((1.57e8, "FLOP"), (1.95e13, "FLOP/s"), (6.25e8, "B/s"), (1.5e11, "B/s"),
+                                              (5e-5, "s"), (0.0015, "s"), (0, "B/s"), (999.96e6, "B"))] == [
+        "157 MFLOP", "19.5 TFLOP/s", "625 MB/s", "150 GB/s", "50 µs", "1.5 ms", "0 B/s", "1 GB"]
