@@ -12,9 +12,9 @@ st.markdown("The **HAP workbench** plans the training of one model on a cluster 
             "program every device runs (which tensors to shard, where the collectives go) and the share of the work "
             "each device gets (HAP, EuroSys '24), and predicts how long one training iteration takes.")
 steps = st.columns(3)
-for col, (page, label) in zip(steps, (("model", "1. Model: a zoo model, a Hugging Face class or your file"),
-                                      ("cluster", "2. Cluster: pick or edit the devices and links"),
-                                      ("search", "3. Search: plan the model on the cluster"))):
+for col, (page, label) in zip(steps, (("model", "1. Model: pick or upload one"),
+                                      ("cluster", "2. Cluster: pick or edit its devices"),
+                                      ("search", "3. Search: plan the model on it"))):
     col.page_link(f"app_pages/{page}.py", label=label)
 if st.session_state[services.Keys.CLUSTER_SOURCE] != f"sample_clusters/{services.PAPER_TESTBED}" and st.button(
         "Plan it on the paper's testbed", key="plan.testbed", help="HAP §7.1: 2 machines of 8 V100 and 6 of 8 P100, as 8 "

@@ -34,7 +34,8 @@ st.markdown(f"Overlap mode **{plan.overlap}**: {OVERLAP_MEANING[plan.overlap]}. 
             "and a **network** lane; where both are busy at once, communication is hidden behind computation. A "
             "forward stage opens with its collective, a backward stage ends with its dual (HAP §3.2); a device "
             "idles until the slowest one is done.")
-group = services.kept(st.toggle, "Group devices with identical timelines", "timeline.group", plan.world_size > 16)
+mine = services.plan_key(plan)[:12]  # the views' defaults depend on the plan: each plan keeps its own choice
+group = services.kept(st.toggle, "Group devices with identical timelines", f"timeline.group.{mine}", plan.world_size > 16)
 try:
     rows = services.predicted_lanes(services.plan_key(plan), cluster.fingerprint(), group, plan, cluster)
 except HapError as e:
@@ -44,7 +45,7 @@ tooltip = ["device", "lane", "kind", "name", "stage", "half", "start_ms", "end_m
 focus_end = views.focus_end_ms(rows)
 span = max((r["end_ms"] for r in rows), default=0.0)
 focus = focus_end is not None and services.kept(
-    st.toggle, "Focus on the forward and backward (the time axis ends where the optimizer step starts)", "timeline.focus",
+    st.toggle, "Focus on the forward and backward (the time axis ends where the optimizer step starts)", f"timeline.focus.{mine}",
     focus_end < span / 2)
 st.altair_chart(charts.gantt_chart(rows, f"Predicted: {views.ms(plan.predicted_time_s)} per iteration", tooltip,
                                    until_ms=focus_end if focus else None), width="stretch")

@@ -22,6 +22,10 @@ def lanes_height(lanes: int) -> int:
     return max(120, LANE_PX * lanes)
 
 
+SVG = {"embedOptions": {"renderer": "svg"}}
+"""Gantt charts draw as SVG: crisp lane labels, and text a browser test can read."""
+
+
 def lane_axis(field: str) -> alt.Y:
     """The lane axis of a Gantt chart: every label drawn, none cut short."""
     return alt.Y(f"{field}:N", sort=None, title=None, axis=alt.Axis(labelOverlap=False, labelLimit=0))
@@ -43,7 +47,7 @@ def gantt_chart(rows: list[dict[str, Any]], title: str, tooltip: list[str], *, u
     return alt.Chart(pd.DataFrame(rows), title=title).mark_bar(clip=True).encode(
         x=x, x2="end_ms:Q", y=lane_axis(y),
         color=alt.Color("kind:N", scale=drawn_scale(KIND_COLORS, rows), title=None),
-        tooltip=tooltip).properties(height=lanes_height(len({r[y] for r in rows})))
+        tooltip=tooltip).properties(height=lanes_height(len({r[y] for r in rows})), usermeta=SVG)
 
 
 def frontier_chart(rows: list[dict[str, Any]]) -> alt.VConcatChart:
@@ -120,7 +124,7 @@ def pipeline_gantt_chart(rows: list[dict[str, Any]], title: str) -> alt.LayerCha
         tooltip=["row", "kind", "name", "microbatch", "start_ms", "end_ms"])
     labels = base.transform_calculate(mid="(datum.start_ms + datum.end_ms) / 2").mark_text(
         fontSize=9, color="white").encode(x="mid:Q", text="microbatch:N")
-    return (bars + labels).properties(title=title, height=lanes_height(len({r["row"] for r in rows})))
+    return (bars + labels).properties(title=title, height=lanes_height(len({r["row"] for r in rows})), usermeta=SVG)
 
 
 def pipeline_schedule_chart(rows: list[dict[str, Any]]) -> alt.Chart:

@@ -1,8 +1,10 @@
 """The workbench in a real headless Chromium (Debian `chromium`, driven by Playwright's Python API).
 
-`hap ui --port <free port>` serves the app on 127.0.0.1; the test exports the default plan (4 ranks, one
-per GPU), switches the cluster and then the model without searching and checks that Plan, Timeline,
-Compare and Export each say what changed and draw nothing of the old plan, picks the zoo MLP and
+`hap ui --port <free port>` serves the app on 127.0.0.1; the test reads the first screen's introduction, exports
+the default plan (4 ranks, one per GPU; plan.json and cluster.json must match), counts the Timeline's rendered lane
+labels against the plan's lanes (4 devices, the paper's testbed of 8 one click away, 64 devices grouped), switches
+the cluster and then the model without searching and checks that Plan, Timeline, Compare and Export each say what
+changed and draw nothing of the old plan (nor name its devices), picks the zoo MLP and
 `hap_paper_testbed.json`, runs the search, checks that the frontier and timeline charts render
 (Vega canvas or svg present, no Streamlit exception box), downloads the plan and parses it, and
 saves a screenshot of every page under tests/artifacts/.
@@ -127,8 +129,51 @@ def use_sample(page, name: str) -> None:
     page.get_by_text(f"{name.removesuffix('.json')}: ").first.wait_for()
 
 
-def assert_stale_everywhere(page, change: str, shot: str) -> None:
-    """Plan, Timeline, Compare and Export each say `change` and draw nothing of the old plan."""
+def lane_labels(page) -> list[str]:
+    """The axis labels the page's Vega charts drew (SVG text: the Gantt charts render as SVG)."""
+    page.locator('[data-testid="stVegaLiteChart"] svg g.role-axis-label text').first.wait_for(timeout=60_000)
+    return page.locator('[data-testid="stVegaLiteChart"] svg g.role-axis-label text').all_text_contents()
+
+
+def assert_every_lane_labelled(page, plan, cluster) -> int:
+    """The Timeline's Gantt chart labels each of the plan's lanes (issue 30, item 4): Vega drops overlapping labels
+    from a chart too short for its rows. Returns the number of lanes."""
+    from engine.compare import predicted_schedule
+    from engine.views import predicted_lane_rows
+
+    lanes = {r["row"] for r in predicted_lane_rows(predicted_schedule(plan, cluster).rows(), group=plan.world_size > 16)}
+    drawn = [t for t in lane_labels(page) if " · " in t]
+    assert sorted(drawn) == sorted(lanes), f"labelled {len(drawn)} of {len(lanes)} lanes"
+    return len(lanes)
+
+
+def assert_every_device_labelled(page, devices: list[str]) -> None:
+    """Each device's compute and network lanes are labelled once (for a plan the test does not hold)."""
+    drawn = [t for t in lane_labels(page) if " · " in t]
+    assert len(drawn) == len(set(drawn)), "a lane labelled twice"
+    for lane in ("compute", "network"):
+        assert sorted(t.split(" · ")[0] for t in drawn if t.endswith(f" · {lane}")) == sorted(devices), lane
+
+
+def download_set(page, stem: Path):
+    """plan.json and cluster.json from the Export page: (plan, cluster), checked to be a matching pair."""
+    from engine import load_cluster
+
+    files = {}
+    for name in ("plan.json", "cluster.json"):
+        with page.expect_download() as dl:
+            page.get_by_role("button", name=f"Download {name}").click()
+        files[name] = Path(f"{stem}_{name}")
+        dl.value.save_as(files[name])
+        idle(page)  # a download button's click reruns the page
+    plan, cluster = load_plan(files["plan.json"]), load_cluster(files["cluster.json"])
+    assert plan.cluster_fingerprint == cluster.fingerprint(), "Export offered a plan and a cluster that do not match"
+    return plan, cluster
+
+
+def assert_stale_everywhere(page, change: str, shot: str, old_devices: tuple[str, ...] = ()) -> None:
+    """Plan, Timeline, Compare and Export each say `change` and draw nothing of the old plan: no chart, table,
+    download or listing, and none of its devices by name."""
     for title in ("Plan", "Timeline", "Compare", "Export"):
         goto(page, title)
         main = page.locator('[data-testid="stMain"]')
@@ -138,6 +183,8 @@ def assert_stale_everywhere(page, change: str, shot: str) -> None:
         page.wait_for_selector('[data-stale="true"]', state="detached")  # nothing left over from the page before
         assert main.get_by_role("button", name="Plan again").count() == 1
         assert main.locator(OLD_PLAN).count() == 0, f"{title} shows the old plan after: {change}"
+        text = main.inner_text()
+        assert not [d for d in old_devices if d in text], f"{title} names the old plan's devices after: {change}"
         assert_no_exception(page)
         shoot(page, f"{shot}_{title.lower()}")
 
@@ -154,27 +201,43 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     idle(page)
     sidebar = page.locator('[data-testid="stSidebar"]').inner_text()
     assert "zoo:gpt" in sidebar and "a100x2_p100x2" in sidebar
+    page.get_by_text("The HAP workbench plans the training of one model").wait_for()  # the first screen explains itself
+    page.get_by_text("Why these ratios.").wait_for()
     assert charts(page, 2) >= 2  # ratios and memory
     assert_no_exception(page)
     shoot(page, "plan_default")
-    goto(page, "Timeline")
-    page.locator('[data-testid="stVegaLiteChart"]').first.wait_for()
-    shoot(page, "timeline_default")
     goto(page, "Export")  # the default cluster has one device per GPU: its plan is exported as it is
     page.get_by_text("(4 ranks, one per device)").wait_for()
-    with page.expect_download() as dl:
-        page.get_by_role("button", name="Download plan.json").click()
-    dl.value.save_as(tmp_path / "default_plan.json")
-    default = load_plan(tmp_path / "default_plan.json")
+    default, default_cluster = download_set(page, tmp_path / "default")
     assert default.world_size == 4 and default.cluster_name == "a100x2_p100x2"
-    idle(page)  # a download button's click reruns the page
     page.get_by_role("button", name="Download launch bundle (zip)").wait_for()
     assert_no_exception(page)
     shoot(page, "export_default")
+    goto(page, "Timeline")
+    assert assert_every_lane_labelled(page, default, default_cluster) >= 8  # 4 devices, a compute and a network lane
+    shoot(page, "timeline_default")
+
+    # the paper's testbed one click from the first screen: 8 devices, every lane labelled again
+    goto(page, "Plan")
+    page.get_by_role("button", name="Plan it on the paper's testbed").click()
+    idle(page)
+    page.get_by_text("hap_paper_testbed_machines (8 devices)").first.wait_for()
+    goto(page, "Export")
+    testbed, testbed_cluster = download_set(page, tmp_path / "testbed")  # expanded to one rank per GPU
+    assert testbed.world_size == 64 and testbed_cluster.fingerprint() == testbed.cluster_fingerprint
+    goto(page, "Timeline")
+    assert_every_device_labelled(page, [d.name for d in engine.load_cluster(ROOT / "sample_clusters" /
+                                                                             "hap_paper_testbed_machines.json").devices])
+    shoot(page, "timeline_testbed")
+    use_sample(page, "a100x2_p100x2.json")  # back to the default cluster: its plan is made again (cached)
+    goto(page, "Plan")
+    page.get_by_role("button", name="Plan again").click()
+    idle(page)
 
     # switch the cluster, then the model, without searching: no page shows the old plan
     use_sample(page, "hap_paper_testbed_machines.json")
-    assert_stale_everywhere(page, "The cluster changed from a100x2_p100x2 to hap_paper_testbed_machines", "stale_cluster")
+    assert_stale_everywhere(page, "The cluster changed from a100x2_p100x2 to hap_paper_testbed_machines", "stale_cluster",
+                            old_devices=tuple(default.device_names))
     use_sample(page, "a100x2_p100x2.json")  # the plan's own cluster again: current once more
     goto(page, "Plan")
     assert charts(page, 2) >= 2
@@ -227,12 +290,10 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     shoot(page, "compare")
 
     goto(page, "Export")
-    with page.expect_download() as dl:
-        page.get_by_role("button", name="Download plan.json").click()
-    path = tmp_path / "plan.json"
-    dl.value.save_as(path)
-    plan = load_plan(path)
+    plan, cluster = download_set(page, tmp_path / "final")
     assert plan.cluster_name == "hap_paper_testbed" and plan.graph.name == "mlp" and plan.world_size == 64
     assert_no_exception(page)
     shoot(page, "export")
+    goto(page, "Timeline")  # 64 devices, grouped where their lanes are identical: each group's lanes labelled
+    assert assert_every_lane_labelled(page, plan, cluster) >= 2
     ctx.close()
