@@ -41,6 +41,9 @@ st.caption(base.description)
 st.markdown("**Devices** (edit cells, add or delete rows; checked by the engine as you type)")
 devices = st.data_editor(pd.DataFrame(ui.device_rows(base)), num_rows="dynamic", width="stretch",
                          key=f"{services.Keys.EDITOR}.{base.fingerprint()[:12]}")
+if any(c.startswith(ui.FLOPS_COLUMN) for row in ui.device_rows(base) for c in row):
+    st.caption("A rate cell left empty: the device has no rate in that dtype, and plans in that precision are refused "
+               "on it (the table cannot show an empty number as a blank).")
 st.markdown("**Links** (bandwidth per link level) and per-hop latency")
 links = st.data_editor(pd.DataFrame(ui.link_rows(base)), width="stretch", num_rows="dynamic",
                        key=f"cluster.links.{base.fingerprint()[:12]}")
