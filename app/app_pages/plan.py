@@ -75,7 +75,8 @@ for mode, why in plan.search.get("overlap_skipped", {}).items():
 if "pipeline" in plan.search.get("parallelism_s", {}):
     st.caption(f"parallelism: spmd kept; the best pipeline predicts {views.ms(plan.search['parallelism_s']['pipeline'])}")
 
-reason = services.ratio_reason(services.plan_key(plan), cluster.fingerprint(), plan, cluster)
+key = services.plan_key(plan)
+reason = services.ratio_reason(key, cluster.fingerprint(), plan, cluster)
 st.markdown(f"**Why these ratios.** {reason.sentence()}")
 left, right = st.columns(2)
 left.altair_chart(charts.ratios_chart(views.ratio_rows(plan)), width="stretch")
@@ -84,7 +85,7 @@ right.altair_chart(charts.memory_chart(views.memory_rows(plan, cluster)), width=
 st.subheader("Model graph, coloured by each tensor's sharding")
 st.caption("grey: Full, orange: Partial, blue/green/purple: Shard(dim); ⇄ marks a collective on the tensor")
 segs = list(range(plan.graph.num_segments))
-expand = services.kept(st.multiselect, "Layers shown in full", f"plan.expand.{services.plan_key(plan)[:12]}",
+expand = services.kept(st.multiselect, "Layers shown in full", f"plan.expand.{key[:12]}",
                        segs[:1] if len(plan.graph) > 150 else segs, segs)
 st.graphviz_chart(views.graph_dot(plan.graph, expand=expand, forms=views.plan_forms(plan), comms=views.plan_collectives(plan)),
                   width="stretch")
