@@ -16,7 +16,7 @@ for col, (page, label) in zip(steps, (("model", "1. Model: pick or upload one"),
                                       ("cluster", "2. Cluster: pick or edit its devices"),
                                       ("search", "3. Search: plan the model on it"))):
     col.page_link(f"app_pages/{page}.py", label=label)
-if st.session_state[services.Keys.CLUSTER_SOURCE] != f"sample_clusters/{services.PAPER_TESTBED}" and st.button(
+if st.session_state.get(services.Keys.CLUSTER_SOURCE) != f"sample_clusters/{services.PAPER_TESTBED}" and st.button(
         "Plan it on the paper's testbed", key="plan.testbed", help="HAP §7.1: 2 machines of 8 V100 and 6 of 8 P100, as 8 "
         "virtual devices, the current model with the current plan's options"):
     try:

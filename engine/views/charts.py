@@ -65,9 +65,21 @@ def frontier_chart(rows: list[dict[str, Any]]) -> alt.VConcatChart:
     return alt.vconcat(top, queue)
 
 
+FLAT = 1e-4
+"""A series whose spread is below this share of its value is drawn from zero: a flat line, not 1e-8 ms of noise
+blown up to look like oscillation."""
+
+
+def value_scale(values: list[float]) -> alt.Scale:
+    """A y scale zoomed on the values where they really move, from zero where they are flat."""
+    top = max((abs(v) for v in values), default=0.0)
+    return alt.Scale(zero=not values or max(values) - min(values) <= FLAT * top)
+
+
 def history_chart(rows: list[dict[str, Any]]) -> alt.Chart:
     return alt.Chart(pd.DataFrame(rows), title="Q<->B iterations").mark_line(point=True).encode(
-        x=alt.X("step:N", sort=None, title="iteration:step"), y=alt.Y("predicted_ms:Q", scale=alt.Scale(zero=False)),
+        x=alt.X("step:N", sort=None, title="iteration:step"),
+        y=alt.Y("predicted_ms:Q", scale=value_scale([r["predicted_ms"] for r in rows])),
         color=alt.value("#4c78a8"), tooltip=["step", "predicted_ms"]).properties(height=220)
 
 

@@ -185,3 +185,27 @@ def test_units_follow_the_magnitude_in_one_helper():
     assert [views.in_units(v, u) for v, u in ((1.57e8, "FLOP"), (1.95e13, "FLOP/s"), (6.25e8, "B/s"), (1.5e11, "B/s"),
                                               (5e-5, "s"), (0.0015, "s"), (0, "B/s"), (999.96e6, "B"))] == [
         "157 MFLOP", "19.5 TFLOP/s", "625 MB/s", "150 GB/s", "50 µs", "1.5 ms", "0 B/s", "1 GB"]
+
+
+@pytest.mark.parametrize("devices", [4, 8, 16])
+def test_gantt_height_grows_with_its_lanes_so_every_lane_keeps_its_label(devices):
+    """The rendered labels are counted in Chromium (test_browser) for 4, 8 and 64 devices; here the spec of 16."""
+    from engine.views.charts import gantt_chart, pipeline_gantt_chart
+
+    rows = [{"row": f"d{j} · {lane}", "kind": "compute", "start_ms": 0.0, "end_ms": 1.0}
+            for j in range(devices) for lane in ("compute", "network")]
+    spec = gantt_chart(rows, "t", ["row"]).to_dict()
+    assert spec["height"] >= LANE_PX * 2 * devices and spec["encoding"]["y"]["axis"]["labelOverlap"] is False
+    stages = [{"row": f"stage {s}", "kind": "forward", "name": "f", "microbatch": 0, "start_ms": s, "end_ms": s + 1.0}
+              for s in range(3)] + [{"row": f"link {s}→{s + 1}", "kind": "transfer", "name": "t", "microbatch": 0,
+                                     "start_ms": s + 1.0, "end_ms": s + 1.5} for s in range(2)]
+    pipe = pipeline_gantt_chart(stages, "3 stages").to_dict()
+    assert pipe["height"] >= LANE_PX * 5 and pipe["layer"][0]["encoding"]["y"]["axis"]["labelOverlap"] is False
+    assert pipe["layer"][0]["encoding"]["color"]["scale"]["domain"] == ["forward", "transfer"]
+
+
+def test_a_flat_history_is_drawn_from_zero_not_as_noise():
+    from engine.views.charts import value_scale
+
+    assert value_scale([12.0, 12.0 + 1e-11]).to_dict() == {"zero": True}
+    assert value_scale([12.0, 10.0]).to_dict() == {"zero": False}
