@@ -214,7 +214,8 @@ def check_graph_dict(d: dict[str, Any], where: str = "graph JSON: ") -> None:
 
 
 ORIGIN_FIELDS: dict[str, tuple[type, ...]] = {"zoo": (str,), "hf": (str,), "file": (str,), "sha256": (str,),
-                                              "task": (str,), "config": (dict,), "inputs": (dict, list)}
+                                              "task": (str,), "config": (dict,), "inputs": (dict, list),
+                                              "implementation": (dict,)}
 """Where a graph came from (engine.model.source): the fields the planner and the runner read back (a model
 file's inputs are a list of shapes, an hf class's a dict of knobs)."""
 
