@@ -105,12 +105,55 @@ def _norm_dim(d: int, rank: int) -> int:
 def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """torch.export in non-strict mode; a failure becomes a ModelError that says what to try."""
     try:
-        ep = torch.export.export(module, args, kwargs, strict=False)
+        with ValuedScalars():
+            ep = torch.export.export(module, args, kwargs, strict=False)
     except Exception as e:  # torch raises many exception types from tracing
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot capture the model with torch.export: {first} "
                          "(make forward() free of data-dependent Python control flow)") from e
     return number_dropout_sites(inline_grad_mode_regions(ep))
+
+
+class ValuedScalars(torch.overrides.TorchFunctionMode):
+    """Scalars made in forward from Python numbers on the meta device are made on the CPU instead.
+
+    A model captured on meta has no values, so `torch.tensor(finfo.min, device=x.device)` (GPT-Neo's mask
+    value) would become a constant without a value. A 0-dim CPU tensor mixes with meta tensors like a
+    Python number, so the constant keeps its value and the graph stores it (`_constant`); nothing else
+    changes. (`torch.full` needs nothing: it is captured as an operator with its fill value.)"""
+
+    _MAKERS = {torch.tensor, torch.scalar_tensor, torch.as_tensor}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._MAKERS and _meta_scalar(func, args, kwargs):
+            kwargs["device"] = "cpu"
+        elif func is torch.Tensor.__getitem__ and len(args) == 2 and _on_meta(args[0]):
+            args = (args[0], _valued_index(args[1]))  # Falcon's `qkv[..., [-2], :]`: the list becomes a constant
+        return func(*args, **kwargs)
+
+
+def _on_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+def _valued_index(index: Any) -> Any:
+    """An index with its Python lists of ints made CPU tensors (indexing takes them on any device), so the
+    index constant keeps its values; anything else unchanged."""
+    def one(i: Any) -> Any:
+        if isinstance(i, list) and i and all(isinstance(v, int) and not isinstance(v, bool) for v in i):
+            return torch.tensor(i, device="cpu")
+        return i
+    return tuple(one(i) for i in index) if isinstance(index, tuple) else one(index)
+
+
+def _meta_scalar(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor maker is asked for a 0-dim tensor of a Python number on the meta device."""
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type != "meta":
+        return False
+    data = args[0] if args else kwargs.get("data", kwargs.get("s"))
+    return isinstance(data, (int, float, bool))
 
 
 _SET_GRAD = getattr(getattr(torch.ops, "higher_order", None), "wrap_with_set_grad_enabled", None)

@@ -383,6 +383,35 @@ def test_tensor_constants_made_in_forward_are_stored_in_the_graph() -> None:
     assert torch.allclose(interpret(g, module, (x,)), module(x), rtol=1e-6)
 
 
+class MetaConstants(nn.Module):
+    """Constants a model makes in forward on its input's device: GPT-Neo's mask value (`torch.tensor` of a
+    Python number), Falcon's ALiBi base (`torch.full((), ...)`) and its `qkv[..., [-2], :]` list index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        low = torch.tensor(-2.0, dtype=y.dtype, device=y.device)
+        half = torch.full((), 0.5, device=y.device)
+        picked = y[..., [0, 2]]
+        return (torch.where(picked > 0, picked, low) * half).pow(2).mean()
+
+
+def test_constants_made_in_forward_on_meta_keep_their_values() -> None:
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    module, x = MetaConstants(), torch.randn(5, 3)
+    with torch.device("meta"):
+        on_meta = MetaConstants()
+    g = Graph.from_dict(json.loads(engine.load_model(on_meta, (torch.empty(5, 3, device="meta"),)).to_json()))
+    values = sorted(str(n.attrs["value"]) for n in g.nodes if n.op == "constant")
+    assert values == ["-2.0", "[0, 2]"] and any(n.op == "full" for n in g.nodes)
+    assert torch.allclose(interpret(g, module, (x,)), module(x), rtol=1e-6)
+
+
 class NotScalar(nn.Module):
     def __init__(self) -> None:
         super().__init__()
