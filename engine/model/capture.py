@@ -30,7 +30,10 @@ import inspect
 import math
 import operator
 import re
+import string
+import traceback
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -109,9 +112,37 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.
             ep = torch.export.export(module, args, kwargs, strict=False)
     except Exception as e:  # torch raises many exception types from tracing
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot capture the model with torch.export: {first} "
-                         "(make forward() free of data-dependent Python control flow)") from e
+        raise ModelError(f"cannot capture the model with torch.export: {first}{where_in_model(e, module)}") from e
     return number_dropout_sites(inline_grad_mode_regions(ep))
+
+
+def where_in_model(e: BaseException, module: torch.nn.Module) -> str:
+    """The model's own line a capture failed at, and the config keys that line reads (a flag to try), or the
+    general advice: a data-dependent branch is only removable in the model's code or by its config."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _library_frame(f.filename)]
+    if not frames:
+        return " (make forward() free of data-dependent Python control flow)"
+    f = frames[-1]
+    text = f" at {Path(f.filename).name}:{f.lineno} `{(f.line or '').strip()}`"
+    keys = _config_keys_read(f.line or "", getattr(getattr(module, "inner", module), "config", None))
+    if keys:
+        return text + (f"; the line reads the config's {' or '.join(keys)}: set it so the branch goes away "
+                       f"(e.g. --set {keys[0]}=0)")
+    return text + " (make this branch independent of tensor values, or capture with other config flags)"
+
+
+def _library_frame(filename: str) -> bool:
+    """Frames of torch and of this package: a capture failure is reported at the model's own line."""
+    parts = Path(filename).parts
+    return "torch" in parts or "engine" in parts and "model" in parts or filename.startswith("<")
+
+
+def _config_keys_read(line: str, config: Any) -> list[str]:
+    """Config keys that contain a name the line reads (`self.layerdrop` -> encoder_layerdrop, decoder_layerdrop)."""
+    if config is None or not hasattr(config, "to_dict"):
+        return []
+    names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", line)) - {"self", "config", "torch", "training"}
+    return sorted(k for k in config.to_dict() if any(n in k for n in names))
 
 
 class ValuedScalars(torch.overrides.TorchFunctionMode):
@@ -985,9 +1016,36 @@ _SPLITS: dict[str, Callable[[_Ctx], list[int | None]]] = {
 
 
 # --- einsum, MoE gating and index operators (engine/theory/einsum.py, moe.py, index.py) ---------
+def explicit_equation(equation: str, ranks: list[int]) -> str:
+    """An einsum equation with its `...` written as letters (from the operands' ranks) and its output made
+    explicit, the form the rules take: `"...qhd,...khd->...hqk"` of rank-5 operands -> `"ABqhd,ABkhd->ABhqk"`."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    ins = lhs.split(",")
+    if len(ins) != len(ranks):
+        raise ValueError(f"einsum equation '{equation}' names {len(ins)} operands, the call has {len(ranks)}")
+    spare = [ch for ch in string.ascii_uppercase + string.ascii_lowercase if ch not in eq]
+    width = max((r - len(x.replace("...", "")) for x, r in zip(ins, ranks) if "..." in x), default=0)
+    if width > len(spare) or width < 0:
+        raise ValueError(f"einsum equation '{equation}' does not fit operands of ranks {ranks}")
+    batch = "".join(spare[:width])
+
+    def fill(x: str, rank: int) -> str:
+        return x.replace("...", batch[width - (rank - len(x.replace("...", ""))):]) if "..." in x else x
+
+    ins = [fill(x, r) for x, r in zip(ins, ranks)]
+    if arrow:
+        out = out.replace("...", batch)
+    else:  # implicit output: the broadcast dims, then the letters seen once, in alphabetical order
+        seen = "".join(ins)
+        out = batch + "".join(sorted(ch for ch in set(seen) if seen.count(ch) == 1 and ch not in batch))
+    return ",".join(ins) + "->" + out
+
+
 def _h_einsum(c: _Ctx) -> int:
-    equation, operands = c.fx.args[0], [c.node(t) for t in c.fx.args[1]]
+    operands = [c.node(t) for t in c.fx.args[1]]
     try:
+        equation = explicit_equation(c.fx.args[0], [x.rank for x in operands])
         ins, _ = parse_equation(equation)
     except ValueError as e:
         raise _Unsupported(f"aten.einsum: {e}") from None

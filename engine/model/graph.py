@@ -215,7 +215,7 @@ def check_graph_dict(d: dict[str, Any], where: str = "graph JSON: ") -> None:
 
 ORIGIN_FIELDS: dict[str, tuple[type, ...]] = {"zoo": (str,), "hf": (str,), "file": (str,), "sha256": (str,),
                                               "task": (str,), "config": (dict,), "inputs": (dict, list),
-                                              "implementation": (dict,)}
+                                              "implementation": (dict,), "adjusted": (dict,)}
 """Where a graph came from (engine.model.source): the fields the planner and the runner read back (a model
 file's inputs are a list of shapes, an hf class's a dict of knobs)."""
 

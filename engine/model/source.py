@@ -271,11 +271,15 @@ class HFSpec:
     implementation: dict[str, str] = field(default_factory=dict)
     """The kernels picked where transformers offers several ({"experts": "batched_mm"}): not part of a
     config's `to_dict()`, so recorded beside it for the runner to rebuild the same model."""
+    adjusted: dict[str, Any] = field(default_factory=dict)
+    """Config keys the capture changed from the class's default (key -> the default), e.g. LayerDrop off."""
 
     def origin(self) -> dict[str, Any]:
         out = {"hf": self.cls, "config": self.config, "task": self.task, "inputs": dict(self.inputs)}
         if self.implementation:
             out["implementation"] = dict(self.implementation)
+        if self.adjusted:
+            out["adjusted"] = dict(self.adjusted)
         return out
 
 
@@ -339,6 +343,22 @@ def _switchable_experts(name: str) -> bool:
         return False
 
 
+DATA_DEPENDENT_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+"""Config keys whose non-zero default makes forward branch on a random draw (LayerDrop skips whole layers
+with `if torch.rand([]) < p`), which no static capture can hold: set to 0 unless the user set them."""
+
+
+def without_data_dependent_defaults(default: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """Set each DATA_DEPENDENT_KEYS key whose default is non-zero and that the user left unset to 0.0 in
+    `values`; returns {key: default} of what was changed (recorded in the origin and said by `hap plan`)."""
+    changed = {}
+    for key in DATA_DEPENDENT_KEYS:
+        value = getattr(default, key, None)
+        if key not in values and isinstance(value, (int, float)) and value:
+            values[key], changed[key] = 0.0, value
+    return changed
+
+
 def parse_value(text: Any) -> Any:
     """A --set value: JSON when it parses (numbers, true/false, null, lists), else the string itself."""
     if not isinstance(text, str):
@@ -380,13 +400,14 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
         hint = f"; did you mean '{near[0]}'?" if near else ""
         raise ModelError(f"hf:{name}: '{bad[0]}' is not a key of {type(default).__name__} nor an input knob "
                          f"({', '.join(INPUT_KNOBS)}){hint}")
+    adjusted = without_data_dependent_defaults(default, values)
     try:
         cfg = cls.config_class(**values)
     except Exception as e:  # transformers validates in many ways
         raise ModelError(f"hf:{name}: bad config: {type(e).__name__}: {first_line(e)}") from None
     task = task_of(name)
     return HFSpec(name, json.loads(cfg.to_json_string(use_diff=False)), task, input_sizes(name, cfg, task, inputs),
-                  implementation)
+                  implementation, adjusted)
 
 
 def _positive(name: str, key: str, value: Any) -> int:
@@ -475,7 +496,7 @@ def capture_hf(spec: HFSpec, *, fallback: str | None = None) -> Graph:
 
 def spec_of(origin: dict[str, Any]) -> HFSpec:
     return HFSpec(origin["hf"], dict(origin["config"]), origin["task"], dict(origin["inputs"]),
-                  dict(origin.get("implementation", {})))
+                  dict(origin.get("implementation", {})), dict(origin.get("adjusted", {})))
 
 
 # ----------------------------------------------------------------------------- the runner's side

@@ -168,6 +168,18 @@ def test_a_mixture_of_experts_class_captures_without_a_hand_set_option():
         source.hf_config(source.spec_of({**origin, "implementation": {"experts": "histc"}}))
 
 
+def test_layerdrop_is_turned_off_unless_the_user_sets_it_and_the_origin_says_so():
+    """M2M-100 defaults to LayerDrop 0.05 (`if torch.rand([]) < p` skips a layer): no captured program holds
+    that branch, so the spec sets it to 0, records the default it changed, and keeps a value the user set."""
+    pytest.importorskip("transformers")
+    spec = source.hf_spec("hf:M2M100ForConditionalGeneration", None, {"d_model": 32})
+    assert spec.config["encoder_layerdrop"] == spec.config["decoder_layerdrop"] == 0.0
+    assert spec.origin()["adjusted"] == {"encoder_layerdrop": 0.05, "decoder_layerdrop": 0.05}
+    mine = source.hf_spec("hf:M2M100ForConditionalGeneration", None, {"encoder_layerdrop": "0.1"})
+    assert mine.config["encoder_layerdrop"] == 0.1 and mine.adjusted == {"decoder_layerdrop": 0.05}
+    assert "adjusted" not in source.hf_spec("hf:BertForMaskedLM", None, TINY_BERT).origin()
+
+
 @pytest.mark.parametrize("cls, knobs, expected, labels_below", [
     ("BertForMaskedLM", {**TINY_BERT, "batch": 3, "seq_len": 8},
      {"input_ids": (3, 8), "attention_mask": (3, 8), "labels": (3, 8)}, 64),
