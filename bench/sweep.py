@@ -97,7 +97,9 @@ def shrunk(cls: str, small: bool = False) -> dict[str, Any]:
 
     default = hf_class(cls).config_class().to_dict()
     knobs: dict[str, Any] = {}
-    layers = {k: v for k, v in default.items() if LAYER_KEY.match(k) and isinstance(v, int) and v > LAYERS}
+    staged = isinstance(default.get("depths"), list)  # Swin-like: num_layers counts stages, depths their blocks
+    layers = {k: v for k, v in default.items()
+              if LAYER_KEY.match(k) and isinstance(v, int) and v > LAYERS and not (staged and k == "num_layers")}
     for k in layers:
         knobs[k] = LAYERS
     counts = set(layers.values())

@@ -269,7 +269,7 @@ class HFSpec:
     inputs: dict[str, int] = field(default_factory=dict)
     """batch, seq_len (language models) or image_size (vision)."""
     implementation: dict[str, str] = field(default_factory=dict)
-    """The kernels picked where transformers offers several ({"experts": "batched_mm"}): not part of a
+    """The kernels picked where transformers offers several ({"experts": "hap_dense"}): not part of a
     config's `to_dict()`, so recorded beside it for the runner to rebuild the same model."""
     adjusted: dict[str, Any] = field(default_factory=dict)
     """Config keys the capture changed from the class's default (key -> the default), e.g. LayerDrop off."""
@@ -309,17 +309,18 @@ def task_of(name: str) -> str:
                      f"{', '.join(s for s, _ in TASKS)}, or write a model file")
 
 
-IMPLEMENTATIONS = {"experts": ("batched_mm", "grouped_mm", "eager"), "attn": ("eager", "sdpa")}
+IMPLEMENTATIONS = {"experts": ("hap_dense", "batched_mm", "grouped_mm", "eager"), "attn": ("eager", "sdpa")}
 """The implementation knobs (`--set experts_implementation=...`, `attn_implementation=...`) and the values the
 capture can take: the first of "experts" is the default for a mixture-of-experts class."""
-CAPTURABLE_EXPERTS = "batched_mm"
+CAPTURABLE_EXPERTS = "hap_dense"
 """transformers' default experts kernel (`grouped_mm`) sizes its groups with `histc` and `eager` loops over the
-`nonzero()` experts: both data-dependent shapes. Batched matmuls over every expert capture and compute the same."""
+`nonzero()` experts: both data-dependent shapes; `batched_mm` captures but gathers a weight copy per routed token.
+`hap_dense` (engine.model.zoo.experts) runs every expert on every token, weighted: it captures at real sizes."""
 
 
 def implementation_of(name: str, values: dict[str, Any]) -> dict[str, str]:
     """Pop the implementation knobs from `values`, checked; a class whose experts can be switched gets
-    `batched_mm` unless the user named another, so MoE families capture without a hand-set option."""
+    CAPTURABLE_EXPERTS unless the user named another, so MoE families capture without a hand-set option."""
     picked = {}
     for kind, allowed in IMPLEMENTATIONS.items():
         value = values.pop(f"{kind}_implementation", None)

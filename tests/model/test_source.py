@@ -117,7 +117,7 @@ def test_model_file_errors_are_one_line_model_errors(tmp_path):
     ("hf:LlamaForCausalLM", None, {"batch": "0"}, "batch must be a positive integer"),
     ("hf:LlamaForCausalLM", None, {"image_size": "32"}, "image_size applies to image classifiers only"),
     ("hf:LlamaForCausalLM", "missing.json", {}, "--config missing.json: file not found"),
-    ("hf:MixtralForCausalLM", None, {"experts_implementation": "fast"}, "experts_implementation must be one of batched_mm"),
+    ("hf:MixtralForCausalLM", None, {"experts_implementation": "fast"}, "experts_implementation must be one of hap_dense"),
 ])
 def test_hf_spec_errors_are_one_line_model_errors(spec, config, knobs, message):
     pytest.importorskip("transformers")
@@ -157,13 +157,13 @@ def test_a_mixture_of_experts_class_captures_without_a_hand_set_option():
     records the pick in the origin (it is not in the config's dict), and the runner rebuilds the same."""
     pytest.importorskip("transformers")
     spec = source.hf_spec("hf:MixtralForCausalLM", None, TINY_MIXTRAL)
-    assert spec.implementation == {"experts": "batched_mm"}
+    assert spec.implementation == {"experts": "hap_dense"}
     assert source.hf_spec("hf:LlamaForCausalLM", None, {"num_hidden_layers": 1}).origin().get("implementation") is None
     chosen = source.hf_spec("hf:MixtralForCausalLM", None, {**TINY_MIXTRAL, "experts_implementation": "eager"})
     assert chosen.implementation == {"experts": "eager"}
     origin = json.loads(json.dumps(engine.load_model("hf:MixtralForCausalLM", **TINY_MIXTRAL).origin))
-    assert origin["implementation"] == {"experts": "batched_mm"}
-    assert source.hf_config(source.spec_of(origin))._experts_implementation == "batched_mm"
+    assert origin["implementation"] == {"experts": "hap_dense"}
+    assert source.hf_config(source.spec_of(origin))._experts_implementation == "hap_dense"
     with pytest.raises(ModelError, match="origin.implementation.experts = 'histc' is not one of"):
         source.hf_config(source.spec_of({**origin, "implementation": {"experts": "histc"}}))
 
@@ -178,6 +178,29 @@ def test_layerdrop_is_turned_off_unless_the_user_sets_it_and_the_origin_says_so(
     mine = source.hf_spec("hf:M2M100ForConditionalGeneration", None, {"encoder_layerdrop": "0.1"})
     assert mine.config["encoder_layerdrop"] == 0.1 and mine.adjusted == {"decoder_layerdrop": 0.05}
     assert "adjusted" not in source.hf_spec("hf:BertForMaskedLM", None, TINY_BERT).origin()
+
+
+@pytest.mark.parametrize("cls", ["MixtralForCausalLM", "Qwen2MoeForCausalLM"])
+def test_the_dense_experts_forward_computes_what_transformers_batched_experts_compute(cls):
+    """`hap_dense` (every expert on every token, weighted by its routing weight) against transformers' own
+    `batched_mm`, values and gradients, on a tiny model of two MoE families."""
+    pytest.importorskip("transformers")
+    knobs = TINY_MIXTRAL if cls == "MixtralForCausalLM" else {
+        "num_hidden_layers": 1, "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+        "num_experts_per_tok": 2, "vocab_size": 64, "batch": 3, "seq_len": 8}
+    origin = source.hf_spec(f"hf:{cls}", None, knobs).origin()
+    batch = source.make_batch(origin, 0, 0)
+    results = []
+    for kernel in ("hap_dense", "batched_mm"):
+        model = source.build_module({**origin, "implementation": {"experts": kernel}}, 7)
+        assert {m.config._experts_implementation for m in model.modules() if hasattr(m, "has_gate")} == {kernel}
+        loss = model(*batch)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (dense, dense_grads), (batched, batched_grads) = results
+    assert torch.allclose(dense, batched, rtol=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(dense_grads, batched_grads))
 
 
 @pytest.mark.parametrize("cls, knobs, expected, labels_below", [
