@@ -1400,6 +1400,30 @@ def _m_max_dim(c: _Ctx) -> list[int]:
             for k, i in enumerate(parts)]
 
 
+def _m_sort(c: _Ctx) -> list[int]:
+    """`sort(x, dim, descending)` / `sort.stable(x, stable=, dim=, descending=)` -> `sort_values`, `sort_indices`
+    (MoE routing sorts tokens by expert); `argsort` reads the indices."""
+    x = c.node(c.fx.args[0])
+    stable = c.fx.target._overloadname == "stable"
+    dim = _norm_dim(c.fx.kwargs.get("dim", _arg(c.fx, 1, "dim", -1)) if not stable else c.fx.kwargs.get("dim", -1), x.rank)
+    descending = bool(c.fx.kwargs.get("descending", False if stable else _arg(c.fx, 2, "descending", False)))
+    attrs = {"dim": dim, "descending": descending, "stable": bool(c.fx.kwargs.get("stable", False)) if stable else False}
+    flops = float(x.numel) * max(1, math.ceil(math.log2(max(x.shape[dim] if x.rank else 1, 2))))
+    return [c.b.add(f"{c.fx.name}_{part}", f"sort_{part}", [x.id], x.shape, dtype, attrs, flops, c.seg, c.src)
+            for part, dtype in (("values", x.dtype), ("indices", "int64"))]
+
+
+def _h_argsort(c: _Ctx) -> int:
+    """`argsort(x, dim, descending)` (and `argsort.stable`): the indices of a sort."""
+    x = c.node(c.fx.args[0])
+    stable = c.fx.target._overloadname == "stable"
+    dim = _norm_dim(c.fx.kwargs.get("dim", -1) if stable else _arg(c.fx, 1, "dim", -1), x.rank)
+    descending = bool(c.fx.kwargs.get("descending", False) if stable else _arg(c.fx, 2, "descending", False))
+    attrs = {"dim": dim, "descending": descending, "stable": bool(c.fx.kwargs.get("stable", False))}
+    flops = float(x.numel) * max(1, math.ceil(math.log2(max(x.shape[dim] if x.rank else 1, 2))))
+    return c.emit("sort_indices", [x.id], attrs, flops)
+
+
 def _h_repeat(c: _Ctx) -> int:
     """`x.repeat(r0, .., rn)`: x viewed with a unit dim before each of its dims (and the new leading
     ones), expanded to the repeats, viewed to the result: tiles, from ruled view and expand."""
@@ -1480,13 +1504,13 @@ _HANDLERS.update({
     "var": _h_var,
     "max.other": _h_binary, "min.other": _h_binary,
     "repeat": _h_repeat, "index_select": _h_index_select, "copy": _h_copy, "slice_scatter": _h_slice_scatter,
-    "select_scatter": _h_select_scatter, "flip": _h_flip,
+    "select_scatter": _h_select_scatter, "flip": _h_flip, "argsort": _h_argsort,
     **{f"{kind}_pad{k}d": _h_pad_mode for kind in ("reflection", "replication") for k in (1, 2, 3)},
     "empty_strided": _h_full, "fill": _h_full, "fill.Tensor": _h_copy, "floor_divide": _h_binary,
 })
 _FILLS.update({"empty_strided": 0, "fill": None})
 _SPLITS.update({
-    "max.dim": _m_max_dim, "min.dim": _m_max_dim,
+    "max.dim": _m_max_dim, "min.dim": _m_max_dim, "sort": _m_sort,
     "native_layer_norm": _m_first_output("native_layer_norm", _h_layer_norm),  # layer_norm's arguments
     "max_pool2d_with_indices": _m_first_output("max_pool2d_with_indices", _h_max_pool),
     "max_pool3d_with_indices": _m_first_output("max_pool3d_with_indices", _h_max_pool),

@@ -294,6 +294,12 @@ def _topk(node: Node, inputs: Sequence[Tensor]) -> Tensor:
     return res.values if node.op == "topk_values" else res.indices
 
 
+def _sort(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    a = node.attrs
+    res = torch.sort(inputs[0], dim=a["dim"], descending=a["descending"], stable=a["stable"])
+    return res.values if node.op == "sort_values" else res.indices
+
+
 def _arange(node: Node, inputs: Sequence[Tensor]) -> Tensor:
     a = node.attrs
     return torch.arange(a["start"], a["end"], a["step"], dtype=getattr(torch, node.dtype))
@@ -310,7 +316,7 @@ _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "leaky_relu": lambda n, x: F.leaky_relu(x[0], n.attrs["negative_slope"]),
     "softplus": lambda n, x: F.softplus(x[0], n.attrs["beta"], n.attrs["threshold"]),
     "einsum": lambda n, x: torch.einsum(n.attrs["equation"], *x),
-    "topk_values": _topk, "topk_indices": _topk,
+    "topk_values": _topk, "topk_indices": _topk, "sort_values": _sort, "sort_indices": _sort,
     "one_hot": lambda n, x: F.one_hot(x[0], n.attrs["num_classes"]),
     "cumsum": lambda n, x: torch.cumsum(x[0], n.attrs["dim"]),
     "gather": lambda n, x: torch.gather(x[0], n.attrs["dim"], x[1]),

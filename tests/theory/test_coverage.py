@@ -112,7 +112,7 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "where",
         "index_add", "scatter_add", "histc", "roll", "clamp", "softplus", "rand", "round", "elu", "leaky_relu",
         "div_floor", "div_trunc", "bitwise_and", "bitwise_or", "bitwise_xor", "amax", "amin", "any", "prod", "var",
-        "argmax", "argmin", "flip", "slice_scatter", "select_scatter"}
+        "argmax", "argmin", "flip", "slice_scatter", "select_scatter", "sort_values", "sort_indices"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -139,6 +139,7 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     **{op: ([(2, 3, 4)], {"dims": [1], "keepdim": False}) for op in ("amax", "any", "prod", "argmax")},
     **{op: ([(2, 3, 4)], {"dims": [0, 2], "keepdim": True}) for op in ("amin", "argmin")},
     "var": ([(2, 3, 4)], {"dims": [2], "keepdim": False, "correction": 1}),
+    **{op: ([(3, 4)], {"dim": 1, "descending": True, "stable": True}) for op in ("sort_values", "sort_indices")},
     "flip": ([(3, 4, 2)], {"dims": [1]}),
     "slice_scatter": ([(4, 6), (4, 2)], {"dim": 1, "start": 1, "end": 5, "step": 2}),
     "select_scatter": ([(4, 6, 3), (4, 3)], {"dim": 1, "index": 2}),
