@@ -94,8 +94,9 @@ TABLE: dict[str, CoreOp] = {
     **_rows(lowered("matmul"), "mm.default", "bmm.default"),
     "addmm.default": lowered("matmul", "add"),
     "convolution.default": lowered("conv", "view", "add", note="the bias, when there is one, viewed per channel and added"),
-    **_rows(lowered("adaptive_avg_pool"), "_adaptive_avg_pool2d.default", "_adaptive_avg_pool3d.default"),
-    **_rows(lowered("avg_pool"), "avg_pool2d.default", "avg_pool3d.default"),
+    **_rows(lowered("adaptive_avg_pool"), "_adaptive_avg_pool2d.default", "_adaptive_avg_pool3d.default",
+            "adaptive_avg_pool1d.default"),
+    **_rows(lowered("avg_pool"), "avg_pool1d.default", "avg_pool2d.default", "avg_pool3d.default"),
     **_rows(lowered("max_pool", note="the indices (for backward) are not modelled"), "max_pool2d_with_indices.default",
             "max_pool3d_with_indices.default"),
     **_rows(lowered("batch_norm", note="training mode; the saved statistics are not modelled"),
@@ -145,21 +146,20 @@ TABLE: dict[str, CoreOp] = {
             "max_pool2d_with_indices_backward.default", "native_group_norm_backward.default",
             "native_layer_norm_backward.default"),
     **_rows(CoreOp("metadata", note="a size or stride: a Python number in a capture with static shapes"),
-            "sym_numel.default", "sym_size.int", "sym_storage_offset.default", "sym_stride.int"),
+            "sym_numel.default", "sym_size.int", "sym_storage_offset.default", "sym_stride.int",
+            "sym_is_contiguous.default"),
+    "resize_.default": CoreOp("metadata", note="an in-place storage resize: functionalization (capture's first step) rewrites it away"),
     "atan2.out": CoreOp("metadata", note="an out= variant: export records the functional atan2"),
 }
 """Every core overload of torch 2.13 (`core_overloads()`), by `name.overload`."""
 
 
 def core_overloads() -> list[str]:
-    """`name.overload` of every ATen overload tagged `torch.Tag.core` in the installed torch."""
-    out = []
-    for name in dir(torch.ops.aten):
-        packet = getattr(torch.ops.aten, name, None)
-        if not isinstance(packet, torch._ops.OpOverloadPacket):
-            continue
-        out += [f"{name}.{o}" for o in packet.overloads() if torch.Tag.core in getattr(packet, o).tags]
-    return sorted(out)
+    """`name.overload` of every ATen overload tagged `torch.Tag.core` in the installed torch (from every
+    registered schema: `dir(torch.ops.aten)` lists only the operators some code has touched so far)."""
+    names = {(s.name[len("aten::"):], s.overload_name or "default") for s in torch._C._jit_get_all_schemas()
+             if s.name.startswith("aten::")}
+    return sorted(f"{n}.{o}" for n, o in names if torch.Tag.core in getattr(getattr(torch.ops.aten, n), o).tags)
 
 
 def _captured_as(row: CoreOp) -> str:
