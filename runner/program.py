@@ -221,6 +221,11 @@ def _embedding(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: int,
     return g.call_function(ops.embedding, (args[0], args[1], offset, plan.graph[w].shape[0], node.attrs.get("padding_idx")))
 
 
+NO_SITES_IN_PIPELINES = ("pipeline: models with dropout or random draws (stochastic depth's rand, bernoulli) are not run "
+                         "as pipelines yet; capture with dropout off (and drop_path_rate=0)")
+"""Why a pipeline refuses a plan whose graph has random sites."""
+
+
 def has_dropout_sites(graph: Graph) -> bool:
     """Whether the graph draws dropout masks (nodes with an `rng_site`, see engine/model/dropout.py)."""
     return any("rng_site" in n.attrs for n in graph.nodes)
