@@ -60,9 +60,42 @@ def _same(*overloads: str) -> dict[str, CoreOp]:
     return {o: lowered(o.split(".")[0]) for o in overloads}
 
 
+def _reasons(kind: str, text: str) -> dict[str, CoreOp]:
+    """Rows of one kind from `overload: reason` lines."""
+    pairs = (line.strip().split(": ", 1) for line in text.strip().splitlines())
+    return {name: CoreOp(kind, note=note) for name, note in pairs}
+
+
+_REPLICATED = """
+    _cdist_forward.default: pairwise distances; no rule written yet (the batch dim could split)
+    _pdist_forward.default: each output pairs two rows of the whole input
+    _embedding_bag.default: bags of data-dependent lengths (offsets); no rule written yet
+    _fft_r2c.default: a transform mixes every entry of its dims; no rule written yet for the others
+    _fft_c2r.default: a transform mixes every entry of its dims; no rule written yet for the others
+    as_strided.default: arbitrary strides over the storage: a shard of the input is no shard of the output
+    col2im.default: overlapping patches summed into an image; no rule written yet
+    diagonal.default: no rule written yet (the dims other than the two could split)
+    grid_sampler_2d.default: sampling positions are data; no rule written yet (the batch could split)
+    index_put.default: writes at data-dependent positions (boolean masks, accumulation)
+    masked_scatter.default: the k-th selected entry takes source entry k: a shard's positions depend on the counts before it
+    scatter.src: duplicate indices write in an unspecified order; no rule written yet
+    scatter.value: no rule written yet (the dims other than `dim` could split, as gather's)
+    scatter_reduce.two: product, max, min or mean into data-dependent positions
+    native_group_norm.default: no rule written yet (the batch dim could split: statistics are per sample)
+    upsample_bilinear2d.vec: no rule written yet (batch and channel dims could split)
+    upsample_nearest2d.vec: no rule written yet (batch and channel dims could split)
+    _native_batch_norm_legit_no_training.default: batch norm in eval mode: plan the model in training mode
+"""
+"""No rule (yet): kept opaque when the fallback allows it."""
+_REFUSED = """
+    randn.default: a random draw with no site-keyed numbers (each device would draw its own)
+    randperm.default: a random draw with no site-keyed numbers (each device would draw its own)
+    nonzero.default: its shape depends on the data: torch.export stops at its users
+    _local_scalar_dense.default: `.item()`: a value read into Python, which export cannot guard on
+"""
+"""Never kept opaque, or never captured."""
 _BITWISE = {f"bitwise_{k}.{o}": CoreOp("lowered", (f"logical_{k}", f"bitwise_{k}"), "booleans: logical, integers: bitwise", True)
             for k in ("and", "or", "xor") for o in ("Tensor", "Scalar")}
-_NO_RULE = "no rule written yet"
 
 TABLE: dict[str, CoreOp] = {
     **_same("abs.default", "acos.default", "acosh.default", "asin.default", "asinh.default", "atan.default", "atanh.default",
@@ -117,30 +150,8 @@ TABLE: dict[str, CoreOp] = {
     "index_select.default": lowered("index", note="x[:, .., idx]"),
     "repeat.default": lowered("view", "expand", "view", note="tiles: a unit dim before each dim, expanded to the repeats"),
     "copy.default": lowered("expand", "identity", note="src broadcast to self's shape, cast to self's dtype"),
-    # no rule (yet): kept opaque when the fallback allows it
-    "_cdist_forward.default": CoreOp("replicated", note=f"pairwise distances; {_NO_RULE} (the batch dim could split)"),
-    "_pdist_forward.default": CoreOp("replicated", note="each output pairs two rows of the whole input"),
-    "_embedding_bag.default": CoreOp("replicated", note=f"bags of data-dependent lengths (offsets); {_NO_RULE}"),
-    "_fft_r2c.default": CoreOp("replicated", note=f"a transform mixes every entry of its dims; {_NO_RULE} for the others"),
-    "_fft_c2r.default": CoreOp("replicated", note=f"a transform mixes every entry of its dims; {_NO_RULE} for the others"),
-    "as_strided.default": CoreOp("replicated", note="arbitrary strides over the storage: a shard of the input is no shard of the output"),
-    "col2im.default": CoreOp("replicated", note=f"overlapping patches summed into an image; {_NO_RULE}"),
-    "diagonal.default": CoreOp("replicated", note=f"{_NO_RULE} (the dims other than the two could split)"),
-    "grid_sampler_2d.default": CoreOp("replicated", note=f"sampling positions are data; {_NO_RULE} (the batch could split)"),
-    "index_put.default": CoreOp("replicated", note="writes at data-dependent positions (boolean masks, accumulation)"),
-    "masked_scatter.default": CoreOp("replicated", note="the k-th selected entry takes source entry k: a shard's positions depend on the counts before it"),
-    "scatter.src": CoreOp("replicated", note=f"duplicate indices write in an unspecified order; {_NO_RULE}"),
-    "scatter.value": CoreOp("replicated", note=f"{_NO_RULE} (the dims other than `dim` could split, as gather's)"),
-    "scatter_reduce.two": CoreOp("replicated", note="product, max, min or mean into data-dependent positions"),
-    "native_group_norm.default": CoreOp("replicated", note=f"{_NO_RULE} (the batch dim could split: statistics are per sample)"),
-    "upsample_bilinear2d.vec": CoreOp("replicated", note=f"{_NO_RULE} (batch and channel dims could split)"),
-    "upsample_nearest2d.vec": CoreOp("replicated", note=f"{_NO_RULE} (batch and channel dims could split)"),
-    "_native_batch_norm_legit_no_training.default": CoreOp("replicated", note="batch norm in eval mode: plan the model in training mode"),
-    # never kept opaque, or never captured
-    "randn.default": CoreOp("refused", note="a random draw with no site-keyed numbers (each device would draw its own)"),
-    "randperm.default": CoreOp("refused", note="a random draw with no site-keyed numbers (each device would draw its own)"),
-    "nonzero.default": CoreOp("refused", note="its shape depends on the data: torch.export stops at its users"),
-    "_local_scalar_dense.default": CoreOp("refused", note="`.item()`: a value read into Python, which export cannot guard on"),
+    **_reasons("replicated", _REPLICATED),
+    **_reasons("refused", _REFUSED),
     **_rows(CoreOp("backward", note="not in forward graphs"), "_adaptive_avg_pool2d_backward.default",
             "avg_pool2d_backward.default", "convolution_backward.default", "embedding_dense_backward.default",
             "max_pool2d_with_indices_backward.default", "native_group_norm_backward.default",
