@@ -1358,13 +1358,13 @@ def _all_dims(dims: Any, rank: int) -> list[int]:
 
 
 def _h_reduce_by(c: _Ctx) -> int:
-    """amax, amin, any, prod, argmax, argmin and var over `dims` (engine/theory/reduction.py): one node
-    each, attrs `dims` and `keepdim` (and var's `correction`)."""
+    """amax, amin, any, all, prod, argmax and argmin over `dims` (engine/theory/reduction.py): one node
+    each, attrs `dims` and `keepdim`."""
     op, overload = c.fx.target._opname, c.fx.target._overloadname
     x = c.node(c.fx.args[0])
     if c.fx.kwargs.get("dtype") is not None:
         raise _Unsupported(f"aten.{op} with dtype")
-    whole = overload == "default" and op in ("any", "prod", "max", "min")
+    whole = overload == "default" and op in ("any", "all", "prod", "max", "min")
     dims = _all_dims(None if whole else _arg(c.fx, 1, "dim", None), x.rank)
     keep = False if whole else bool(_arg(c.fx, 2, "keepdim", False))
     op = {"max": "amax", "min": "amin"}.get(op, op)  # max.default / min.default: every dim
@@ -1422,6 +1422,17 @@ def _h_argsort(c: _Ctx) -> int:
     attrs = {"dim": dim, "descending": descending, "stable": bool(c.fx.kwargs.get("stable", False))}
     flops = float(x.numel) * max(1, math.ceil(math.log2(max(x.shape[dim] if x.rank else 1, 2))))
     return c.emit("sort_indices", [x.id], attrs, flops)
+
+
+def _h_group_norm(c: _Ctx) -> int:
+    """`group_norm(x, groups, weight, bias, eps)` and `native_group_norm(x, weight, bias, N, C, HxW, groups, eps)`."""
+    x = c.node(c.fx.args[0])
+    if c.fx.target._opname == "native_group_norm":
+        w, bias, groups, eps = c.fx.args[1], c.fx.args[2], c.fx.args[6], c.fx.args[7]
+    else:
+        groups, w, bias, eps = c.fx.args[1], _arg(c.fx, 2, "weight"), _arg(c.fx, 3, "bias"), _arg(c.fx, 4, "eps", 1e-5)
+    attrs = {"groups": int(groups), "eps": float(eps), "has_weight": w is not None, "has_bias": bias is not None}
+    return c.emit("group_norm", [x.id] + [c.tid(t) for t in (w, bias) if t is not None], attrs, 8 * _numel(c.shape))
 
 
 def _h_repeat(c: _Ctx) -> int:
@@ -1500,11 +1511,11 @@ def _m_first_output(op: str, lower: Callable[[_Ctx], int]) -> Callable[[_Ctx], l
 
 _HANDLERS.update({
     "round": _h_round, "elu": _h_elu, "leaky_relu": _h_leaky_relu,
-    **{op: _h_reduce_by for op in ("amax", "amin", "any", "prod", "argmax", "argmin", "max.default", "min.default")},
+    **{op: _h_reduce_by for op in ("amax", "amin", "any", "all", "prod", "argmax", "argmin", "max.default", "min.default")},
     "var": _h_var,
     "max.other": _h_binary, "min.other": _h_binary,
     "repeat": _h_repeat, "index_select": _h_index_select, "copy": _h_copy, "slice_scatter": _h_slice_scatter,
-    "select_scatter": _h_select_scatter, "flip": _h_flip, "argsort": _h_argsort,
+    "select_scatter": _h_select_scatter, "flip": _h_flip, "argsort": _h_argsort, "group_norm": _h_group_norm,
     **{f"{kind}_pad{k}d": _h_pad_mode for kind in ("reflection", "replication") for k in (1, 2, 3)},
     "empty_strided": _h_full, "fill": _h_full, "fill.Tensor": _h_copy, "floor_divide": _h_binary,
 })
@@ -1512,6 +1523,7 @@ _FILLS.update({"empty_strided": 0, "fill": None})
 _SPLITS.update({
     "max.dim": _m_max_dim, "min.dim": _m_max_dim, "sort": _m_sort,
     "native_layer_norm": _m_first_output("native_layer_norm", _h_layer_norm),  # layer_norm's arguments
+    "native_group_norm": _m_first_output("native_group_norm", _h_group_norm),
     "max_pool2d_with_indices": _m_first_output("max_pool2d_with_indices", _h_max_pool),
     "max_pool3d_with_indices": _m_first_output("max_pool3d_with_indices", _h_max_pool),
     "_native_batch_norm_legit": _m_first_output("_native_batch_norm_legit", _h_batch_norm),

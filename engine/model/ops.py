@@ -254,17 +254,24 @@ def _pad(node: Node, inputs: Sequence[Tensor]) -> Tensor:
 
 
 def _reduce_by(node: Node, inputs: Sequence[Tensor]) -> Tensor:
-    """amax, amin, any, var over `dims`; prod, argmax, argmin over one dim or (all dims) the flattened tensor."""
+    """amax, amin, any, all, var over `dims`; prod, argmax, argmin over one dim or (all dims) the flattened tensor."""
     a, x, op = node.attrs, inputs[0], node.op
     dims, keep = a["dims"], a["keepdim"]
     if op == "var":
         return torch.var(x, dims, correction=a["correction"], keepdim=keep)
-    if op in ("amax", "amin", "any"):
+    if op in ("amax", "amin", "any", "all"):
         return getattr(torch, op)(x, dim=dims, keepdim=keep) if dims else x.clone()
     if len(dims) == 1 and x.dim() > 0:
         return getattr(torch, op)(x, dims[0], keepdim=keep)
     out = getattr(torch, op)(x.reshape(-1), 0)
     return out.reshape([1] * x.dim()) if keep else out
+
+
+def _group_norm(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    a, rest = node.attrs, list(inputs[1:])
+    w = rest.pop(0) if a.get("has_weight") else None
+    b = rest.pop(0) if a.get("has_bias") else None
+    return F.group_norm(inputs[0], a["groups"], w, b, a["eps"])
 
 
 def _slice_scatter(node: Node, inputs: Sequence[Tensor]) -> Tensor:
@@ -308,8 +315,8 @@ def _arange(node: Node, inputs: Sequence[Tensor]) -> Tensor:
 _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "clamp": lambda n, x: torch.clamp(x[0], n.attrs["min"], n.attrs["max"]),
     "round": lambda n, x: torch.round(x[0], decimals=n.attrs.get("decimals", 0)),
-    **{op: _reduce_by for op in ("amax", "amin", "any", "var", "prod", "argmax", "argmin")},
-    "slice_scatter": _slice_scatter,
+    **{op: _reduce_by for op in ("amax", "amin", "any", "all", "var", "prod", "argmax", "argmin")},
+    "slice_scatter": _slice_scatter, "group_norm": _group_norm,
     "select_scatter": lambda n, x: torch.select_scatter(x[0], x[1], n.attrs["dim"], n.attrs["index"]),
     "flip": lambda n, x: torch.flip(x[0], n.attrs["dims"]),
     "elu": lambda n, x: torch.ops.aten.elu(x[0], n.attrs["alpha"], n.attrs["scale"], n.attrs["input_scale"]),

@@ -46,7 +46,7 @@ SAVES_OUTPUT = frozenset({"relu", "tanh", "sigmoid", "exp", "rsqrt", "sqrt", "so
 SAVES_OPERANDS = frozenset({"gelu", "silu", "cos", "sin", "pow", "clamp", "softplus", "layer_norm", "batch_norm", "cross_entropy",
                             "mse_loss", "avg_pool", "adaptive_avg_pool", "abs", "acos", "asin", "atan", "acosh", "asinh",
                             "atanh", "cosh", "sinh", "erf", "log", "log10", "log1p", "log2", "elu", "leaky_relu",
-                            "maximum", "minimum", "atan2", "remainder", "fmod", "var"})
+                            "maximum", "minimum", "atan2", "remainder", "fmod", "var", "group_norm"})
 """Operators whose backward reads their operands (a norm's weight and bias are leaves: state, not here;
 cross-entropy keeps a log-softmax of the logits' size)."""
 SAVES_OTHER_OPERANDS = frozenset({"linear", "matmul", "einsum", "conv", "mul"})
@@ -58,7 +58,7 @@ SAVES_NOTHING = frozenset({"add", "sub", "neg", "cat", "pad", "sum", "mean", "ro
                            "full", "constant", "one_hot", "histc", "topk_indices", "eq", "ne", "lt", "le", "gt", "ge",
                            "logical_and", "logical_or", "logical_not", "floor", "ceil", "round", "trunc", "sign", "isinf",
                            "isnan", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "argmax",
-                           "argmin", "any", "rand", "div_floor", "div_trunc", "sort_indices", "flip", "slice_scatter",
+                           "argmin", "any", "all", "rand", "div_floor", "div_trunc", "sort_indices", "flip", "slice_scatter",
                            "select_scatter"})
 """Operators whose backward needs only shapes (or that have none)."""
 

@@ -203,7 +203,7 @@ def test_stack_baddbmm_softplus_and_clamps_lower_to_ruled_operators_that_compute
 class CoreAten(nn.Module):
     """Core ATen operators of issue 29, item 1, in one forward: pointwise, nonlinear reductions, rounded
     division and bitwise ops on positions, repeat / index_select / flip, in-place writes to slices
-    (copy + slice_scatter, select_scatter), reflect padding, and stochastic depth (rand + floor, bernoulli_)."""
+    (copy + slice_scatter, select_scatter), reflect padding, group norm, and stochastic depth (rand + floor, bernoulli_)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -217,13 +217,14 @@ class CoreAten(nn.Module):
         d = F.elu(h) + F.leaky_relu(h, 0.2) + torch.clamp(h, min=torch.zeros_like(h), max=torch.ones_like(h))
         m = h.amax(-1, keepdim=True) + h.amin(-1, keepdim=True) + h.max(-1, keepdim=True).values + h.min(-1).values[..., None]
         v = h.var(-1, keepdim=True) + h.prod(-1, keepdim=True) + (h > 0).any(-1, keepdim=True) + h.argmax(-1, keepdim=True)
+        v = v + (h < 3).all(-1, keepdim=True)
         p = (pos // 2) + torch.div(pos, 3, rounding_mode="trunc") + (pos & 1) + (pos ^ 3) + (~pos)
         e = h.repeat(1, 2, 1)[:, :5] + torch.index_select(h, 1, pos[0] % 5) + torch.flip(h, [1])
         e = e + torch.sort(h, dim=-1, descending=True).values
         y = h.clone()
         y[:, :, 2:4] = y[:, :, 2:4] * 2  # DeepSeek-V3's in-place rotary on a slice of the head dim
         y[:, 1] = 0.5
-        q = F.pad(h.transpose(1, 2), (1, 1), mode="reflect")[..., 1:-1].transpose(1, 2)
+        q = F.pad(h.transpose(1, 2), (1, 1), mode="reflect")[..., 1:-1].transpose(1, 2) + F.group_norm(h, 5)
         out = a + b + c + d + m + v + p[..., None] + e + y + q
         keep = torch.floor(torch.rand((h.shape[0], 1, 1), dtype=h.dtype) + 0.7)  # Swin's drop path
         mask = torch.empty_like(h).bernoulli_(0.8) * torch.bernoulli(torch.sigmoid(h).detach())
@@ -238,8 +239,8 @@ def test_core_aten_operators_lower_to_ruled_operators_that_compute_the_same() ->
     inputs = (torch.randn(3, 5, 6, dtype=torch.float64), torch.randint(0, 9, (3, 5)))
     graph = engine.load_model(module, inputs, fallback="strict")
     ops = {n.op for n in graph.nodes}
-    assert {"floor", "erf", "maximum", "amax", "var", "div_floor", "bitwise_xor", "flip", "slice_scatter",
-            "select_scatter", "sort_values", "rand", "pad", "topk_values", "index"} <= ops, ops
+    assert {"floor", "erf", "maximum", "amax", "var", "all", "div_floor", "bitwise_xor", "flip", "slice_scatter",
+            "select_scatter", "sort_values", "rand", "pad", "topk_values", "index", "group_norm"} <= ops, ops
     assert all(op_rules(n, graph) for n in graph.nodes if not n.is_leaf)
     key = RngKey(1, 2)
     with SiteKeyedDropout(key) as mode:
