@@ -1435,6 +1435,17 @@ def _h_group_norm(c: _Ctx) -> int:
     return c.emit("group_norm", [x.id] + [c.tid(t) for t in (w, bias) if t is not None], attrs, 8 * _numel(c.shape))
 
 
+def _h_upsample(c: _Ctx) -> int:
+    """`upsample_{nearest,linear,bilinear,bicubic,trilinear}Nd` (F.interpolate): an `upsample` node that
+    calls the same ATen overload with the same sizes, scales and align_corners on its local block."""
+    x, t = c.node(c.fx.args[0]), c.fx.target
+    rest = [list(a) if isinstance(a, (list, tuple)) else a for a in c.fx.args[1:]]
+    if any(isinstance(v, torch.fx.Node) for v in torch.utils._pytree.tree_leaves(rest)) or c.fx.kwargs:
+        raise _Unsupported(f"aten.{t._opname} with tensor sizes or keyword arguments")
+    attrs = {"target": f"aten::{t._opname}.{t._overloadname}", "args": rest, "spatial": int(_spatial(c))}
+    return c.emit("upsample", [x.id], attrs, 4 * _numel(c.shape))
+
+
 def _h_repeat(c: _Ctx) -> int:
     """`x.repeat(r0, .., rn)`: x viewed with a unit dim before each of its dims (and the new leading
     ones), expanded to the repeats, viewed to the result: tiles, from ruled view and expand."""
@@ -1517,6 +1528,8 @@ _HANDLERS.update({
     "repeat": _h_repeat, "index_select": _h_index_select, "copy": _h_copy, "slice_scatter": _h_slice_scatter,
     "select_scatter": _h_select_scatter, "flip": _h_flip, "argsort": _h_argsort, "group_norm": _h_group_norm,
     **{f"{kind}_pad{k}d": _h_pad_mode for kind in ("reflection", "replication") for k in (1, 2, 3)},
+    **{f"upsample_{mode}{k}d": _h_upsample for mode, k in (("nearest", 1), ("nearest", 2), ("nearest", 3), ("linear", 1),
+                                                          ("bilinear", 2), ("bicubic", 2), ("trilinear", 3))},
     "empty_strided": _h_full, "fill": _h_full, "fill.Tensor": _h_copy, "floor_divide": _h_binary,
 })
 _FILLS.update({"empty_strided": 0, "fill": None})

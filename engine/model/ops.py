@@ -317,6 +317,7 @@ _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "round": lambda n, x: torch.round(x[0], decimals=n.attrs.get("decimals", 0)),
     **{op: _reduce_by for op in ("amax", "amin", "any", "all", "var", "prod", "argmax", "argmin")},
     "slice_scatter": _slice_scatter, "group_norm": _group_norm,
+    "upsample": lambda n, x: resolve_aten(n.attrs["target"])(x[0], *n.attrs["args"]),
     "select_scatter": lambda n, x: torch.select_scatter(x[0], x[1], n.attrs["dim"], n.attrs["index"]),
     "flip": lambda n, x: torch.flip(x[0], n.attrs["dims"]),
     "elu": lambda n, x: torch.ops.aten.elu(x[0], n.attrs["alpha"], n.attrs["scale"], n.attrs["input_scale"]),

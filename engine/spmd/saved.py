@@ -54,7 +54,7 @@ SAVES_OTHER_OPERANDS = frozenset({"linear", "matmul", "einsum", "conv", "mul"})
 product with a Python number keeps nothing."""
 SAVES_INDICES = {"embedding": slice(1, None), "gather": slice(1, None), "index": slice(1, None), "where": slice(0, 1)}
 """Selections: they keep their index operands (`where` its condition)."""
-SAVES_NOTHING = frozenset({"add", "sub", "neg", "cat", "pad", "sum", "mean", "roll", "cumsum", "stage_output", "arange",
+SAVES_NOTHING = frozenset({"add", "sub", "neg", "cat", "pad", "upsample", "sum", "mean", "roll", "cumsum", "stage_output", "arange",
                            "full", "constant", "one_hot", "histc", "topk_indices", "eq", "ne", "lt", "le", "gt", "ge",
                            "logical_and", "logical_or", "logical_not", "floor", "ceil", "round", "trunc", "sign", "isinf",
                            "isnan", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "argmax",

@@ -81,8 +81,6 @@ _REPLICATED = """
     scatter.src: duplicate indices write in an unspecified order; no rule written yet
     scatter.value: no rule written yet (the dims other than `dim` could split, as gather's)
     scatter_reduce.two: product, max, min or mean into data-dependent positions
-    upsample_bilinear2d.vec: no rule written yet (batch and channel dims could split)
-    upsample_nearest2d.vec: no rule written yet (batch and channel dims could split)
     _native_batch_norm_legit_no_training.default: batch norm in eval mode: plan the model in training mode
 """
 """No rule (yet): kept opaque when the fallback allows it."""
@@ -135,6 +133,8 @@ TABLE: dict[str, CoreOp] = {
             "_native_batch_norm_legit.default", "_native_batch_norm_legit.no_stats"),
     "native_layer_norm.default": lowered("layer_norm", note="mean and rstd (for backward) are not modelled"),
     "native_group_norm.default": lowered("group_norm", note="mean and rstd (for backward) are not modelled"),
+    **_rows(lowered("upsample", note="the same ATen overload, sizes and scales on each block"), "upsample_bilinear2d.vec",
+            "upsample_nearest2d.vec"),
     "native_dropout.default": lowered("dropout", note="a site-keyed mask (engine/model/dropout.py)"),
     **_rows(lowered("full"), "full.default", "full_like.default", "empty.memory_format", "empty_strided.default",
             "scalar_tensor.default", "fill.Scalar"),

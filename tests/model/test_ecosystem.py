@@ -203,7 +203,7 @@ def test_stack_baddbmm_softplus_and_clamps_lower_to_ruled_operators_that_compute
 class CoreAten(nn.Module):
     """Core ATen operators of issue 29, item 1, in one forward: pointwise, nonlinear reductions, rounded
     division and bitwise ops on positions, repeat / index_select / flip, in-place writes to slices
-    (copy + slice_scatter, select_scatter), reflect padding, group norm, and stochastic depth (rand + floor, bernoulli_)."""
+    (copy + slice_scatter, select_scatter), reflect padding, group norm, interpolation, and stochastic depth (rand + floor, bernoulli_)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -225,6 +225,7 @@ class CoreAten(nn.Module):
         y[:, :, 2:4] = y[:, :, 2:4] * 2  # DeepSeek-V3's in-place rotary on a slice of the head dim
         y[:, 1] = 0.5
         q = F.pad(h.transpose(1, 2), (1, 1), mode="reflect")[..., 1:-1].transpose(1, 2) + F.group_norm(h, 5)
+        q = q + F.interpolate(h[:, None], size=(5, 6), mode="bilinear")[:, 0] + F.interpolate(h, scale_factor=1.0)
         out = a + b + c + d + m + v + p[..., None] + e + y + q
         keep = torch.floor(torch.rand((h.shape[0], 1, 1), dtype=h.dtype) + 0.7)  # Swin's drop path
         mask = torch.empty_like(h).bernoulli_(0.8) * torch.bernoulli(torch.sigmoid(h).detach())
@@ -240,7 +241,7 @@ def test_core_aten_operators_lower_to_ruled_operators_that_compute_the_same() ->
     graph = engine.load_model(module, inputs, fallback="strict")
     ops = {n.op for n in graph.nodes}
     assert {"floor", "erf", "maximum", "amax", "var", "all", "div_floor", "bitwise_xor", "flip", "slice_scatter",
-            "select_scatter", "sort_values", "rand", "pad", "topk_values", "index", "group_norm"} <= ops, ops
+            "select_scatter", "sort_values", "rand", "pad", "topk_values", "index", "group_norm", "upsample"} <= ops, ops
     assert all(op_rules(n, graph) for n in graph.nodes if not n.is_leaf)
     key = RngKey(1, 2)
     with SiteKeyedDropout(key) as mode:
