@@ -12,8 +12,8 @@ import streamlit as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `app` and `engine` from a source checkout
 
-from app import components as ui  # noqa: E402
 from app import services  # noqa: E402
+from engine import views  # noqa: E402
 
 PAGES = [("model", "Model", ":material/model_training:"), ("cluster", "Cluster", ":material/dns:"),
          ("theory", "Theory", ":material/functions:"), ("search", "Search", ":material/travel_explore:"),
@@ -34,7 +34,7 @@ def main() -> None:
         st.caption(f"**Cluster** {cluster.name} ({cluster.num_devices} devices)")
         if plan is not None:
             status = services.current_status()
-            st.caption(f"**Plan** {ui.ms(plan.predicted_time_s)} / iteration" if status.current else
+            st.caption(f"**Plan** {views.ms(plan.predicted_time_s)} / iteration" if status.current else
                        f"**Plan** made for another {' and '.join(status.changed)}: plan again")
     nav.run()
 

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import streamlit as st
 
 import engine
-from engine import Cluster, Graph, HapError, ModelError, PipelinePlan, Plan, PlanOptions
+from engine import Cluster, Graph, HapError, ModelError, PipelinePlan, Plan, PlanOptions, views
 from engine import compare as engine_compare
 from engine.bundle.archive import MANIFEST, bundle_digest
 from engine.bundle.launch_files import cluster_launch_warnings
@@ -172,7 +172,7 @@ def hf_model(cls: str, config_text: str, batch: int, seq_len: int | None) -> Gra
 @st.cache_data(max_entries=16)
 def theory(key: str, _graph: Graph) -> list[dict[str, Any]]:
     """Every triple of the graph's background theory (cached on the graph's content hash)."""
-    return ui.theory_rows(_graph)
+    return views.theory_rows(_graph)
 
 
 # ----------------------------------------------------------------------------- clusters
@@ -355,7 +355,7 @@ def pipeline_gantt(key: str, schedule: str, _plan: PipelinePlan) -> list[dict[st
     pipe = engine_partition.schedule_input(_plan)
     warmup = tuple(s.warmup for s in _plan.stages) if schedule == _plan.schedule else None
     run = engine_schedule.run_schedule(pipe, schedule, warmup=warmup)
-    return ui.pipeline_rows(run.timeline.rows(), len(_plan.stages))
+    return views.pipeline_rows(run.timeline.rows(), len(_plan.stages))
 
 
 @st.cache_data(show_spinner="Comparing with the baselines and the ablations ...", max_entries=16)
@@ -369,7 +369,7 @@ def comparison(key: str, cluster_fp: str, budget_s: float, _plan: Plan, _cluster
 def predicted_lanes(key: str, cluster_fp: str, group: bool, _plan: Plan, _cluster: Cluster) -> list[dict[str, Any]]:
     """Gantt rows of the plan's predicted iteration, a compute and a network lane per device
     (`engine.compare.predicted_schedule`, cached on plan and cluster hashes)."""
-    return ui.predicted_lane_rows(engine_compare.predicted_schedule(_plan, _cluster).rows(), group=group)
+    return views.predicted_lane_rows(engine_compare.predicted_schedule(_plan, _cluster).rows(), group=group)
 
 
 @st.cache_data(show_spinner="Re-planning on the changed cluster ...", max_entries=32)
@@ -457,8 +457,8 @@ def export_set(key: str, cluster_fp: str, _plan: Plan | PipelinePlan, _cluster: 
     note = (f"The runner starts one process per GPU, so this plan's {len(virtual)} virtual devices (machines of "
             f"{', '.join(sorted({str(d.num_gpus) for d in virtual}))} GPUs) are exported expanded to {plan.world_size} "
             f"ranks on the per-GPU cluster {gpus.name}: the same program with each machine's share split evenly "
-            f"among its GPUs, predicted at {ui.ms(plan.predicted_time_s)} per iteration "
-            f"({ui.ms(_plan.predicted_time_s)} as planned).")
+            f"among its GPUs, predicted at {views.ms(plan.predicted_time_s)} per iteration "
+            f"({views.ms(_plan.predicted_time_s)} as planned).")
     return ExportSet(plan, gpus, note)
 
 

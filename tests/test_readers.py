@@ -198,11 +198,12 @@ def small_caps(monkeypatch):
 
 @pytest.mark.parametrize("kind", UPLOAD_KINDS)
 def test_workbench_uploads_refuse_hostile_bytes_with_a_typed_line(kind, small_caps):
-    from app import components, services
+    from app import services
+    from app.runs import parse_metrics
 
     data = upload(kind)
     for fn, error in ((services.graph_from_json, ModelError), (services.cluster_from_json, ClusterError),
-                      (lambda d: components.parse_metrics(d.decode("utf-8", errors="replace")), ValueError),
+                      (lambda d: parse_metrics(d.decode("utf-8", errors="replace")), ValueError),
                       (lambda d: services.hf_model("BertForMaskedLM", d.decode("utf-8", errors="replace"), 2, 8),
                        ModelError)):
         if kind == "not_utf8" and error is ValueError:

@@ -4,7 +4,8 @@ import streamlit as st
 
 from app import components as ui
 from app import services
-from engine import HapError
+from engine import HapError, views
+from engine.views import charts
 
 st.title("Cluster")
 kind = st.radio("Source", ["Sample cluster", "Upload JSON"], horizontal=True, key="cluster.kind")
@@ -49,7 +50,7 @@ except HapError as e:
 cluster = st.session_state[services.Keys.CLUSTER]
 for warning in services.launch_warnings(cluster):
     st.warning(warning, icon=":material/warning:")
-st.graphviz_chart(ui.cluster_dot(cluster), width="stretch")
+st.graphviz_chart(views.cluster_dot(cluster), width="stretch")
 st.dataframe(pd.DataFrame([{"collective": k, "latency_s": f.latency_s, "bandwidth_Bps": f.bandwidth_Bps}
                            for k, f in cluster.collectives.items()]), hide_index=True)
 
@@ -80,22 +81,22 @@ else:
         _, _, result, new_cluster = shown
         report = result.report
         before, after, switch = st.columns(3)
-        before.metric("predicted step, before", ui.ms(report.time_before_s))
-        after.metric("predicted step, after", ui.ms(report.time_after_s),
-                     delta=ui.ms(report.time_after_s - report.time_before_s), delta_color="inverse")
-        switch.metric("predicted switch", ui.ms(report.switch_s), help="the busiest device at its links' bandwidth")
+        before.metric("predicted step, before", views.ms(report.time_before_s))
+        after.metric("predicted step, after", views.ms(report.time_after_s),
+                     delta=views.ms(report.time_after_s - report.time_before_s), delta_color="inverse")
+        switch.metric("predicted switch", views.ms(report.switch_s), help="the busiest device at its links' bandwidth")
         st.caption(f"chosen: {report.chosen}; devices removed: {', '.join(report.removed) or '-'}; "
                    f"added: {', '.join(report.added) or '-'}")
         st.markdown("**Ratios** (per segment)")
-        st.dataframe(pd.DataFrame(ui.replan_ratio_rows(report)), hide_index=True, key="cluster.replan.ratios")
+        st.dataframe(pd.DataFrame(views.replan_ratio_rows(report)), hide_index=True, key="cluster.replan.ratios")
         st.markdown(f"**Shardings changed**: {len(report.shardings)}")
         if report.shardings:
             st.dataframe(pd.DataFrame([vars(c) for c in report.shardings]), hide_index=True,
                          key="cluster.replan.shardings")
-        traffic = ui.replan_traffic_rows(report)
+        traffic = views.replan_traffic_rows(report)
         st.markdown(f"**State to move**: {report.moved_bytes} bytes over links")
         st.dataframe(pd.DataFrame(traffic), hide_index=True, key="cluster.replan.traffic")
-        st.altair_chart(ui.replan_traffic_chart(traffic), width="stretch")
+        st.altair_chart(charts.replan_traffic_chart(traffic), width="stretch")
         if st.button("Use the new cluster and plan", key="cluster.replan.use"):
             services.set_plan(result.plan)
             st.session_state[services.Keys.BASE] = new_cluster

@@ -2,10 +2,10 @@
 trusted Python model file."""
 import streamlit as st
 
-from app import components as ui
 from app import services
-from engine import HapError
+from engine import HapError, views
 from engine.model.zoo import ZOO
+from engine.views import charts
 
 st.title("Model")
 source = st.radio("Source", ["Zoo model", "Hugging Face model", "Graph JSON", "Python file"], horizontal=True,
@@ -81,16 +81,16 @@ else:
 
 graph = st.session_state[services.Keys.GRAPH]
 st.subheader(f"Current model: {st.session_state[services.Keys.MODEL_SOURCE]}")
-s = ui.model_summary(graph)
+s = views.model_summary(graph)
 c = st.columns(4)
 c[0].metric("Parameters", f"{s['parameters'] / 1e6:.2f} M")
 c[1].metric("FLOPs / iteration", f"{s['iteration_flops'] / 1e12:.3g} T", help="forward + backward (about 2x forward)")
 c[2].metric("Nodes", s["nodes"])
 c[3].metric("Layers (segments)", s["segments"])
 left, right = st.columns([1, 2])
-left.altair_chart(ui.histogram_chart(graph.op_histogram()), width="stretch")
+left.altair_chart(charts.histogram_chart(graph.op_histogram()), width="stretch")
 with right:
     segs = list(range(graph.num_segments))
     expand = st.multiselect("Layers shown in full (others collapse into one box)", segs,
                             default=segs if len(graph) <= 150 else segs[:1], key="model.expand")
-    st.graphviz_chart(ui.graph_dot(graph, expand=expand), width="stretch")
+    st.graphviz_chart(views.graph_dot(graph, expand=expand), width="stretch")

@@ -2,9 +2,9 @@
 the measured step time beside the session plan's predicted one."""
 import streamlit as st
 
-from app import components as ui
 from app import runs
 from app import services
+from engine.views import charts
 
 st.title("Runs")
 st.markdown("Upload the metrics of a training run (`hap run PLAN --metrics FILE`), or of several runs to compare "
@@ -35,10 +35,10 @@ st.dataframe(runs.summary_rows(loaded), hide_index=True, column_config={
     "mfu_%": st.column_config.NumberColumn("MFU", format="%.1f%%")})
 st.caption("Means are over the steps after the first (it pays allocation and warm-up), at the run's final world size.")
 names = [r.name for r in loaded]
-st.altair_chart(ui.loss_chart(runs.loss_rows(loaded), names), width="stretch")
+st.altair_chart(charts.loss_chart(runs.loss_rows(loaded), names), width="stretch")
 for column, (field, title, axis) in zip(st.columns(3), runs.SERIES_CHARTS):
     if runs.recorded(loaded, field):
-        column.altair_chart(ui.step_series_chart(runs.field_rows(loaded, field), names, title, axis), width="stretch")
+        column.altair_chart(charts.step_series_chart(runs.field_rows(loaded, field), names, title, axis), width="stretch")
     else:
         column.caption(f"**{title}**: not recorded in these metrics.")
 
@@ -61,6 +61,6 @@ if any(r.grad_accum is None for r in comparable):
                             help="A plan's iteration is one microstep; a step of K microsteps is predicted to take K of them.")
 comparisons = [runs.compare_to_plan(r, plan.predicted_time_s, accum) for r in comparable]
 predicted = [{"run": c.run, "predicted_ms": c.predicted_s * 1e3} for c in comparisons]
-st.altair_chart(ui.step_time_chart(runs.field_rows(loaded, "step_time_s", 1e3), names, predicted), width="stretch")
+st.altair_chart(charts.step_time_chart(runs.field_rows(loaded, "step_time_s", 1e3), names, predicted), width="stretch")
 if comparisons:
     st.dataframe(runs.comparison_rows(comparisons), hide_index=True)

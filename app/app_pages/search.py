@@ -5,10 +5,10 @@ import pandas as pd
 import streamlit as st
 
 import engine
-from app import components as ui
 from app import services
-from engine import HapError
+from engine import HapError, views
 from engine.options import GRAD_DTYPES, PRECISIONS, RECOMPUTE, SHARD_STATES
+from engine.views import charts
 
 
 def ui_choice(where, label: str, choices: tuple, key: str):
@@ -64,10 +64,10 @@ if go:
         now = time.perf_counter()
         if now - last[0] > 0.25:
             last[0] = now
-            best = "none yet" if p.best_cost == float("inf") else ui.ms(p.best_cost)
+            best = "none yet" if p.best_cost == float("inf") else views.ms(p.best_cost)
             status.info(f"Q<->B iteration {p.iteration}: {p.expanded} states expanded, queue {p.queue_size}, best {best}")
             bar.progress(min(1.0, (now - start) / budget), text=f"{now - start:.1f} s of {budget:.0f} s")
-            live.altair_chart(ui.frontier_chart(ui.frontier_rows(points)), width="stretch")
+            live.altair_chart(charts.frontier_chart(views.frontier_rows(points)), width="stretch")
 
     try:
         with st.spinner("Searching ..."):
@@ -92,9 +92,9 @@ if not (status := services.current_status()).current:
 s = plan.search
 if plan.parallelism == "pipeline":
     c = st.columns(4)
-    c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
+    c[0].metric("Predicted iteration", views.ms(plan.predicted_time_s))
     c[1].metric("Parallelism", "pipeline", help="predicted per kind: " + ", ".join(
-        f"{k} {ui.ms(t)}" for k, t in s.get("parallelism_s", {}).items()))
+        f"{k} {views.ms(t)}" for k, t in s.get("parallelism_s", {}).items()))
     c[2].metric("Stages", len(plan.stages))
     c[3].metric("Pipeline planning time", f"{plan.planning_s:.2f} s")
     for kind, why in s.get("parallelism_skipped", {}).items():
@@ -102,15 +102,15 @@ if plan.parallelism == "pipeline":
     st.caption("The Plan page lists the stages; the Timeline page draws the schedule.")
     st.stop()
 c = st.columns(6)
-c[0].metric("Predicted iteration", ui.ms(plan.predicted_time_s))
+c[0].metric("Predicted iteration", views.ms(plan.predicted_time_s))
 c[1].metric("States expanded", s.get("expanded", 0))
 c[2].metric("Q<->B iterations", s.get("iterations", 0))
 c[3].metric("Search time", f"{s.get('elapsed_s', 0.0):.2f} s")
 c[4].metric("Segments", len(plan.ratios))
 c[5].metric("Overlap", plan.overlap, help="predicted per mode: " + ", ".join(
-    f"{m} {ui.ms(t)}" for m, t in s.get("overlap_s", {}).items()))
+    f"{m} {views.ms(t)}" for m, t in s.get("overlap_s", {}).items()))
 if "pipeline" in s.get("parallelism_s", {}):
-    st.caption(f"parallelism: spmd kept; the best pipeline predicts {ui.ms(s['parallelism_s']['pipeline'])}")
+    st.caption(f"parallelism: spmd kept; the best pipeline predicts {views.ms(s['parallelism_s']['pipeline'])}")
 for kind, why in s.get("parallelism_skipped", {}).items():
     st.caption(f"{kind}: {why}")
 st.caption("Every search was exact: each Q<->B step's program is proven optimal for the rule set at that step's "
@@ -118,7 +118,7 @@ st.caption("Every search was exact: each Q<->B step's program is proven optimal 
            "Beam-limited or stopped by the budget: the best plan found, not proven optimal.")
 points = st.session_state.get(services.Keys.FRONTIER) or s.get("frontier", [])
 if points:
-    st.altair_chart(ui.frontier_chart(ui.frontier_rows(points)), width="stretch")
+    st.altair_chart(charts.frontier_chart(views.frontier_rows(points)), width="stretch")
 if plan.history:
-    st.altair_chart(ui.history_chart(ui.history_rows(plan)), width="stretch")
-    st.dataframe(pd.DataFrame(ui.history_rows(plan))[["step", "predicted_ms"]], hide_index=True)
+    st.altair_chart(charts.history_chart(views.history_rows(plan)), width="stretch")
+    st.dataframe(pd.DataFrame(views.history_rows(plan))[["step", "predicted_ms"]], hide_index=True)

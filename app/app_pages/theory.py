@@ -2,12 +2,12 @@
 import pandas as pd
 import streamlit as st
 
-from app import components as ui
 from app import services
+from engine import views
 
 st.title("Theory")
 st.markdown("A **property** says how a distributed tensor relates to a tensor `e` of the single-device graph:")
-for sentence in ui.FORM_SENTENCES.values():
+for sentence in views.FORM_SENTENCES.values():
     st.markdown(f"- {sentence}")
 st.markdown("A **Hoare triple** `{pre} instruction {post}` says: if the devices hold the properties `pre`, running "
             "the instruction on every device establishes `post`. The search chains triples from the empty "
@@ -25,4 +25,4 @@ shown = [r for r in rows if r["kind"] in kinds and (not ops or r["op"] in ops) a
 st.caption(f"{len(shown)} of {len(rows)} triples")
 st.dataframe(pd.DataFrame(shown, columns=["tensor", "op", "kind", "rule", "triple"]), hide_index=True, width="stretch")
 st.subheader("Triples per rule")
-st.dataframe(pd.DataFrame(ui.rule_counts(shown)), hide_index=True)
+st.dataframe(pd.DataFrame(views.rule_counts(shown)), hide_index=True)

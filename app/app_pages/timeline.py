@@ -2,9 +2,11 @@
 import pandas as pd
 import streamlit as st
 
-from app import components as ui
 from app import services
-from engine import HapError
+from app.runs import parse_metrics
+from engine import HapError, views
+from engine.planner import OVERLAP_MEANING
+from engine.views import charts
 
 st.title("Timeline")
 graph, cluster, plan = services.current_plan("timeline")
@@ -21,13 +23,13 @@ if plan.parallelism == "pipeline":
         services.show_error(e)
         st.stop()
     span = max((r["end_ms"] for r in rows), default=0.0)
-    st.altair_chart(ui.pipeline_gantt_chart(rows, f"Predicted, {schedule}: {span:.3f} ms per iteration"),
+    st.altair_chart(charts.pipeline_gantt_chart(rows, f"Predicted, {schedule}: {span:.3f} ms per iteration"),
                     width="stretch")
-    st.dataframe(pd.DataFrame(ui.bubble_share(rows)), hide_index=True,
+    st.dataframe(pd.DataFrame(views.bubble_share(rows)), hide_index=True,
                  column_config={"bubble_%": st.column_config.NumberColumn("bubbles", format="%.0f%%")})
     st.caption("Measured pipeline timelines are not drawn yet: the runner does not execute pipeline plans in this build.")
     st.stop()
-st.markdown(f"Overlap mode **{plan.overlap}**: {ui.OVERLAP_MEANING[plan.overlap]}. Every device has a **compute** lane "
+st.markdown(f"Overlap mode **{plan.overlap}**: {OVERLAP_MEANING[plan.overlap]}. Every device has a **compute** lane "
             "and a **network** lane; where both are busy at once, communication is hidden behind computation. A "
             "forward stage opens with its collective, a backward stage ends with its dual (HAP §3.2); a device "
             "idles until the slowest one is done.")
@@ -38,8 +40,8 @@ except HapError as e:
     services.show_error(e)
     st.stop()
 tooltip = ["device", "lane", "kind", "name", "stage", "half", "start_ms", "end_ms"]
-st.altair_chart(ui.gantt_chart(rows, f"Predicted: {ui.ms(plan.predicted_time_s)} per iteration", tooltip), width="stretch")
-st.dataframe(pd.DataFrame(ui.lane_summary(rows)), hide_index=True,
+st.altair_chart(charts.gantt_chart(rows, f"Predicted: {views.ms(plan.predicted_time_s)} per iteration", tooltip), width="stretch")
+st.dataframe(pd.DataFrame(views.lane_summary(rows)), hide_index=True,
              column_config={"hidden_%": st.column_config.NumberColumn("communication hidden", format="%.0f%%")})
 
 st.subheader("Measured timeline")
@@ -49,14 +51,14 @@ upload = st.file_uploader("Runner metrics (JSON lines from `hap run PLAN --timin
                           key="timeline.metrics")
 if upload is not None:
     try:
-        records = ui.parse_metrics(upload.getvalue().decode("utf-8", errors="replace"))
+        records = parse_metrics(upload.getvalue().decode("utf-8", errors="replace"))
         steps = sorted({r["step"] for r in records if r.get("timeline")})
         step = st.selectbox("Step", steps, index=len(steps) - 1, key="timeline.step") if steps else None
-        measured = ui.measured_rows(records, step)
+        measured = views.measured_rows(records, step)
         left, right = st.columns(2)
-        left.altair_chart(ui.gantt_chart(rows, "Predicted", ["device", "lane", "kind", "name"]), width="stretch")
-        right.altair_chart(ui.gantt_chart(measured, f"Measured, step {step}", ["device", "lane", "phase", "name", "kind",
+        left.altair_chart(charts.gantt_chart(rows, "Predicted", ["device", "lane", "kind", "name"]), width="stretch")
+        right.altair_chart(charts.gantt_chart(measured, f"Measured, step {step}", ["device", "lane", "phase", "name", "kind",
                                                                              "start_ms", "end_ms"]), width="stretch")
-        st.dataframe(pd.DataFrame(ui.lane_summary(measured)), hide_index=True)
+        st.dataframe(pd.DataFrame(views.lane_summary(measured)), hide_index=True)
     except ValueError as e:
         st.error(str(e))

@@ -5,8 +5,8 @@ import json
 
 from ui_helpers import ROOT, app, cpu_cluster, no_exception, open_page  # noqa: F401 (fixtures)
 
-from app import components as ui
 from app.services import Keys
+from engine import views
 
 
 def _editor_key(cluster) -> str:
@@ -76,7 +76,7 @@ def test_cluster_dot_groups_devices_by_machine():
     import engine
 
     cluster = engine.load_cluster(ROOT / "sample_clusters" / "hap_paper_testbed.json")
-    dot = ui.cluster_dot(cluster)
+    dot = views.cluster_dot(cluster)
     assert dot.count("subgraph cluster_m") == len(cluster.machines) == 8
     assert dot.count("shape=box, label=") == 64
     assert "1.3 GB/s" in dot and "10 GB/s" in dot

@@ -13,9 +13,9 @@ from ui_helpers import (ROOT, TINY_GPT, app, cpu_cluster, no_exception, open_pag
                         tiny_plan)
 
 import engine
-from app import components as ui
 from app import services
 from app.services import Keys
+from engine import views
 
 PLAN_PAGES = ["plan", "timeline", "compare", "export"]
 OLD_PLAN = ("vega_lite_chart", "arrow_data_frame", "download_button", "graphviz_chart", "metric")
@@ -95,11 +95,11 @@ def test_memory_rows_join_by_device_name_not_position(tiny_plan, cpu_cluster):
     d = cpu_cluster.to_dict()
     d["devices"] = d["devices"][::-1][:3]  # another order, one device fewer
     other = engine.load_cluster(d)
-    rows = ui.memory_rows(tiny_plan, other)
+    rows = views.memory_rows(tiny_plan, other)
     assert [r["device"] for r in rows] == tiny_plan.device_names
-    capacity = {dev.name: dev.memory_bytes_per_gpu / ui.GIB for dev in other.devices}
+    capacity = {dev.name: dev.memory_bytes_per_gpu / views.GIB for dev in other.devices}
     for row, m in zip(rows, tiny_plan.memory_bytes):
-        assert row["predicted_gib"] == m / ui.GIB and row["capacity_gib"] == capacity.get(row["device"])
+        assert row["predicted_gib"] == m / views.GIB and row["capacity_gib"] == capacity.get(row["device"])
     assert rows[0]["capacity_gib"] is None and not rows[0]["fits"]  # the device the other cluster lacks
 
 

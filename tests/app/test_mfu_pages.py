@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from ui_helpers import TINY_GPT, app, cpu_cluster, no_exception, open_page, tiny_plan  # noqa: F401 (fixtures)
 
-from app import components as ui
 from app import services
 from app.services import Keys
+from engine import views
 from engine.pipeline.partition import fixed_pipeline
 from engine.spmd.utilisation import percent
 
@@ -16,7 +16,7 @@ def test_plan_page_shows_the_compute_bound_and_mfu(app, tiny_plan):
     at = open_page(app, "plan")
     no_exception(at)
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Compute bound"] == ui.ms(tiny_plan.compute_bound_s)
+    assert metrics["Compute bound"] == views.ms(tiny_plan.compute_bound_s)
     assert metrics["MFU"] == percent(tiny_plan.mfu)
 
 
@@ -42,7 +42,7 @@ def test_a_pipeline_plan_shows_them_on_the_plan_and_compare_pages(app, cpu_clust
     at = open_page(app, "plan")
     no_exception(at)
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Compute bound"] == ui.ms(pipe.compute_bound_s) and metrics["MFU"] == percent(pipe.mfu)
+    assert metrics["Compute bound"] == views.ms(pipe.compute_bound_s) and metrics["MFU"] == percent(pipe.mfu)
     at = open_page(at, "compare")
     no_exception(at)
     table = at.dataframe[0].value

@@ -5,8 +5,8 @@ import json
 
 from ui_helpers import app, no_exception, open_page, tiny_graph  # noqa: F401 (fixtures)
 
-from app import components as ui
 from app.services import Keys
+from engine import views
 
 MODEL_FILE = '''
 from pathlib import Path
@@ -121,8 +121,8 @@ def test_graph_collapses_layers_into_one_box_each():
     graph = engine.load_model("zoo:mlp", layers=3, in_features=16, hidden=16, batch=4)
     segments = graph.num_segments
     assert segments >= 3
-    full = ui.graph_dot(graph)
-    collapsed = ui.graph_dot(graph, expand=[0])
+    full = views.graph_dot(graph)
+    collapsed = views.graph_dot(graph, expand=[0])
     assert all(f"n{n.id} [" in full for n in graph.nodes)
     assert all(f"seg{s} [" in collapsed for s in range(1, segments)) and "seg0 [" not in collapsed
     assert all(f"n{n.id} [" in collapsed for n in graph.nodes if n.segment == 0)

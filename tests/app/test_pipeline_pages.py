@@ -8,8 +8,8 @@ import json
 import pytest
 from ui_helpers import MAIN, ROOT, TIMEOUT_S, no_exception, open_page
 
-from app import components as ui
 from app.services import Keys
+from engine import views
 from engine.pipeline.partition import schedule_input
 from engine.pipeline.schedule import SCHEDULES, run_schedule
 
@@ -52,7 +52,7 @@ def test_plan_page_lists_stages_devices_layers_and_warmup(pipe_app, pipe_plan):
     at = open_page(pipe_app, "plan")
     no_exception(at)
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Predicted iteration"] == ui.ms(pipe_plan.predicted_time_s)
+    assert metrics["Predicted iteration"] == views.ms(pipe_plan.predicted_time_s)
     assert metrics["Stages"] == str(len(pipe_plan.stages))
     spmd = pipe_plan.search["parallelism_s"]["spmd"]
     assert metrics["vs best SPMD plan"] == f"{spmd / pipe_plan.predicted_time_s:.2f}x faster"
@@ -83,14 +83,14 @@ def test_timeline_page_draws_one_box_per_microbatch_and_bubbles(pipe_app, pipe_p
 def test_pipeline_rows_have_every_microbatch_forward_backward_and_transfer(pipe_plan):
     S, B = len(pipe_plan.stages), pipe_plan.microbatches
     run = run_schedule(schedule_input(pipe_plan), "gpipe")
-    rows = ui.pipeline_rows(run.timeline.rows(), S)
+    rows = views.pipeline_rows(run.timeline.rows(), S)
     for s in range(S):
         mine = [r for r in rows if r["row"] == f"stage {s}"]
         for kind in ("forward", "backward"):
             assert sorted(int(r["microbatch"]) for r in mine if r["kind"] == kind) == list(range(B))
     transfers = [r for r in rows if r["kind"] == "transfer"]
     assert len(transfers) == 2 * B * (S - 1) or any(b.transfer_s == 0 for b in pipe_plan.boundaries)
-    share = ui.bubble_share(rows)
+    share = views.bubble_share(rows)
     for s, fig in enumerate(share):  # busy + bubbles cover the whole iteration on every stage
         assert fig["busy_ms"] + fig["bubble_ms"] == pytest.approx(run.iteration_s * 1e3)
     # GPipe: the last stage waits for the first microbatch to cross every earlier stage
@@ -106,7 +106,7 @@ def test_compare_page_shows_every_schedule_beside_spmd_with_peak_memory(pipe_app
         r = pipe_plan.schedules[name]
         assert table["predicted_ms"][i] == pytest.approx(r.iteration_s * 1e3)
         for s, m in enumerate(r.peak_memory_bytes):
-            assert table[f"stage {s} peak GiB"][i] == pytest.approx(m / ui.GIB)
+            assert table[f"stage {s} peak GiB"][i] == pytest.approx(m / views.GIB)
     assert table["predicted_ms"].iloc[-1] == pytest.approx(pipe_plan.search["parallelism_s"]["spmd"] * 1e3)
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 from ui_helpers import (TINY_GPT, app, cpu_cluster, no_exception, open_page, tiny_graph,  # noqa: F401 (fixtures)
                         tiny_plan)
 
-from app import components as ui
 from app.services import Keys
+from engine import views
 
 
 def test_run_search_makes_a_plan_with_frontier_and_history(app, tiny_graph, cpu_cluster):
@@ -21,7 +21,7 @@ def test_run_search_makes_a_plan_with_frontier_and_history(app, tiny_graph, cpu_
     assert points, "the progress callback never reported"
     assert {p["iteration"] for p in points} == set(range(plan.search["iterations"]))
     metrics = {m.label: m.value for m in at.metric}
-    assert metrics["Predicted iteration"] == ui.ms(plan.predicted_time_s)
+    assert metrics["Predicted iteration"] == views.ms(plan.predicted_time_s)
     assert metrics["States expanded"] == str(plan.search["expanded"])
     charts = at.get("vega_lite_chart")
     assert len(charts) == 2  # frontier and Q<->B history
@@ -47,16 +47,16 @@ def test_frontier_rows_accumulate_expansions_over_iterations():
     pts = [{"expanded": 64, "queue_size": 5, "best_cost": float("inf"), "lowest_open_score": 0.1, "iteration": 0},
            {"expanded": 128, "queue_size": 2, "best_cost": 0.3, "lowest_open_score": 0.2, "iteration": 0},
            {"expanded": 64, "queue_size": 7, "best_cost": 0.25, "lowest_open_score": 0.2, "iteration": 1}]
-    rows = ui.frontier_rows(pts)
+    rows = views.frontier_rows(pts)
     assert [r["expansions"] for r in rows] == [64, 128, 192]
     assert rows[0]["best_ms"] is None and rows[1]["best_ms"] == 300.0
     # plan.search["frontier"] has no iteration field: a drop in `expanded` starts the next search
-    rows = ui.frontier_rows([{k: v for k, v in p.items() if k != "iteration"} for p in pts])
+    rows = views.frontier_rows([{k: v for k, v in p.items() if k != "iteration"} for p in pts])
     assert [r["expansions"] for r in rows] == [64, 128, 192]
 
 
 def test_history_rows_follow_plan_history(tiny_plan):
-    rows = ui.history_rows(tiny_plan)
+    rows = views.history_rows(tiny_plan)
     assert [r["predicted_ms"] for r in rows] == [h["predicted_time_s"] * 1e3 for h in tiny_plan.history]
     assert rows[0]["step"] == "0:Q"
 

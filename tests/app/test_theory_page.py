@@ -3,17 +3,17 @@ from __future__ import annotations
 
 from ui_helpers import app, no_exception, open_page, tiny_graph  # noqa: F401 (fixtures)
 
-from app import components as ui
+from engine import views
 
 
 def test_theory_lists_every_triple_and_filters(app, tiny_graph):
     at = open_page(app, "theory")
     no_exception(at)
-    rows = ui.theory_rows(tiny_graph)
+    rows = views.theory_rows(tiny_graph)
     table = at.dataframe[0].value
     assert len(table) == len(rows)
     text = " ".join(m.value for m in at.markdown)
-    assert all(s in text for s in ui.FORM_SENTENCES.values())
+    assert all(s in text for s in views.FORM_SENTENCES.values())
     at.multiselect(key="theory.ops").set_value(["linear"]).run()
     table = at.dataframe[0].value
     assert len(table) == sum(r["op"] == "linear" for r in rows) > 0 and set(table["op"]) == {"linear"}
@@ -33,7 +33,7 @@ def test_filter_by_tensor_and_collective(app, tiny_graph):
 
 
 def test_theory_rows_hold_the_paper_rules(tiny_graph):
-    rows = ui.theory_rows(tiny_graph)
+    rows = views.theory_rows(tiny_graph)
     lin = next(n for n in tiny_graph.nodes if n.op == "linear")
     row_rule = [r for r in rows if r["tensor"] == lin.name and r["rule"] == "row"]
     assert len(row_rule) == 1 and row_rule[0]["post"] == "P"  # row-parallel linear yields Partial (§4.2)

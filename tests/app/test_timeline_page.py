@@ -6,7 +6,8 @@ import json
 import pytest
 from ui_helpers import ROOT, app, cpu_cluster, no_exception, open_page, tiny_graph, tiny_plan  # noqa: F401 (fixtures)
 
-from app import components as ui
+from app.runs import parse_metrics
+from engine import views
 
 
 def _metrics(ranks: int = 2, steps: int = 2) -> str:
@@ -25,7 +26,7 @@ def _metrics(ranks: int = 2, steps: int = 2) -> str:
 def _lanes(plan, cluster, group=False):
     from engine.compare import predicted_schedule
 
-    return ui.predicted_lane_rows(predicted_schedule(plan, cluster).rows(), group=group)
+    return views.predicted_lane_rows(predicted_schedule(plan, cluster).rows(), group=group)
 
 
 def test_a_compute_lane_and_communication_lanes_per_device(tiny_plan, cpu_cluster):
@@ -42,7 +43,7 @@ def test_a_compute_lane_and_communication_lanes_per_device(tiny_plan, cpu_cluste
 
 def test_lane_summary_shows_hidden_communication(tiny_plan, cpu_cluster):
     rows = _lanes(tiny_plan, cpu_cluster)
-    summary = ui.lane_summary(rows)
+    summary = views.lane_summary(rows)
     assert [s["device"] for s in summary] == tiny_plan.device_names
     span = max(r["end_ms"] for r in rows) - min(r["start_ms"] for r in rows)
     for s in summary:
@@ -59,7 +60,7 @@ def test_ddp_overlap_is_visible_in_the_lanes(cpu_cluster):
     ddp = engine.evaluate(graph, cpu_cluster, "ddp")
     rows = _lanes(ddp, cpu_cluster)
     assert any(r["kind"] == "gradient bucket" for r in rows)
-    assert any(s["overlapped_ms"] > 0 for s in ui.lane_summary(rows))
+    assert any(s["overlapped_ms"] > 0 for s in views.lane_summary(rows))
 
 
 def test_grouping_merges_devices_with_identical_lanes(tiny_plan, cpu_cluster):
@@ -72,15 +73,15 @@ def test_grouping_merges_devices_with_identical_lanes(tiny_plan, cpu_cluster):
 
 
 def test_measured_segments_go_to_their_lane():
-    rows = ui.measured_rows(ui.parse_metrics(_metrics()))
+    rows = views.measured_rows(parse_metrics(_metrics()))
     assert {(r["name"], r["lane"]) for r in rows} == {("linear_mm", "compute"), ("all_gather.padded(add)", "network")}
-    rank0, rank1 = ui.lane_summary(rows)
+    rank0, rank1 = views.lane_summary(rows)
     assert (rank0["device"], rank0["overlapped_ms"]) == ("rank 0", 0)
     assert rank1["overlapped_ms"] == pytest.approx(1.0)  # its collective (4-5 ms) runs beside its backward (4-7 ms)
     overlapped = json.dumps({"step": 0, "rank": 0, "timeline": [
         {"phase": "bwd", "kind": "compute", "name": "linear_mm", "start_s": 0.0, "s": 0.004},
         {"phase": "bwd", "kind": "comm", "name": "all_reduce(bucket 0)", "start_s": 0.003, "s": 0.002}]})
-    (s,) = ui.lane_summary(ui.measured_rows(ui.parse_metrics(overlapped)))
+    (s,) = views.lane_summary(views.measured_rows(parse_metrics(overlapped)))
     assert s["overlapped_ms"] == pytest.approx(1.0) and s["hidden_%"] == pytest.approx(50.0)
 
 
@@ -97,7 +98,7 @@ def test_measured_duplex_halves_replace_their_phase():
         {"phase": "duplex", "kind": "compute", "name": "(duplex halves)", "start_s": 0.001, "s": 0.006},
         {"phase": "step", "kind": "comm", "name": "all_reduce(bucket0)", "start_s": 0.007, "s": 0.001}],
         "halves": [half(0.002), half(0.004)]}
-    rows = ui.measured_rows(ui.parse_metrics(json.dumps(record)))
+    rows = views.measured_rows(parse_metrics(json.dumps(record)))
     assert [(r["name"], r["half"], r["lane"]) for r in rows] == [
         ("(other)", "", "compute"), ("linear_mm", "A", "compute"), ("all_to_all(x)", "A", "network"),
         ("linear_mm", "B", "compute"), ("all_to_all(x)", "B", "network"), ("all_reduce(bucket0)", "", "network")]
@@ -151,8 +152,8 @@ def test_measured_rows_from_the_runner_pacer():
     pacer.instruction_done("linear_mm")
     pacer.set_phase("bwd")
     record = {"step": 0, "rank": 0, "loss": 0.5, **pacer.end_step()}
-    rows = ui.measured_rows(ui.parse_metrics(json.dumps(record)))
+    rows = views.measured_rows(parse_metrics(json.dumps(record)))
     assert {r["kind"] for r in rows} <= {"compute", "communication"} and any(r["kind"] == "communication" for r in rows)
     assert all(r["device"] == "rank 0" and r["end_ms"] >= r["start_ms"] for r in rows)
     with pytest.raises(ValueError, match="no 'timeline'"):
-        ui.measured_rows([{"step": 0, "rank": 0}])
+        views.measured_rows([{"step": 0, "rank": 0}])
