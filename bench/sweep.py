@@ -150,7 +150,8 @@ def one(model_type: str, cls: str) -> Outcome:
 
 
 def _child(model_type: str, cls: str, cap_s: float) -> Outcome:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     start = time.perf_counter()
     try:
         proc = subprocess.run([sys.executable, str(Path(__file__)), "--one", model_type, cls], env=env, cwd=ROOT,
