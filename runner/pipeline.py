@@ -60,7 +60,7 @@ from engine.spmd.sizes import shard_key, shard_units, split_sizes
 from engine.theory.core import FULL, PARTIAL
 from runner import collectives as C
 from runner.config import DistEnv
-from runner.program import ProgramPiece, RankProgram, build_rank_program, shard
+from runner.program import NO_SITES_IN_PIPELINES, ProgramPiece, RankProgram, build_rank_program, shard
 from runner.rank_setup import bundle_rank, open_source
 from runner.stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans,
                                   loss_weights, microbatch_leaves, stage_inputs, stage_outputs, stage_params,
@@ -369,7 +369,7 @@ def microbatch_args(plan: PipelinePlan, sr: StageRank, m: int, batch: tuple[torc
     v = m * len(plan.stages[sr.stage].devices) + sr.index
     params = iter(sr.params)
     if prog.uses_rng:
-        raise PlanError("pipeline: models with dropout are not run as pipelines yet; capture with dropout off")
+        raise PlanError(NO_SITES_IN_PIPELINES)
     leaves = [next(params) if prog.is_param[n] else sr.buffers[n] if n in sr.buffers
               else shard(sp, n, f, v, batch[plan.graph[n].attrs["index"]]) for n, f in prog.leaves]
     return [cut[p] for p in sr.pieces[sr.stage].inputs] + leaves

@@ -29,14 +29,6 @@ from . import collectives as C
 from .recompute import checkpoint_layers, tag_layer
 from .timing import probe
 
-_UNARY: dict[str, Callable] = {"relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu,
-                               "exp": torch.exp, "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg,
-                               "cos": torch.cos, "sin": torch.sin, "logical_not": torch.logical_not}
-_BINARY: dict[str, Callable] = {"add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
-                                "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq,
-                                "ne": torch.ne, "logical_and": torch.logical_and, "logical_or": torch.logical_or,
-                                "pow": torch.pow}
-
 
 @dataclass
 class RankProgram:
@@ -229,6 +221,11 @@ def _embedding(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: int,
     return g.call_function(ops.embedding, (args[0], args[1], offset, plan.graph[w].shape[0], node.attrs.get("padding_idx")))
 
 
+NO_SITES_IN_PIPELINES = ("pipeline: models with dropout or random draws (stochastic depth's rand, bernoulli) are not run "
+                         "as pipelines yet; capture with dropout off (and drop_path_rate=0)")
+"""Why a pipeline refuses a plan whose graph has random sites."""
+
+
 def has_dropout_sites(graph: Graph) -> bool:
     """Whether the graph draws dropout masks (nodes with an `rng_site`, see engine/model/dropout.py)."""
     return any("rng_site" in n.attrs for n in graph.nodes)
@@ -245,7 +242,7 @@ def output_starts(plan: Plan, ins: Instruction, rank: int, seg: int) -> list[int
 
 def _site_dropout(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: int, seg: int,
                   rng: fx.Node | None, window: BatchWindow | None = None) -> fx.Node:
-    """Dropout (or attention dropout) with the exact mask of this rank's block: a function of the
+    """Dropout (or attention dropout, or a `rand` draw) with the exact mask of this rank's block: a function of the
     global shape, the step's key (`rng`), the site and where the block starts (engine/model/dropout.py);
     in a `window` (a duplex half) the global shape and the start are the whole batch's."""
     assert rng is not None and ins.post >= FULL, "dropout sites run Full or sharded, never Partial"
@@ -253,9 +250,12 @@ def _site_dropout(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: i
     a, starts = node.attrs, output_starts(plan, ins, rank, seg)
     whole = window.whole if window else graph
     before = window.before if window else None
-    if node.op == "dropout":
+    if node.op in ("dropout", "rand"):
         shape, starts = (window.place(whole[node.id].shape, node.shape, before[node.id].shape if before else None, starts)
                          if window else (tuple(node.shape), starts))
+        if node.op == "rand":  # no operand: the rank draws its block of the output
+            local = tuple(local_shape(plan, ins.node, ins.post, rank, seg))
+            return g.call_function(dropout.rand, (rng, a["rng_site"], shape, starts, local, getattr(torch, node.dtype)))
         return g.call_function(dropout.dropout, (args[0], a["p"], rng, a["rng_site"], shape, starts))
     gqa = a.get("enable_gqa", False)
 
@@ -272,10 +272,10 @@ def _site_dropout(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: i
 def _emit_generic(g, node: Node, graph: Graph, args, shape) -> fx.Node:
     a = node.attrs
     op = node.op
-    if op in _UNARY:
-        return g.call_function(_UNARY[op], tuple(args))
-    if op in _BINARY:
-        fn = _BINARY[op]
+    if op in ops.UNARY:
+        return g.call_function(ops.UNARY[op], tuple(args))
+    if op in ops.BINARY:
+        fn = ops.BINARY[op]
         if len(args) == 2:
             return g.call_function(fn, tuple(args))
         s = a["scalar"]

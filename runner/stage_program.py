@@ -29,7 +29,7 @@ from engine.spmd.program import COMM, COMPUTE
 from engine.theory.core import FULL
 
 from . import collectives as C
-from .program import ProgramPiece, RankProgram, build_rank_program, shard, sizes_of
+from .program import NO_SITES_IN_PIPELINES, ProgramPiece, RankProgram, build_rank_program, shard, sizes_of
 
 
 def has_stage_plans(plan: PipelinePlan) -> bool:
@@ -124,7 +124,7 @@ def microbatch_leaves(sp: Plan, program: RankProgram, index: int, held: StagePar
     """The program's arguments for microbatch m: parameters, buffers, received tensors and this rank's
     part of the microbatch's inputs, in the program's order."""
     if program.uses_rng:
-        raise PlanError("pipeline: models with dropout are not run as pipelines yet; capture with dropout off")
+        raise PlanError(NO_SITES_IN_PIPELINES)
     params = iter(held.params)
     out = []
     for n, f in program.leaves:

@@ -30,7 +30,10 @@ import inspect
 import math
 import operator
 import re
+import string
+import traceback
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -43,10 +46,18 @@ _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", 
           "exp": "exp", "neg": "neg", "clone": "identity", "contiguous": "identity",
           "alias": "identity", "_to_copy": "identity", "to": "identity", "rsqrt": "rsqrt", "sqrt": "sqrt",
           "lift_fresh_copy": "identity", "detach": "identity", "type_as": "identity", "cos": "cos", "sin": "sin",
-          "logical_not": "logical_not", "bitwise_not": "logical_not"}
-_BINARY = {"add", "sub", "mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow"}
-_BINARY_ALIASES = {"__and__": "logical_and", "bitwise_and": "logical_and", "__or__": "logical_or", "bitwise_or": "logical_or"}
-"""Bitwise and/or of booleans are the logical ones (other dtypes are refused)."""
+          "logical_not": "logical_not", "bitwise_not": "bitwise_not"}
+_UNARY.update({"special_erf": "erf", "special_expm1": "expm1", "special_log1p": "log1p"})
+_UNARY.update({name: name for name in ("abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "ceil", "cosh", "erf",
+                                       "expm1", "floor", "log", "log10", "log1p", "log2", "reciprocal", "sign", "sinh",
+                                       "tan", "trunc", "isinf", "isnan")})
+_BINARY = {"add", "sub", "mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow",
+           "maximum", "minimum", "atan2", "remainder", "fmod", "logical_xor"}
+_BINARY_ALIASES = {"__and__": "and", "bitwise_and": "and", "__or__": "or", "bitwise_or": "or", "__xor__": "xor",
+                   "bitwise_xor": "xor"}
+"""Bitwise and/or/xor: of booleans the logical ones, of integers the bitwise ones."""
+_SCALAR_FIRST = ("add", "sub", "mul", "div", "div_floor", "div_trunc", "pow", "remainder")
+"""Binary operators whose first operand may be a Python number (`2 ** x`, `1 - x`)."""
 _NO_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 """Checks torch.export records for itself: they compute nothing."""
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"}
@@ -105,12 +116,83 @@ def _norm_dim(d: int, rank: int) -> int:
 def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """torch.export in non-strict mode; a failure becomes a ModelError that says what to try."""
     try:
-        ep = torch.export.export(module, args, kwargs, strict=False)
+        with ValuedScalars():
+            ep = torch.export.export(module, args, kwargs, strict=False)
     except Exception as e:  # torch raises many exception types from tracing
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot capture the model with torch.export: {first} "
-                         "(make forward() free of data-dependent Python control flow)") from e
+        raise ModelError(f"cannot capture the model with torch.export: {first}{where_in_model(e, module)}") from e
     return number_dropout_sites(inline_grad_mode_regions(ep))
+
+
+def where_in_model(e: BaseException, module: torch.nn.Module) -> str:
+    """The model's own line a capture failed at, and the config keys that line reads (a flag to try), or the
+    general advice: a data-dependent branch is only removable in the model's code or by its config."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _library_frame(f.filename)]
+    if not frames:
+        return " (make forward() free of data-dependent Python control flow)"
+    f = frames[-1]
+    text = f" at {Path(f.filename).name}:{f.lineno} `{(f.line or '').strip()}`"
+    keys = _config_keys_read(f.line or "", getattr(getattr(module, "inner", module), "config", None))
+    if keys:
+        return text + (f"; the line reads the config's {' or '.join(keys)}: set it so the branch goes away "
+                       f"(e.g. --set {keys[0]}=0)")
+    return text + " (make this branch independent of tensor values, or capture with other config flags)"
+
+
+def _library_frame(filename: str) -> bool:
+    """Frames of torch and of this package: a capture failure is reported at the model's own line."""
+    parts = Path(filename).parts
+    return "torch" in parts or "engine" in parts and "model" in parts or filename.startswith("<")
+
+
+def _config_keys_read(line: str, config: Any) -> list[str]:
+    """Config keys that contain a name the line reads (`self.layerdrop` -> encoder_layerdrop, decoder_layerdrop)."""
+    if config is None or not hasattr(config, "to_dict"):
+        return []
+    names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", line)) - {"self", "config", "torch", "training"}
+    return sorted(k for k in config.to_dict() if any(n in k for n in names))
+
+
+class ValuedScalars(torch.overrides.TorchFunctionMode):
+    """Scalars made in forward from Python numbers on the meta device are made on the CPU instead.
+
+    A model captured on meta has no values, so `torch.tensor(finfo.min, device=x.device)` (GPT-Neo's mask
+    value) would become a constant without a value. A 0-dim CPU tensor mixes with meta tensors like a
+    Python number, so the constant keeps its value and the graph stores it (`_constant`); nothing else
+    changes. (`torch.full` needs nothing: it is captured as an operator with its fill value.)"""
+
+    _MAKERS = {torch.tensor, torch.scalar_tensor, torch.as_tensor}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._MAKERS and _meta_scalar(func, args, kwargs):
+            kwargs["device"] = "cpu"
+        elif func is torch.Tensor.__getitem__ and len(args) == 2 and _on_meta(args[0]):
+            args = (args[0], _valued_index(args[1]))  # Falcon's `qkv[..., [-2], :]`: the list becomes a constant
+        return func(*args, **kwargs)
+
+
+def _on_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+def _valued_index(index: Any) -> Any:
+    """An index with its Python lists of ints made CPU tensors (indexing takes them on any device), so the
+    index constant keeps its values; anything else unchanged."""
+    def one(i: Any) -> Any:
+        if isinstance(i, list) and i and all(isinstance(v, int) and not isinstance(v, bool) for v in i):
+            return torch.tensor(i, device="cpu")
+        return i
+    return tuple(one(i) for i in index) if isinstance(index, tuple) else one(index)
+
+
+def _meta_scalar(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor maker is asked for a 0-dim tensor of a Python number on the meta device."""
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type != "meta":
+        return False
+    data = args[0] if args else kwargs.get("data", kwargs.get("s"))
+    return isinstance(data, (int, float, bool))
 
 
 _SET_GRAD = getattr(getattr(torch.ops, "higher_order", None), "wrap_with_set_grad_enabled", None)
@@ -453,13 +535,15 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
     if opname in _VALUE_PRESERVING:  # in place, values unchanged: an alias of its operand
         b.ids[fx.name] = _Ctx(fx, b, seg, src, (), "").tid(fx.args[0])
         return
-    if opname in _SPLITS:
-        b.multi[fx.name] = _SPLITS[opname](_Ctx(fx, b, seg, src, (), ""))
+    qual = f"{opname}.{getattr(fx.target, '_overloadname', '')}"  # an overload's own lowering comes first
+    split = _SPLITS.get(qual, _SPLITS.get(opname))
+    if split is not None:
+        b.multi[fx.name] = split(_Ctx(fx, b, seg, src, (), ""))
         return
     val = fx.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise _Unsupported(f"aten.{opname} (non-tensor output)")
-    handler = _HANDLERS.get(opname)
+    handler = _HANDLERS.get(qual, _HANDLERS.get(opname))
     if handler is None:
         raise _Unsupported(f"aten.{opname}")
     ctx = _Ctx(fx, b, seg, src, _shape(val), _dtype(val))
@@ -538,9 +622,10 @@ def _scalar(v: Any) -> float | int | bool:
 def _h_binary(c: _Ctx) -> int:
     op = c.fx.target._opname
     if op in _BINARY_ALIASES:
-        if c.dtype != "bool":
-            raise _Unsupported(f"aten.{op} of {c.dtype} tensors")
-        op = _BINARY_ALIASES[op]
+        op = ("logical_" if c.dtype == "bool" else "bitwise_") + _BINARY_ALIASES[op]
+    if op == "div" and c.fx.kwargs.get("rounding_mode") is not None:  # torch.div(..., rounding_mode=)
+        op = f"div_{c.fx.kwargs['rounding_mode']}"
+    op = {"floor_divide": "div_floor", "max": "maximum", "min": "minimum"}.get(op, op)  # `//`; max.other, min.other
     x, y = c.fx.args[0], c.fx.args[1]
     alpha = c.fx.kwargs.get("alpha", 1)
     if alpha != 1:
@@ -551,7 +636,7 @@ def _h_binary(c: _Ctx) -> int:
         return c.emit(op, [c.tid(x), c.tid(y)], flops=flops)
     if xt:
         return c.emit(op, [c.tid(x)], {"scalar": _scalar(y), "scalar_first": False}, flops)
-    if op not in ("add", "sub", "mul", "div"):
+    if op not in _SCALAR_FIRST:
         raise _Unsupported(f"aten.{op} with a scalar first operand")
     return c.emit(op, [c.tid(y)], {"scalar": _scalar(x), "scalar_first": True}, flops)
 
@@ -565,8 +650,8 @@ def _h_rsub(c: _Ctx) -> int:
 
 def _h_unary(c: _Ctx) -> int:
     op = _UNARY[c.fx.target._opname]
-    if c.fx.target._opname == "bitwise_not" and c.dtype != "bool":
-        raise _Unsupported(f"aten.bitwise_not of {c.dtype} tensors")
+    if op == "bitwise_not" and c.dtype == "bool":
+        op = "logical_not"
     attrs: dict[str, Any] = {}
     if op == "gelu":
         attrs["approximate"] = c.fx.kwargs.get("approximate", _arg(c.fx, 1, "approximate", "none"))
@@ -588,8 +673,13 @@ def _h_clamp(c: _Ctx) -> int:
         low, high = None, _arg(c.fx, 1, "max")
     else:
         low, high = _arg(c.fx, 1, "min"), _arg(c.fx, 2, "max")
-    if any(isinstance(v, torch.fx.Node) for v in (low, high)):
-        raise _Unsupported(f"aten.{name} with tensor bounds")
+    if any(isinstance(v, torch.fx.Node) for v in (low, high)):  # clamp.Tensor: max(x, low), then min(., high)
+        out = c.tid(c.fx.args[0])
+        for k, (bound, op) in enumerate(((low, "maximum"), (high, "minimum"))):
+            if bound is not None:
+                last = k == 1 or high is None
+                out = c.emit(op, [out, c.tid(bound)], flops=_numel(c.shape), name=c.fx.name if last else f"{c.fx.name}_{op}")
+        return out
     bounds = {"min": None if low is None else _scalar(low), "max": None if high is None else _scalar(high)}
     return c.emit("clamp", [c.tid(c.fx.args[0])], bounds, _numel(c.shape))
 
@@ -873,7 +963,8 @@ def _h_conv(c: _Ctx) -> int:
 
 
 def _spatial(c: _Ctx) -> int:
-    return int(c.fx.target._opname.rstrip("d")[-1])
+    """The spatial rank of a pooling op by its name: `max_pool2d`, `max_pool3d_with_indices` -> 2, 3."""
+    return int(re.search(r"(\d)d", c.fx.target._opname).group(1))
 
 
 def _h_max_pool(c: _Ctx) -> int:
@@ -905,9 +996,10 @@ def _h_adaptive_avg_pool(c: _Ctx) -> int:
 def _h_batch_norm(c: _Ctx) -> int:
     x = c.node(c.fx.args[0])
     w, bias = _arg(c.fx, 1, "weight"), _arg(c.fx, 2, "bias")
-    if not _arg(c.fx, 5, "training", False):
+    shift = 2 if c.fx.target._overloadname == "no_stats" else 0  # no running_mean / running_var arguments
+    if not _arg(c.fx, 5 - shift, "training", False):
         raise _Unsupported("aten.batch_norm in eval mode (plan the model in training mode, model.train())")
-    attrs = {"eps": float(_arg(c.fx, 7, "eps", 1e-5)), "has_weight": w is not None, "has_bias": bias is not None}
+    attrs = {"eps": float(_arg(c.fx, 7 - shift, "eps", 1e-5)), "has_weight": w is not None, "has_bias": bias is not None}
     inputs = [x.id] + [c.tid(t) for t in (w, bias) if t is not None]
     return c.emit("batch_norm", inputs, attrs, 8 * _numel(c.shape))  # statistics, normalise, scale and shift
 
@@ -942,9 +1034,36 @@ _SPLITS: dict[str, Callable[[_Ctx], list[int | None]]] = {
 
 
 # --- einsum, MoE gating and index operators (engine/theory/einsum.py, moe.py, index.py) ---------
+def explicit_equation(equation: str, ranks: list[int]) -> str:
+    """An einsum equation with its `...` written as letters (from the operands' ranks) and its output made
+    explicit, the form the rules take: `"...qhd,...khd->...hqk"` of rank-5 operands -> `"ABqhd,ABkhd->ABhqk"`."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    ins = lhs.split(",")
+    if len(ins) != len(ranks):
+        raise ValueError(f"einsum equation '{equation}' names {len(ins)} operands, the call has {len(ranks)}")
+    spare = [ch for ch in string.ascii_uppercase + string.ascii_lowercase if ch not in eq]
+    width = max((r - len(x.replace("...", "")) for x, r in zip(ins, ranks) if "..." in x), default=0)
+    if width > len(spare) or width < 0:
+        raise ValueError(f"einsum equation '{equation}' does not fit operands of ranks {ranks}")
+    batch = "".join(spare[:width])
+
+    def fill(x: str, rank: int) -> str:
+        return x.replace("...", batch[width - (rank - len(x.replace("...", ""))):]) if "..." in x else x
+
+    ins = [fill(x, r) for x, r in zip(ins, ranks)]
+    if arrow:
+        out = out.replace("...", batch)
+    else:  # implicit output: the broadcast dims, then the letters seen once, in alphabetical order
+        seen = "".join(ins)
+        out = batch + "".join(sorted(ch for ch in set(seen) if seen.count(ch) == 1 and ch not in batch))
+    return ",".join(ins) + "->" + out
+
+
 def _h_einsum(c: _Ctx) -> int:
-    equation, operands = c.fx.args[0], [c.node(t) for t in c.fx.args[1]]
+    operands = [c.node(t) for t in c.fx.args[1]]
     try:
+        equation = explicit_equation(c.fx.args[0], [x.rank for x in operands])
         ins, _ = parse_equation(equation)
     except ValueError as e:
         raise _Unsupported(f"aten.einsum: {e}") from None
@@ -955,9 +1074,13 @@ def _h_einsum(c: _Ctx) -> int:
 
 def _m_topk(c: _Ctx) -> list[int]:
     x = c.node(c.fx.args[0])
-    k = int(c.fx.args[1])
     dim = _norm_dim(_arg(c.fx, 2, "dim", -1), x.rank)
-    attrs = {"k": k, "dim": dim, "largest": bool(_arg(c.fx, 3, "largest", True)), "sorted": bool(_arg(c.fx, 4, "sorted", True))}
+    return _topk_nodes(c, x, int(c.fx.args[1]), dim, bool(_arg(c.fx, 3, "largest", True)), bool(_arg(c.fx, 4, "sorted", True)))
+
+
+def _topk_nodes(c: _Ctx, x: Node, k: int, dim: int, largest: bool, is_sorted: bool) -> list[int]:
+    """The `topk_values` and `topk_indices` nodes of the k largest (smallest) entries of x along dim."""
+    attrs = {"k": k, "dim": dim, "largest": largest, "sorted": is_sorted}
     shape = x.shape[:dim] + (k,) + x.shape[dim + 1:]
     flops = float(x.numel) * max(1, math.ceil(math.log2(max(k, 2))))  # a selection pass per output rank bit
     return [c.b.add(f"{c.fx.name}_{part}", f"topk_{part}", [x.id], shape, dtype, attrs, flops, c.seg, c.src)
@@ -1008,8 +1131,12 @@ def _site_p(fx: torch.fx.Node) -> float:
     return 0.0
 
 
+_DRAW_OPS = frozenset({"rand", "rand_like", "bernoulli", "bernoulli_"})
+"""Random draws with site-keyed numbers (engine.model.dropout.rand): every call is a site."""
+
+
 def number_dropout_sites(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """Number the dropout sites of a freshly exported program in forward order (`rng_site`).
+    """Number the dropout sites and random draws (`_DRAW_OPS`) of a freshly exported program in forward order (`rng_site`).
 
     The number counts every dropout call the single-device forward makes, as
     `engine.model.dropout.SiteKeyedDropout` counts them in eager mode: it is assigned before anything is
@@ -1017,7 +1144,7 @@ def number_dropout_sites(ep: torch.export.ExportedProgram) -> torch.export.Expor
     nodes it makes (functionalization may drop a dead dropout; the others keep their number)."""
     site = 0
     for fx in ep.graph_module.graph.nodes:
-        if _site_p(fx) > 0.0:
+        if _site_p(fx) > 0.0 or (fx.op == "call_function" and getattr(fx.target, "_opname", "") in _DRAW_OPS):
             fx.meta["custom"] = {**(fx.meta.get("custom") or {}), "rng_site": site}
             site += 1
     return ep
@@ -1082,7 +1209,7 @@ _RANDOM_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_
                          "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
                          "randperm", "multinomial", "normal", "uniform"})
 """Random operators: never kept opaque (each device would draw its own numbers, so the run would
-not be single-device training); only dropout has exact, site-keyed masks."""
+not be single-device training); dropout, `rand` and `bernoulli` have exact, site-keyed numbers."""
 
 
 def _h_random_refused(c: _Ctx) -> int:
@@ -1091,6 +1218,29 @@ def _h_random_refused(c: _Ctx) -> int:
                        "use nn.Dropout / F.dropout, whose masks every device derives exactly)")
 
 
+def _h_rand(c: _Ctx) -> int:
+    """`rand` / `rand_like`: the site's uniform numbers (engine.model.dropout.rand), a node with no
+    operand whose every block a device draws itself (theory/random_ops.py)."""
+    return c.emit("rand", [], {"rng_site": _rng_site(c)}, float(_numel(c.shape) * MASK_OPS_PER_ELEMENT))
+
+
+def _h_bernoulli(c: _Ctx) -> int:
+    """`bernoulli(probs)`, `bernoulli.p(x, p)` and `bernoulli.Tensor(x, probs)` (what `x.bernoulli_(p)`
+    becomes): `rand` of the result's shape, `lt` the probability, cast to the result's dtype, as
+    `SiteKeyedDropout` draws it in eager mode."""
+    x = c.node(c.fx.args[0])
+    p = _arg(c.fx, 1, "p", 0.5) if c.fx.target._overloadname != "default" else c.fx.args[0]
+    u = c.emit("rand", [], {"rng_site": _rng_site(c)}, float(x.numel * MASK_OPS_PER_ELEMENT), name=c.fx.name + "_u",
+               shape=x.shape, dtype="float32")
+    if isinstance(p, torch.fx.Node):
+        keep = c.emit("lt", [u, c.tid(p)], flops=x.numel, name=c.fx.name + "_keep", shape=x.shape, dtype="bool")
+    else:
+        keep = c.emit("lt", [u], {"scalar": _scalar(p), "scalar_first": False}, x.numel, name=c.fx.name + "_keep",
+                      shape=x.shape, dtype="bool")
+    return c.emit("identity", [keep], {"dtype": c.dtype}, x.numel)
+
+
+_HANDLERS.update({"rand": _h_rand, "rand_like": _h_rand, "bernoulli": _h_bernoulli})
 _HANDLERS.update({op: _h_random_refused for op in ("feature_dropout", "alpha_dropout", "feature_alpha_dropout")})
 _HANDLERS["dropout"] = _h_dropout
 _SPLITS["native_dropout"] = _m_native_dropout
@@ -1108,7 +1258,7 @@ def _h_full(c: _Ctx) -> int:
     op = c.fx.target._opname
     value = _FILLS[op]
     if value is None:
-        value = c.fx.args[0] if op == "scalar_tensor" else c.fx.args[1 if op in ("full", "full_like") else 2]
+        value = c.fx.args[0] if op == "scalar_tensor" else c.fx.args[1 if op in ("full", "full_like", "fill") else 2]
     if not isinstance(value, (bool, int, float)):
         raise _Unsupported(f"aten.{op} with a fill value that is not a Python number")
     value = bool(value) if c.dtype == "bool" else (float(value) if c.dtype.startswith(("float", "bfloat")) else int(value))
@@ -1121,10 +1271,11 @@ def _h_pad(c: _Ctx) -> int:
     opname = c.fx.target._opname
     mode = "constant" if opname == "constant_pad_nd" else _arg(c.fx, 2, "mode", "constant")
     value = _arg(c.fx, 2 if opname == "constant_pad_nd" else 3, "value", None)
-    if mode != "constant":
+    if mode not in ("constant", "reflect", "replicate", "circular"):
         raise _Unsupported(f"aten.pad in mode {mode!r}")
     value = 0 if value is None else (int(value) if float(value).is_integer() and not x.dtype.startswith(("float", "bfloat")) else float(value))
-    return c.emit("pad", [x.id], {"pad": pad, "value": value}, _numel(c.shape))
+    attrs = {"pad": pad, "value": value} if mode == "constant" else {"pad": pad, "value": 0, "mode": mode}
+    return c.emit("pad", [x.id], attrs, _numel(c.shape))
 
 
 def _h_index(c: _Ctx) -> int:
@@ -1283,6 +1434,215 @@ def _h_roll(c: _Ctx) -> int:
 
 
 _HANDLERS.update({"unflatten": _h_view, "roll": _h_roll})
+
+
+# --- the rest of the Core ATen operator set (issue 29; engine/theory/op_table.py lists every operator) ---
+def _h_round(c: _Ctx) -> int:
+    return c.emit("round", [c.tid(c.fx.args[0])], {"decimals": int(c.fx.kwargs.get("decimals", 0))}, _numel(c.shape))
+
+
+def _h_elu(c: _Ctx) -> int:
+    attrs = {k: _scalar(_arg(c.fx, i, k, 1.0)) for i, k in ((1, "alpha"), (2, "scale"), (3, "input_scale"))}
+    return c.emit("elu", [c.tid(c.fx.args[0])], attrs, 4 * _numel(c.shape))
+
+
+def _h_leaky_relu(c: _Ctx) -> int:
+    slope = _scalar(_arg(c.fx, 1, "negative_slope", 0.01))
+    return c.emit("leaky_relu", [c.tid(c.fx.args[0])], {"negative_slope": slope}, _numel(c.shape))
+
+
+def _all_dims(dims: Any, rank: int) -> list[int]:
+    """A reduction's dims, normalised and sorted: every dim for None or an empty list."""
+    if dims is None or dims == []:
+        return list(range(rank))
+    return sorted(_norm_dim(d, rank) for d in (dims if isinstance(dims, (list, tuple)) else [dims]))
+
+
+def _h_reduce_by(c: _Ctx) -> int:
+    """amax, amin, any, all, prod, argmax and argmin over `dims` (engine/theory/reduction.py): one node
+    each, attrs `dims` and `keepdim`."""
+    op, overload = c.fx.target._opname, c.fx.target._overloadname
+    x = c.node(c.fx.args[0])
+    if c.fx.kwargs.get("dtype") is not None:
+        raise _Unsupported(f"aten.{op} with dtype")
+    whole = overload == "default" and op in ("any", "all", "prod", "max", "min")
+    dims = _all_dims(None if whole else _arg(c.fx, 1, "dim", None), x.rank)
+    keep = False if whole else bool(_arg(c.fx, 2, "keepdim", False))
+    op = {"max": "amax", "min": "amin"}.get(op, op)  # max.default / min.default: every dim
+    return c.emit(op, [x.id], {"dims": dims, "keepdim": keep}, x.numel)
+
+
+def _h_var(c: _Ctx) -> int:
+    """`var.correction(x, dim, correction=, keepdim=)`, `var.dim(x, dim, unbiased, keepdim)` and
+    `var.default(x, unbiased)`: a `var` node with the correction as a number."""
+    x, overload = c.node(c.fx.args[0]), c.fx.target._overloadname
+    if overload == "default":
+        dims, correction, keep = list(range(x.rank)), int(bool(_arg(c.fx, 1, "unbiased", True))), False
+    elif overload == "dim":
+        dims, keep = _all_dims(_arg(c.fx, 1, "dim"), x.rank), bool(_arg(c.fx, 3, "keepdim", False))
+        correction = int(bool(_arg(c.fx, 2, "unbiased", True)))
+    else:
+        dims, keep = _all_dims(_arg(c.fx, 1, "dim"), x.rank), bool(c.fx.kwargs.get("keepdim", False))
+        correction = c.fx.kwargs.get("correction")
+        correction = 1 if correction is None else _scalar(correction)
+    return c.emit("var", [x.id], {"dims": dims, "keepdim": keep, "correction": correction}, 3 * x.numel)
+
+
+def _m_max_dim(c: _Ctx) -> list[int]:
+    """`max.dim` / `min.dim` -> (values, indices): `topk` with k = 1 (the same entry and gradient),
+    viewed without the dim unless keepdim."""
+    x = c.node(c.fx.args[0])
+    dim, keep = _norm_dim(c.fx.args[1], x.rank), bool(_arg(c.fx, 2, "keepdim", False))
+    parts = _topk_nodes(c, x, 1, dim, c.fx.target._opname == "max", True)
+    if keep:
+        return parts
+    shape = x.shape[:dim] + x.shape[dim + 1:]
+    return [c.b.add(f"{c.fx.name}_{k}", "view", [i], shape, c.b.nodes[i].dtype, {"shape": list(shape)}, 0.0, c.seg, c.src)
+            for k, i in enumerate(parts)]
+
+
+def _m_sort(c: _Ctx) -> list[int]:
+    """`sort(x, dim, descending)` / `sort.stable(x, stable=, dim=, descending=)` -> `sort_values`, `sort_indices`
+    (MoE routing sorts tokens by expert); `argsort` reads the indices."""
+    x = c.node(c.fx.args[0])
+    stable = c.fx.target._overloadname == "stable"
+    dim = _norm_dim(c.fx.kwargs.get("dim", _arg(c.fx, 1, "dim", -1)) if not stable else c.fx.kwargs.get("dim", -1), x.rank)
+    descending = bool(c.fx.kwargs.get("descending", False if stable else _arg(c.fx, 2, "descending", False)))
+    attrs = {"dim": dim, "descending": descending, "stable": bool(c.fx.kwargs.get("stable", False)) if stable else False}
+    flops = float(x.numel) * max(1, math.ceil(math.log2(max(x.shape[dim] if x.rank else 1, 2))))
+    return [c.b.add(f"{c.fx.name}_{part}", f"sort_{part}", [x.id], x.shape, dtype, attrs, flops, c.seg, c.src)
+            for part, dtype in (("values", x.dtype), ("indices", "int64"))]
+
+
+def _h_argsort(c: _Ctx) -> int:
+    """`argsort(x, dim, descending)` (and `argsort.stable`): the indices of a sort."""
+    x = c.node(c.fx.args[0])
+    stable = c.fx.target._overloadname == "stable"
+    dim = _norm_dim(c.fx.kwargs.get("dim", -1) if stable else _arg(c.fx, 1, "dim", -1), x.rank)
+    descending = bool(c.fx.kwargs.get("descending", False) if stable else _arg(c.fx, 2, "descending", False))
+    attrs = {"dim": dim, "descending": descending, "stable": bool(c.fx.kwargs.get("stable", False))}
+    flops = float(x.numel) * max(1, math.ceil(math.log2(max(x.shape[dim] if x.rank else 1, 2))))
+    return c.emit("sort_indices", [x.id], attrs, flops)
+
+
+def _h_group_norm(c: _Ctx) -> int:
+    """`group_norm(x, groups, weight, bias, eps)` and `native_group_norm(x, weight, bias, N, C, HxW, groups, eps)`."""
+    x = c.node(c.fx.args[0])
+    if c.fx.target._opname == "native_group_norm":
+        w, bias, groups, eps = c.fx.args[1], c.fx.args[2], c.fx.args[6], c.fx.args[7]
+    else:
+        groups, w, bias, eps = c.fx.args[1], _arg(c.fx, 2, "weight"), _arg(c.fx, 3, "bias"), _arg(c.fx, 4, "eps", 1e-5)
+    attrs = {"groups": int(groups), "eps": float(eps), "has_weight": w is not None, "has_bias": bias is not None}
+    return c.emit("group_norm", [x.id] + [c.tid(t) for t in (w, bias) if t is not None], attrs, 8 * _numel(c.shape))
+
+
+def _h_upsample(c: _Ctx) -> int:
+    """`upsample_{nearest,linear,bilinear,bicubic,trilinear}Nd` (F.interpolate): an `upsample` node that
+    calls the same ATen overload with the same sizes, scales and align_corners on its local block."""
+    x, t = c.node(c.fx.args[0]), c.fx.target
+    rest = [list(a) if isinstance(a, (list, tuple)) else a for a in c.fx.args[1:]]
+    if any(isinstance(v, torch.fx.Node) for v in torch.utils._pytree.tree_leaves(rest)) or c.fx.kwargs:
+        raise _Unsupported(f"aten.{t._opname} with tensor sizes or keyword arguments")
+    attrs = {"target": f"aten::{t._opname}.{t._overloadname}", "args": rest, "spatial": int(_spatial(c))}
+    return c.emit("upsample", [x.id], attrs, 4 * _numel(c.shape))
+
+
+def _h_repeat(c: _Ctx) -> int:
+    """`x.repeat(r0, .., rn)`: x viewed with a unit dim before each of its dims (and the new leading
+    ones), expanded to the repeats, viewed to the result: tiles, from ruled view and expand."""
+    x, reps = c.node(c.fx.args[0]), [int(r) for r in c.fx.args[1]]
+    lead = len(reps) - x.rank
+    sizes = (1,) * lead + x.shape
+    one = tuple(v for s in sizes for v in (1, s))
+    many = tuple(v for r, s in zip(reps, sizes) for v in (r, s))
+    v = c.emit("view", [x.id], {"shape": list(one)}, name=c.fx.name + "_units", shape=one)
+    e = c.emit("expand", [v], {"shape": list(many)}, name=c.fx.name + "_tiles", shape=many)
+    return c.emit("view", [e], {"shape": list(c.shape)})
+
+
+def _h_index_select(c: _Ctx) -> int:
+    """`index_select(x, dim, idx)` is `x[:, .., idx]`: an `index` node with one used slot."""
+    x, idx = c.node(c.fx.args[0]), c.node(c.fx.args[2])
+    dim = _norm_dim(c.fx.args[1], x.rank)
+    return c.emit("index", [x.id, idx.id], {"slots": [False] * dim + [True]}, _numel(c.shape))
+
+
+def _h_copy(c: _Ctx) -> int:
+    """Functional `copy(self, src)` (what `x[...] = y` and `copy_` become) and `fill.Tensor(self, value)`:
+    src (value) broadcast to self's shape in self's dtype; self's values are not read."""
+    src = c.node(c.fx.args[1])
+    out = src.id
+    if src.shape != c.shape:
+        out = c.emit("expand", [out], {"shape": list(c.shape)}, name=c.fx.name + "_expand", dtype=src.dtype)
+    attrs = {"dtype": c.dtype} if src.dtype != c.dtype else {}
+    return c.emit("identity", [out], attrs, _numel(c.shape) if attrs else 0.0)
+
+
+def _h_slice_scatter(c: _Ctx) -> int:
+    """`slice_scatter(x, src, dim, start, end, step)`: x with rows start:end:step of dim replaced by src
+    (an in-place write to a slice, e.g. DeepSeek-V3's rotary on part of the head dim, functionalized)."""
+    x, src = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    dim = _norm_dim(_arg(c.fx, 2, "dim", 0), x.rank)
+    start, end, step = slice(_arg(c.fx, 3, "start"), _arg(c.fx, 4, "end"), _arg(c.fx, 5, "step", 1)).indices(x.shape[dim])
+    attrs = {"dim": dim, "start": start, "end": max(start, end), "step": step}
+    return c.emit("slice_scatter", [x.id, src.id], attrs, src.numel)
+
+
+def _h_select_scatter(c: _Ctx) -> int:
+    """`select_scatter(x, src, dim, index)`: x with entry `index` of dim replaced by src (`x[:, i] = y`)."""
+    x, src = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    dim = _norm_dim(c.fx.args[2], x.rank)
+    index = c.fx.args[3] + (x.shape[dim] if c.fx.args[3] < 0 else 0)
+    return c.emit("select_scatter", [x.id, src.id], {"dim": dim, "index": index}, src.numel)
+
+
+def _h_flip(c: _Ctx) -> int:
+    x = c.node(c.fx.args[0])
+    return c.emit("flip", [x.id], {"dims": sorted(_norm_dim(d, x.rank) for d in c.fx.args[1])})
+
+
+def _h_pad_mode(c: _Ctx) -> int:
+    """reflection_pad{1,2,3}d / replication_pad{1,2,3}d: a `pad` node with its mode."""
+    x = c.node(c.fx.args[0])
+    mode = "reflect" if c.fx.target._opname.startswith("reflection") else "replicate"
+    return c.emit("pad", [x.id], {"pad": [int(v) for v in c.fx.args[1]], "value": 0, "mode": mode}, _numel(c.shape))
+
+
+def _m_first_output(op: str, lower: Callable[[_Ctx], int]) -> Callable[[_Ctx], list[int | None]]:
+    """A multi-output op whose first output is `lower`'s node and whose others (statistics saved for
+    backward, pooling indices) no forward reads: they stay unmodelled (refused if used)."""
+
+    def split(c: _Ctx) -> list[int | None]:
+        val = c.fx.meta["val"]
+        if any(u.target is operator.getitem and u.args[1] != 0 for u in c.fx.users):
+            raise _Unsupported(f"aten.{op} whose outputs after the first are used in forward")
+        c.shape, c.dtype = _shape(val[0]), _dtype(val[0])
+        return [lower(c)] + [None] * (len(val) - 1)
+    return split
+
+
+_HANDLERS.update({
+    "round": _h_round, "elu": _h_elu, "leaky_relu": _h_leaky_relu,
+    **{op: _h_reduce_by for op in ("amax", "amin", "any", "all", "prod", "argmax", "argmin", "max.default", "min.default")},
+    "var": _h_var,
+    "max.other": _h_binary, "min.other": _h_binary,
+    "repeat": _h_repeat, "index_select": _h_index_select, "copy": _h_copy, "slice_scatter": _h_slice_scatter,
+    "select_scatter": _h_select_scatter, "flip": _h_flip, "argsort": _h_argsort, "group_norm": _h_group_norm,
+    **{f"{kind}_pad{k}d": _h_pad_mode for kind in ("reflection", "replication") for k in (1, 2, 3)},
+    **{f"upsample_{mode}{k}d": _h_upsample for mode, k in (("nearest", 1), ("nearest", 2), ("nearest", 3), ("linear", 1),
+                                                          ("bilinear", 2), ("bicubic", 2), ("trilinear", 3))},
+    "empty_strided": _h_full, "fill": _h_full, "fill.Tensor": _h_copy, "floor_divide": _h_binary,
+})
+_FILLS.update({"empty_strided": 0, "fill": None})
+_SPLITS.update({
+    "max.dim": _m_max_dim, "min.dim": _m_max_dim, "sort": _m_sort,
+    "native_layer_norm": _m_first_output("native_layer_norm", _h_layer_norm),  # layer_norm's arguments
+    "native_group_norm": _m_first_output("native_group_norm", _h_group_norm),
+    "max_pool2d_with_indices": _m_first_output("max_pool2d_with_indices", _h_max_pool),
+    "max_pool3d_with_indices": _m_first_output("max_pool3d_with_indices", _h_max_pool),
+    "_native_batch_norm_legit": _m_first_output("_native_batch_norm_legit", _h_batch_norm),
+    "_native_batch_norm_legit.no_stats": _m_first_output("_native_batch_norm_legit", _h_batch_norm),
+})
 
 
 # --- the automatic fallback: side arithmetic runs unsharded (issue 13) -------------------------

@@ -1,7 +1,8 @@
 """Exact dropout: every device draws, for its shard, the mask single-device training draws.
 
 A dropout *site* is one dropout call with p > 0 in training mode (an `nn.Dropout`, `F.dropout`, or
-the attention dropout of `scaled_dot_product_attention`); capture numbers the sites in forward
+the attention dropout of `scaled_dot_product_attention`), or one draw of `torch.rand`, `rand_like` or
+`bernoulli` (stochastic depth's per-sample keep, `rand` below); capture numbers the sites in forward
 order (`rng_site`, assigned before pruning) and the single-device reference counts its dropout
 calls the same way (`SiteKeyedDropout`). The mask of a site is a function of the *global*
 element index:
@@ -116,6 +117,23 @@ def dropout(x: Tensor, p: float, key: RngKey, site: int, global_shape: Sequence[
     return torch.where(keep, x * (1.0 / (1.0 - p)), 0.0)  # backward keeps the boolean mask only
 
 
+def below_one(u: Tensor, dtype: torch.dtype) -> Tensor:
+    """`u` in [0, 1) as `dtype`, still below 1: cut to the bits the dtype holds below 1 (a bfloat16 or
+    half value would otherwise round 0.999... up to 1.0, which torch.rand never returns)."""
+    bits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # the spacing of [0.5, 1) is eps / 2
+    if bits < 24:
+        u = torch.floor(u * float(1 << bits)) * (1.0 / (1 << bits))
+    return u.to(dtype)
+
+
+def rand(key: RngKey, site: int, global_shape: Sequence[int], starts: Sequence[int], local_shape: Sequence[int],
+         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
+    """`torch.rand` at a random site (stochastic depth, `bernoulli`): the box `starts + [0, local_shape)`
+    of the site's uniform numbers (on the default device unless `device`); a device draws only its block."""
+    u = uniform(key, site, global_shape, starts, local_shape, torch.get_default_device() if device is None else device)
+    return below_one(u, dtype)
+
+
 def attention_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None,
                       p: float, key: RngKey, site: int, weights_shape: Sequence[int], starts: Sequence[int],
                       enable_gqa: bool = False) -> Tensor:
@@ -176,8 +194,9 @@ class SiteKeyedDropout(TorchFunctionMode):
     Used by the single-device reference (runner.train.reference_run): `F.dropout` / `nn.Dropout`,
     `torch.dropout` and `scaled_dot_product_attention` with `dropout_p > 0` draw exactly the masks
     a distributed run draws for the same sites, also inside the Python composites of
-    torch.nn.functional (`multi_head_attention_forward`); other random dropout variants are refused
-    (capture refuses them too)."""
+    torch.nn.functional (`multi_head_attention_forward`); so do `torch.rand`, `rand_like` and
+    `bernoulli` (stochastic depth: `_DRAWS`), each a site of its own. Other random dropout variants
+    are refused (capture refuses them too)."""
 
     def __init__(self, key: RngKey) -> None:
         super().__init__()
@@ -195,6 +214,8 @@ class SiteKeyedDropout(TorchFunctionMode):
             return self._dropout(func, args, kwargs)
         if func is _F_SDPA:
             return self._sdpa(func, args, kwargs)
+        if func in _DRAWS:
+            return _DRAWS[func](self, args, kwargs)
         if func in _RANDOM_FUNCS and _draws(func, args, kwargs):
             raise NotImplementedError(f"{getattr(func, '__name__', func)} has no site-keyed mask (use nn.Dropout)")
         if inspect.isfunction(func) and getattr(func, "__module__", "") == F.__name__:
@@ -240,3 +261,34 @@ class SiteKeyedDropout(TorchFunctionMode):
         shape = attention_weights_shape(q.shape, k.shape, bool(a.get("enable_gqa", False)))
         return attention_dropout(q, k, v, a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale"), p,
                                  self.key, self._next_site(), shape, [0] * len(shape), bool(a.get("enable_gqa", False)))
+
+    def _draw(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> Tensor:
+        """The next site's uniform numbers for a whole tensor (what `torch.rand` draws at a site)."""
+        shape = tuple(int(v) for v in shape)
+        return rand(self.key, self._next_site(), shape, [0] * len(shape), shape, dtype, device)
+
+    def _rand(self, args: tuple, kwargs: dict) -> Tensor:
+        """`torch.rand(*size, dtype=, device=)`, the size as varargs, one sequence, or `size=`."""
+        size = kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
+        out = self._draw(size, kwargs.get("dtype") or torch.get_default_dtype(),
+                         kwargs.get("device") or torch.get_default_device())
+        return out.requires_grad_(bool(kwargs.get("requires_grad", False)))
+
+    def _rand_like(self, args: tuple, kwargs: dict) -> Tensor:
+        x = args[0]
+        return self._draw(x.shape, kwargs.get("dtype") or x.dtype, kwargs.get("device") or x.device)
+
+    def _bernoulli(self, args: tuple, kwargs: dict, inplace: bool = False) -> Tensor:
+        """`bernoulli(probs)`, `bernoulli(x, p)` and `x.bernoulli_(p=0.5)`: 1 where the site's uniform
+        number is below the probability, as capture lowers them (`rand`, `lt`, a cast)."""
+        x = args[0]
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5 if inplace else None)
+        out = (self._draw(x.shape, torch.float32, x.device) < (x if p is None else p)).to(x.dtype)
+        return x.copy_(out) if inplace else out
+
+
+_DRAWS = {torch.rand: SiteKeyedDropout._rand, torch.rand_like: SiteKeyedDropout._rand_like,
+          torch.bernoulli: SiteKeyedDropout._bernoulli, Tensor.bernoulli: SiteKeyedDropout._bernoulli,
+          Tensor.bernoulli_: lambda mode, args, kwargs: mode._bernoulli(args, kwargs, inplace=True)}
+"""Random draws a forward may make besides dropout, by the function torch hands the mode: each is a
+site, numbered in call order with the dropout sites."""

@@ -17,33 +17,54 @@ from engine.model.dropout import RngKey
 from engine.model.graph import Graph, Node
 
 Tensor = torch.Tensor
-_UNARY: dict[str, Callable[[Tensor], Tensor]] = {
+UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu, "exp": torch.exp,
     "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg, "cos": torch.cos, "sin": torch.sin,
     "logical_not": torch.logical_not,
 }
-_BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+"""Elementwise maps of one tensor, by canonical name (the runner calls the same functions)."""
+UNARY.update({name: getattr(torch, name) for name in (
+    "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "ceil", "cosh", "erf", "expm1", "floor", "log", "log10",
+    "log1p", "log2", "reciprocal", "sign", "sinh", "tan", "trunc", "isinf", "isnan", "bitwise_not")})
+
+
+def div_floor(x: Tensor | float, y: Tensor | float) -> Tensor:
+    """`torch.div(x, y, rounding_mode="floor")` (integer position arithmetic, `//`)."""
+    return torch.div(x, y, rounding_mode="floor")
+
+
+def div_trunc(x: Tensor | float, y: Tensor | float) -> Tensor:
+    """`torch.div(x, y, rounding_mode="trunc")`."""
+    return torch.div(x, y, rounding_mode="trunc")
+
+
+BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div, "lt": torch.lt, "le": torch.le,
     "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne, "logical_and": torch.logical_and,
-    "logical_or": torch.logical_or, "pow": torch.pow,
+    "logical_or": torch.logical_or, "pow": torch.pow, "div_floor": div_floor, "div_trunc": div_trunc,
 }
+"""Elementwise operators of two operands (a tensor and a tensor or a number), by canonical name."""
+BINARY.update({name: getattr(torch, name) for name in (
+    "maximum", "minimum", "atan2", "remainder", "fmod", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor")})
 
 
 def run_node(node: Node, graph: Graph, inputs: Sequence[Tensor], out_shape: Sequence[int],
-             offsets: Sequence[int] | None = None, rng: RngKey = RngKey(0, 0)) -> Tensor:
+             offsets: Sequence[int] | None = None, rng: RngKey = RngKey(0, 0), out_offset: int = 0) -> Tensor:
     """Run `node` on (possibly sharded) local inputs; `out_shape` is the local output shape (used by views).
 
     `offsets[k]` is where input k's local slice starts along its sharded dim (0 when whole): the
     vocabulary-parallel embedding needs it (its rows are a range of the vocabulary), and so does
-    dropout (its mask is a function of the global index, engine/model/dropout.py), keyed by `rng`."""
+    dropout (its mask is a function of the global index, engine/model/dropout.py), keyed by `rng`.
+    `out_offset` is where the local output starts along its sharded dim: a `rand` node, which has no
+    operand, draws that block."""
     op, a = node.op, node.attrs
     if "rng_site" in a:
-        return _site_dropout(node, graph, inputs, offsets, rng)
+        return _site_dropout(node, graph, inputs, offsets, rng, out_shape, out_offset)
     if op in _INDEX:
         return _INDEX[op](node, inputs)
-    if op in _UNARY:
-        return _UNARY[op](inputs[0])
-    if op in _BINARY:
+    if op in UNARY:
+        return UNARY[op](inputs[0])
+    if op in BINARY:
         return _binary(node, inputs)
     if op == "gelu":
         return F.gelu(inputs[0], approximate=a.get("approximate", "none"))
@@ -93,9 +114,14 @@ def region_starts(global_shape: Sequence[int], local_shape: Sequence[int], offse
 
 
 def _site_dropout(node: Node, graph: Graph, inputs: Sequence[Tensor], offsets: Sequence[int] | None,
-                  rng: RngKey) -> Tensor:
-    """Dropout or attention dropout with the site's exact mask on the local region of the operands."""
-    a, x = node.attrs, inputs[0]
+                  rng: RngKey, out_shape: Sequence[int], out_offset: int) -> Tensor:
+    """Dropout or attention dropout with the site's exact mask on the local region of the operands, or
+    a `rand` node's numbers on the local region of its output."""
+    a = node.attrs
+    if node.op == "rand":
+        starts = region_starts(node.shape, out_shape, out_offset)
+        return dropout.rand(rng, a["rng_site"], node.shape, starts, out_shape, getattr(torch, node.dtype))
+    x = inputs[0]
     starts = region_starts(graph[node.inputs[0]].shape, x.shape, (offsets or [0])[0])
     if node.op == "dropout":
         return dropout.dropout(x, a["p"], rng, a["rng_site"], graph[node.inputs[0]].shape, starts)
@@ -173,7 +199,7 @@ _VISION: dict[str, Callable[[dict, Sequence[Tensor]], Tensor]] = {
 
 
 def _binary(node: Node, inputs: Sequence[Tensor]) -> Tensor:
-    fn = _BINARY[node.op]
+    fn = BINARY[node.op]
     if len(inputs) == 2:
         return fn(inputs[0], inputs[1])
     s = node.attrs["scalar"]
@@ -223,7 +249,34 @@ def _full(node: Node, inputs: Sequence[Tensor]) -> Tensor:
 
 
 def _pad(node: Node, inputs: Sequence[Tensor]) -> Tensor:
-    return F.pad(inputs[0], node.attrs["pad"], value=node.attrs["value"])
+    mode = node.attrs.get("mode", "constant")
+    return F.pad(inputs[0], node.attrs["pad"], mode=mode, value=node.attrs["value"] if mode == "constant" else None)
+
+
+def _reduce_by(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    """amax, amin, any, all, var over `dims`; prod, argmax, argmin over one dim or (all dims) the flattened tensor."""
+    a, x, op = node.attrs, inputs[0], node.op
+    dims, keep = a["dims"], a["keepdim"]
+    if op == "var":
+        return torch.var(x, dims, correction=a["correction"], keepdim=keep)
+    if op in ("amax", "amin", "any", "all"):
+        return getattr(torch, op)(x, dim=dims, keepdim=keep) if dims else x.clone()
+    if len(dims) == 1 and x.dim() > 0:
+        return getattr(torch, op)(x, dims[0], keepdim=keep)
+    out = getattr(torch, op)(x.reshape(-1), 0)
+    return out.reshape([1] * x.dim()) if keep else out
+
+
+def _group_norm(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    a, rest = node.attrs, list(inputs[1:])
+    w = rest.pop(0) if a.get("has_weight") else None
+    b = rest.pop(0) if a.get("has_bias") else None
+    return F.group_norm(inputs[0], a["groups"], w, b, a["eps"])
+
+
+def _slice_scatter(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    a = node.attrs
+    return torch.slice_scatter(inputs[0], inputs[1], a["dim"], a["start"], a["end"], a["step"])
 
 
 def _where(node: Node, inputs: Sequence[Tensor]) -> Tensor:
@@ -248,6 +301,12 @@ def _topk(node: Node, inputs: Sequence[Tensor]) -> Tensor:
     return res.values if node.op == "topk_values" else res.indices
 
 
+def _sort(node: Node, inputs: Sequence[Tensor]) -> Tensor:
+    a = node.attrs
+    res = torch.sort(inputs[0], dim=a["dim"], descending=a["descending"], stable=a["stable"])
+    return res.values if node.op == "sort_values" else res.indices
+
+
 def _arange(node: Node, inputs: Sequence[Tensor]) -> Tensor:
     a = node.attrs
     return torch.arange(a["start"], a["end"], a["step"], dtype=getattr(torch, node.dtype))
@@ -255,9 +314,17 @@ def _arange(node: Node, inputs: Sequence[Tensor]) -> Tensor:
 
 _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "clamp": lambda n, x: torch.clamp(x[0], n.attrs["min"], n.attrs["max"]),
+    "round": lambda n, x: torch.round(x[0], decimals=n.attrs.get("decimals", 0)),
+    **{op: _reduce_by for op in ("amax", "amin", "any", "all", "var", "prod", "argmax", "argmin")},
+    "slice_scatter": _slice_scatter, "group_norm": _group_norm,
+    "upsample": lambda n, x: resolve_aten(n.attrs["target"])(x[0], *n.attrs["args"]),
+    "select_scatter": lambda n, x: torch.select_scatter(x[0], x[1], n.attrs["dim"], n.attrs["index"]),
+    "flip": lambda n, x: torch.flip(x[0], n.attrs["dims"]),
+    "elu": lambda n, x: torch.ops.aten.elu(x[0], n.attrs["alpha"], n.attrs["scale"], n.attrs["input_scale"]),
+    "leaky_relu": lambda n, x: F.leaky_relu(x[0], n.attrs["negative_slope"]),
     "softplus": lambda n, x: F.softplus(x[0], n.attrs["beta"], n.attrs["threshold"]),
     "einsum": lambda n, x: torch.einsum(n.attrs["equation"], *x),
-    "topk_values": _topk, "topk_indices": _topk,
+    "topk_values": _topk, "topk_indices": _topk, "sort_values": _sort, "sort_indices": _sort,
     "one_hot": lambda n, x: F.one_hot(x[0], n.attrs["num_classes"]),
     "cumsum": lambda n, x: torch.cumsum(x[0], n.attrs["dim"]),
     "gather": lambda n, x: torch.gather(x[0], n.attrs["dim"], x[1]),

@@ -40,10 +40,13 @@ OUTPUT = -1
 ALIAS_OPS = frozenset({"view", "permute", "expand", "narrow", "select", "identity"})
 """Operators whose result aliases their operand's storage (an `identity` that changes the dtype is a
 copy and is not one of them)."""
-SAVES_OUTPUT = frozenset({"relu", "tanh", "sigmoid", "exp", "rsqrt", "sqrt", "softmax", "log_softmax"})
+SAVES_OUTPUT = frozenset({"relu", "tanh", "sigmoid", "exp", "rsqrt", "sqrt", "softmax", "log_softmax", "expm1", "tan",
+                          "reciprocal"})
 """Operators whose backward reads their result."""
 SAVES_OPERANDS = frozenset({"gelu", "silu", "cos", "sin", "pow", "clamp", "softplus", "layer_norm", "batch_norm", "cross_entropy",
-                            "mse_loss", "avg_pool", "adaptive_avg_pool"})
+                            "mse_loss", "avg_pool", "adaptive_avg_pool", "abs", "acos", "asin", "atan", "acosh", "asinh",
+                            "atanh", "cosh", "sinh", "erf", "log", "log10", "log1p", "log2", "elu", "leaky_relu",
+                            "maximum", "minimum", "atan2", "remainder", "fmod", "var", "group_norm"})
 """Operators whose backward reads their operands (a norm's weight and bias are leaves: state, not here;
 cross-entropy keeps a log-softmax of the logits' size)."""
 SAVES_OTHER_OPERANDS = frozenset({"linear", "matmul", "einsum", "conv", "mul"})
@@ -51,9 +54,12 @@ SAVES_OTHER_OPERANDS = frozenset({"linear", "matmul", "einsum", "conv", "mul"})
 product with a Python number keeps nothing."""
 SAVES_INDICES = {"embedding": slice(1, None), "gather": slice(1, None), "index": slice(1, None), "where": slice(0, 1)}
 """Selections: they keep their index operands (`where` its condition)."""
-SAVES_NOTHING = frozenset({"add", "sub", "neg", "cat", "pad", "sum", "mean", "roll", "cumsum", "stage_output", "arange",
+SAVES_NOTHING = frozenset({"add", "sub", "neg", "cat", "pad", "upsample", "sum", "mean", "roll", "cumsum", "stage_output", "arange",
                            "full", "constant", "one_hot", "histc", "topk_indices", "eq", "ne", "lt", "le", "gt", "ge",
-                           "logical_and", "logical_or", "logical_not"})
+                           "logical_and", "logical_or", "logical_not", "floor", "ceil", "round", "trunc", "sign", "isinf",
+                           "isnan", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_not", "argmax",
+                           "argmin", "any", "all", "rand", "div_floor", "div_trunc", "sort_indices", "flip", "slice_scatter",
+                           "select_scatter"})
 """Operators whose backward needs only shapes (or that have none)."""
 
 

@@ -16,7 +16,12 @@ from engine.model.graph import Graph, Node
 from engine.model.ops import run_node
 from engine.theory.core import FULL, PARTIAL, Form, OpRule, form_str, split_sizes
 
-_POSITIVE_DOMAIN = ("sqrt", "rsqrt")
+DOMAINS = {
+    **dict.fromkeys(("sqrt", "rsqrt", "log", "log2", "log10", "log1p", "pow"), lambda t: t.abs() + 0.1),
+    "acosh": lambda t: t.abs() + 1.1,
+    **dict.fromkeys(("asin", "acos", "atanh"), lambda t: torch.tanh(t) * 0.9),
+}
+"""Operators defined on part of the reals: random operands are mapped into their domain."""
 
 
 @dataclass
@@ -81,8 +86,8 @@ def check_rule(node: Node, graph: Graph, r: OpRule, ratios: Sequence[float], see
     m = len(ratios)
     sizes = _dim_sizes(node, graph, r, ratios)
     full_in = [_random_input(graph[i], _index_bound(node, graph), gen) for i in node.inputs]
-    if node.op in _POSITIVE_DOMAIN:
-        full_in = [t.abs() + 0.1 for t in full_in]
+    if node.op in DOMAINS:
+        full_in = [DOMAINS[node.op](t) for t in full_in]
     if node.op == "cross_entropy" and len(full_in) == 3:  # a count of kept targets is at least 1
         full_in[2] = full_in[2] + 1
     if node.op == "where":  # the condition is boolean
@@ -95,8 +100,9 @@ def check_rule(node: Node, graph: Graph, r: OpRule, ratios: Sequence[float], see
         if r.output >= 0:
             shape[r.output] = sizes[(-1, r.output)][j]
         offsets = [sum(sizes[(k, f)][:j]) if f >= 0 else 0 for k, f in enumerate(r.inputs)]
+        out_offset = sum(sizes[(-1, r.output)][:j]) if r.output >= 0 else 0
         try:
-            outs.append(run_node(node, graph, [li[j] for li in local_in], shape, offsets))
+            outs.append(run_node(node, graph, [li[j] for li in local_in], shape, offsets, out_offset=out_offset))
         except (RuntimeError, IndexError):  # the local operands do not fit the operator (a whole mask on split rows, an index past a slice)
             return CheckResult(node.name, str(r), False, math.inf)
     err = _combine_error(ref, outs, r.output)

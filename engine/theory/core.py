@@ -101,6 +101,12 @@ def registered_ops() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def rule_family(op: str) -> str | None:
+    """The family module that registers `op`'s rules (`pointwise`, `reduction`, ...), None when none does."""
+    fn = _REGISTRY.get(op)
+    return fn.__module__.rsplit(".", 1)[-1] if fn is not None else None
+
+
 def op_rules(node: Node, graph: Graph) -> list[OpRule]:
     """All rules for a compute node, deduplicated, in a stable order."""
     fn = _REGISTRY.get(node.op)

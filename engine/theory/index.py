@@ -9,9 +9,13 @@
   output is sharded where that dim lands (in place of the indexed dims when they are adjacent,
   after the broadcast index dims otherwise, as torch orders them).
 - pad(x) with a constant: a dim that is not padded may be sharded (S(d) -> S(d)); padding with 0
-  is linear (P -> P), with another value not (each addend would carry it).
+  is linear (P -> P), with another value not (each addend would carry it). Reflect, replicate and
+  circular padding copy entries of x: linear too (their `value` is 0).
 - gather(x, dim, idx): out[..i..] = x[..idx[..i..]..] along `dim`; any other dim where x and idx
   have the same size may be sharded in both (each slice gathers within itself). Not linear in idx.
+- slice_scatter(x, src) / select_scatter(x, src): x with a slice (an index) of `dim` replaced by
+  src. Linear in (x, src) together: (P, P) -> P. Any other dim may be sharded in both x and src
+  (select_scatter's src lacks `dim`, so its dims past it shift by one): each slice writes its own rows.
 """
 from __future__ import annotations
 
@@ -63,3 +67,11 @@ def pad_rules(node: Node, graph: Graph) -> list[OpRule]:
     if node.attrs["value"] == 0:
         rules.append(OpRule("partial", (PARTIAL,), PARTIAL))
     return rules
+
+
+@rule("slice_scatter", "select_scatter")
+def scatter_slice_rules(node: Node, graph: Graph) -> list[OpRule]:
+    dim = node.attrs["dim"]
+    gone = 1 if node.op == "select_scatter" else 0
+    rules = [replicate(node), OpRule("partial", (PARTIAL, PARTIAL), PARTIAL)]
+    return rules + [OpRule("rows", (d, d - gone if d > dim else d), d) for d in range(node.rank) if d != dim]

@@ -5,7 +5,8 @@ Dispatch (tokens -> expert slots) and combine (expert outputs -> tokens) are ein
 come from `einsum.py`; the expert dim is a letter like any other, so an uneven split of it gives a
 faster device more experts (HAP §7.6) with no padding to a multiple of the device count. What is
 left is the gating, whose index ops only allow the rules that stay exact:
-- topk over `dim`: any other dim may be sharded (each row's top-k lies in one slice); not linear.
+- topk and sort over `dim`: any other dim may be sharded (each row's top-k, or its order, lies in
+  one slice); not linear.
 - one_hot(ids, C): ids sharded on d -> output sharded on d (a per-element map); not linear.
 - cumsum over `dim`: any other dim may be sharded; and it is linear, so P -> P. Sharding the
   scanned dim itself would need each device's prefix (a scan), which is no rule here.
@@ -22,7 +23,7 @@ from engine.model.graph import Graph, Node
 from engine.theory.core import FULL, PARTIAL, OpRule, replicate, rule
 
 
-@rule("topk_values", "topk_indices")
+@rule("topk_values", "topk_indices", "sort_values", "sort_indices")
 def topk_rules(node: Node, graph: Graph) -> list[OpRule]:
     dim = node.attrs["dim"]
     return [replicate(node)] + [OpRule("rows", (d,), d) for d in range(node.rank) if d != dim]

@@ -1,7 +1,9 @@
-"""Normalisations over trailing dims: `layer_norm`, `softmax`, `log_softmax`.
+"""Normalisations over trailing dims: `layer_norm`, `softmax`, `log_softmax`, and `group_norm`.
 
 Each output element depends on a whole row along the normalised dims, so only the other dims may be
 sharded (S(d) -> S(d), weight and bias Full). No Partial rule: the statistics are nonlinear.
+group_norm's statistics span a sample's channel group and all its positions: only the batch dim
+(0) may be sharded.
 """
 from __future__ import annotations
 
@@ -20,3 +22,9 @@ def layer_norm_rules(node: Node, graph: Graph) -> list[OpRule]:
 def softmax_rules(node: Node, graph: Graph) -> list[OpRule]:
     dim = node.attrs["dim"]
     return [replicate(node)] + [OpRule("shard", (d,), d) for d in range(node.rank) if d != dim]
+
+
+@rule("group_norm")
+def group_norm_rules(node: Node, graph: Graph) -> list[OpRule]:
+    affine = (FULL,) * (len(node.inputs) - 1)
+    return [replicate(node), OpRule("batch", (0,) + affine, 0)]

@@ -5,7 +5,9 @@ Rows, with why they hold:
 - P -> P for linear unary maps (neg, identity): f(sum x_i) = sum f(x_i).
 - add/sub(P, P) -> P: the sum of addends' sums is the sum's addends.
 - mul(P, F) -> P, div(P, F) -> P: scaling by a replicated factor distributes over the addends.
-- comparisons, logical and/or, pow: elementwise but not linear, so only S(d) -> S(d) and all-Full.
+- comparisons, logical and bitwise ops, pow, maximum/minimum, atan2, remainder/fmod, rounded
+  division, and every other unary map (floor, erf, log1p, ...): elementwise but not linear, so only
+  S(d) -> S(d) and all-Full.
 - dropout: S(d) -> S(d) and F -> F are exact because every device derives the mask of its block
   from the global index (engine/model/dropout.py). No P -> P: with that shared mask it would even be
   exact (the mask distributes over the addends), but a device would draw the whole mask and scale
@@ -20,12 +22,18 @@ from engine.model.graph import Graph, Node
 from engine.theory.core import FULL, PARTIAL, OpRule, replicate, rule
 
 _LINEAR_UNARY = {"neg", "identity"}
-NONLINEAR_BINARY = ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow")
+NONLINEAR_BINARY = ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or", "pow", "maximum", "minimum", "atan2",
+                    "remainder", "fmod", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "div_floor",
+                    "div_trunc")
 """Elementwise binary operators (tensor-tensor or tensor-scalar) that are not linear in any operand."""
+UNARY = ("relu", "gelu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity", "dropout", "cos", "sin",
+         "logical_not", "clamp", "softplus", "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "ceil", "cosh",
+         "erf", "expm1", "floor", "log", "log10", "log1p", "log2", "reciprocal", "sign", "sinh", "tan", "trunc", "isinf",
+         "isnan", "bitwise_not", "round", "elu", "leaky_relu")
+"""Elementwise maps of one tensor (with number attributes: clamp's bounds, round's decimals, elu's alpha ...)."""
 
 
-@rule("relu", "gelu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity", "dropout", "cos", "sin",
-      "logical_not", "clamp", "softplus")
+@rule(*UNARY)
 def unary_rules(node: Node, graph: Graph) -> list[OpRule]:
     rules = [replicate(node)] + [OpRule("shard", (d,), d) for d in range(node.rank)]
     if node.op in _LINEAR_UNARY and "dtype" not in node.attrs:  # a cast is not linear (it rounds)

@@ -1,4 +1,4 @@
-"""Shape operators: `cat`, `narrow` (slice, and each piece of split/chunk), `select` and `expand`.
+"""Shape operators: `cat`, `narrow` (slice, and each piece of split/chunk), `select`, `expand`, `flip`.
 
 Rows, with why they hold:
 - cat(S(d), ..., S(d)) -> S(d) for d != the cat dim: every operand is cut at the same rows of d, so
@@ -13,6 +13,7 @@ Rows, with why they hold:
 - expand(F) -> S(d) on a broadcast dim (new or of size 1): each device expands to its own rows,
   which is a slice of the global expansion. Its gradient (the sum over local rows) is an addend
   of the true gradient, as a Full operand's gradient must be.
+- flip(S(d)) -> S(d) for d not flipped (each slice flips within itself); P -> P (a permutation of entries).
 """
 from __future__ import annotations
 
@@ -57,3 +58,9 @@ def expand_rules(node: Node, graph: Graph) -> list[OpRule]:
         else:
             rules.append(OpRule("broadcast", (FULL,), d))
     return rules
+
+
+@rule("flip")
+def flip_rules(node: Node, graph: Graph) -> list[OpRule]:
+    dims = node.attrs["dims"]
+    return _linear_base(node) + [OpRule("shard", (d,), d) for d in range(node.rank) if d not in dims]

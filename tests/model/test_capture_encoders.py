@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 MODELS = ["bert", "roberta", "distilbert", "t5", "bart", "vit", "resnet", "convnext", "swin",
           "transformer_classifier", "residual_cnn"]
 DROPOUT = {"bert", "roberta", "distilbert", "t5", "bart", "transformer_classifier"}
-"""Models whose default config drops out (ViT's, Swin's and the CNNs' do not)."""
+"""Models whose default config drops out (ViT's, Swin's and the CNNs' do not; Swin's drop path draws `rand`)."""
 CLUSTERS = ["a100x2_p100x2", "cpu_4_uneven"]
 
 
@@ -50,6 +50,7 @@ def test_captures_with_rules_for_every_node_and_only_side_arithmetic_opaque(capt
     assert on_activations == [], f"{name}: opaque ops on activations {on_activations}"
     assert any(n.attrs.get("p" if n.op == "dropout" else "dropout_p", 0) > 0 for n in g.nodes) == (name in DROPOUT), \
         "dropout stays as the default config has it"
+    assert any(n.op == "rand" for n in g.nodes) == (name == "swin"), "Swin's default drop path draws site-keyed numbers"
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)

@@ -26,9 +26,9 @@ class MaskArithmetic(nn.Module):
         self.table = nn.Parameter(torch.randn(6))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        step = torch.sort(mask, dim=1, descending=True).values  # (B, T) int64: no gradient
-        keep = (torch.flip(step, dims=[1]) == 0).unsqueeze(-1).to(x.dtype)  # (B, T, 1)
-        bias = torch.flip(self.table, dims=[0])  # parameters only: no batch
+        step = torch.cummax(mask, dim=1).values  # (B, T) int64: no gradient
+        keep = (torch.cumprod(step, dim=1) == 0).unsqueeze(-1).to(x.dtype)  # (B, T, 1)
+        bias = torch.cumprod(self.table, dim=0)  # parameters only: no batch
         return F.mse_loss(self.fc(x) * keep + bias, y)
 
 
@@ -48,7 +48,7 @@ def mask_graph() -> Graph:
 def test_side_arithmetic_is_opaque_by_default_and_exact() -> None:
     g = mask_graph()
     targets = sorted(n.attrs["target"].split(".")[0] for n in g.nodes if n.op == "opaque")
-    assert targets == ["aten::flip", "aten::flip", "aten::sort"], targets
+    assert targets == ["aten::cummax", "aten::cumprod", "aten::cumprod"], targets
     torch.manual_seed(0)
     module = MaskArithmetic()
     inputs = mask_inputs()
@@ -56,19 +56,19 @@ def test_side_arithmetic_is_opaque_by_default_and_exact() -> None:
 
 
 def test_strict_refuses_even_side_arithmetic() -> None:
-    with pytest.raises(UnsupportedOpError, match=r"^3 unsupported operator\(s\).*aten.sort.*aten.flip.*aten.flip"):
+    with pytest.raises(UnsupportedOpError, match=r"^3 unsupported operator\(s\).*aten.cummax.*aten.cumprod.*aten.cumprod"):
         engine.load_model(MaskArithmetic(), mask_inputs(), fallback="strict")
 
 
 def test_an_op_on_activations_is_refused_by_default_and_named() -> None:
-    with pytest.raises(UnsupportedOpError, match=r"fallback='replicate'.*aten.flip at node 'flip'"):
+    with pytest.raises(UnsupportedOpError, match=r"fallback='replicate'.*aten.cumprod at node 'cumprod'"):
         engine.load_model(Unruly(), unruly_inputs())
 
 
 def test_data_parallel_runs_opaque_ops_on_whole_operands() -> None:
     g = engine.load_model(Unruly(), unruly_inputs(), fallback="replicate")
     cluster = engine.load_cluster(sample_dict("cpu_4_uneven"))
-    for strategy in ("dp-even", "dp-proportional"):  # plain data parallelism has no program: flip cannot split
+    for strategy in ("dp-even", "dp-proportional"):  # plain data parallelism has no program: cumprod cannot split
         p = engine.evaluate(g, cluster, strategy)
         opaque = [ins for ins in p.program if ins.kind == COMPUTE and g[ins.node].op == "opaque"]
         assert len(opaque) == 3 and all(ins.post == -1 and all(f == -1 for _, f in ins.pre) for ins in opaque)

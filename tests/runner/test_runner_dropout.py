@@ -5,12 +5,15 @@ the site (engine/model/dropout.py); the single-device reference draws the same m
 `engine.model.dropout.SiteKeyedDropout`. Zoo BERT (nn.Dropout after the embeddings, attention and
 feed-forward) on 3 uneven ranks, and Hugging Face BERT, whose attention calls
 `scaled_dot_product_attention` with `dropout_p > 0`, on 3 uneven ranks; VGG19 with its FC layers
-column-parallel, so dropout runs on unevenly split hidden units (Shard(1)); 3 steps each.
+column-parallel, so dropout runs on unevenly split hidden units (Shard(1)); 3 steps each. Stochastic
+depth (`torch.rand` and `bernoulli_` per sample, issue 29) draws site-keyed numbers too: a model
+file with two drop paths, each rank drawing its own rows.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import ROOT
 from runner_plans import MODELS, RATIOS, cluster
 from test_runner_equivalence import check_equivalence
 
@@ -84,3 +87,25 @@ def test_vgg19_with_dropout_on_hidden_units_split_unevenly_trains_like_one_devic
     assert len(drops) == 2 and all(i.post == 1 for i in drops)
     assert all(plan.shard_sizes[f"{g[i.node].name}:1"] == [6, 4, 2] for i in drops)
     check_equivalence(plan, tmp_path, "sgd", steps=STEPS)
+
+
+def test_drop_path_by_rand_and_bernoulli_trains_like_one_device_on_3_uneven_ranks(tmp_path):
+    """Each rank draws the per-sample keep numbers of its own rows of the batch (rand sharded on dim 0)."""
+    g = engine.load_model(str(ROOT / "tests" / "fixtures" / "model_files" / "drop_path_mlp.py"))
+    plan = engine.plan(g, cluster(3), optimizer="sgd")
+    assert len(set(plan.ratios["0"])) == 3, "the ratios should be uneven"
+    draws = [i for i in plan.program if i.kind == "compute" and g[i.node].op == "rand"]
+    assert sorted(g[i.node].attrs["rng_site"] for i in draws) == [0, 1] and all(i.post == 0 for i in draws)
+    check_equivalence(plan, tmp_path, "sgd", steps=2)
+
+
+def test_swin_with_its_default_drop_path_rate_trains_like_one_device_on_3_uneven_ranks(tmp_path):
+    """transformers' Swin from its default config (drop_path_rate 0.1) shrunk to 2 layers: its drop path
+    (`torch.rand`, floor, div, mul) is planned and every rank's numbers are the single device's."""
+    pytest.importorskip("transformers")
+    sizes = dict(image_size=16, patch_size=2, embed_dim=8, depths=[1, 1], num_heads=[2, 2], window_size=4, num_labels=3)
+    g = engine.load_model("hf:SwinForImageClassification", config=sizes, batch=6)
+    assert g.origin["config"]["drop_path_rate"] == 0.1 and sum(n.op == "rand" for n in g.nodes) == 1
+    plan = engine.plan(g, cluster(3), optimizer="sgd")
+    assert len(set(plan.ratios["0"])) == 3, "the ratios should be uneven"
+    check_equivalence(plan, tmp_path, "sgd", steps=2, near_zero=1e-6)  # the key biases' true gradient is 0 (hf_bert's note)

@@ -12,7 +12,7 @@ from engine.model import capture as capture_mod
 from engine.model.graph import Graph
 from engine.model.ops import run_node
 from engine.theory import missing_rules, op_rules
-from engine.theory.check import check_node, describe
+from engine.theory.check import DOMAINS, check_node, describe
 from engine.theory.core import registered_ops
 
 from ._helpers import UNEVEN, one_op
@@ -110,7 +110,9 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "embedding", "sdpa", "cross_entropy", "mse_loss", "cat", "narrow", "select", "expand",
         "conv", "max_pool", "avg_pool", "adaptive_avg_pool", "batch_norm", "einsum", "topk_values", "topk_indices",
         "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "where",
-        "index_add", "scatter_add", "histc", "roll", "clamp", "softplus"}
+        "index_add", "scatter_add", "histc", "roll", "clamp", "softplus", "rand", "round", "elu", "leaky_relu",
+        "div_floor", "div_trunc", "bitwise_and", "bitwise_or", "bitwise_xor", "amax", "amin", "any", "all", "prod", "var",
+        "argmax", "argmin", "flip", "slice_scatter", "select_scatter", "sort_values", "sort_indices", "group_norm", "upsample"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -123,6 +125,26 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     **{op: ([(3, 4)], {}) for op in ("relu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity",
                                      "cos", "sin", "logical_not")},
     "gelu": ([(3, 4)], {"approximate": "none"}),
+    **{op: ([(3, 4)], {}) for op in ("abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "ceil", "cosh", "erf",
+                                     "expm1", "floor", "log", "log10", "log1p", "log2", "reciprocal", "sign", "sinh", "tan",
+                                     "trunc", "isinf", "isnan")},
+    "bitwise_not": ([((3, 4), "int64")], {}),
+    "round": ([(3, 4)], {"decimals": 1}),
+    "elu": ([(3, 4)], {"alpha": 0.5, "scale": 1.5, "input_scale": 2.0}),
+    "leaky_relu": ([(3, 4)], {"negative_slope": 0.1}),
+    "rand": ([], {"rng_site": 3}),
+    **{op: ([(3, 4), (4,)], {}) for op in ("maximum", "minimum", "atan2", "remainder", "fmod", "logical_xor", "div_floor",
+                                          "div_trunc")},
+    **{op: ([((3, 4), "int64"), ((4,), "int64")], {}) for op in ("bitwise_and", "bitwise_or", "bitwise_xor")},
+    **{op: ([(2, 3, 4)], {"dims": [1], "keepdim": False}) for op in ("amax", "any", "all", "prod", "argmax")},
+    **{op: ([(2, 3, 4)], {"dims": [0, 2], "keepdim": True}) for op in ("amin", "argmin")},
+    "var": ([(2, 3, 4)], {"dims": [2], "keepdim": False, "correction": 1}),
+    "group_norm": ([(4, 6, 3), (6,), (6,)], {"groups": 3, "eps": 1e-5, "has_weight": True, "has_bias": True}),
+    "upsample": ([(2, 3, 4, 5)], {"target": "aten::upsample_bilinear2d.vec", "args": [None, False, [1.5, 2.0]], "spatial": 2}),
+    **{op: ([(3, 4)], {"dim": 1, "descending": True, "stable": True}) for op in ("sort_values", "sort_indices")},
+    "flip": ([(3, 4, 2)], {"dims": [1]}),
+    "slice_scatter": ([(4, 6), (4, 2)], {"dim": 1, "start": 1, "end": 5, "step": 2}),
+    "select_scatter": ([(4, 6, 3), (4, 3)], {"dim": 1, "index": 2}),
     "clamp": ([(3, 4)], {"min": -0.25, "max": 0.5}),
     "softplus": ([(3, 4)], {"beta": 2.0, "threshold": 1.0}),
     "dropout": ([(3, 4)], {"p": 0.1, "train": False}),
@@ -171,7 +193,7 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "roll": ([(3, 4)], {"shifts": [1], "dims": [1]}),
 }
 VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5), "topk_values": (3, 2), "topk_indices": (3, 2), "arange": (5,),
-               "constant": (2, 2), "full": (2, 3), "histc": (5,)}
+               "constant": (2, 2), "full": (2, 3), "histc": (5,), "rand": (3, 4)}
 
 
 @pytest.mark.parametrize("op", registered_ops())
@@ -180,10 +202,20 @@ def test_every_registered_op_has_an_executor(op: str) -> None:
     operands, attrs = EXAMPLES[op]
     node, g = one_op(op, operands, attrs, out_shape=VIEW_SHAPES.get(op))
     data = [torch.randint(0, 2, g[i].shape) if g[i].dtype.startswith("int") else _positive(g[i].shape) for i in node.inputs]
+    data = [DOMAINS[op](t) for t in data] if op in DOMAINS else data
     out = run_node(node, g, data, node.shape)
     assert isinstance(out, torch.Tensor) and tuple(out.shape) == node.shape
     assert torch.isfinite(out).all()
     assert op_rules(node, g), f"{op} has no rule on its example"
+
+
+@pytest.mark.parametrize("op", registered_ops())
+def test_every_rule_of_every_registered_op_holds_on_its_example(op: str) -> None:
+    """The theory's checker on each operator's example: every rule it offers, on 3 uneven devices."""
+    operands, attrs = EXAMPLES[op]
+    node, g = one_op(op, operands, attrs, out_shape=VIEW_SHAPES.get(op))
+    results = check_node(node, g, UNEVEN)
+    assert results and all(r.ok for r in results), describe(results)
 
 
 @pytest.mark.parametrize("model", sorted(MODELS))

@@ -172,11 +172,11 @@ def convnext(device: str | torch.device = "meta", small: bool = True) -> Built:
 
 
 def swin(device: str | torch.device = "meta", small: bool = True) -> Built:
-    """Swin with stochastic depth off (`drop_path_rate=0`, default 0.1): drop-path draws `torch.rand`
-    in forward, a random operator capture refuses (no exact per-shard stream for it yet; dropout
-    has one). Its hidden and attention dropout stay as the default config has them."""
+    """Swin with its default stochastic depth (`drop_path_rate` 0.1): drop path draws `torch.rand` in
+    forward, a site-keyed draw like dropout's masks (engine/model/dropout.py). Its hidden and
+    attention dropout stay as the default config has them."""
     t = _transformers()
-    cfg = t.SwinConfig(num_labels=NUM_LABELS, drop_path_rate=0.0, **_sizes(small, image_size=IMAGE, embed_dim=16, depths=[2, 1],
+    cfg = t.SwinConfig(num_labels=NUM_LABELS, **_sizes(small, image_size=IMAGE, embed_dim=16, depths=[2, 1],
                                                        num_heads=[2, 4], window_size=4))
     return _build("SwinForImageClassification", cfg, device), _images(device, cfg.image_size, NUM_LABELS)
 

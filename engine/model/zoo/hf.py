@@ -33,6 +33,9 @@ def _transformers():
         import transformers
     except ImportError:
         raise ModelError("this zoo model needs the optional 'transformers' package: pip install -e \".[hf]\"") from None
+    from engine.model.zoo.experts import register
+
+    register(transformers)  # the experts forward a capture can take at real sizes (`hap_dense`)
     return transformers
 
 

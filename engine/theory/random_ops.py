@@ -1,0 +1,17 @@
+"""Random draws: `rand`, the site-keyed uniform numbers of stochastic depth and `bernoulli`.
+
+A `rand` node has no operand. Its numbers are a function of (seed, step, site, global index)
+(engine/model/dropout.py), so a device draws exactly its block of the whole tensor:
+- F: every device draws the whole tensor (the same numbers on each);
+- S(d) on any dim of size >= 2: each device draws only its rows of d.
+No P: the numbers are not a sum of addends. `bernoulli` is captured as `rand`, `lt` and a cast.
+"""
+from __future__ import annotations
+
+from engine.model.graph import Graph, Node
+from engine.theory.core import OpRule, replicate, rule
+
+
+@rule("rand")
+def rand_rules(node: Node, graph: Graph) -> list[OpRule]:
+    return [replicate(node)] + [OpRule("shard", (), d) for d in range(node.rank)]
