@@ -3,7 +3,6 @@ pass outside code, no "None", no number with more than 4 significant digits. Com
 code, digests and exact counts (integers) are exempt. One AppTest run per page."""
 from __future__ import annotations
 
-import pytest
 from ui_helpers import app, assert_prose_for_people, open_page, prose_problems  # noqa: F401 (fixtures)
 
 PAGES = ["plan", "model", "cluster", "theory", "search", "timeline", "runs", "compare", "export"]
@@ -21,9 +20,12 @@ def test_the_prose_checks_catch_what_they_should():
     assert prose_problems("4523 states expanded, 16384 vocab, 12.35 ms") == []
 
 
-@pytest.mark.parametrize("page", PAGES)
-def test_every_pages_prose_is_for_a_browser_user(app, page):
-    assert_prose_for_people(open_page(app, page))
+def test_every_pages_prose_is_for_a_browser_user(app):
+    """One session visits every page in turn (one app start for all: the suite's time is short)."""
+    at = app
+    for page in PAGES:
+        at = open_page(at, page)
+        assert_prose_for_people(at)
 
 
 def test_the_stale_plan_messages_are_for_a_browser_user_too(app):
