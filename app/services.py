@@ -1,6 +1,6 @@
 """Cached wrappers over the engine's public API, and every session-state key of the app.
 
-Pages call only this module (and `components` to draw). Expensive engine calls are cached on
+Pages call only this module (and `engine.views` to draw, `components` for the cluster editor's tables). Expensive engine calls are cached on
 content hashes: a graph by the sha256 of its JSON, a cluster by its fingerprint, an upload by
 its bytes. Plans are kept in one process-wide store keyed the same way, so the default plan is
 computed once per server, and a search run with a live progress callback is stored for reuse.
