@@ -19,6 +19,8 @@ Writes the table to bench/results/coverage.json. Run from the repository root:
     python bench/coverage.py                       # capture and plan every model (a few minutes)
     python bench/coverage.py --models bert,llama   # some of them (updates their rows in the JSON)
     python bench/coverage.py --run                 # also train and verify on 2 and 3 ranks (slow)
+    python bench/coverage.py --all --jobs 16       # every transformers type (bench/sweep.py; long)
+    python bench/coverage.py --all --verify 10 --seed 20261127   # and train 10 of them drawn with that seed
 """
 from __future__ import annotations
 
@@ -191,7 +193,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", action="store_true", help="also hap run --steps 3 --verify on 2 and 3 gloo ranks")
     parser.add_argument("--time-budget", type=float, default=20.0, metavar="S", help="search budget per plan")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "coverage.json"))
+    sweep_args = parser.add_argument_group("the sweep of every transformers type (bench/sweep.py)")
+    sweep_args.add_argument("--all", action="store_true", help="capture and plan every type of bench/coverage_types.json")
+    sweep_args.add_argument("--write-types", action="store_true", help="with --all: rewrite the list from this transformers")
+    sweep_args.add_argument("--types", help="with --all: only these comma-separated model types (nothing written)")
+    sweep_args.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2)), help="types at once")
+    sweep_args.add_argument("--cap", type=float, default=180.0, metavar="S", help="seconds per type")
+    sweep_args.add_argument("--verify", type=int, default=0, metavar="K", help="then train K planned types, 2 steps")
+    sweep_args.add_argument("--seed", type=int, default=20261127, help="the draw of --verify's types")
     args = parser.parse_args(argv)
+    if args.all:
+        import sweep
+
+        return sweep.main(args)
     names = args.models.split(",") if args.models else list(ecosystem.MODELS)
     unknown = [n for n in names if n not in ecosystem.MODELS]
     if unknown:

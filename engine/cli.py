@@ -191,6 +191,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for warning in cluster_launch_warnings(cluster):
         print(f"warning: {warning}", file=sys.stderr)
     graph = _load_graph(args)
+    for key, default in graph.origin.get("adjusted", {}).items():
+        print(f"note: {key} set to 0 (the default {default} skips layers at random in forward, which no captured "
+              f"program can hold; the run trains with 0 too)", file=sys.stderr)
     result = plan(graph, cluster, progress=_progress_printer(), options=options)
     if sys.stderr.isatty():
         sys.stderr.write("\n")

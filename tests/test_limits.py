@@ -172,7 +172,7 @@ def graph_json() -> dict:
     (lambda d: d["nodes"][3].__setitem__("name", 7), r"nodes\[3\]\.name must be a non-empty string, got 7"),
     (lambda d: d["nodes"][3].__setitem__("id", 9), r"nodes\[3\]\.id = 9 but node ids must be 0\.\.n-1 in list order"),
     (lambda d: d["nodes"][3].__setitem__("segment", 10**12), r"nodes\[3\]\.segment = 1000000000000 but a graph of 8 nodes"),
-    (lambda d: d["nodes"][7].__setitem__("attrs", {"count": 1e300}), r"nodes\[7\]\.attrs\.count = 1e\+300 is beyond \+-2\*\*53"),
+    (lambda d: d["nodes"][7].__setitem__("attrs", {"count": 10**300}), r"nodes\[7\]\.attrs\.count = 1000000000000000000000.* is beyond \+-2\*\*53"),
     (lambda d: d["nodes"][7].__setitem__("attrs", {"a": [[[[[[[[[1]]]]]]]]]}), r"nodes\[7\]\.attrs\.a.* nests deeper than 8"),
     (lambda d: d["nodes"].__setitem__(4, []), r"nodes\[4\] must be a node object, got list"),
     (lambda d: d.__setitem__("loss", 1e308), r"loss = 1e\+308 is not a node id \(0\.\.7\)"),
@@ -182,6 +182,17 @@ def test_graph_json_out_of_range_is_a_model_error_naming_node_and_field(graph_js
     d = copy.deepcopy(graph_json)
     mutate(d)
     with pytest.raises(ModelError, match=message):
+        Graph.from_dict(d)
+
+
+def test_floats_in_attrs_are_data_of_any_size_but_integers_stay_bounded(graph_json) -> None:
+    """Floats are data (GPT-Neo's mask value is finfo(float32).min, as a constant and as `where`'s scalar);
+    integers are sizes and counts, held to 2**53."""
+    d = copy.deepcopy(graph_json)
+    d["nodes"][7]["attrs"] = {"value": [-3.4028234663852886e+38, 0.5], "y": -3.4028234663852886e+38}
+    assert Graph.from_dict(d).nodes[7].attrs["value"][0] == -3.4028234663852886e+38
+    d["nodes"][7]["attrs"] = {"value": [2**60]}
+    with pytest.raises(ModelError, match=r"attrs\.value\[0\] = 1152921504606846976 is beyond"):
         Graph.from_dict(d)
 
 

@@ -169,6 +169,8 @@ def model_json(plan: AnyPlan, file: str | None) -> dict[str, Any]:
         src.update(zoo=origin["zoo"], config=origin.get("config", {}))
     elif "hf" in origin:
         src.update(hf=origin["hf"], config=origin.get("config", {}), inputs=origin.get("inputs", {}))
+        if "implementation" in origin:
+            src["implementation"] = origin["implementation"]
     elif file is None:
         raise BundleError(f"plan's model '{plan.graph.name}' is not a zoo model and names no model file or hf class "
                           f"(origin {origin}); pass --model-file with the Python file that defines it")

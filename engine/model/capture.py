@@ -30,7 +30,10 @@ import inspect
 import math
 import operator
 import re
+import string
+import traceback
 import weakref
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -105,12 +108,83 @@ def _norm_dim(d: int, rank: int) -> int:
 def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """torch.export in non-strict mode; a failure becomes a ModelError that says what to try."""
     try:
-        ep = torch.export.export(module, args, kwargs, strict=False)
+        with ValuedScalars():
+            ep = torch.export.export(module, args, kwargs, strict=False)
     except Exception as e:  # torch raises many exception types from tracing
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelError(f"cannot capture the model with torch.export: {first} "
-                         "(make forward() free of data-dependent Python control flow)") from e
+        raise ModelError(f"cannot capture the model with torch.export: {first}{where_in_model(e, module)}") from e
     return number_dropout_sites(inline_grad_mode_regions(ep))
+
+
+def where_in_model(e: BaseException, module: torch.nn.Module) -> str:
+    """The model's own line a capture failed at, and the config keys that line reads (a flag to try), or the
+    general advice: a data-dependent branch is only removable in the model's code or by its config."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _library_frame(f.filename)]
+    if not frames:
+        return " (make forward() free of data-dependent Python control flow)"
+    f = frames[-1]
+    text = f" at {Path(f.filename).name}:{f.lineno} `{(f.line or '').strip()}`"
+    keys = _config_keys_read(f.line or "", getattr(getattr(module, "inner", module), "config", None))
+    if keys:
+        return text + (f"; the line reads the config's {' or '.join(keys)}: set it so the branch goes away "
+                       f"(e.g. --set {keys[0]}=0)")
+    return text + " (make this branch independent of tensor values, or capture with other config flags)"
+
+
+def _library_frame(filename: str) -> bool:
+    """Frames of torch and of this package: a capture failure is reported at the model's own line."""
+    parts = Path(filename).parts
+    return "torch" in parts or "engine" in parts and "model" in parts or filename.startswith("<")
+
+
+def _config_keys_read(line: str, config: Any) -> list[str]:
+    """Config keys that contain a name the line reads (`self.layerdrop` -> encoder_layerdrop, decoder_layerdrop)."""
+    if config is None or not hasattr(config, "to_dict"):
+        return []
+    names = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", line)) - {"self", "config", "torch", "training"}
+    return sorted(k for k in config.to_dict() if any(n in k for n in names))
+
+
+class ValuedScalars(torch.overrides.TorchFunctionMode):
+    """Scalars made in forward from Python numbers on the meta device are made on the CPU instead.
+
+    A model captured on meta has no values, so `torch.tensor(finfo.min, device=x.device)` (GPT-Neo's mask
+    value) would become a constant without a value. A 0-dim CPU tensor mixes with meta tensors like a
+    Python number, so the constant keeps its value and the graph stores it (`_constant`); nothing else
+    changes. (`torch.full` needs nothing: it is captured as an operator with its fill value.)"""
+
+    _MAKERS = {torch.tensor, torch.scalar_tensor, torch.as_tensor}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in self._MAKERS and _meta_scalar(func, args, kwargs):
+            kwargs["device"] = "cpu"
+        elif func is torch.Tensor.__getitem__ and len(args) == 2 and _on_meta(args[0]):
+            args = (args[0], _valued_index(args[1]))  # Falcon's `qkv[..., [-2], :]`: the list becomes a constant
+        return func(*args, **kwargs)
+
+
+def _on_meta(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.device.type == "meta"
+
+
+def _valued_index(index: Any) -> Any:
+    """An index with its Python lists of ints made CPU tensors (indexing takes them on any device), so the
+    index constant keeps its values; anything else unchanged."""
+    def one(i: Any) -> Any:
+        if isinstance(i, list) and i and all(isinstance(v, int) and not isinstance(v, bool) for v in i):
+            return torch.tensor(i, device="cpu")
+        return i
+    return tuple(one(i) for i in index) if isinstance(index, tuple) else one(index)
+
+
+def _meta_scalar(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor maker is asked for a 0-dim tensor of a Python number on the meta device."""
+    device = kwargs.get("device")
+    if device is None or torch.device(device).type != "meta":
+        return False
+    data = args[0] if args else kwargs.get("data", kwargs.get("s"))
+    return isinstance(data, (int, float, bool))
 
 
 _SET_GRAD = getattr(getattr(torch.ops, "higher_order", None), "wrap_with_set_grad_enabled", None)
@@ -942,9 +1016,36 @@ _SPLITS: dict[str, Callable[[_Ctx], list[int | None]]] = {
 
 
 # --- einsum, MoE gating and index operators (engine/theory/einsum.py, moe.py, index.py) ---------
+def explicit_equation(equation: str, ranks: list[int]) -> str:
+    """An einsum equation with its `...` written as letters (from the operands' ranks) and its output made
+    explicit, the form the rules take: `"...qhd,...khd->...hqk"` of rank-5 operands -> `"ABqhd,ABkhd->ABhqk"`."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, out = eq.partition("->")
+    ins = lhs.split(",")
+    if len(ins) != len(ranks):
+        raise ValueError(f"einsum equation '{equation}' names {len(ins)} operands, the call has {len(ranks)}")
+    spare = [ch for ch in string.ascii_uppercase + string.ascii_lowercase if ch not in eq]
+    width = max((r - len(x.replace("...", "")) for x, r in zip(ins, ranks) if "..." in x), default=0)
+    if width > len(spare) or width < 0:
+        raise ValueError(f"einsum equation '{equation}' does not fit operands of ranks {ranks}")
+    batch = "".join(spare[:width])
+
+    def fill(x: str, rank: int) -> str:
+        return x.replace("...", batch[width - (rank - len(x.replace("...", ""))):]) if "..." in x else x
+
+    ins = [fill(x, r) for x, r in zip(ins, ranks)]
+    if arrow:
+        out = out.replace("...", batch)
+    else:  # implicit output: the broadcast dims, then the letters seen once, in alphabetical order
+        seen = "".join(ins)
+        out = batch + "".join(sorted(ch for ch in set(seen) if seen.count(ch) == 1 and ch not in batch))
+    return ",".join(ins) + "->" + out
+
+
 def _h_einsum(c: _Ctx) -> int:
-    equation, operands = c.fx.args[0], [c.node(t) for t in c.fx.args[1]]
+    operands = [c.node(t) for t in c.fx.args[1]]
     try:
+        equation = explicit_equation(c.fx.args[0], [x.rank for x in operands])
         ins, _ = parse_equation(equation)
     except ValueError as e:
         raise _Unsupported(f"aten.einsum: {e}") from None

@@ -214,7 +214,8 @@ def check_graph_dict(d: dict[str, Any], where: str = "graph JSON: ") -> None:
 
 
 ORIGIN_FIELDS: dict[str, tuple[type, ...]] = {"zoo": (str,), "hf": (str,), "file": (str,), "sha256": (str,),
-                                              "task": (str,), "config": (dict,), "inputs": (dict, list)}
+                                              "task": (str,), "config": (dict,), "inputs": (dict, list),
+                                              "implementation": (dict,), "adjusted": (dict,)}
 """Where a graph came from (engine.model.source): the fields the planner and the runner read back (a model
 file's inputs are a list of shapes, an hf class's a dict of knobs)."""
 
@@ -281,7 +282,8 @@ def _check_node_bounds(x: dict[str, Any], path: str, count: int) -> None:
 
 
 def _check_attr_bounds(value: Any, path: str, depth: int) -> None:
-    """Attrs nest at most MAX_ATTR_DEPTH levels and hold numbers of magnitude at most 2**53."""
+    """Attrs nest at most MAX_ATTR_DEPTH levels and hold integers (dims, sizes, counts) of magnitude at most
+    2**53. Floats are data, any finite value (a mask's `finfo(float32).min`, a scalar operand)."""
     if depth > limits.MAX_ATTR_DEPTH:
         raise ModelError(f"{path} nests deeper than {limits.MAX_ATTR_DEPTH} levels")
     if isinstance(value, dict):
@@ -290,8 +292,8 @@ def _check_attr_bounds(value: Any, path: str, depth: int) -> None:
     elif isinstance(value, list):
         for k, v in enumerate(value):
             _check_attr_bounds(v, f"{path}[{k}]", depth + 1)
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        if math.isfinite(value) and abs(value) > limits.MAX_ATTR_NUMBER:
+    elif isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) > limits.MAX_ATTR_NUMBER:
             raise ModelError(f"{path} = {value!r} is beyond +-2**53")
 
 

@@ -268,9 +268,19 @@ class HFSpec:
     task: str
     inputs: dict[str, int] = field(default_factory=dict)
     """batch, seq_len (language models) or image_size (vision)."""
+    implementation: dict[str, str] = field(default_factory=dict)
+    """The kernels picked where transformers offers several ({"experts": "batched_mm"}): not part of a
+    config's `to_dict()`, so recorded beside it for the runner to rebuild the same model."""
+    adjusted: dict[str, Any] = field(default_factory=dict)
+    """Config keys the capture changed from the class's default (key -> the default), e.g. LayerDrop off."""
 
     def origin(self) -> dict[str, Any]:
-        return {"hf": self.cls, "config": self.config, "task": self.task, "inputs": dict(self.inputs)}
+        out = {"hf": self.cls, "config": self.config, "task": self.task, "inputs": dict(self.inputs)}
+        if self.implementation:
+            out["implementation"] = dict(self.implementation)
+        if self.adjusted:
+            out["adjusted"] = dict(self.adjusted)
+        return out
 
 
 def transformers_module() -> ModuleType:
@@ -297,6 +307,56 @@ def task_of(name: str) -> str:
             return task
     raise ModelError(f"hf:{name}: no inputs known for this class; use a class ending in "
                      f"{', '.join(s for s, _ in TASKS)}, or write a model file")
+
+
+IMPLEMENTATIONS = {"experts": ("batched_mm", "grouped_mm", "eager"), "attn": ("eager", "sdpa")}
+"""The implementation knobs (`--set experts_implementation=...`, `attn_implementation=...`) and the values the
+capture can take: the first of "experts" is the default for a mixture-of-experts class."""
+CAPTURABLE_EXPERTS = "batched_mm"
+"""transformers' default experts kernel (`grouped_mm`) sizes its groups with `histc` and `eager` loops over the
+`nonzero()` experts: both data-dependent shapes. Batched matmuls over every expert capture and compute the same."""
+
+
+def implementation_of(name: str, values: dict[str, Any]) -> dict[str, str]:
+    """Pop the implementation knobs from `values`, checked; a class whose experts can be switched gets
+    `batched_mm` unless the user named another, so MoE families capture without a hand-set option."""
+    picked = {}
+    for kind, allowed in IMPLEMENTATIONS.items():
+        value = values.pop(f"{kind}_implementation", None)
+        if value is None:
+            continue
+        if value not in allowed:
+            raise ModelError(f"hf:{name}: {kind}_implementation must be one of {', '.join(allowed)} "
+                             f"(the ones the capture can take), got {value!r}")
+        picked[kind] = value
+    if "experts" not in picked and _switchable_experts(name):
+        picked["experts"] = CAPTURABLE_EXPERTS
+    return picked
+
+
+def _switchable_experts(name: str) -> bool:
+    """Whether the transformers class has experts whose kernel can be chosen (`@use_experts_implementation`)."""
+    can = getattr(hf_class(name), "_can_set_experts_implementation", None)
+    try:
+        return bool(can()) if callable(can) else False
+    except Exception:  # transformers reads the class's source file: a missing file means "cannot tell": leave it
+        return False
+
+
+DATA_DEPENDENT_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+"""Config keys whose non-zero default makes forward branch on a random draw (LayerDrop skips whole layers
+with `if torch.rand([]) < p`), which no static capture can hold: set to 0 unless the user set them."""
+
+
+def without_data_dependent_defaults(default: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """Set each DATA_DEPENDENT_KEYS key whose default is non-zero and that the user left unset to 0.0 in
+    `values`; returns {key: default} of what was changed (recorded in the origin and said by `hap plan`)."""
+    changed = {}
+    for key in DATA_DEPENDENT_KEYS:
+        value = getattr(default, key, None)
+        if key not in values and isinstance(value, (int, float)) and value:
+            values[key], changed[key] = 0.0, value
+    return changed
 
 
 def parse_value(text: Any) -> Any:
@@ -330,6 +390,7 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
         raise ModelError("hf: needs a class name, e.g. hf:LlamaForCausalLM")
     values = {**read_config(config), **{k: parse_value(v) for k, v in (knobs or {}).items()}}  # before transformers loads
     cls = hf_class(name)
+    implementation = implementation_of(name, values)
     default = cls.config_class()
     known = set(default.to_dict()) | {"num_labels"}
     inputs = {k: values.pop(k) for k in INPUT_KNOBS if k in values and not (k == "image_size" and k in known)}
@@ -339,12 +400,14 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
         hint = f"; did you mean '{near[0]}'?" if near else ""
         raise ModelError(f"hf:{name}: '{bad[0]}' is not a key of {type(default).__name__} nor an input knob "
                          f"({', '.join(INPUT_KNOBS)}){hint}")
+    adjusted = without_data_dependent_defaults(default, values)
     try:
         cfg = cls.config_class(**values)
     except Exception as e:  # transformers validates in many ways
         raise ModelError(f"hf:{name}: bad config: {type(e).__name__}: {first_line(e)}") from None
     task = task_of(name)
-    return HFSpec(name, json.loads(cfg.to_json_string(use_diff=False)), task, input_sizes(name, cfg, task, inputs))
+    return HFSpec(name, json.loads(cfg.to_json_string(use_diff=False)), task, input_sizes(name, cfg, task, inputs),
+                  implementation, adjusted)
 
 
 def _positive(name: str, key: str, value: Any) -> int:
@@ -379,8 +442,15 @@ def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[s
 
 
 def hf_config(spec: HFSpec) -> Any:
+    """The spec's config, with its recorded kernel choices set (they are not part of `to_dict()`)."""
     cls = hf_class(spec.cls)
-    return cls.config_class.from_dict(dict(spec.config))
+    cfg = cls.config_class.from_dict(dict(spec.config))
+    for kind, value in spec.implementation.items():
+        if value not in IMPLEMENTATIONS.get(kind, ()):
+            raise ModelError(f"hf:{spec.cls}: origin.implementation.{kind} = {value!r} is not one of "
+                             f"{', '.join(IMPLEMENTATIONS.get(kind, ()) or ('experts', 'attn'))}; plan the model again")
+        setattr(cfg, f"_{kind}_implementation", value)
+    return cfg
 
 
 def _text(cfg: Any) -> Any:
@@ -425,7 +495,8 @@ def capture_hf(spec: HFSpec, *, fallback: str | None = None) -> Graph:
 
 
 def spec_of(origin: dict[str, Any]) -> HFSpec:
-    return HFSpec(origin["hf"], dict(origin["config"]), origin["task"], dict(origin["inputs"]))
+    return HFSpec(origin["hf"], dict(origin["config"]), origin["task"], dict(origin["inputs"]),
+                  dict(origin.get("implementation", {})), dict(origin.get("adjusted", {})))
 
 
 # ----------------------------------------------------------------------------- the runner's side

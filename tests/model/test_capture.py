@@ -383,6 +383,74 @@ def test_tensor_constants_made_in_forward_are_stored_in_the_graph() -> None:
     assert torch.allclose(interpret(g, module, (x,)), module(x), rtol=1e-6)
 
 
+class MetaConstants(nn.Module):
+    """Constants a model makes in forward on its input's device: GPT-Neo's mask value (`torch.tensor` of a
+    Python number), Falcon's ALiBi base (`torch.full((), ...)`) and its `qkv[..., [-2], :]` list index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        low = torch.tensor(-2.0, dtype=y.dtype, device=y.device)
+        half = torch.full((), 0.5, device=y.device)
+        picked = y[..., [0, 2]]
+        return (torch.where(picked > 0, picked, low) * half).pow(2).mean()
+
+
+def test_constants_made_in_forward_on_meta_keep_their_values() -> None:
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    module, x = MetaConstants(), torch.randn(5, 3)
+    with torch.device("meta"):
+        on_meta = MetaConstants()
+    g = Graph.from_dict(json.loads(engine.load_model(on_meta, (torch.empty(5, 3, device="meta"),)).to_json()))
+    values = sorted(str(n.attrs["value"]) for n in g.nodes if n.op == "constant")
+    assert values == ["-2.0", "[0, 2]"] and any(n.op == "full" for n in g.nodes)
+    assert torch.allclose(interpret(g, module, (x,)), module(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("equation, shapes", [
+    ("...qhd,...khd->...hqk", [(2, 3, 4, 5, 6), (2, 3, 7, 5, 6)]),  # LongT5's local attention
+    ("bij,bjk", [(2, 3, 4), (2, 4, 5)]),  # implicit output
+    ("...ij,jk->...ik", [(3, 4), (4, 5)]),  # an ellipsis of no dims
+    ("...i,...i", [(2, 3), (3,)]),  # broadcast ellipses of different widths
+])
+def test_einsum_ellipses_and_implicit_outputs_are_written_out_and_compute_the_same(equation, shapes) -> None:
+    from engine.model.capture import explicit_equation
+    from engine.model.graph import parse_equation
+
+    xs = [torch.randn(*s) for s in shapes]
+    written = explicit_equation(equation, [len(s) for s in shapes])
+    parse_equation(written)  # the form the rules take
+    assert torch.allclose(torch.einsum(written, *xs), torch.einsum(equation, *xs))
+
+
+class SkipsAtRandom(nn.Module):
+    """LayerDrop's pattern: forward branches on a random draw against a config value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = type("Config", (), {"to_dict": lambda self: {"layer_skip_prob": 0.1, "width": 3}})()
+        self.skip_prob = 0.1
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.rand([]) < self.skip_prob:
+            return x.sum()
+        return self.fc(x).sum()
+
+
+def test_a_data_dependent_branch_is_reported_at_the_models_line_with_the_config_key_to_set() -> None:
+    with pytest.raises(ModelError) as e:
+        engine.load_model(SkipsAtRandom(), (torch.randn(2, 3),))
+    message = str(e.value)
+    assert "test_capture.py:" in message and "`if torch.rand([]) < self.skip_prob:`" in message
+    assert "layer_skip_prob" in message and "width" not in message and "\n" not in message
+
+
 class NotScalar(nn.Module):
     def __init__(self) -> None:
         super().__init__()

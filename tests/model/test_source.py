@@ -117,6 +117,7 @@ def test_model_file_errors_are_one_line_model_errors(tmp_path):
     ("hf:LlamaForCausalLM", None, {"batch": "0"}, "batch must be a positive integer"),
     ("hf:LlamaForCausalLM", None, {"image_size": "32"}, "image_size applies to image classifiers only"),
     ("hf:LlamaForCausalLM", "missing.json", {}, "--config missing.json: file not found"),
+    ("hf:MixtralForCausalLM", None, {"experts_implementation": "fast"}, "experts_implementation must be one of batched_mm"),
 ])
 def test_hf_spec_errors_are_one_line_model_errors(spec, config, knobs, message):
     pytest.importorskip("transformers")
@@ -144,6 +145,39 @@ def test_hf_config_file_then_knobs_give_the_full_config_the_plan_records(tmp_pat
     assert spec.inputs == {"batch": 4, "seq_len": 16} and spec.task == "causal_lm"
     rebuilt = source.hf_config(source.spec_of(json.loads(json.dumps(spec.origin()))))
     assert json.loads(rebuilt.to_json_string(use_diff=False)) == spec.config
+
+
+TINY_MIXTRAL = {"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "num_local_experts": 4, "vocab_size": 64, "max_position_embeddings": 32,
+                "batch": 6, "seq_len": 8}
+
+
+def test_a_mixture_of_experts_class_captures_without_a_hand_set_option():
+    """transformers' default experts kernel has data-dependent shapes; hf: picks batched matmuls by itself,
+    records the pick in the origin (it is not in the config's dict), and the runner rebuilds the same."""
+    pytest.importorskip("transformers")
+    spec = source.hf_spec("hf:MixtralForCausalLM", None, TINY_MIXTRAL)
+    assert spec.implementation == {"experts": "batched_mm"}
+    assert source.hf_spec("hf:LlamaForCausalLM", None, {"num_hidden_layers": 1}).origin().get("implementation") is None
+    chosen = source.hf_spec("hf:MixtralForCausalLM", None, {**TINY_MIXTRAL, "experts_implementation": "eager"})
+    assert chosen.implementation == {"experts": "eager"}
+    origin = json.loads(json.dumps(engine.load_model("hf:MixtralForCausalLM", **TINY_MIXTRAL).origin))
+    assert origin["implementation"] == {"experts": "batched_mm"}
+    assert source.hf_config(source.spec_of(origin))._experts_implementation == "batched_mm"
+    with pytest.raises(ModelError, match="origin.implementation.experts = 'histc' is not one of"):
+        source.hf_config(source.spec_of({**origin, "implementation": {"experts": "histc"}}))
+
+
+def test_layerdrop_is_turned_off_unless_the_user_sets_it_and_the_origin_says_so():
+    """M2M-100 defaults to LayerDrop 0.05 (`if torch.rand([]) < p` skips a layer): no captured program holds
+    that branch, so the spec sets it to 0, records the default it changed, and keeps a value the user set."""
+    pytest.importorskip("transformers")
+    spec = source.hf_spec("hf:M2M100ForConditionalGeneration", None, {"d_model": 32})
+    assert spec.config["encoder_layerdrop"] == spec.config["decoder_layerdrop"] == 0.0
+    assert spec.origin()["adjusted"] == {"encoder_layerdrop": 0.05, "decoder_layerdrop": 0.05}
+    mine = source.hf_spec("hf:M2M100ForConditionalGeneration", None, {"encoder_layerdrop": "0.1"})
+    assert mine.config["encoder_layerdrop"] == 0.1 and mine.adjusted == {"decoder_layerdrop": 0.05}
+    assert "adjusted" not in source.hf_spec("hf:BertForMaskedLM", None, TINY_BERT).origin()
 
 
 @pytest.mark.parametrize("cls, knobs, expected, labels_below", [

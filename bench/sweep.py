@@ -1,0 +1,236 @@
+"""The coverage sweep (issue 29): every transformers model type with a training head, planned as a new user would.
+
+`python bench/coverage.py --all` runs it. The denominator is fixed by `bench/coverage_types.json`: one class per
+model type that transformers maps to a causal-LM, masked-LM, seq2seq-LM, sequence- or image-classification head
+(in that order of preference), written from the pinned transformers by `--write-types`. Each type is built from
+its default config shrunk to 2 layers (and at most 4 experts), dropout as the config has it, captured on meta
+and planned with default options on `sample_clusters/a100x2_p100x2.json`, in its own process with a time cap,
+several at once. Each row says: planned, refused (the operators or the reason), capture error, timeout or crash.
+
+`--verify K --seed S` then trains K planned types drawn with that seed, each with small widths as well, for
+two steps on 3 uneven gloo ranks (`hap run --steps 2 --verify`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+TYPES = ROOT / "bench" / "coverage_types.json"
+RESULTS = ROOT / "bench" / "results" / "coverage_all.json"
+CLUSTER = ROOT / "sample_clusters" / "a100x2_p100x2.json"
+VERIFY_CLUSTER = ROOT / "sample_clusters" / "cpu_3_uneven.json"
+HEADS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+         "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+         "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES")
+"""transformers' auto mappings, in the order a type's class is picked from them."""
+LAYERS = 2
+EXPERTS = 4
+LAYER_KEY = re.compile(r"^(num_(hidden_|encoder_|decoder_)?layers|n_layers?|n_layer|(encoder|decoder)_layers|"
+                       r"num_decoder_layers|num_encoder_layers|num_blocks)$")
+EXPERT_KEY = re.compile(r"^(num_local_experts|num_experts|n_routed_experts|moe_num_experts)$")
+TOP_K_KEY = re.compile(r"^(num_experts_per_tok|moe_topk|top_k|num_selected_experts)$")
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "vocab_size": 256, "d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4,
+         "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+         "n_embd": 64, "n_head": 4, "moe_intermediate_size": 64, "max_position_embeddings": 128}
+"""Widths for `--verify` (CPU training), set where the default config has the key."""
+
+
+@dataclass
+class Outcome:
+    """One model type's result."""
+
+    type: str
+    cls: str
+    status: str
+    """planned | refused | capture error | timeout | crash"""
+    detail: str = ""
+    seconds: float = 0.0
+
+
+# ----------------------------------------------------------------------------- the list of types
+
+
+def current_types() -> dict[str, str]:
+    """Model type -> the class of its first head in HEADS, from the installed transformers."""
+    from transformers.models.auto import modeling_auto
+
+    out: dict[str, str] = {}
+    for mapping in HEADS:
+        for model_type, cls in getattr(modeling_auto, mapping).items():
+            out.setdefault(model_type, cls[0] if isinstance(cls, (tuple, list)) else cls)
+    return dict(sorted(out.items()))
+
+
+def write_types() -> dict[str, Any]:
+    import torch
+    import transformers
+
+    doc = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0],
+           "heads": list(HEADS), "types": current_types()}
+    TYPES.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def read_types() -> dict[str, Any]:
+    return json.loads(TYPES.read_text())
+
+
+# ----------------------------------------------------------------------------- one type (in its own process)
+
+
+def shrunk(cls: str, small: bool = False) -> dict[str, Any]:
+    """Knobs shrinking the class's default config: 2 layers (lists per layer cut to match), at most 4 experts
+    (and as many per token), and with `small` the widths of SMALL."""
+    from engine.model.source import hf_class
+
+    default = hf_class(cls).config_class().to_dict()
+    knobs: dict[str, Any] = {}
+    layers = {k: v for k, v in default.items() if LAYER_KEY.match(k) and isinstance(v, int) and v > LAYERS}
+    for k in layers:
+        knobs[k] = LAYERS
+    counts = set(layers.values())
+    for k, v in default.items():
+        if isinstance(v, list) and len(v) in counts and k not in knobs:
+            knobs[k] = v[:LAYERS]  # per-layer lists (layer_types, ...)
+        if k == "depths" and isinstance(v, list):
+            knobs[k] = [min(d, LAYERS) for d in v]
+        if EXPERT_KEY.match(k) and isinstance(v, int) and v > EXPERTS:
+            knobs[k] = EXPERTS
+    for k, v in default.items():
+        if TOP_K_KEY.match(k) and isinstance(v, int):
+            knobs[k] = min(v, EXPERTS)
+    if small:
+        knobs.update({k: v for k, v in SMALL.items() if isinstance(default.get(k), int)})
+        knobs.update(batch=6, seq_len=16)
+    return knobs
+
+
+def one(model_type: str, cls: str) -> Outcome:
+    """Capture and plan one type; every failure becomes a row."""
+    import engine
+    from engine.errors import InfeasibleError, ModelError, PlanError, UnsupportedOpError
+
+    start = time.perf_counter()
+
+    def row(status: str, detail: str = "") -> Outcome:
+        return Outcome(model_type, cls, status, detail[:600], round(time.perf_counter() - start, 1))
+
+    try:
+        graph = engine.load_model(f"hf:{cls}", **shrunk(cls))
+    except UnsupportedOpError as e:
+        return row("refused", str(e))
+    except ModelError as e:
+        return row("capture error", str(e))
+    except Exception as e:  # a raw exception is what the sweep exists to find
+        return row("crash", f"capture: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+    try:
+        engine.plan(graph, engine.load_cluster(CLUSTER))
+    except (UnsupportedOpError, InfeasibleError, PlanError, ModelError) as e:
+        return row("refused", f"plan: {e}")
+    except Exception as e:
+        return row("crash", f"plan: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+    return row("planned", f"{len(graph)} nodes")
+
+
+# ----------------------------------------------------------------------------- the sweep
+
+
+def _child(model_type: str, cls: str, cap_s: float) -> Outcome:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, str(Path(__file__)), "--one", model_type, cls], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=cap_s)
+    except subprocess.TimeoutExpired:
+        return Outcome(model_type, cls, "timeout", f"over {cap_s:.0f} s", round(time.perf_counter() - start, 1))
+    last = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not last:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return Outcome(model_type, cls, "crash", f"exit {proc.returncode}: {tail[:300]}",
+                       round(time.perf_counter() - start, 1))
+    return Outcome(**json.loads(last[-1]))
+
+
+def sweep(types: dict[str, str], jobs: int, cap_s: float) -> list[Outcome]:
+    """Every type in its own process, `jobs` at once; a line per type as it finishes."""
+    done: list[Outcome] = []
+    with ThreadPoolExecutor(jobs) as pool:
+        for k, outcome in enumerate(pool.map(lambda kv: _child(kv[0], kv[1], cap_s), types.items()), 1):
+            done.append(outcome)
+            print(f"[{k}/{len(types)}] {outcome.type:28s} {outcome.status:13s} {outcome.seconds:6.1f} s  "
+                  f"{outcome.detail[:140]}", flush=True)
+    return done
+
+
+def summary(outcomes: list[Outcome], elapsed_s: float, meta: dict[str, Any]) -> str:
+    counts: dict[str, int] = {}
+    for o in outcomes:
+        counts[o.status] = counts.get(o.status, 0) + 1
+    planned = counts.get("planned", 0)
+    lines = [f"transformers {meta['transformers']}, torch {meta['torch']}: {planned} of {len(outcomes)} types planned "
+             f"({100 * planned / max(1, len(outcomes)):.1f}%); " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())),
+             f"total {elapsed_s / 60:.1f} min"]
+    return "\n".join(lines)
+
+
+def verify(planned: list[str], types: dict[str, str], k: int, seed: int) -> list[tuple[str, str]]:
+    """`hap run --steps 2 --verify` on 3 uneven ranks of K planned types drawn with `seed` (small widths)."""
+    drawn = random.Random(seed).sample(sorted(planned), min(k, len(planned)))
+    out = []
+    for model_type in drawn:
+        cls = types[model_type]
+        with tempfile.TemporaryDirectory() as tmp:
+            sets = [a for key, v in shrunk(cls, small=True).items() for a in ("--set", f"{key}={json.dumps(v)}")]
+            plan = subprocess.run([sys.executable, "-m", "runner.hap", "plan", "--model", f"hf:{cls}", *sets,
+                                   "--cluster", str(VERIFY_CLUSTER), "--out", f"{tmp}/plan.json"], cwd=ROOT,
+                                  capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+            if plan.returncode != 0:
+                out.append((model_type, "plan failed: " + (plan.stderr.strip().splitlines() or ["?"])[-1][:200]))
+                continue
+            run = subprocess.run([sys.executable, "-m", "runner.hap", "run", f"{tmp}/plan.json", "--steps", "2",
+                                  "--verify"], cwd=ROOT, capture_output=True, text=True)
+            lines = (run.stdout + run.stderr).strip().splitlines()
+            verdict = next((ln for ln in reversed(lines) if ln.startswith("verify: OK")), None)
+            out.append((model_type, verdict or ("run failed: " + (lines or ["?"])[-1][:200])))
+        print(f"verify {model_type:28s} {out[-1][1]}", flush=True)
+    return out
+
+
+def main(args: Any) -> int:
+    """`bench/coverage.py --all`: the sweep, its table and summary, written to bench/results/coverage_all.json."""
+    meta = write_types() if args.write_types else read_types()
+    types = meta["types"]
+    if args.types:
+        types = {t: types[t] for t in args.types.split(",")}
+    start = time.perf_counter()
+    outcomes = sweep(types, args.jobs, args.cap)
+    elapsed = time.perf_counter() - start
+    text = summary(outcomes, elapsed, meta)
+    print(text)
+    doc: dict[str, Any] = {"transformers": meta["transformers"], "torch": meta["torch"], "summary": text,
+                           "elapsed_s": round(elapsed, 1), "rows": [asdict(o) for o in outcomes]}
+    if args.verify:
+        checks = verify([o.type for o in outcomes if o.status == "planned"], types, args.verify, args.seed)
+        doc["verify"] = {"seed": args.seed, "rows": checks}
+        print(f"verify: {sum(v.startswith('verify: OK') for _, v in checks)} of {len(checks)} OK (seed {args.seed})")
+    if not args.types:
+        RESULTS.parent.mkdir(parents=True, exist_ok=True)
+        RESULTS.write_text(json.dumps(doc, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--one":
+    sys.path.insert(0, str(ROOT))
+    print(json.dumps(asdict(one(sys.argv[2], sys.argv[3]))))
