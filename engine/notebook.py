@@ -312,6 +312,8 @@ class WhatIfControls:
     controls: dict[str, Any]
     output: Any
     time_budget_s: float | None = None
+    last: WhatIf | None = None
+    """The what-if drawn last (None until a slider moves)."""
 
     def result(self) -> WhatIf:
         """The what-if of the sliders' current values."""
@@ -324,7 +326,7 @@ class WhatIfControls:
         """Re-plan at the sliders' values and draw the result's card in `output`."""
         from IPython.display import display
 
-        result = self.result()
+        result = self.last = self.result()
         with self.output:
             self.output.clear_output(wait=True)
             display(result)

@@ -74,8 +74,18 @@ def test_graph_cluster_plans_search_and_comparison_display_a_summary_and_a_chart
     assert_card(displayed(shell, pipeline), "Pipeline plan of mlp")
     frontier = [SearchProgress(64 * k, 10 - k, 1e-3 / k, 1e-4 * k, 0.01 * k) for k in range(1, 4)]
     assert_card(displayed(shell, SearchResult((), 1e-3, True, 192, 400, 20, 0.03, frontier)), "Program search")
-    assert_card(displayed(shell, compare.compare(spmd, cpu2, time_budget_s=2)), "against the baselines")
+    rows = [compare.Row("ddp", "data parallel", 2e-4), compare.Row("Q+B+C", "the plan", 1.3e-4, is_plan=True)]
+    outputs = displayed(shell, compare.Comparison(1.3e-4, rows, 1e-5))  # as compare.compare returns it
+    assert_card(outputs, "against the baselines")
+    assert "vs best baseline (ddp)" in outputs[0]["text/html"] and "1.54x faster" in outputs[0]["text/html"]
     assert repr(spmd).count("\n") == 0 and len(repr(spmd)) < 200  # only the rich display draws
+
+
+def test_load_ext_registers_the_displays(shell, cpu2):
+    shell.display_formatter.ipython_display_formatter.pop(type(cpu2), None)
+    assert displayed(shell, cpu2) == []  # the plain repr only
+    shell.extension_manager.load_extension("engine.notebook")
+    assert_card(displayed(shell, cpu2), "Cluster cpu_2")
 
 
 def test_a_plan_draws_its_timeline_with_the_notebooks_cluster_else_says_how(shell, cpu2, spmd):
@@ -125,8 +135,9 @@ def test_theory_table_lists_one_tensors_triples_and_names_the_tensors_otherwise(
 
 def test_what_if_sliders_replan_at_their_values_and_draw_the_result(shell, spmd, cpu2):
     panel = nb.what_if_widget(spmd, cpu2, time_budget_s=1)
+    assert panel.last is None
     panel.controls["flops"].value = 2.0  # observed: re-plans and redraws
-    w = panel.result()
+    w = panel.last
     assert w.changes == [f"{cpu2.devices[0].gpu_model} flops x2"]
     outputs = displayed(shell, w)
     assert_card(outputs, "What if: ")
