@@ -1,16 +1,17 @@
-# The README's two commands: `make run` (the workbench, with the default model planned) and `make test`.
+# The README's commands: `make run` (the workbench, with the default model planned), `make notebook` (the tour in
+# JupyterLab) and `make test`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test install bench clean slurm-packages
+.PHONY: run notebook test install bench clean slurm-packages
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned, so pip takes the CPU wheel on disk and never pulls a CUDA build
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,app]"
+	$(BIN)/pip install -q -e ".[test,app,notebook]"
 	touch $@
 
 install: $(BIN)/.installed
@@ -18,6 +19,10 @@ install: $(BIN)/.installed
 # the workbench on http://127.0.0.1:8501, with a default model and cluster already planned
 run: install
 	$(BIN)/hap ui --port 8501
+
+# the tour notebook (examples/tour.ipynb) in JupyterLab on http://127.0.0.1:8888, its kernel this environment
+notebook: install
+	$(BIN)/jupyter lab --ip 127.0.0.1 examples/tour.ipynb
 
 # The whole suite in two passes: everything on $(WORKERS) workers (pytest-xdist; ranks start from a warm
 # forkserver, tests/runner/dist_harness.py), then, alone, the few tests that measure wall-clock time and the

@@ -1,6 +1,6 @@
 """Cached wrappers over the engine's public API, and every session-state key of the app.
 
-Pages call only this module (and `components` to draw). Expensive engine calls are cached on
+Pages call only this module (and `engine.views` to draw, `components` for the cluster editor's tables). Expensive engine calls are cached on
 content hashes: a graph by the sha256 of its JSON, a cluster by its fingerprint, an upload by
 its bytes. Plans are kept in one process-wide store keyed the same way, so the default plan is
 computed once per server, and a search run with a live progress callback is stored for reuse.
@@ -28,8 +28,6 @@ from engine.bundle.launch_files import cluster_launch_warnings
 from engine.cluster.per_gpu import per_gpu_cluster
 from engine.model import source as engine_source
 from engine.model.zoo import ZOO
-from engine.pipeline import partition as engine_partition
-from engine.pipeline import schedule as engine_schedule
 from engine.readers import parse_json
 
 from . import components as ui
@@ -369,10 +367,7 @@ def pipeline_gantt(key: str, schedule: str, _plan: PipelinePlan) -> list[dict[st
     """Gantt rows of a pipeline plan's iteration under `schedule` (`engine.pipeline.schedule.run_schedule`
     on the plan's stages: one box per microbatch forward/backward per stage, transfers per link).
     The plan's own schedule uses its warm-up counts (those checked against memory)."""
-    pipe = engine_partition.schedule_input(_plan)
-    warmup = tuple(s.warmup for s in _plan.stages) if schedule == _plan.schedule else None
-    run = engine_schedule.run_schedule(pipe, schedule, warmup=warmup)
-    return views.pipeline_rows(run.timeline.rows(), len(_plan.stages))
+    return views.pipeline_gantt_rows(_plan, schedule)
 
 
 @st.cache_data(max_entries=16)
@@ -405,7 +400,7 @@ def comparison(key: str, cluster_fp: str, budget_s: float, _plan: Plan, _cluster
 def predicted_lanes(key: str, cluster_fp: str, group: bool, _plan: Plan, _cluster: Cluster) -> list[dict[str, Any]]:
     """Gantt rows of the plan's predicted iteration, a compute and a network lane per device
     (`engine.compare.predicted_schedule`, cached on plan and cluster hashes)."""
-    return views.predicted_lane_rows(engine_compare.predicted_schedule(_plan, _cluster).rows(), group=group)
+    return views.plan_lane_rows(_plan, _cluster, group=group)
 
 
 @st.cache_data(show_spinner="Re-planning on the changed cluster ...", max_entries=32)

@@ -18,8 +18,9 @@ Public surface (scripts rely on these names):
 
 Layout, by capability (each subpackage's docstring says what it owns and may import; the import
 contracts in pyproject.toml enforce it): `model/`, `cluster/`, `theory/`, `spmd/` (HAP), `pipeline/`
-(HAPT), `elastic/` (Hetu), `bundle/`; `options`, `planner`, `compare` and `cli` at the top; `errors`,
-`limits` and `timeline` on the ground floor. The engine never imports Streamlit or the runner, and
+(HAPT), `elastic/` (Hetu), `bundle/`; `options`, `planner`, `compare` and `cli` at the top, with `views/`
+(the charts both front ends draw) and `notebook` (the Jupyter displays, `plan.show`) above them; `errors`,
+`limits`, `timeline` and `display` (the hook `plan.show` calls) on the ground floor. The engine never imports Streamlit or the runner, and
 never starts a process group.
 """
 from engine.cluster.spec import Cluster, load_cluster

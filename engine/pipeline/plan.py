@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
+from engine.display import Shows
 from engine.errors import ModelError, PlanError
 from engine.model.graph import Graph
 from engine.options import PlanOptions
@@ -118,7 +119,7 @@ def timeline_boxes(schedule: Schedule) -> tuple[TimelineBox, ...]:
 
 
 @dataclass(frozen=True)
-class PipelinePlan(Utilised):
+class PipelinePlan(Utilised, Shows):
     """A pipeline plan: stages on device groups, boundaries, schedule and microbatches (HAPT)."""
 
     stages: tuple[PipelineStage, ...]

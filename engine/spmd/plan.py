@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from engine.display import Shows
 from engine.errors import ModelError, PlanError
 from engine.readers import parse_json, read_json
 from engine.model.graph import Graph
@@ -39,7 +40,7 @@ class StageRecord:
 
 
 @dataclass
-class Plan(Utilised):
+class Plan(Utilised, Shows):
     """Program Q + ratios B + predictions. `to_json` and `engine.load_plan` round-trip exactly."""
 
     parallelism: ClassVar[str] = "spmd"

@@ -189,3 +189,15 @@ def step_time_chart(rows: list[dict[str, Any]], names: list[str],
     rule = alt.Chart(pd.DataFrame(predicted)).mark_rule(strokeDash=[6, 3]).encode(
         y="predicted_ms:Q", color=_run_color(names), tooltip=["run", "predicted_ms"])
     return measured + rule
+
+
+def devices_chart(rows: list[dict[str, Any]]) -> alt.HConcatChart:
+    """A cluster's devices side by side: fp32 TFLOP/s of each (all its GPUs) and memory per GPU, by GPU model."""
+    df = pd.DataFrame(rows)
+    base = alt.Chart(df).mark_bar().encode(y=alt.Y("device:N", sort=None, title=None),
+                                           color=alt.Color("gpu_model:N", title="GPU model"),
+                                           tooltip=["device", "gpu_model", "machine", "gpus", "tflops", "memory_gib"])
+    height = max(80, 24 * len(df))
+    return alt.hconcat(base.encode(x=alt.X("tflops:Q", title="fp32 TFLOP/s")).properties(title="Compute", height=height),
+                       base.encode(x=alt.X("memory_gib:Q", title="GiB per GPU")).properties(title="Memory",
+                                                                                            height=height))

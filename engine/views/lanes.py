@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.compare import LANES, lane_figures
+from engine.cluster.spec import Cluster
+from engine.compare import LANES, lane_figures, predicted_schedule
+from engine.errors import HapError
+from engine.spmd.plan import Plan
+
+MAX_ROWS = 5000
+"""Bars a Gantt chart carries at most: Altair's own limit on the rows a chart embeds (a 48-layer plan has more
+tasks than that; `coarsen` merges them)."""
 
 KIND_COLORS = {"compute": "#4c78a8", "communication": "#e45756", "gradient bucket": "#f58518",
                "optimizer": "#54a24b", "idle": "#d9d9d9", "emulated": "#bab0ac"}
@@ -73,6 +80,11 @@ def predicted_lane_rows(schedule_rows: list[dict[str, Any]], *, group: bool = Fa
     return [{**r, "row": lane_label(r["device"], r["lane"])} for r in rows]
 
 
+def plan_lane_rows(plan: Plan, cluster: Cluster, *, group: bool = False) -> list[dict[str, Any]]:
+    """Gantt bars of the plan's predicted iteration on `cluster` (`engine.compare.predicted_schedule`)."""
+    return predicted_lane_rows(predicted_schedule(plan, cluster).rows(), group=group)
+
+
 def _grouped_lanes(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows of the first device of each run of consecutive devices whose bars are identical, renamed for the run."""
     order = list(dict.fromkeys(r["device"] for r in rows))
@@ -101,3 +113,46 @@ def focus_end_ms(rows: list[dict[str, Any]]) -> float | None:
     if not any(r["kind"] == TASK_KINDS["tail"] for r in rows):
         return None
     return max((r["end_ms"] for r in rows if r["kind"] != TASK_KINDS["tail"]), default=None)
+
+
+class TooManyBars(HapError, ValueError):
+    """A Gantt has more bars than a chart carries even with every run of one kind in a lane merged."""
+
+
+def coarsen(rows: list[dict[str, Any]], max_rows: int = MAX_ROWS) -> list[dict[str, Any]]:
+    """Gantt bars merged until at most `max_rows` remain: in each lane, consecutive bars of one kind closer than a
+    gap merge into one bar named for how many tasks it holds; the gap starts at 1/2000 of the iteration (below
+    what a chart's pixels show) and doubles until the rows fit. The rows themselves when they already fit."""
+    if len(rows) <= max_rows:
+        return rows
+    span = max(r["end_ms"] for r in rows) - min(r["start_ms"] for r in rows)
+    gap = span / 2000
+    while True:
+        merged = _merge_close(rows, gap)
+        if len(merged) <= max_rows:
+            return merged
+        if gap > span:
+            raise TooManyBars(f"a Gantt of {len(rows)} bars keeps {len(merged)} (over {max_rows}) with every run of "
+                              "one kind in a lane merged: draw fewer devices (group=True) or a part of the iteration")
+        gap *= 2
+
+
+def _merge_close(rows: list[dict[str, Any]], gap: float) -> list[dict[str, Any]]:
+    """Per lane (`row`, else `device`), bars of the same kind less than `gap` apart as one bar."""
+    key = "row" if "row" in rows[0] else "device"
+    out: list[dict[str, Any]] = []
+    last: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for r in sorted(rows, key=lambda r: (str(r[key]), r["start_ms"])):
+        prev = last.get((r[key], r["kind"]))
+        if prev is not None and out[-1] is prev and r["start_ms"] - prev["end_ms"] < gap:
+            prev["end_ms"] = max(prev["end_ms"], r["end_ms"])
+            prev["tasks"] += 1
+            prev["name"] = f"{prev['tasks']} tasks"
+            if "microbatch" in prev:
+                prev["microbatch"] = ""
+            continue
+        bar = {**r, "tasks": 1}
+        out.append(bar)
+        last[(r[key], r["kind"])] = bar
+    order = list(dict.fromkeys(r[key] for r in rows))
+    return sorted(out, key=lambda r: (order.index(r[key]), r["start_ms"]))

@@ -4,9 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 from engine.cluster.spec import Cluster
+from engine.pipeline.partition import schedule_input
 from engine.pipeline.plan import PipelinePlan
+from engine.pipeline.schedule import run_schedule
 from engine.planner import spmd_alternatives
-from engine.views.figures import GIB
+from engine.views.figures import GIB, ms, utilisation_metrics
 
 PIPELINE_KINDS = {"forward": "forward", "backward": "backward", "transfer": "transfer", "grad_sync": "gradient sync",
                   "bubble": "bubble (idle)"}
@@ -37,6 +39,16 @@ def pipeline_rows(schedule_rows: list[dict[str, Any]], num_stages: int) -> list[
                 rows.append(_pipeline_bar(f"stage{s}", PIPELINE_KINDS["bubble"], "idle", None, t, a))
             t = max(t, b)
     return sorted(rows, key=lambda r: (order[r["resource"]], r["start_ms"]))
+
+
+def pipeline_gantt_rows(plan: PipelinePlan, schedule: str | None = None) -> list[dict[str, Any]]:
+    """Gantt rows of a pipeline plan's iteration under `schedule` (default: its own), simulated on the plan's
+    stage and transfer times (`engine.pipeline.schedule.run_schedule`). The plan's own schedule uses its
+    warm-up counts (those checked against memory)."""
+    schedule = schedule or plan.schedule
+    warmup = tuple(s.warmup for s in plan.stages) if schedule == plan.schedule else None
+    run = run_schedule(schedule_input(plan), schedule, warmup=warmup)
+    return pipeline_rows(run.timeline.rows(), len(plan.stages))
 
 
 def _pipeline_bar(resource: str, kind: str, name: str, microbatch: int | None, start_s: float, end_s: float) -> dict:
@@ -99,3 +111,19 @@ def pipeline_schedule_rows(plan: PipelinePlan) -> list[dict[str, Any]]:
         rows.append({"strategy": alt.label, "predicted_ms": alt.predicted_time_s * 1e3,
                      "mfu": plan.utilisation.mfu_at(alt.predicted_time_s), "warmup": "", "fits": True, "plan": False})
     return rows
+
+
+def pipeline_figures(plan: PipelinePlan) -> list[tuple[str, str, str]]:
+    """(label, value, help) of a pipeline plan's headline figures, as the Plan page shows them: predicted time,
+    stages, schedule and microbatches, speed-up over the best SPMD plan (when planned), compute bound and MFU."""
+    out = [("Predicted iteration", ms(plan.predicted_time_s), f"t_max {ms(plan.t_max_s)}"),
+           ("Stages", str(len(plan.stages)), f"{plan.world_size} devices"),
+           ("Schedule, microbatches", f"{plan.schedule}, B = {plan.microbatches}", "HAPT §4")]
+    alternatives = spmd_alternatives(plan)
+    if alternatives:
+        best = alternatives[0]
+        ratio = best.predicted_time_s / plan.predicted_time_s
+        out.append(("vs the best SPMD plan on this hardware",
+                    f"{ratio:.2f}x faster" if ratio >= 1 else f"{1 / ratio:.2f}x slower",
+                    f"{best.label}: {ms(best.predicted_time_s)}"))
+    return out + utilisation_metrics(plan)

@@ -9,7 +9,7 @@ from engine.cluster.spec import Cluster
 from engine.spmd.plan import Plan
 from engine.spmd.program import COMM, COMPUTE, LOAD
 from engine.theory import form_str
-from engine.views.figures import GIB
+from engine.views.figures import GIB, ms, utilisation_metrics
 
 
 def plan_forms(plan: Plan) -> dict[int, str]:
@@ -94,3 +94,28 @@ def replan_traffic_rows(report: Any) -> list[dict[str, Any]]:
     names = dict.fromkeys([*report.sent_bytes, *report.received_bytes])
     return [{"device": n, "sends_bytes": report.sent_bytes.get(n, 0), "receives_bytes": report.received_bytes.get(n, 0)}
             for n in names]
+
+
+def best_baseline(plan: Plan) -> tuple[str, float] | None:
+    """(name, predicted s) of the fastest data-parallel baseline the plan's search priced, or None."""
+    base = {k: v for k, v in plan.search.get("baselines_s", {}).items() if isinstance(v, (int, float)) and v > 0}
+    return None if not base else min(base.items(), key=lambda kv: kv[1])
+
+
+def plan_figures(plan: Plan, cluster: Cluster | None = None) -> list[tuple[str, str, str]]:
+    """(label, value, help) of an SPMD plan's headline figures, as the Plan page shows them: predicted time,
+    speed-up over the best baseline, compute bound and MFU, and (given its cluster) the memory headroom."""
+    out = [("Predicted iteration", ms(plan.predicted_time_s), f"{plan.world_size} devices, overlap {plan.overlap}")]
+    best = best_baseline(plan)
+    if best is not None and plan.predicted_time_s > 0:
+        out.append((f"vs best baseline ({best[0]})", f"{best[1] / plan.predicted_time_s:.2f}x faster",
+                    f"{best[0]}: {ms(best[1])}, priced as a PyTorch DDP run"))
+    out += utilisation_metrics(plan)
+    if cluster is not None:
+        rows = [r for r in memory_rows(plan, cluster) if r["capacity_gib"] is not None]
+        if rows:
+            tight = min(rows, key=lambda r: r["capacity_gib"] - r["predicted_gib"])
+            out.append(("Memory headroom", f"{tight['capacity_gib'] - tight['predicted_gib']:.3g} GiB",
+                        f"on the fullest device for its capacity, {tight['device']}: {tight['predicted_gib']:.3g} of "
+                        f"{tight['capacity_gib']:.3g} GiB"))
+    return out

@@ -8,10 +8,17 @@ changed and draw nothing of the old plan (nor name its devices), picks the zoo M
 `hap_paper_testbed.json`, runs the search, checks that the frontier and timeline charts render
 (Vega canvas or svg present, no Streamlit exception box), downloads the plan and parses it, and
 saves a screenshot of every page under tests/artifacts/.
+
+The notebook front end in the same Chromium: JupyterLab on 127.0.0.1 serves a copy of examples/tour.ipynb (so
+autosave never writes outputs into the repository), the test runs all its cells from the Run menu, waits for the
+last one (a verified two-step run), finds the charts JupyterLab's Vega renderer drew and saves the timeline cell's
+picture as tests/artifacts/notebook_timeline.png.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,38 +45,45 @@ pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    """Poll Streamlit's health endpoint until the server answers (or the process dies)."""
+    """Poll `url` (a server's health or status endpoint) until it answers 200 (or the process dies)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"`hap ui` exited with status {proc.returncode}")
+            raise RuntimeError(f"{proc.args[:4]} exited with status {proc.returncode}")
         try:
-            with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+            with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
                     return
         except OSError:
             time.sleep(0.5)
-    raise TimeoutError(f"the workbench did not answer on {url} within {timeout_s} s")
+    raise TimeoutError(f"{proc.args[:4]} did not answer on {url} within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], health_url: str, log_path: Path, *, cwd: Path = ROOT, env: dict | None = None):
+    """A server process in a session of its own, yielded once `health_url` answers; stopped with its children."""
+    log = log_path.open("w")
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_healthy(health_url, proc)
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # its group is gone already when it died on start
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`hap ui` on a free port of 127.0.0.1, stopped (with its Streamlit child) at the end."""
-    port = free_port()
-    log = (tmp_path_factory.mktemp("ui") / "server.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "runner.hap", "ui", "--port", str(port)], cwd=ROOT,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, proc)
+    url = f"http://127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "runner.hap", "ui", "--port", url.rsplit(":", 1)[1]]
+    with serving(cmd, f"{url}/_stcore/health", tmp_path_factory.mktemp("ui") / "server.log"):
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -296,4 +310,44 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     shoot(page, "export")
     goto(page, "Timeline")  # 64 devices, grouped where their lanes are identical: each group's lanes labelled
     assert assert_every_lane_labelled(page, plan, cluster) >= 2
+    ctx.close()
+
+
+# ----------------------------------------------------------------------------- the notebook front end
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """JupyterLab on a free port of 127.0.0.1 serving a folder holding a copy of the tour, its settings and runtime
+    files in that folder too (nothing of the user's); (url, token)."""
+    pytest.importorskip("jupyterlab", reason="the notebook extra is not installed: pip install -e '.[notebook]'")
+    home = tmp_path_factory.mktemp("jupyter")
+    shutil.copy(ROOT / "examples" / "tour.ipynb", home / "tour.ipynb")
+    port, token = free_port(), "hap-test"
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+           f"--ServerApp.root_dir={home}", f"--IdentityProvider.token={token}",
+           f"--LabApp.workspaces_dir={home / 'workspaces'}"]
+    url = f"http://127.0.0.1:{port}"
+    with serving(cmd, f"{url}/api/status?token={token}", home / "jupyterlab.log", cwd=home, env=env):
+        yield url, token
+
+
+def test_tour_in_jupyterlab(jupyterlab, browser):
+    url, token = jupyterlab
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = ctx.new_page()
+    page.set_default_timeout(WAIT_MS)
+    page.goto(f"{url}/lab/tree/tour.ipynb?token={token}")
+    page.get_by_text("Python 3 (ipykernel) | Idle").wait_for()  # before it, Run All Cells is not enabled yet
+    page.locator('.lm-MenuBar-itemLabel:text-is("Run")').click()
+    page.locator('.lm-Menu-itemLabel:text-is("Run All Cells")').click()
+    page.get_by_text("verify: OK").wait_for(timeout=2 * WAIT_MS)  # the last cell: a verified two-step run
+    drawn = page.locator(".jp-RenderedVegaCommon5 canvas, .jp-RenderedVegaCommon5 svg")
+    drawn.first.wait_for()
+    assert page.locator(".jp-RenderedVegaCommon5").count() >= 8  # graph, cluster, plan, search, ... natively
+    assert page.locator('[data-mime-type="application/vnd.jupyter.error"]').count() == 0
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    plan_cell = page.locator(".jp-Cell", has=page.locator(".jp-InputArea", has_text="plan = engine.plan(gpt")).first
+    plan_cell.locator(".jp-OutputArea").screenshot(path=str(ARTIFACTS / "notebook_timeline.png"))
     ctx.close()
