@@ -177,6 +177,14 @@ def sweep(types: dict[str, str], jobs: int, cap_s: float) -> list[Outcome]:
     return done
 
 
+def running_versions() -> dict[str, str]:
+    """The torch and transformers this sweep ran on (the committed list names the ones it was written from)."""
+    import torch
+    import transformers
+
+    return {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0]}
+
+
 def summary(outcomes: list[Outcome], elapsed_s: float, meta: dict[str, Any]) -> str:
     counts: dict[str, int] = {}
     for o in outcomes:
@@ -220,9 +228,12 @@ def main(args: Any) -> int:
     start = time.perf_counter()
     outcomes = sweep(types, args.jobs, args.cap)
     elapsed = time.perf_counter() - start
-    text = summary(outcomes, elapsed, meta)
+    ran = running_versions()
+    text = summary(outcomes, elapsed, ran)
+    if ran != {k: meta[k] for k in ran}:
+        text += f"\n(the list of types was written from transformers {meta['transformers']}, torch {meta['torch']})"
     print(text)
-    doc: dict[str, Any] = {"transformers": meta["transformers"], "torch": meta["torch"], "summary": text,
+    doc: dict[str, Any] = {**ran, "summary": text,
                            "elapsed_s": round(elapsed, 1), "rows": [asdict(o) for o in outcomes]}
     if args.verify:
         checks = verify([o.type for o in outcomes if o.status == "planned"], types, args.verify, args.seed)

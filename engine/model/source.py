@@ -402,6 +402,8 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
         raise ModelError(f"hf:{name}: '{bad[0]}' is not a key of {type(default).__name__} nor an input knob "
                          f"({', '.join(INPUT_KNOBS)}){hint}")
     adjusted = without_data_dependent_defaults(default, values)
+    if "use_cache" not in values and getattr(default, "use_cache", False) is True:
+        values["use_cache"] = False  # training keeps no KV cache; hybrid models' caches also refuse capture
     try:
         cfg = cls.config_class(**values)
     except Exception as e:  # transformers validates in many ways
@@ -445,13 +447,25 @@ def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[s
 def hf_config(spec: HFSpec) -> Any:
     """The spec's config, with its recorded kernel choices set (they are not part of `to_dict()`)."""
     cls = hf_class(spec.cls)
-    cfg = cls.config_class.from_dict(dict(spec.config))
+    cfg = cls.config_class.from_dict(special_floats(dict(spec.config)))
     for kind, value in spec.implementation.items():
         if value not in IMPLEMENTATIONS.get(kind, ()):
             raise ModelError(f"hf:{spec.cls}: origin.implementation.{kind} = {value!r} is not one of "
                              f"{', '.join(IMPLEMENTATIONS.get(kind, ()) or ('experts', 'attn'))}; plan the model again")
         setattr(cfg, f"_{kind}_implementation", value)
     return cfg
+
+
+def special_floats(value: Any) -> Any:
+    """The config as recorded, with transformers' JSON spelling of non-finite floats (`{"__float__": "Infinity"}`,
+    Mamba2's `time_step_limit`) read back as floats: its strict configs refuse the dict."""
+    if isinstance(value, dict):
+        if set(value) == {"__float__"} and isinstance(value["__float__"], str):
+            return float(value["__float__"])
+        return {k: special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [special_floats(v) for v in value]
+    return value
 
 
 def _text(cfg: Any) -> Any:

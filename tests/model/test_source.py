@@ -203,6 +203,17 @@ def test_the_dense_experts_forward_computes_what_transformers_batched_experts_co
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(dense_grads, batched_grads))
 
 
+def test_a_recorded_config_with_an_infinite_float_builds_again_and_training_keeps_no_kv_cache():
+    """transformers writes Mamba2's `time_step_limit` (0, inf) as JSON with `{"__float__": "Infinity"}`, which its
+    strict config then refused when the runner rebuilt it; and `use_cache` defaults off (hybrid models' caches stop
+    the capture; training keeps none) unless the user sets it."""
+    pytest.importorskip("transformers")
+    origin = json.loads(json.dumps(source.hf_spec("hf:Mamba2ForCausalLM", None, {"num_hidden_layers": 2}).origin()))
+    assert source.hf_config(source.spec_of(origin)).time_step_limit[1] == float("inf")
+    assert origin["config"]["use_cache"] is False
+    assert source.hf_spec("hf:LlamaForCausalLM", None, {"use_cache": "true"}).config["use_cache"] is True
+
+
 @pytest.mark.parametrize("cls, knobs, expected, labels_below", [
     ("BertForMaskedLM", {**TINY_BERT, "batch": 3, "seq_len": 8},
      {"input_ids": (3, 8), "attention_mask": (3, 8), "labels": (3, 8)}, 64),
