@@ -74,11 +74,7 @@ def current_types() -> dict[str, str]:
 
 
 def write_types() -> dict[str, Any]:
-    import torch
-    import transformers
-
-    doc = {"transformers": transformers.__version__, "torch": torch.__version__.split("+")[0],
-           "heads": list(HEADS), "types": current_types()}
+    doc = {**running_versions(), "heads": list(HEADS), "types": current_types()}
     TYPES.write_text(json.dumps(doc, indent=1) + "\n")
     return doc
 
@@ -136,14 +132,20 @@ def one(model_type: str, cls: str) -> Outcome:
     except ModelError as e:
         return row("capture error", str(e))
     except Exception as e:  # a raw exception is what the sweep exists to find
-        return row("crash", f"capture: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        return row("crash", _raw("capture", e))
     try:
         engine.plan(graph, engine.load_cluster(CLUSTER))
     except (UnsupportedOpError, InfeasibleError, PlanError, ModelError) as e:
         return row("refused", f"plan: {e}")
     except Exception as e:
-        return row("crash", f"plan: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+        return row("crash", _raw("plan", e))
     return row("planned", f"{len(graph)} nodes")
+
+
+def _raw(stage: str, e: BaseException) -> str:
+    """A raw exception of one stage as a row's detail: its type and first line."""
+    text = str(e).strip()
+    return f"{stage}: {type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # ----------------------------------------------------------------------------- the sweep
