@@ -6,12 +6,14 @@ BIN := $(VENV)/bin
 
 .PHONY: run notebook test install bench clean slurm-packages
 
+# torch first, pinned, with pip: pip takes the CPU wheel on this kind of machine's disk (--no-compile: its
+# bytecode is written as the modules are first imported), and it never pulls a CUDA build. The rest with uv,
+# which installs the ~170 packages in seconds where pip takes minutes; torch==2.13.0 is repeated so that no
+# package can make uv replace it.
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# torch first, pinned, so pip takes the CPU wheel on disk and never pulls a CUDA build
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test,app,notebook]"
+	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q -e ".[test,app,notebook]" torch==2.13.0
 	touch $@
 
 install: $(BIN)/.installed
@@ -24,14 +26,17 @@ run: install
 notebook: install
 	$(BIN)/jupyter lab --ip 127.0.0.1 examples/tour.ipynb
 
-# The whole suite in two passes: everything on $(WORKERS) workers (pytest-xdist; ranks start from a warm
-# forkserver, tests/runner/dist_harness.py), then, alone, the few tests that measure wall-clock time and the
-# bundles submitted to a real Slurm (one slurmctld per machine; tests/runner/slurm_harness.py).
-# Each pass lists its slowest tests.
+# The whole suite: everything on $(WORKERS) workers (pytest-xdist; ranks start from a warm forkserver,
+# tests/runner/dist_harness.py) and, beside them in a process of its own, the bundles submitted to a real Slurm
+# (one slurmctld per machine, tests/runner/slurm_harness.py; its output follows the parallel pass's); then,
+# alone, the two tests that measure wall-clock time. Each pass lists its slowest tests.
 WORKERS ?= 2
 test: install slurm-packages
-	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not serial" --durations=25
-	$(BIN)/python -m pytest -m serial --durations=8 tests/runner/test_runner_timing.py tests/runner/test_slurm.py
+	@mkdir -p tests/artifacts; $(BIN)/python -m pytest -m serial --durations=8 tests/runner/test_slurm.py > tests/artifacts/slurm-tests.log 2>&1 & slurm=$$!; \
+	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not serial" --durations=25; parallel=$$?; \
+	wait $$slurm; slurm_status=$$?; echo "--- the Slurm tests (run beside the parallel pass):"; cat tests/artifacts/slurm-tests.log; \
+	test $$parallel = 0 -a $$slurm_status = 0
+	$(BIN)/python -m pytest -m serial --durations=2 tests/runner/test_runner_timing.py
 
 # The Slurm tests' system packages, installed only when missing and only where apt-get and root allow;
 # elsewhere a line says why and those tests skip, naming the reason.

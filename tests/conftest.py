@@ -8,7 +8,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import random
 import socket
+import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -39,13 +41,38 @@ TWO_VIRTUAL_MACHINES = {
 are expanded to one rank per GPU (engine.expand_to_gpus)."""
 
 SERIAL_FILES = ("tests/runner/test_runner_timing.py", "tests/runner/test_slurm.py")
-"""Where the `serial` tests live: `make test`'s second pass collects these files only (wall-clock measurements,
-and the real Slurm, whose daemons are one per machine)."""
+"""Where the `serial` tests live, which `make test` keeps out of its parallel pass: the real Slurm, whose daemons
+are one per machine (a process of its own, beside the parallel pass), and wall-clock measurements (alone, after it)."""
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for bind(0) and outgoing connections (Linux's default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_PORTS = random.Random(f"{os.getpid()}-{time.time_ns()}")
+"""Each test process draws its own sequence, so two xdist workers (or the Slurm pass beside them) rarely meet."""
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous or a server)."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a rendezvous or a server).
+
+    Drawn below the kernel's ephemeral range: a port bind(0) returned is free only until the kernel hands it
+    to the next connection or bind(0) of any process, and a rank's TCPStore binding it moments later then
+    fails with EADDRINUSE (seen with several tests' ranks and stores busy at once)."""
+    low = min(_ephemeral_low(), 32768)
+    for _ in range(200):
+        port = _PORTS.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the low range is crowded: fall back on the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from conftest import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "squeue", "scancel")
 """The programs the harness needs on PATH (or in /usr/sbin)."""
 FEATURES = "a100,p100"
@@ -36,12 +38,6 @@ def unavailable() -> str | None:
     if os.geteuid() != 0:
         return "the Slurm tests run slurmd, which needs root (not root here)"
     return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def slurm_conf(root: Path, host: str, cpus: int, nodes: list[str], ports: dict[str, int]) -> str:
@@ -138,7 +134,7 @@ def start_slurm(root: Path, nodes: int = 1) -> SlurmCluster:
     (root / "state").mkdir(exist_ok=True)
     host = socket.gethostname().split(".")[0]
     names = [host, "localhost"][:nodes]
-    ports = {"ctld": _free_port(), **{n: _free_port() for n in names}}
+    ports = {"ctld": free_port(), **{n: free_port() for n in names}}
     cpus = os.cpu_count() or 1
     conf = root / "slurm.conf"
     conf.write_text(slurm_conf(root, host, cpus, names, ports))

@@ -2,8 +2,8 @@
 and a heterogeneous job whose components are pinned by node features.
 
 One Slurm per machine: the module starts munged, slurmctld and two slurmd (this machine's name and `localhost`,
-both resolving here, so a two-node job and its c10d rendezvous run for real) once, in `make test`'s serial
-pass (tests/conftest.py SERIAL_FILES), and stops them at the end. Skipped, with the reason, only where Slurm
+both resolving here, so a two-node job and its c10d rendezvous run for real) once, in a pytest process
+of their own that `make test` runs beside its parallel pass (tests/conftest.py SERIAL_FILES), and stops them at the end. Skipped, with the reason, only where Slurm
 cannot be installed or started (tests/runner/slurm_harness.py `unavailable`).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from engine.bundle.archive import export_bundle
 from runner.checkpoint import COMPLETE, step_dir
 from runner.config import FAULT_ENV
 
-pytestmark = pytest.mark.serial  # one Slurm per machine: never beside another test's daemons or ranks
+pytestmark = pytest.mark.serial  # one Slurm per machine: never two of these modules at once
 
 MLP = dict(layers=1, in_features=8, hidden=16, classes=4, batch=8)
 
