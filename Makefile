@@ -6,14 +6,18 @@ BIN := $(VENV)/bin
 
 .PHONY: run notebook test install bench clean slurm-packages
 
-# torch first, pinned, with pip: pip takes the CPU wheel on this kind of machine's disk (--no-compile: its
-# bytecode is written as the modules are first imported), and it never pulls a CUDA build. The rest with uv,
-# which installs the ~170 packages in seconds where pip takes minutes; torch==2.13.0 is repeated so that no
-# package can make uv replace it.
+# Bytecode caches on, whatever the environment says: every rank and `hap` subprocess of the suite imports the
+# engine, and without .pyc files each compiles it from source again, as each pytest worker rewrites the asserts
+# of all 250 test modules again (25 s of CPU per worker). The caches go to the git-ignored __pycache__ folders.
+unexport PYTHONDONTWRITEBYTECODE
+
+# torch first, pinned, with pip: pip takes the CPU wheel on this kind of machine's disk and never pulls a CUDA
+# build. The rest with uv, which installs the ~170 packages and compiles their bytecode in about a minute where
+# pip takes over two; torch==2.13.0 is repeated so that no package can make uv replace it.
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
-	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q -e ".[test,app,notebook]" torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 uv==0.13.9
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q --compile-bytecode -e ".[test,app,notebook]" torch==2.13.0
 	touch $@
 
 install: $(BIN)/.installed
