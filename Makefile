@@ -12,12 +12,14 @@ BIN := $(VENV)/bin
 unexport PYTHONDONTWRITEBYTECODE
 
 # torch first, pinned, with pip: pip takes the CPU wheel on this kind of machine's disk and never pulls a CUDA
-# build. The rest with uv, which installs the ~170 packages and compiles their bytecode in about a minute where
-# pip takes over two; torch==2.13.0 is repeated so that no package can make uv replace it.
+# build. The rest with uv, which installs the ~170 packages in seconds where pip takes minutes; torch==2.13.0 is
+# repeated so that no package can make uv replace it. No bytecode is compiled at install (pip's compiling of torch
+# alone takes a minute): a module's .pyc is written the first time it is imported, for the few hundred modules
+# the product uses rather than the whole of transformers.
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0 uv==0.13.9
-	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q --compile-bytecode -e ".[test,app,notebook]" torch==2.13.0
+	$(BIN)/pip install -q --no-compile torch==2.13.0 uv==0.13.9
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/uv pip install -q -e ".[test,app,notebook]" torch==2.13.0
 	touch $@
 
 install: $(BIN)/.installed
