@@ -2,17 +2,18 @@
 
 `hap ui --port <free port>` serves the app on 127.0.0.1; the test reads the first screen's introduction, exports
 the default plan (4 ranks, one per GPU; plan.json and cluster.json must match), counts the Timeline's rendered lane
-labels against the plan's lanes (4 devices, the paper's testbed of 8 one click away, 64 devices grouped), switches
-the cluster and then the model without searching and checks that Plan, Timeline, Compare and Export each say what
-changed and draw nothing of the old plan (nor name its devices), picks the zoo MLP and
-`hap_paper_testbed.json`, runs the search, checks that the frontier and timeline charts render
-(Vega canvas or svg present, no Streamlit exception box), downloads the plan and parses it, and
-saves a screenshot of every page under tests/artifacts/.
+labels against the plan's lanes (4 devices, the paper's testbed of 8 one click away, the 16 of the 5 Gbps cluster,
+64 devices grouped), switches the cluster and then the model without searching and checks that Plan, Timeline,
+Compare and Export each say what changed and draw nothing of the old plan (nor name its devices), picks the zoo
+MLP and `hap_paper_testbed.json`, runs the search, checks that the frontier and timeline charts render (Vega
+canvas or svg present, no Streamlit exception box), downloads the plan and parses it, and saves a screenshot of
+every page under tests/artifacts/.
 
 The notebook front end in the same Chromium: JupyterLab on 127.0.0.1 serves a copy of examples/tour.ipynb (so
 autosave never writes outputs into the repository), the test runs all its cells from the Run menu, waits for the
-last one (a verified two-step run), finds the charts JupyterLab's Vega renderer drew and saves the timeline cell's
-picture as tests/artifacts/notebook_timeline.png.
+last one (a verified two-step run), finds the charts JupyterLab's Vega renderer drew, counts the lane labels of
+the 3-stage pipeline's Gantt against its lanes, and saves the timeline and pipeline cells' pictures as
+tests/artifacts/notebook_timeline.png and notebook_pipeline.png.
 """
 from __future__ import annotations
 
@@ -243,6 +244,16 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     assert_every_device_labelled(page, [d.name for d in engine.load_cluster(ROOT / "sample_clusters" /
                                                                              "hap_paper_testbed_machines.json").devices])
     shoot(page, "timeline_testbed")
+
+    # 16 devices (the 5 Gbps cluster's A100 and V100 machines), planned again there: every lane labelled
+    use_sample(page, "a100x8_v100x8_5gbps.json")
+    goto(page, "Plan")
+    page.get_by_role("button", name="Plan again").click()
+    idle(page)
+    goto(page, "Timeline")
+    assert_every_device_labelled(page, [d.name for d in engine.load_cluster(ROOT / "sample_clusters" /
+                                                                             "a100x8_v100x8_5gbps.json").devices])
+    shoot(page, "timeline_16_devices")
     use_sample(page, "a100x2_p100x2.json")  # back to the default cluster: its plan is made again (cached)
     goto(page, "Plan")
     page.get_by_role("button", name="Plan again").click()
@@ -350,4 +361,17 @@ def test_tour_in_jupyterlab(jupyterlab, browser):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     plan_cell = page.locator(".jp-Cell", has=page.locator(".jp-InputArea", has_text="plan = engine.plan(gpt")).first
     plan_cell.locator(".jp-OutputArea").screenshot(path=str(ARTIFACTS / "notebook_timeline.png"))
+    pipeline_cell = page.locator(".jp-Cell", has=page.locator(".jp-InputArea", has_text="pipeline = engine.plan(")).first
+    assert_every_pipeline_lane_labelled(pipeline_cell, stages=3)
+    pipeline_cell.locator(".jp-OutputArea").screenshot(path=str(ARTIFACTS / "notebook_pipeline.png"))
     ctx.close()
+
+
+def assert_every_pipeline_lane_labelled(cell, stages: int) -> None:
+    """The pipeline Gantt of `cell` labels each of its lanes (issue 30, item 4): a lane per stage and, between
+    neighbouring stages, one per link direction (engine.views.pipeline's lane names), for a pipeline of `stages`."""
+    texts = cell.locator(".jp-RenderedVegaCommon5 svg g.role-axis-label text").all_text_contents()
+    drawn = sorted(t for t in texts if t.startswith(("stage ", "link ")))
+    lanes = ([f"stage {s}" for s in range(stages)] + [f"link {s}→{s + 1}" for s in range(stages - 1)]
+             + [f"link {s}←{s + 1}" for s in range(stages - 1)])
+    assert drawn == sorted(lanes), f"labelled {drawn}, the {stages}-stage pipeline's lanes are {sorted(lanes)}"
