@@ -249,6 +249,7 @@ def test_workbench_in_chromium(server, browser, tmp_path):
     use_sample(page, "a100x8_v100x8_5gbps.json")
     goto(page, "Plan")
     page.get_by_role("button", name="Plan again").click()
+    page.get_by_text("Predicted iteration").first.wait_for()  # planned (leaving sooner would stop the script run)
     idle(page)
     goto(page, "Timeline")
     assert_every_device_labelled(page, [d.name for d in engine.load_cluster(ROOT / "sample_clusters" /
