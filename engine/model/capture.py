@@ -413,7 +413,7 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
         if layer is not None:
             segment = layer
         try:
-            _lower(fx, b, segment, _source(fx, path))
+            _lower_or_refuse(fx, b, segment, _source(fx, path))
         except _Unsupported as u:
             if _may_replicate(fallback, fx, b) and _opaque(fx, b, segment, _source(fx, path)):
                 continue
@@ -512,6 +512,17 @@ def _arg(fx: torch.fx.Node, i: int, key: str, default: Any = None) -> Any:
     if len(fx.args) > i:
         return fx.args[i]
     return fx.kwargs.get(key, default)
+
+
+def _lower_or_refuse(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
+    """`_lower`; arguments a lowering cannot read (a symbolic size where it expects a number) refuse the operator,
+    so the message names it and the model's line instead of a raw exception escaping capture."""
+    try:
+        _lower(fx, b, seg, src)
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+        name = getattr(fx.target, "_opname", str(fx.target))
+        raise _Unsupported(f"aten.{name} with arguments capture cannot read ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:120]})") from None
 
 
 def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
@@ -919,6 +930,9 @@ def _m_split(c: _Ctx) -> list[int]:
         sizes = [min(step, x.shape[dim] - s) for s in range(0, x.shape[dim], step)]
     elif isinstance(arg, int):
         sizes = [min(arg, x.shape[dim] - s) for s in range(0, x.shape[dim], arg)]
+    elif any(isinstance(s, torch.fx.Node) for s in arg):
+        raise _Unsupported(f"aten.{c.fx.target._opname} with sizes read from tensor values (data-dependent pieces, "
+                           "e.g. tokens per expert: the plan needs static shapes)")
     else:
         sizes = [int(s) for s in arg]
     return _split_pieces(c, dim, sizes)

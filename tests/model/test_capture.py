@@ -295,6 +295,35 @@ def test_unsupported_op_names_op_node_and_location() -> None:
     assert "\n" not in msg
 
 
+class DataSplit(nn.Module):
+    """JetMoE's expert split: pieces sized by counts read from tensor values (`.tolist()`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = x.split((self.fc(x) > 0).long().sum(0).tolist(), dim=0)
+        return parts[0].sum() + parts[1].mean()
+
+
+def test_a_split_into_data_dependent_sizes_is_refused_at_the_models_line() -> None:
+    with pytest.raises(UnsupportedOpError, match=r"aten.split_with_sizes with sizes read from tensor values .* "
+                                                 r"at node 'split_with_sizes' .*test_capture.py.?, line \d+") as e:
+        engine.load_model(DataSplit(), (torch.randn(6, 4),))
+    assert "\n" not in str(e.value)
+
+
+def test_arguments_a_lowering_cannot_read_refuse_the_operator_instead_of_escaping(monkeypatch) -> None:
+    def unreadable(c):
+        return int(c.fx)  # what a symbolic size where a number is expected gave (JetMoE before its own refusal)
+
+    monkeypatch.setitem(engine.model.capture._SPLITS, "cummax", lambda c: [unreadable(c), None])
+    with pytest.raises(UnsupportedOpError, match=r"aten.cummax with arguments capture cannot read \(TypeError: .*"
+                                                 r"at node 'cummax' .*test_capture.py"):
+        engine.load_model(CumsumModel(), (torch.randn(2, 4),))
+
+
 class InPlaceResidual(nn.Module):
     """In-place residual adds and scaling next to a batch norm (whose running statistics update in place)."""
 
