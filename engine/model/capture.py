@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
 import operator
 import re
@@ -1828,15 +1829,72 @@ def _h_complex_refused(c: _Ctx) -> int:
 _COMPLEX_ADVICE = {
     "view_as_complex": "; rotary embeddings written with complex numbers (Llama 4's apply_rotary_emb) have no "
                        "real-valued form behind a config flag: a model with cos/sin rotary (Llama 3) plans",
-    "fft_fftn": "; FNet's Fourier mixing has no real-valued form behind a config flag",
+    "real": "; only the real part of an FFT of a real tensor is lowered",
 }
 """What to do instead, for the complex operators real models bring."""
+
+
+def _h_fft_real(c: _Ctx) -> int:
+    """`fft_fftn(x, s=None, dim, norm)` of a real tensor whose every user takes the real part (FNet's Fourier mixing):
+    that real part, Re(prod_d (C_d - i S_d)) x, as a sum of real products: for each even subset of the dims, S (the
+    sines) applied along those dims and C (the cosines) along the others, by `einsum`, with sign (-1)^(size / 2). The
+    waves are built from `arange` (jk mod n, so the angles stay exact). The cost model then counts a matrix product's
+    flops per dim (n per entry), more than an FFT's."""
+    x = c.node(c.fx.args[0])
+    if not x.dtype.startswith(("float", "bfloat")) or _arg(c.fx, 1, "s") is not None:
+        raise _Unsupported("aten.fft_fftn of a complex tensor or with output sizes (complex tensors are not modelled)")
+    if any(u.target is not torch.ops.aten.real.default for u in c.fx.users):
+        raise _Unsupported("aten.fft_fftn whose imaginary part is used (complex tensors are not modelled: only the "
+                           "real part of an FFT of a real tensor is lowered)")
+    dims, norm = _all_dims(_arg(c.fx, 2, "dim", None), x.rank), _arg(c.fx, 3, "norm", None)
+    step, dt, names = _Steps(c), x.dtype, itertools.count()
+    waves = {n: _waves(c, n, dt) for n in {x.shape[d] for d in dims}}
+    letters = string.ascii_lowercase[:x.rank]
+    out, last = None, not norm or norm == "backward"
+    terms = [(m, subset) for m in range(0, len(dims) + 1, 2) for subset in itertools.combinations(dims, m)]
+    for k, (m, subset) in enumerate(terms):
+        t = x.id
+        for d in dims:
+            equation = f"{letters},{letters[d]}Z->{letters.replace(letters[d], 'Z')}"
+            t = step(f"dft{next(names)}", "einsum", [t, waves[x.shape[d]][d in subset]], {"equation": equation},
+                     shape=x.shape, dtype=dt, flops=2.0 * x.numel * x.shape[d])
+        if out is None:
+            out = t if m % 4 == 0 else step("neg", "neg", [t], shape=x.shape, dtype=dt)
+        else:
+            out = step(f"term{k}", "add" if m % 4 == 0 else "sub", [out, t], shape=x.shape, dtype=dt,
+                       final=last and k == len(terms) - 1)
+    if last:
+        return out if len(terms) > 1 else step("", "identity", [out], shape=x.shape, dtype=dt, flops=0.0, final=True)
+    count = math.prod(x.shape[d] for d in dims)
+    scale = {"ortho": 1.0 / math.sqrt(count), "forward": 1.0 / count}[norm]
+    return step("", "mul", [out], _scalar_op(scale), shape=x.shape, dtype=dt, final=True)
+
+
+def _waves(c: _Ctx, n: int, dtype: str) -> tuple[int, int]:
+    """cos(2 pi jk / n) and sin(2 pi jk / n), (n, n), from arange: the real and minus the imaginary part of the DFT."""
+    step, name = _Steps(c), f"wave{n}"
+    j = step(f"{name}_j", "arange", [], {"start": 0, "end": n, "step": 1}, shape=(n,), dtype="int64", flops=0.0)
+    col = step(f"{name}_col", "view", [j], {"shape": [n, 1]}, shape=(n, 1), dtype="int64", flops=0.0)
+    row = step(f"{name}_row", "view", [j], {"shape": [1, n]}, shape=(1, n), dtype="int64", flops=0.0)
+    jk = step(f"{name}_jk", "mul", [col, row], shape=(n, n), dtype="int64")
+    jk = step(f"{name}_mod", "remainder", [jk], _scalar_op(n), shape=(n, n), dtype="int64")
+    angle = step(f"{name}_float", "identity", [jk], {"dtype": dtype}, shape=(n, n), dtype=dtype)
+    angle = step(f"{name}_angle", "mul", [angle], _scalar_op(2.0 * math.pi / n), shape=(n, n), dtype=dtype)
+    return (step(f"{name}_cos", "cos", [angle], shape=(n, n), dtype=dtype),
+            step(f"{name}_sin", "sin", [angle], shape=(n, n), dtype=dtype))
+
+
+def _h_real(c: _Ctx) -> int:
+    """`real` of an FFT that `_h_fft_real` lowered: that node already is the real part."""
+    if getattr(c.fx.args[0].target, "_opname", "") != "fft_fftn":
+        return _h_complex_refused(c)
+    return c.tid(c.fx.args[0])
 
 _HANDLERS.update({
     "logsumexp": _h_logsumexp, "rms_norm": _h_rms_norm, "linalg_vector_norm": _h_vector_norm,
     "nll_loss_nd": _h_nll_loss, "nll_loss": _h_nll_loss, "tril": _h_tril, "triu": _h_tril, "im2col": _h_im2col,
     "scatter": _h_scatter, "view_as": _h_view, "reshape_as": _h_view, "expand_as": _h_expand,
-    **{op: _h_complex_refused for op in _COMPLEX_ADVICE},
+    "view_as_complex": _h_complex_refused, "fft_fftn": _h_fft_real, "real": _h_real,
 })
 
 

@@ -390,7 +390,8 @@ def test_mask_arithmetic_captures_with_rules_and_computes_the_same() -> None:
 
 
 class Composites(nn.Module):
-    """Composite operators capture decomposes (logsumexp, rms_norm, vector norms, nll_loss) and the ones it lowers
+    """Composite operators capture decomposes (logsumexp, rms_norm, vector norms, nll_loss, the real part of an FFT)
+    and the ones it lowers
     to operators of their own (tril, triu, unfold, scatter, hardswish, log-sigmoid), with aliases among them."""
 
     def __init__(self) -> None:
@@ -407,7 +408,8 @@ class Composites(nn.Module):
         cols = F.unfold(h.unsqueeze(1), kernel_size=2)  # (batch, 4, places)
         picked = torch.zeros_like(cols).scatter(2, torch.zeros_like(cols[..., :1], dtype=torch.long), cols[..., :1])
         logp = torch.log_softmax(h.reshape(-1, 6), dim=-1)
-        return F.nll_loss(logp, target, ignore_index=-100) + picked.mean() + lse.mean()
+        mixed = torch.fft.fftn(h, dim=(1, 2)).real * torch.fft.fftn(h, dim=(0, 1, 2), norm="ortho").real  # FNet's mixing
+        return F.nll_loss(logp, target, ignore_index=-100) + picked.mean() + lse.mean() + mixed.mean()
 
 
 def test_composites_are_decomposed_into_ruled_operators_and_compute_the_same() -> None:
@@ -418,7 +420,7 @@ def test_composites_are_decomposed_into_ruled_operators_and_compute_the_same() -
     target = torch.tensor([0, 5, -100, 2, 3, -100])
     g = engine.load_model(module, (x, target))
     ops = {n.op for n in g.nodes}
-    assert {"tril", "triu", "im2col", "scatter", "hardswish", "log_sigmoid", "gather", "amax", "rsqrt"} <= ops
+    assert {"tril", "triu", "im2col", "scatter", "hardswish", "log_sigmoid", "gather", "amax", "rsqrt", "einsum"} <= ops
     assert "opaque" not in ops and engine.theory.missing_rules(g) == []
     assert torch.allclose(interpret(g, module, (x, target)), module(x, target), rtol=1e-6, atol=1e-6)
 
