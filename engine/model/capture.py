@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.errors import ModelError, UnsupportedOpError
+from engine.errors import HapError, ModelError, UnsupportedOpError
 from engine.model.dropout import MASK_OPS_PER_ELEMENT
 from engine.model.graph import Graph, Node, parse_equation
 
@@ -520,6 +520,8 @@ def _lower_or_refuse(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None
     so the message names it and the model's line instead of a raw exception escaping capture."""
     try:
         _lower(fx, b, seg, src)
+    except HapError:
+        raise
     except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
         name = getattr(fx.target, "_opname", str(fx.target))
         raise _Unsupported(f"aten.{name} with arguments capture cannot read ({type(e).__name__}: "
