@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
 import operator
 import re
@@ -38,7 +39,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.errors import ModelError, UnsupportedOpError
+from engine.errors import HapError, ModelError, UnsupportedOpError
 from engine.model.dropout import MASK_OPS_PER_ELEMENT
 from engine.model.graph import Graph, Node, parse_equation
 
@@ -48,6 +49,7 @@ _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", 
           "lift_fresh_copy": "identity", "detach": "identity", "type_as": "identity", "cos": "cos", "sin": "sin",
           "logical_not": "logical_not", "bitwise_not": "bitwise_not"}
 _UNARY.update({"special_erf": "erf", "special_expm1": "expm1", "special_log1p": "log1p"})
+_UNARY.update({name: name for name in ("hardswish", "hardsigmoid", "log_sigmoid", "mish")})
 _UNARY.update({name: name for name in ("abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "ceil", "cosh", "erf",
                                        "expm1", "floor", "log", "log10", "log1p", "log2", "reciprocal", "sign", "sinh",
                                        "tan", "trunc", "isinf", "isnan")})
@@ -56,12 +58,15 @@ _BINARY = {"add", "sub", "mul", "div", "lt", "le", "gt", "ge", "eq", "ne", "logi
 _BINARY_ALIASES = {"__and__": "and", "bitwise_and": "and", "__or__": "or", "bitwise_or": "or", "__xor__": "xor",
                    "bitwise_xor": "xor"}
 """Bitwise and/or/xor: of booleans the logical ones, of integers the bitwise ones."""
+_ARITHMETIC_ALIASES = {"multiply": "mul", "divide": "div", "true_divide": "div", "subtract": "sub"}
+"""Other names of binary operators (`torch.multiply`), which some traces record as they were called."""
 _SCALAR_FIRST = ("add", "sub", "mul", "div", "div_floor", "div_trunc", "pow", "remainder")
 """Binary operators whose first operand may be a Python number (`2 ** x`, `1 - x`)."""
 _NO_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 """Checks torch.export records for itself: they compute nothing."""
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"}
-_UNARY_FLOPS = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "exp": 1, "rsqrt": 1, "sqrt": 1, "cos": 4, "sin": 4}
+_UNARY_FLOPS = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "exp": 1, "rsqrt": 1, "sqrt": 1, "cos": 4, "sin": 4,
+                "hardswish": 4, "hardsigmoid": 3, "log_sigmoid": 6, "mish": 10}
 
 
 class _Builder:
@@ -409,7 +414,7 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
         if layer is not None:
             segment = layer
         try:
-            _lower(fx, b, segment, _source(fx, path))
+            _lower_or_refuse(fx, b, segment, _source(fx, path))
         except _Unsupported as u:
             if _may_replicate(fallback, fx, b) and _opaque(fx, b, segment, _source(fx, path)):
                 continue
@@ -508,6 +513,19 @@ def _arg(fx: torch.fx.Node, i: int, key: str, default: Any = None) -> Any:
     if len(fx.args) > i:
         return fx.args[i]
     return fx.kwargs.get(key, default)
+
+
+def _lower_or_refuse(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
+    """`_lower`; arguments a lowering cannot read (a symbolic size where it expects a number) refuse the operator,
+    so the message names it and the model's line instead of a raw exception escaping capture."""
+    try:
+        _lower(fx, b, seg, src)
+    except HapError:
+        raise
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError) as e:
+        name = getattr(fx.target, "_opname", str(fx.target))
+        raise _Unsupported(f"aten.{name} with arguments capture cannot read ({type(e).__name__}: "
+                           f"{' '.join(str(e).split())[:120]})") from None
 
 
 def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
@@ -620,7 +638,7 @@ def _scalar(v: Any) -> float | int | bool:
 
 
 def _h_binary(c: _Ctx) -> int:
-    op = c.fx.target._opname
+    op = _ARITHMETIC_ALIASES.get(c.fx.target._opname, c.fx.target._opname)
     if op in _BINARY_ALIASES:
         op = ("logical_" if c.dtype == "bool" else "bitwise_") + _BINARY_ALIASES[op]
     if op == "div" and c.fx.kwargs.get("rounding_mode") is not None:  # torch.div(..., rounding_mode=)
@@ -915,6 +933,9 @@ def _m_split(c: _Ctx) -> list[int]:
         sizes = [min(step, x.shape[dim] - s) for s in range(0, x.shape[dim], step)]
     elif isinstance(arg, int):
         sizes = [min(arg, x.shape[dim] - s) for s in range(0, x.shape[dim], arg)]
+    elif any(isinstance(s, torch.fx.Node) for s in arg):
+        raise _Unsupported(f"aten.{c.fx.target._opname} with sizes read from tensor values (data-dependent pieces, "
+                           "e.g. tokens per expert: the plan needs static shapes)")
     else:
         sizes = [int(s) for s in arg]
     return _split_pieces(c, dim, sizes)
@@ -1114,7 +1135,7 @@ def _h_arange(c: _Ctx) -> int:
 
 _HANDLERS.update({
     "addmm": _h_addmm, "einsum": _h_einsum, "one_hot": _h_one_hot, "cumsum": _h_cumsum, "gather": _h_gather, "arange": _h_arange,
-    **{op: _h_binary for op in _BINARY_ALIASES},
+    **{op: _h_binary for op in _BINARY_ALIASES}, **{op: _h_binary for op in _ARITHMETIC_ALIASES},
 })
 _SPLITS["topk"] = _m_topk
 
@@ -1642,6 +1663,240 @@ _SPLITS.update({
     "max_pool3d_with_indices": _m_first_output("max_pool3d_with_indices", _h_max_pool),
     "_native_batch_norm_legit": _m_first_output("_native_batch_norm_legit", _h_batch_norm),
     "_native_batch_norm_legit.no_stats": _m_first_output("_native_batch_norm_legit", _h_batch_norm),
+})
+
+
+# --- composites decomposed into ruled operators, and aliases (issue 29) --------------------------
+class _Steps:
+    """Emits a chain of canonical nodes for one ATen node: each step is named after it with a suffix, the last one
+    (`final=True`) with its own name, so users of the ATen node read the chain's result."""
+
+    def __init__(self, c: _Ctx) -> None:
+        self.c = c
+
+    def __call__(self, suffix: str, op: str, inputs: list[int], attrs: dict | None = None, *, shape: tuple[int, ...],
+                 dtype: str, flops: float | None = None, final: bool = False) -> int:
+        name = self.c.fx.name if final else f"{self.c.fx.name}_{suffix}"
+        return self.c.emit(op, inputs, attrs, float(_numel(shape)) if flops is None else flops, name=name, shape=shape,
+                           dtype=dtype)
+
+
+def _scalar_op(value: float | int) -> dict[str, Any]:
+    """The attrs of a binary operator with a Python number as its second operand."""
+    return {"scalar": value, "scalar_first": False}
+
+
+def _float_operand(c: _Ctx, op: str) -> Node:
+    x = c.node(c.fx.args[0])
+    if not x.dtype.startswith(("float", "bfloat")):
+        raise _Unsupported(f"aten.{op} of a {x.dtype} tensor")
+    return x
+
+
+def _h_logsumexp(c: _Ctx) -> int:
+    """`logsumexp(x, dims, keepdim)` as torch computes it: m = amax(x) over dims with infinite maxima set to 0 (a row
+    of -inf then gives -inf, not nan), log(sum(exp(x - m))) + m. The sum of a sharded reduced dim is a Partial;
+    amax keeps such a dim whole (its rules)."""
+    x = _float_operand(c, "logsumexp")
+    dims, keep = _all_dims(_arg(c.fx, 1, "dim", None), x.rank), bool(_arg(c.fx, 2, "keepdim", False))
+    kept = tuple(1 if d in dims else s for d, s in enumerate(x.shape))
+    step, dt = _Steps(c), x.dtype
+    m = step("max", "amax", [x.id], {"dims": dims, "keepdim": True}, shape=kept, dtype=dt, flops=x.numel)
+    inf = step("inf", "isinf", [m], shape=kept, dtype="bool")
+    m = step("shift", "where", [inf, m], {"x": 0.0, "y": None}, shape=kept, dtype=dt)
+    e = step("centred", "sub", [x.id, m], shape=x.shape, dtype=dt)
+    e = step("exp", "exp", [e], shape=x.shape, dtype=dt)
+    s = step("sum", "sum", [e], {"dims": dims, "keepdim": True}, shape=kept, dtype=dt)
+    s = step("log", "log", [s], shape=kept, dtype=dt)
+    out = step("keepdim", "add", [s, m], shape=kept, dtype=dt, final=keep)
+    return out if keep else step("", "view", [out], {"shape": list(c.shape)}, shape=c.shape, dtype=dt, flops=0.0,
+                                 final=True)
+
+
+def _h_rms_norm(c: _Ctx) -> int:
+    """`rms_norm(x, normalized_shape, weight, eps)` as torch's decomposition computes it: in float32 for half inputs,
+    x * rsqrt(mean(x^2) + eps) (eps by default that of the computation dtype), times the weight, cast back. The
+    mean of a sharded normalised dim is a Partial (all-reduced before rsqrt), as in transformers' own RMSNorms."""
+    x = _float_operand(c, "rms_norm")
+    normalized, w, eps = list(c.fx.args[1]), _arg(c.fx, 2, "weight"), _arg(c.fx, 3, "eps")
+    comp = "float32" if x.dtype in ("float16", "bfloat16") else x.dtype
+    eps = torch.finfo(getattr(torch, comp)).eps if eps is None else float(eps)
+    dims = list(range(x.rank - len(normalized), x.rank))
+    kept = tuple(1 if d in dims else s for d, s in enumerate(x.shape))
+    step = _Steps(c)
+    up = x.id if comp == x.dtype else step("up", "identity", [x.id], {"dtype": comp}, shape=x.shape, dtype=comp)
+    sq = step("square", "pow", [up], _scalar_op(2), shape=x.shape, dtype=comp)
+    ms = step("mean", "mean", [sq], {"dims": dims, "keepdim": True}, shape=kept, dtype=comp, flops=x.numel)
+    ms = step("eps", "add", [ms], _scalar_op(eps), shape=kept, dtype=comp)
+    r = step("rsqrt", "rsqrt", [ms], shape=kept, dtype=comp)
+    last = w is None and comp == c.dtype
+    y = step("normed", "mul", [up, r], shape=x.shape, dtype=comp, final=last)
+    if w is not None:
+        y = step("scaled", "mul", [y, c.tid(w)], shape=x.shape, dtype=comp, final=comp == c.dtype)
+    if comp != c.dtype:
+        y = step("", "identity", [y], {"dtype": c.dtype}, shape=x.shape, dtype=c.dtype, final=True)
+    return y
+
+
+def _h_vector_norm(c: _Ctx) -> int:
+    """`linalg_vector_norm(x, ord, dim, keepdim)` of a real tensor: ord 2 is sqrt(sum(x^2)), ord p sum(|x|^p)^(1/p),
+    ord 1 sum(|x|), ord 0 the count of nonzero entries, ord +-inf amax/amin(|x|): a sharded reduced dim gives a
+    Partial sum (all-reduced before the root), and sharded kept dims stay sharded. (At a zero vector the gradient of
+    sqrt is unbounded where torch's norm gives 0: a random model never has one.)"""
+    x = _float_operand(c, "linalg_vector_norm")
+    p = float(_arg(c.fx, 1, "ord", 2))
+    dims, keep = _all_dims(_arg(c.fx, 2, "dim", None), x.rank), bool(_arg(c.fx, 3, "keepdim", False))
+    if c.fx.kwargs.get("dtype") is not None and str(c.fx.kwargs["dtype"]).removeprefix("torch.") != x.dtype:
+        raise _Unsupported("aten.linalg_vector_norm with a dtype change")
+    step, dt, red = _Steps(c), x.dtype, {"dims": dims, "keepdim": keep}
+    if p == 0:
+        nz = step("nonzero", "ne", [x.id], _scalar_op(0), shape=x.shape, dtype="bool")
+        nz = step("count", "identity", [nz], {"dtype": dt}, shape=x.shape, dtype=dt)
+        return step("", "sum", [nz], red, shape=c.shape, dtype=dt, final=True)
+    a = x.id if p == 2 else step("abs", "abs", [x.id], shape=x.shape, dtype=dt)
+    if math.isinf(p):
+        return step("", "amax" if p > 0 else "amin", [a], red, shape=c.shape, dtype=dt, final=True)
+    if p != 1:
+        a = step("power", "pow", [a], _scalar_op(p), shape=x.shape, dtype=dt)
+    s = step("sum", "sum", [a], red, shape=c.shape, dtype=dt, flops=x.numel, final=p == 1)
+    if p == 1:
+        return s
+    if p == 2:
+        return step("", "sqrt", [s], shape=c.shape, dtype=dt, final=True)
+    return step("", "pow", [s], _scalar_op(1.0 / p), shape=c.shape, dtype=dt, final=True)
+
+
+def _h_nll_loss(c: _Ctx) -> int:
+    """`nll_loss(logp[N, C, ...], target[N, ...], weight=None, reduction, ignore_index)`: the target's entry of each
+    row (`gather` along C, the ignored targets read class 0 and count 0), negated; `mean` divides the sum by the
+    number of kept targets, a node of its own as for cross-entropy, so that sharded rows stay exact."""
+    x, t = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    if _arg(c.fx, 2, "weight") is not None:
+        raise _Unsupported(f"aten.{c.fx.target._opname} with class weights")
+    if x.rank < 2:
+        raise _Unsupported(f"aten.{c.fx.target._opname} of an unbatched input (add a batch dim)")
+    reduction, ignore = int(_arg(c.fx, 3, "reduction", 1)), int(_arg(c.fx, 4, "ignore_index", -100))
+    step, dt = _Steps(c), x.dtype
+    kept = step("kept", "ne", [t.id], _scalar_op(ignore), shape=t.shape, dtype="bool")
+    safe = step("safe", "where", [kept, t.id], {"x": None, "y": 0}, shape=t.shape, dtype=t.dtype)
+    col = t.shape[:1] + (1,) + t.shape[1:]
+    safe = step("column", "view", [safe], {"shape": list(col)}, shape=col, dtype=t.dtype, flops=0.0)
+    picked = step("picked", "gather", [x.id, safe], {"dim": 1}, shape=col, dtype=dt)
+    picked = step("rows", "view", [picked], {"shape": list(t.shape)}, shape=t.shape, dtype=dt, flops=0.0)
+    picked = step("neg", "neg", [picked], shape=t.shape, dtype=dt)
+    losses = step("losses", "where", [kept, picked], {"x": None, "y": 0.0}, shape=t.shape, dtype=dt,
+                  final=reduction == 0)
+    if reduction == 0:
+        return losses
+    every = {"dims": list(range(t.rank)), "keepdim": False}
+    total = step("total", "sum", [losses], every, shape=(), dtype=dt, final=reduction == 2)
+    if reduction == 2:
+        return total
+    count = step("count", "sum", [kept], every, shape=(), dtype="int64")
+    return step("", "div", [total, count], shape=(), dtype=dt, final=True)
+
+
+def _h_tril(c: _Ctx) -> int:
+    """`tril(x, diagonal)` / `triu(x, diagonal)`: a mask of the last two dims by their global indices (rules in
+    theory/index.py: those two dims stay whole)."""
+    x = c.node(c.fx.args[0])
+    return c.emit(c.fx.target._opname, [x.id], {"diagonal": int(_arg(c.fx, 1, "diagonal", 0))}, x.numel)
+
+
+def _h_im2col(c: _Ctx) -> int:
+    """`im2col(x, kernel_size, dilation, padding, stride)` (F.unfold): the sliding patches of x as columns."""
+    x = c.node(c.fx.args[0])
+    attrs = {k: [int(v) for v in _arg(c.fx, i, k)] for i, k in enumerate(("kernel_size", "dilation", "padding", "stride"), 1)}
+    return c.emit("im2col", [x.id], attrs, _numel(c.shape))
+
+
+def _h_scatter(c: _Ctx) -> int:
+    """`scatter.src(x, dim, index, src)` and `scatter.value(x, dim, index, value)`: x with the entries at `index`
+    along dim replaced (the reduce overloads are not lowered)."""
+    x, idx = c.node(c.fx.args[0]), c.node(c.fx.args[2])
+    if c.fx.target._overloadname not in ("src", "value") or c.fx.kwargs.get("reduce") is not None:
+        raise _Unsupported(f"aten.scatter.{c.fx.target._overloadname} (a reducing scatter)")
+    dim, src = _norm_dim(c.fx.args[1], x.rank), c.fx.args[3]
+    if isinstance(src, torch.fx.Node):
+        return c.emit("scatter", [x.id, idx.id, c.tid(src)], {"dim": dim}, idx.numel)
+    return c.emit("scatter", [x.id, idx.id], {"dim": dim, "value": _scalar(src)}, idx.numel)
+
+
+def _h_complex_refused(c: _Ctx) -> int:
+    """Complex tensors (`view_as_complex`, the FFTs) are not modelled: refused with why and what to use instead."""
+    raise _Unsupported(f"aten.{c.fx.target._opname} (complex tensors are not modelled: the planner has rules for real "
+                       f"operators only{_COMPLEX_ADVICE.get(c.fx.target._opname, '')})")
+
+
+_COMPLEX_ADVICE = {
+    "view_as_complex": "; rotary embeddings written with complex numbers (Llama 4's apply_rotary_emb) have no "
+                       "real-valued form behind a config flag: a model with cos/sin rotary (Llama 3) plans",
+    "real": "; only the real part of an FFT of a real tensor is lowered",
+}
+"""What to do instead, for the complex operators real models bring."""
+
+
+def _h_fft_real(c: _Ctx) -> int:
+    """`fft_fftn(x, s=None, dim, norm)` of a real tensor whose every user takes the real part (FNet's Fourier mixing):
+    that real part, Re(prod_d (C_d - i S_d)) x, as a sum of real products: for each even subset of the dims, S (the
+    sines) applied along those dims and C (the cosines) along the others, by `einsum`, with sign (-1)^(size / 2). The
+    waves are built from `arange` (jk mod n, so the angles stay exact). The cost model then counts a matrix product's
+    flops per dim (n per entry), more than an FFT's."""
+    x = c.node(c.fx.args[0])
+    if not x.dtype.startswith(("float", "bfloat")) or _arg(c.fx, 1, "s") is not None:
+        raise _Unsupported("aten.fft_fftn of a complex tensor or with output sizes (complex tensors are not modelled)")
+    if any(u.target is not torch.ops.aten.real.default for u in c.fx.users):
+        raise _Unsupported("aten.fft_fftn whose imaginary part is used (complex tensors are not modelled: only the "
+                           "real part of an FFT of a real tensor is lowered)")
+    dims, norm = _all_dims(_arg(c.fx, 2, "dim", None), x.rank), _arg(c.fx, 3, "norm", None)
+    step, dt, names = _Steps(c), x.dtype, itertools.count()
+    waves = {n: _waves(c, n, dt) for n in {x.shape[d] for d in dims}}
+    letters = string.ascii_lowercase[:x.rank]
+    out, last = None, not norm or norm == "backward"
+    terms = [(m, subset) for m in range(0, len(dims) + 1, 2) for subset in itertools.combinations(dims, m)]
+    for k, (m, subset) in enumerate(terms):
+        t = x.id
+        for d in dims:
+            equation = f"{letters},{letters[d]}Z->{letters.replace(letters[d], 'Z')}"
+            t = step(f"dft{next(names)}", "einsum", [t, waves[x.shape[d]][d in subset]], {"equation": equation},
+                     shape=x.shape, dtype=dt, flops=2.0 * x.numel * x.shape[d])
+        if out is None:
+            out = t if m % 4 == 0 else step("neg", "neg", [t], shape=x.shape, dtype=dt)
+        else:
+            out = step(f"term{k}", "add" if m % 4 == 0 else "sub", [out, t], shape=x.shape, dtype=dt,
+                       final=last and k == len(terms) - 1)
+    if last:
+        return out if len(terms) > 1 else step("", "identity", [out], shape=x.shape, dtype=dt, flops=0.0, final=True)
+    count = math.prod(x.shape[d] for d in dims)
+    scale = {"ortho": 1.0 / math.sqrt(count), "forward": 1.0 / count}[norm]
+    return step("", "mul", [out], _scalar_op(scale), shape=x.shape, dtype=dt, final=True)
+
+
+def _waves(c: _Ctx, n: int, dtype: str) -> tuple[int, int]:
+    """cos(2 pi jk / n) and sin(2 pi jk / n), (n, n), from arange: the real and minus the imaginary part of the DFT."""
+    step, name = _Steps(c), f"wave{n}"
+    j = step(f"{name}_j", "arange", [], {"start": 0, "end": n, "step": 1}, shape=(n,), dtype="int64", flops=0.0)
+    col = step(f"{name}_col", "view", [j], {"shape": [n, 1]}, shape=(n, 1), dtype="int64", flops=0.0)
+    row = step(f"{name}_row", "view", [j], {"shape": [1, n]}, shape=(1, n), dtype="int64", flops=0.0)
+    jk = step(f"{name}_jk", "mul", [col, row], shape=(n, n), dtype="int64")
+    jk = step(f"{name}_mod", "remainder", [jk], _scalar_op(n), shape=(n, n), dtype="int64")
+    angle = step(f"{name}_float", "identity", [jk], {"dtype": dtype}, shape=(n, n), dtype=dtype)
+    angle = step(f"{name}_angle", "mul", [angle], _scalar_op(2.0 * math.pi / n), shape=(n, n), dtype=dtype)
+    return (step(f"{name}_cos", "cos", [angle], shape=(n, n), dtype=dtype),
+            step(f"{name}_sin", "sin", [angle], shape=(n, n), dtype=dtype))
+
+
+def _h_real(c: _Ctx) -> int:
+    """`real` of an FFT that `_h_fft_real` lowered: that node already is the real part."""
+    if getattr(c.fx.args[0].target, "_opname", "") != "fft_fftn":
+        return _h_complex_refused(c)
+    return c.tid(c.fx.args[0])
+
+_HANDLERS.update({
+    "logsumexp": _h_logsumexp, "rms_norm": _h_rms_norm, "linalg_vector_norm": _h_vector_norm,
+    "nll_loss_nd": _h_nll_loss, "nll_loss": _h_nll_loss, "tril": _h_tril, "triu": _h_tril, "im2col": _h_im2col,
+    "scatter": _h_scatter, "view_as": _h_view, "reshape_as": _h_view, "expand_as": _h_expand,
+    "view_as_complex": _h_complex_refused, "fft_fftn": _h_fft_real, "real": _h_real,
 })
 
 

@@ -20,7 +20,8 @@ Tensor = torch.Tensor
 UNARY: dict[str, Callable[[Tensor], Tensor]] = {
     "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "silu": F.silu, "exp": torch.exp,
     "rsqrt": torch.rsqrt, "sqrt": torch.sqrt, "neg": torch.neg, "cos": torch.cos, "sin": torch.sin,
-    "logical_not": torch.logical_not,
+    "logical_not": torch.logical_not, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid,
+    "log_sigmoid": F.logsigmoid, "mish": F.mish,
 }
 """Elementwise maps of one tensor, by canonical name (the runner calls the same functions)."""
 UNARY.update({name: getattr(torch, name) for name in (
@@ -312,6 +313,15 @@ def _arange(node: Node, inputs: Sequence[Tensor]) -> Tensor:
     return torch.arange(a["start"], a["end"], a["step"], dtype=getattr(torch, node.dtype))
 
 
+def _im2col(a: dict, x: Tensor) -> Tensor:
+    """`im2col` (F.unfold) of x (N, C, H, W) or (C, H, W); a device holding no channel of a split channel dim gets
+    its empty block (im2col itself rejects an empty channel dim)."""
+    k, d, p, s = a["kernel_size"], a["dilation"], a["padding"], a["stride"]
+    places = math.prod((size + 2 * p[i] - d[i] * (k[i] - 1) - 1) // s[i] + 1 for i, size in enumerate(x.shape[-2:]))
+    out_shape = tuple(x.shape[:-3]) + (x.shape[-3] * math.prod(k), places)
+    return unless_empty(lambda t: torch.ops.aten.im2col(t, k, d, p, s), out_shape, x)
+
+
 _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "clamp": lambda n, x: torch.clamp(x[0], n.attrs["min"], n.attrs["max"]),
     "round": lambda n, x: torch.round(x[0], decimals=n.attrs.get("decimals", 0)),
@@ -334,6 +344,10 @@ _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "index_add": lambda n, x: torch.index_add(x[0], n.attrs["dim"], x[1], x[2]),
     "scatter_add": lambda n, x: torch.scatter_add(x[0], n.attrs["dim"], x[1], x[2]),
     "histc": lambda n, x: torch.histc(x[0], n.attrs["bins"], n.attrs["min"], n.attrs["max"]),
+    "tril": lambda n, x: torch.tril(x[0], n.attrs["diagonal"]),
+    "triu": lambda n, x: torch.triu(x[0], n.attrs["diagonal"]),
+    "scatter": lambda n, x: torch.scatter(x[0], n.attrs["dim"], x[1], x[2] if len(x) > 2 else n.attrs["value"]),
+    "im2col": lambda n, x: _im2col(n.attrs, x[0]),
 }
 
 

@@ -384,6 +384,18 @@ def read_config(config: str | Path | dict | None) -> dict[str, Any]:
     return d
 
 
+def default_config(cls: type) -> Any:
+    """The default config of a transformers class; one whose own defaults fail transformers' validation (a
+    strict dataclass check of the pinned release) is a ModelError that says so."""
+    try:
+        return cls.config_class()
+    except Exception as e:  # transformers validates in many ways
+        cause = e.__cause__ if e.__cause__ is not None else e
+        raise ModelError(f"hf:{cls.__name__}: the default {cls.config_class.__name__} of this transformers release fails "
+                         f"its own validation ({type(cause).__name__}: {first_line(cause)}); pass a config that "
+                         f"validates (--config)") from None
+
+
 def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str, Any] | None = None) -> HFSpec:
     """Parse `hf:Class` + config file/dict + key=value knobs into a full config and input sizes."""
     name = model[len(HF_PREFIX):].strip()
@@ -392,7 +404,7 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
     values = {**read_config(config), **{k: parse_value(v) for k, v in (knobs or {}).items()}}  # before transformers loads
     cls = hf_class(name)
     implementation = implementation_of(name, values)
-    default = cls.config_class()
+    default = default_config(cls)
     known = set(default.to_dict()) | {"num_labels"}
     inputs = {k: values.pop(k) for k in INPUT_KNOBS if k in values and not (k == "image_size" and k in known)}
     bad = sorted(k for k in values if k not in known and not hasattr(default, k))

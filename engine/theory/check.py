@@ -56,7 +56,7 @@ def _index_bound(node: Node, graph: Graph) -> int:
         return node.attrs["num_classes"]
     if node.op == "gather":
         return graph[node.inputs[0]].shape[node.attrs["dim"]]
-    if node.op in ("index_add", "scatter_add"):
+    if node.op in ("index_add", "scatter_add", "scatter"):
         return graph[node.inputs[0]].shape[node.attrs["dim"]]
     if node.op == "index":
         x = graph[node.inputs[0]]

@@ -10,6 +10,12 @@ Rows, with why they hold:
 No rule shards a spatial dim: a window crossing a shard border would need the neighbour's rows
 (a halo exchange), which no collective here provides. With groups > 1 the channel rules would have
 to cut at group borders, so grouped convolutions get only the batch and replicate rules.
+
+`im2col(x[N, C, H, W])` (F.unfold) -> [N, C*kh*kw, L]: each column gathers one patch of every channel.
+- batch:    S(0) -> S(0)   patches never cross samples.
+- channels: S(1) -> S(1)   a channel's taps are a contiguous run of kh*kw rows of the output (C is outer).
+- partial:  P -> P         a selection of entries is linear.
+Unbatched (C, H, W): the channel rule on dim 0. The spatial dims stay whole: patches overlap (a halo).
 """
 from __future__ import annotations
 
@@ -23,3 +29,10 @@ def conv_rules(node: Node, graph: Graph) -> list[OpRule]:
     if node.attrs.get("groups", 1) == 1:
         rules += [OpRule("out_channels", (FULL, 0), 1), OpRule("in_channels", (1, 1), PARTIAL)]
     return rules
+
+
+@rule("im2col")
+def im2col_rules(node: Node, graph: Graph) -> list[OpRule]:
+    channel = graph[node.inputs[0]].rank - 3
+    rules = [replicate(node), OpRule("partial", (PARTIAL,), PARTIAL), OpRule("channels", (channel,), channel)]
+    return rules + ([OpRule("batch", (0,), 0)] if channel == 1 else [])

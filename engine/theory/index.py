@@ -16,6 +16,12 @@
 - slice_scatter(x, src) / select_scatter(x, src): x with a slice (an index) of `dim` replaced by
   src. Linear in (x, src) together: (P, P) -> P. Any other dim may be sharded in both x and src
   (select_scatter's src lacks `dim`, so its dims past it shift by one): each slice writes its own rows.
+- scatter(x, dim, idx, src | value): x with entries along `dim` replaced at idx. A dim other than `dim` where x,
+  idx (and src) have the same size may be sharded in all of them (each slice writes within itself, in the same
+  order as the whole). With a value of 0 it is linear in x (P, F -> P); with src no Partial rule: where idx
+  repeats an entry, which write wins is unspecified (on a GPU), so addends could each keep a different one.
+- tril / triu(x, diagonal): entries kept by their global (row, column) in the last two dims, which therefore
+  stay whole (a shard would need its offset); every other dim may be sharded, and the mask is linear (P -> P).
 """
 from __future__ import annotations
 
@@ -75,3 +81,20 @@ def scatter_slice_rules(node: Node, graph: Graph) -> list[OpRule]:
     gone = 1 if node.op == "select_scatter" else 0
     rules = [replicate(node), OpRule("partial", (PARTIAL, PARTIAL), PARTIAL)]
     return rules + [OpRule("rows", (d, d - gone if d > dim else d), d) for d in range(node.rank) if d != dim]
+
+
+@rule("scatter")
+def scatter_rules(node: Node, graph: Graph) -> list[OpRule]:
+    operands = [graph[i] for i in node.inputs]
+    dim = node.attrs["dim"]
+    rules = [replicate(node)]
+    if len(operands) == 2 and node.attrs["value"] == 0:
+        rules.append(OpRule("partial", (PARTIAL, FULL), PARTIAL))
+    same = [d for d in range(node.rank) if d != dim and len({x.shape[d] for x in operands}) == 1]
+    return rules + [OpRule("rows", (d,) * len(operands), d) for d in same]
+
+
+@rule("tril", "triu")
+def triangle_rules(node: Node, graph: Graph) -> list[OpRule]:
+    rules = [replicate(node), OpRule("partial", (PARTIAL,), PARTIAL)]
+    return rules + [OpRule("shard", (d,), d) for d in range(node.rank - 2)]

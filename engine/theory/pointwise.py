@@ -29,7 +29,7 @@ NONLINEAR_BINARY = ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_
 UNARY = ("relu", "gelu", "tanh", "sigmoid", "silu", "exp", "rsqrt", "sqrt", "neg", "identity", "dropout", "cos", "sin",
          "logical_not", "clamp", "softplus", "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "ceil", "cosh",
          "erf", "expm1", "floor", "log", "log10", "log1p", "log2", "reciprocal", "sign", "sinh", "tan", "trunc", "isinf",
-         "isnan", "bitwise_not", "round", "elu", "leaky_relu")
+         "isnan", "bitwise_not", "round", "elu", "leaky_relu", "hardswish", "hardsigmoid", "log_sigmoid", "mish")
 """Elementwise maps of one tensor (with number attributes: clamp's bounds, round's decimals, elu's alpha ...)."""
 
 

@@ -295,6 +295,35 @@ def test_unsupported_op_names_op_node_and_location() -> None:
     assert "\n" not in msg
 
 
+class DataSplit(nn.Module):
+    """JetMoE's expert split: pieces sized by counts read from tensor values (`.tolist()`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = x.split((self.fc(x) > 0).long().sum(0).tolist(), dim=0)
+        return parts[0].sum() + parts[1].mean()
+
+
+def test_a_split_into_data_dependent_sizes_is_refused_at_the_models_line() -> None:
+    with pytest.raises(UnsupportedOpError, match=r"aten.split_with_sizes with sizes read from tensor values .* "
+                                                 r"at node 'split_with_sizes' .*test_capture.py.?, line \d+") as e:
+        engine.load_model(DataSplit(), (torch.randn(6, 4),))
+    assert "\n" not in str(e.value)
+
+
+def test_arguments_a_lowering_cannot_read_refuse_the_operator_instead_of_escaping(monkeypatch) -> None:
+    def unreadable(c):
+        return int(c.fx)  # what a symbolic size where a number is expected gave (JetMoE before its own refusal)
+
+    monkeypatch.setitem(engine.model.capture._SPLITS, "cummax", lambda c: [unreadable(c), None])
+    with pytest.raises(UnsupportedOpError, match=r"aten.cummax with arguments capture cannot read \(TypeError: .*"
+                                                 r"at node 'cummax' .*test_capture.py"):
+        engine.load_model(CumsumModel(), (torch.randn(2, 4),))
+
+
 class InPlaceResidual(nn.Module):
     """In-place residual adds and scaling next to a batch norm (whose running statistics update in place)."""
 
@@ -358,6 +387,42 @@ def test_mask_arithmetic_captures_with_rules_and_computes_the_same() -> None:
     g = engine.load_model(module, (x, pad))
     assert {"where", "full", "cumsum", "arange"} <= {n.op for n in g.nodes} and engine.theory.missing_rules(g) == []
     assert torch.allclose(interpret(g, module, (x, pad)), module(x, pad), rtol=1e-6, atol=1e-7)
+
+
+class Composites(nn.Module):
+    """Composite operators capture decomposes (logsumexp, rms_norm, vector norms, nll_loss, the real part of an FFT)
+    and the ones it lowers
+    to operators of their own (tril, triu, unfold, scatter, hardswish, log-sigmoid), with aliases among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.norm = nn.RMSNorm(6)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.fc(x)) + F.rms_norm(x, [3, 6], eps=1e-3)
+        h = F.hardswish(h) + F.logsigmoid(h.tril(-1)) * h.triu(1).multiply(0.5)
+        lse = torch.logsumexp(h.masked_fill(torch.ones_like(h, dtype=torch.bool).tril(-2), float("-inf")), dim=-1)
+        norms = sum(torch.linalg.vector_norm(h, ord=p, dim=(1, 2), keepdim=True) for p in (2, 1, 3, float("inf"), 0))
+        h = F.normalize(h, dim=-1) + norms.expand_as(h) + h.view_as(lse.unsqueeze(-1).expand_as(h))
+        cols = F.unfold(h.unsqueeze(1), kernel_size=2)  # (batch, 4, places)
+        picked = torch.zeros_like(cols).scatter(2, torch.zeros_like(cols[..., :1], dtype=torch.long), cols[..., :1])
+        logp = torch.log_softmax(h.reshape(-1, 6), dim=-1)
+        mixed = torch.fft.fftn(h, dim=(1, 2)).real * torch.fft.fftn(h, dim=(0, 1, 2), norm="ortho").real  # FNet's mixing
+        return F.nll_loss(logp, target, ignore_index=-100) + picked.mean() + lse.mean() + mixed.mean()
+
+
+def test_composites_are_decomposed_into_ruled_operators_and_compute_the_same() -> None:
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    module, x = Composites(), torch.randn(2, 3, 6)
+    target = torch.tensor([0, 5, -100, 2, 3, -100])
+    g = engine.load_model(module, (x, target))
+    ops = {n.op for n in g.nodes}
+    assert {"tril", "triu", "im2col", "scatter", "hardswish", "log_sigmoid", "gather", "amax", "rsqrt", "einsum"} <= ops
+    assert "opaque" not in ops and engine.theory.missing_rules(g) == []
+    assert torch.allclose(interpret(g, module, (x, target)), module(x, target), rtol=1e-6, atol=1e-6)
 
 
 class ForwardConstant(nn.Module):

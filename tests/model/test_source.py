@@ -118,6 +118,8 @@ def test_model_file_errors_are_one_line_model_errors(tmp_path):
     ("hf:LlamaForCausalLM", None, {"image_size": "32"}, "image_size applies to image classifiers only"),
     ("hf:LlamaForCausalLM", "missing.json", {}, "--config missing.json: file not found"),
     ("hf:MixtralForCausalLM", None, {"experts_implementation": "fast"}, "experts_implementation must be one of hap_dense"),
+    ("hf:Gemma4AssistantForCausalLM", None, {}, "default Gemma4AssistantConfig of this transformers release fails its "
+                                                "own validation \\(ValueError: hidden_size_per_layer_input must be 0"),
 ])
 def test_hf_spec_errors_are_one_line_model_errors(spec, config, knobs, message):
     pytest.importorskip("transformers")

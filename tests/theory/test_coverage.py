@@ -112,7 +112,8 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "one_hot", "cumsum", "gather", "arange", "opaque", "constant", "full", "pad", "index", "where",
         "index_add", "scatter_add", "histc", "roll", "clamp", "softplus", "rand", "round", "elu", "leaky_relu",
         "div_floor", "div_trunc", "bitwise_and", "bitwise_or", "bitwise_xor", "amax", "amin", "any", "all", "prod", "var",
-        "argmax", "argmin", "flip", "slice_scatter", "select_scatter", "sort_values", "sort_indices", "group_norm", "upsample"}
+        "argmax", "argmin", "flip", "slice_scatter", "select_scatter", "sort_values", "sort_indices", "group_norm", "upsample",
+        "tril", "triu", "scatter", "im2col"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -191,7 +192,19 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "histc": ([(3, 4)], {"bins": 5, "min": 0.0, "max": 2.0}),
     "opaque": ([(3, 4)], {"target": "aten::flip.default", "args": [{"tensor": 0}, [0]], "kwargs": {}, "output_index": None}),
     "roll": ([(3, 4)], {"shifts": [1], "dims": [1]}),
+    **{op: ([(3, 4)], {}) for op in ("hardswish", "hardsigmoid", "log_sigmoid", "mish")},
+    "tril": ([(3, 4, 5)], {"diagonal": -1}),
+    "triu": ([(2, 3, 4, 5)], {"diagonal": 2}),
+    "scatter": ([(4, 5, 3), ((4, 2, 3), "int64"), (4, 2, 3)], {"dim": 1}),
+    "im2col": ([(2, 3, 5, 6)], {"kernel_size": [2, 3], "dilation": [1, 2], "padding": [1, 0], "stride": [2, 1]}),
 }
+MORE_EXAMPLES: list[tuple[str, list, dict]] = [
+    ("scatter", [(4, 5, 3), ((4, 2, 3), "int64")], {"dim": 1, "value": 0}),
+    ("scatter", [(4, 5), ((3, 2), "int64")], {"dim": 1, "value": 1.5}),
+    ("im2col", [(6, 5, 5)], {"kernel_size": [2, 2], "dilation": [1, 1], "padding": [0, 0], "stride": [1, 1]}),
+]
+"""Further examples of operators whose rules depend on their attrs or operand shapes (a value to scatter, an
+unbatched input)."""
 VIEW_SHAPES = {"view": (3, 4), "expand": (4, 5), "topk_values": (3, 2), "topk_indices": (3, 2), "arange": (5,),
                "constant": (2, 2), "full": (2, 3), "histc": (5,), "rand": (3, 4)}
 
@@ -214,6 +227,13 @@ def test_every_rule_of_every_registered_op_holds_on_its_example(op: str) -> None
     """The theory's checker on each operator's example: every rule it offers, on 3 uneven devices."""
     operands, attrs = EXAMPLES[op]
     node, g = one_op(op, operands, attrs, out_shape=VIEW_SHAPES.get(op))
+    results = check_node(node, g, UNEVEN)
+    assert results and all(r.ok for r in results), describe(results)
+
+
+@pytest.mark.parametrize("op, operands, attrs", MORE_EXAMPLES)
+def test_every_rule_holds_on_the_further_examples(op: str, operands: list, attrs: dict) -> None:
+    node, g = one_op(op, operands, attrs)
     results = check_node(node, g, UNEVEN)
     assert results and all(r.ok for r in results), describe(results)
 
