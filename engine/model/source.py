@@ -498,8 +498,9 @@ SIZE_RELATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "layer_types": ('["full_attention"] * num_hidden_layers', lambda c: ["full_attention"] * c["num_hidden_layers"]),
 }
 """Sizes a config may leave None that most configs derive by a standard relation: key -> (the relation, its value)."""
-UNSET_SIZE = re.compile(r"^(vocab_size|head_dim|num_key_value_heads|(\w+_)?intermediate_size|layer_types|"
-                        r"(n|num)_(routed_|shared_|local_)?experts|num_experts_per_tok(en)?|top_k_experts|moe_topk)$")
+UNSET_SIZE = re.compile(r"^(vocab_size|(\w+_)?head_dim|(\w+_)?(n|kv)_heads|num_key_value_heads|(\w+_)?intermediate_size|"
+                        r"layer_types|(n|num)_(routed_|shared_|local_)?experts|num_experts_per_tok(en)?|top_k_experts|"
+                        r"moe_topk)$")
 """Keys of sizes a model needs when its default config leaves them None (the others' None means 'off')."""
 
 

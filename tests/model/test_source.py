@@ -206,7 +206,8 @@ def test_a_size_the_default_config_leaves_none_is_named_with_the_set_to_pass():
     with torch.device("meta"), pytest.raises(ModelError, match=r"leaves head_dim None .*: pass --set head_dim=8 "
                                                                 r"\(hidden_size // num_attention_heads\)$"):
         source.hf_build(spec)
-    assert source.unset_sizes({"n_routed_experts": None, "sliding_window": None}) == {"n_routed_experts": ("", None)}
+    unset = source.unset_sizes({"n_routed_experts": None, "indexer_head_dim": None, "sliding_window": None})
+    assert unset == {"indexer_head_dim": ("", None), "n_routed_experts": ("", None)}
 
 
 def test_a_classifier_whose_forward_takes_no_labels_trains_on_the_cross_entropy_of_its_scores():
