@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,8 +38,18 @@ LAYERS = 2
 EXPERTS = 4
 LAYER_KEY = re.compile(r"^(num_(hidden_|encoder_|decoder_)?layers|n_layers?|n_layer|(encoder|decoder)_layers|"
                        r"num_decoder_layers|num_encoder_layers|num_blocks)$")
+SUBCOUNT_KEY = re.compile(r"^(num|n)_\w+_layers$")
+"""Counts of some of the layers (num_kv_shared_layers, num_dense_layers): scaled down with the layers where they
+would otherwise cover all of them (Gemma3n's 15 KV-sharing layers of 35 leave no layer to produce a cache)."""
 EXPERT_KEY = re.compile(r"^(num_local_experts|num_experts|n_routed_experts|moe_num_experts)$")
-TOP_K_KEY = re.compile(r"^(num_experts_per_tok|moe_topk|top_k|num_selected_experts)$")
+TOP_K_KEY = re.compile(r"^(num_experts_per_tok(en)?|moe_topk|moe_k|top_k|top_k_experts|num_selected_experts)$")
+GROUP_KEY = re.compile(r"^(n_group|num_expert_group|topk_group)$")
+"""Expert groups and the groups routed to: 1 when the experts shrink (a group count must divide them)."""
+PER_TOKEN = 2
+SHARED = 1
+VOCAB = 32000
+"""Values the sweep fills where a default config leaves an expert count, top-k, shared-expert count or the
+vocabulary None and no relation gives it (engine.model.source.SIZE_RELATIONS gives the others)."""
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 16, "vocab_size": 256, "d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4,
          "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
@@ -57,6 +67,8 @@ class Outcome:
     """planned | refused | capture error | timeout | crash"""
     detail: str = ""
     seconds: float = 0.0
+    filled: dict[str, Any] = field(default_factory=dict)
+    """Sizes the default config left None that the sweep filled (`fills`)."""
 
 
 # ----------------------------------------------------------------------------- the list of types
@@ -87,32 +99,68 @@ def read_types() -> dict[str, Any]:
 
 
 def shrunk(cls: str, small: bool = False) -> dict[str, Any]:
-    """Knobs shrinking the class's default config: 2 layers (lists per layer cut to match), at most 4 experts
-    (and as many per token), and with `small` the widths of SMALL."""
-    from engine.model.source import hf_class
+    """Knobs shrinking the class's default config: 2 layers (more only where a per-layer list has more kinds of
+    layer: each kind is kept), at most 4 experts (in one group, top-k at most as many), sizes the default leaves
+    None filled (`fills`), and with `small` the widths of SMALL."""
+    from engine.model.source import default_config
 
-    default = hf_class(cls).config_class().to_dict()
+    default = default_config(cls).to_dict()
     knobs: dict[str, Any] = {}
     staged = isinstance(default.get("depths"), list)  # Swin-like: num_layers counts stages, depths their blocks
     layers = {k: v for k, v in default.items()
               if LAYER_KEY.match(k) and isinstance(v, int) and v > LAYERS and not (staged and k == "num_layers")}
-    for k in layers:
-        knobs[k] = LAYERS
-    counts = set(layers.values())
+    per_layer = {k: v for k, v in default.items() if isinstance(v, list) and v and len(v) in set(layers.values())}
+    n = max([LAYERS, *(len(kinds_of(v)) for v in per_layer.values())])
+    knobs.update({k: n for k, v in layers.items() if v > n})
+    knobs.update({k: cut(v, n) for k, v in per_layer.items() if len(v) > n})
+    most = max(layers.values(), default=0)
     for k, v in default.items():
-        if isinstance(v, list) and len(v) in counts and k not in knobs:
-            knobs[k] = v[:LAYERS]  # per-layer lists (layer_types, ...)
+        if SUBCOUNT_KEY.match(k) and k not in layers and isinstance(v, int) and most > n and v >= n:
+            knobs[k] = v * n // most
         if k == "depths" and isinstance(v, list):
             knobs[k] = [min(d, LAYERS) for d in v]
         if EXPERT_KEY.match(k) and isinstance(v, int) and v > EXPERTS:
             knobs[k] = EXPERTS
+    if any(EXPERT_KEY.match(k) for k in knobs):
+        knobs.update({k: 1 for k, v in default.items() if GROUP_KEY.match(k) and isinstance(v, int) and v > 1})
     for k, v in default.items():
         if TOP_K_KEY.match(k) and isinstance(v, int):
             knobs[k] = min(v, EXPERTS)
     if small:
         knobs.update({k: v for k, v in SMALL.items() if isinstance(default.get(k), int)})
         knobs.update(batch=6, seq_len=16)
-    return knobs
+    return {**knobs, **fills({**default, **knobs})}
+
+
+def kinds_of(values: list) -> dict[str, int]:
+    """Each distinct entry of a per-layer list (by its JSON text: entries may be lists) -> its first index."""
+    first: dict[str, int] = {}
+    for i, v in enumerate(values):
+        first.setdefault(json.dumps(v), i)
+    return first
+
+
+def cut(values: list, n: int) -> list:
+    """A per-layer list cut to n layers that keeps a layer of each kind (configs check for one 'full_attention'
+    layer, an attention layer among linear ones, ...): the first of each kind, then the first others, in order."""
+    keep = set(kinds_of(values).values())
+    keep |= set([i for i in range(len(values)) if i not in keep][:max(0, n - len(keep))])
+    return [values[i] for i in sorted(keep)]
+
+
+def fills(config: dict[str, Any]) -> dict[str, Any]:
+    """Sizes the config leaves None, filled: by their standard relation (head_dim = hidden_size //
+    num_attention_heads, ...), else expert counts EXPERTS, top-k PER_TOKEN, shared experts SHARED, vocabulary VOCAB."""
+    from engine.model.source import unset_sizes
+
+    out: dict[str, Any] = {}
+    for key, (_, value) in unset_sizes(config).items():
+        if value is None:
+            value = (EXPERTS if EXPERT_KEY.match(key) else min(PER_TOKEN, EXPERTS) if TOP_K_KEY.match(key)
+                     else SHARED if key.startswith(("n_shared", "num_shared")) else VOCAB if key == "vocab_size" else None)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def one(model_type: str, cls: str) -> Outcome:
@@ -120,13 +168,18 @@ def one(model_type: str, cls: str) -> Outcome:
     import engine
     from engine.errors import InfeasibleError, ModelError, PlanError, UnsupportedOpError
 
+    from engine.model.source import default_config, unset_sizes
+
     start = time.perf_counter()
+    filled: dict[str, Any] = {}
 
     def row(status: str, detail: str = "") -> Outcome:
-        return Outcome(model_type, cls, status, detail[:600], round(time.perf_counter() - start, 1))
+        return Outcome(model_type, cls, status, detail[:600], round(time.perf_counter() - start, 1), filled)
 
     try:
-        graph = engine.load_model(f"hf:{cls}", **shrunk(cls))
+        knobs = shrunk(cls)
+        filled = {k: knobs[k] for k in unset_sizes(default_config(cls).to_dict()) if k in knobs}
+        graph = engine.load_model(f"hf:{cls}", **knobs)
     except UnsupportedOpError as e:
         return row("refused", str(e))
     except ModelError as e:
@@ -174,8 +227,9 @@ def sweep(types: dict[str, str], jobs: int, cap_s: float) -> list[Outcome]:
     with ThreadPoolExecutor(jobs) as pool:
         for k, outcome in enumerate(pool.map(lambda kv: _child(kv[0], kv[1], cap_s), types.items()), 1):
             done.append(outcome)
+            note = "filled " + ", ".join(f"{k}={v}" for k, v in outcome.filled.items()) + "; " if outcome.filled else ""
             print(f"[{k}/{len(types)}] {outcome.type:28s} {outcome.status:13s} {outcome.seconds:6.1f} s  "
-                  f"{outcome.detail[:140]}", flush=True)
+                  f"{note}{outcome.detail[:140]}", flush=True)
     return done
 
 

@@ -184,6 +184,7 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from engine import load_cluster, plan
+    from engine.model.source import adjusted_note
 
     options = plan_options(args)
     _knobs(args.set or [])  # bad options, knobs and a bad cluster fail in milliseconds, before the model is built
@@ -192,8 +193,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"warning: {warning}", file=sys.stderr)
     graph = _load_graph(args)
     for key, default in graph.origin.get("adjusted", {}).items():
-        print(f"note: {key} set to 0 (the default {default} skips layers at random in forward, which no captured "
-              f"program can hold; the run trains with 0 too)", file=sys.stderr)
+        print(adjusted_note(key, default), file=sys.stderr)
     result = plan(graph, cluster, progress=_progress_printer(), options=options)
     if sys.stderr.isatty():
         sys.stderr.write("\n")

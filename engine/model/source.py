@@ -27,14 +27,18 @@ The `hf:` form takes the class's default config, then a JSON config file, then `
 overrides (keys of the transformers config), plus the input knobs `batch`, `seq_len` and, for
 vision models whose config has no `image_size`, `image_size`. Inputs follow the class's task:
 token ids, an all-ones attention mask and labels for language models (decoder ids too for
-encoder-decoders), pixel values and class labels for image classifiers.
+encoder-decoders), pixel values and class labels for image classifiers. A class whose name has no
+known suffix gets its task from what its forward takes (`task_by_signature`), and each input goes
+only where the forward takes it (no attention mask for FNet, no decoder ids for a decoder-only VLM).
 """
 from __future__ import annotations
 
 import difflib
 import functools
 import hashlib
+import inspect
 import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +49,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from engine import limits
-from engine.errors import ModelError
+from engine.errors import ModelError, UnsupportedOpError
 from engine.model.capture import capture
 from engine.model.capture import load_model as _load_other
 from engine.model.capture import loss_of
@@ -302,11 +306,37 @@ def hf_class(name: str) -> type:
 
 
 def task_of(name: str) -> str:
+    """The task whose inputs and labels the class gets: by its name's suffix (TASKS), else by what its forward
+    takes (`task_by_signature`: BertGenerationDecoder, ReformerModelWithLMHead, EncoderDecoderModel, ...)."""
     for suffix, task in TASKS:
         if name.endswith(suffix):
             return task
-    raise ModelError(f"hf:{name}: no inputs known for this class; use a class ending in "
-                     f"{', '.join(s for s, _ in TASKS)}, or write a model file")
+    task = task_by_signature(forward_params(name))
+    if task is None:
+        raise ModelError(f"hf:{name}: no inputs known for this class (its forward takes no labels with input_ids or "
+                         f"pixel_values); use a class ending in {', '.join(s for s, _ in TASKS)}, or write a model file")
+    return task
+
+
+def forward_params(name: str) -> frozenset[str]:
+    """The keyword parameters of the transformers class's forward (empty when it has none by name)."""
+    forward = getattr(getattr(transformers_module(), name, None), "forward", None)
+    try:
+        return frozenset(inspect.signature(forward).parameters) if callable(forward) else frozenset()
+    except (TypeError, ValueError):  # no signature to read
+        return frozenset()
+
+
+def task_by_signature(params: frozenset[str]) -> str | None:
+    """A training head named by no TASKS suffix, told by its forward's parameters: labels with decoder ids is a
+    sequence-to-sequence LM, labels with token ids a causal LM, labels with pixels an image classifier."""
+    if "labels" not in params:
+        return None
+    if "decoder_input_ids" in params:
+        return "seq2seq_lm"
+    if "input_ids" in params:
+        return "causal_lm"
+    return "image_classification" if "pixel_values" in params else None
 
 
 IMPLEMENTATIONS = {"experts": ("hap_dense", "batched_mm", "grouped_mm", "eager"), "attn": ("eager", "sdpa")}
@@ -360,6 +390,36 @@ def without_data_dependent_defaults(default: Any, values: dict[str, Any]) -> dic
     return changed
 
 
+READS_IS_DECODER = re.compile(r"\bconfig\.is_decoder\b(?!\s*=(?!=))")
+"""A read of the config's is_decoder (not an assignment, as in GPT-NeoX's docstring example)."""
+
+
+def as_decoder(name: str, default: Any, values: dict[str, Any]) -> dict[str, Any]:
+    """A causal LM whose modeling code reads `is_decoder` (BertLMHeadModel, BertGenerationDecoder, Reformer's LM
+    head, which refuses to build without it) gets is_decoder=True unless the user set it: with the default False
+    its layers attend to later tokens, which a next-token loss must not see. Returns {key: default} if changed."""
+    if "is_decoder" in values or getattr(default, "is_decoder", None) is not False or task_of(name) != "causal_lm":
+        return {}
+    cls = hf_class(name)
+    try:
+        reads = READS_IS_DECODER.search(inspect.getsource(inspect.getmodule(cls))) is not None
+    except (OSError, TypeError):  # no source to read: leave the config as it is
+        return {}
+    if reads:
+        values["is_decoder"] = True
+        return {"is_decoder": False}
+    return {}
+
+
+def adjusted_note(key: str, default: Any) -> str:
+    """What `hap plan` says of a config key the capture changed from the class's default, and why."""
+    if key == "is_decoder":
+        return (f"note: is_decoder set to true (the default {json.dumps(default)} lets this causal LM's layers attend "
+                "to later tokens, which its next-token loss must not see; --set is_decoder=false keeps it)")
+    return (f"note: {key} set to 0 (the default {default} skips layers at random in forward, which no captured "
+            "program can hold; the run trains with 0 too)")
+
+
 def parse_value(text: Any) -> Any:
     """A --set value: JSON when it parses (numbers, true/false, null, lists), else the string itself."""
     if not isinstance(text, str):
@@ -384,18 +444,6 @@ def read_config(config: str | Path | dict | None) -> dict[str, Any]:
     return d
 
 
-def default_config(cls: type) -> Any:
-    """The default config of a transformers class; one whose own defaults fail transformers' validation (a
-    strict dataclass check of the pinned release) is a ModelError that says so."""
-    try:
-        return cls.config_class()
-    except Exception as e:  # transformers validates in many ways
-        cause = e.__cause__ if e.__cause__ is not None else e
-        raise ModelError(f"hf:{cls.__name__}: the default {cls.config_class.__name__} of this transformers release fails "
-                         f"its own validation ({type(cause).__name__}: {first_line(cause)}); pass a config that "
-                         f"validates (--config)") from None
-
-
 def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str, Any] | None = None) -> HFSpec:
     """Parse `hf:Class` + config file/dict + key=value knobs into a full config and input sizes."""
     name = model[len(HF_PREFIX):].strip()
@@ -404,7 +452,7 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
     values = {**read_config(config), **{k: parse_value(v) for k, v in (knobs or {}).items()}}  # before transformers loads
     cls = hf_class(name)
     implementation = implementation_of(name, values)
-    default = default_config(cls)
+    default = default_config(name)
     known = set(default.to_dict()) | {"num_labels"}
     inputs = {k: values.pop(k) for k in INPUT_KNOBS if k in values and not (k == "image_size" and k in known)}
     bad = sorted(k for k in values if k not in known and not hasattr(default, k))
@@ -413,16 +461,71 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
         hint = f"; did you mean '{near[0]}'?" if near else ""
         raise ModelError(f"hf:{name}: '{bad[0]}' is not a key of {type(default).__name__} nor an input knob "
                          f"({', '.join(INPUT_KNOBS)}){hint}")
-    adjusted = without_data_dependent_defaults(default, values)
+    adjusted = without_data_dependent_defaults(default, values) | as_decoder(name, default, values)
     if "use_cache" not in values and getattr(default, "use_cache", False) is True:
         values["use_cache"] = False  # training keeps no KV cache; hybrid models' caches also refuse capture
     try:
         cfg = cls.config_class(**values)
     except Exception as e:  # transformers validates in many ways
-        raise ModelError(f"hf:{name}: bad config: {type(e).__name__}: {first_line(e)}") from None
+        raise ModelError(f"hf:{name}: bad config: {root_cause(e)}") from None
     task = task_of(name)
     return HFSpec(name, json.loads(cfg.to_json_string(use_diff=False)), task, input_sizes(name, cfg, task, inputs),
                   implementation, adjusted)
+
+
+def default_config(name: str) -> Any:
+    """The class's default config (the spec checks the user's keys against it); ModelError when transformers'
+    own default does not validate (Gemma4Assistant's default text config)."""
+    try:
+        return hf_class(name).config_class()
+    except ModelError:
+        raise
+    except Exception as e:
+        raise ModelError(f"hf:{name}: transformers' default config does not validate: {root_cause(e)}; pass a "
+                         "config that does (--config FILE, or --set the keys it names)") from None
+
+
+def root_cause(e: BaseException) -> str:
+    """Type and first line of the innermost cause: a strict config's validation error says only which validator
+    failed ('Class validation error for validator ...'), its cause says why."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: {first_line(e)}"
+
+
+SIZE_RELATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
+    "head_dim": ("hidden_size // num_attention_heads", lambda c: c["hidden_size"] // c["num_attention_heads"]),
+    "num_key_value_heads": ("num_attention_heads", lambda c: c["num_attention_heads"]),
+    "layer_types": ('["full_attention"] * num_hidden_layers', lambda c: ["full_attention"] * c["num_hidden_layers"]),
+}
+"""Sizes a config may leave None that most configs derive by a standard relation: key -> (the relation, its value)."""
+UNSET_SIZE = re.compile(r"^(vocab_size|(\w+_)?head_dim|(\w+_)?(n|kv)_heads|num_key_value_heads|(\w+_)?intermediate_size|"
+                        r"layer_types|(n|num)_(routed_|shared_|local_)?experts|num_experts_per_tok(en)?|top_k_experts|"
+                        r"moe_topk)$")
+"""Keys of sizes a model needs when its default config leaves them None (the others' None means 'off')."""
+
+
+def unset_sizes(config: dict[str, Any]) -> dict[str, tuple[str, Any]]:
+    """The config's UNSET_SIZE keys left None: key -> (the standard relation, its value here), or ("", None)
+    where there is none."""
+    out: dict[str, tuple[str, Any]] = {}
+    for key in sorted(k for k, v in config.items() if v is None and UNSET_SIZE.match(k)):
+        relation, value = SIZE_RELATIONS.get(key, ("", None))
+        try:
+            out[key] = (relation, value(config) if value else None)
+        except (KeyError, TypeError, ZeroDivisionError):  # its operands are unset too
+            out[key] = ("", None)
+    return out
+
+
+def unset_size_hint(config: dict[str, Any]) -> str:
+    """What to pass for each size the config leaves None ("" when none is): appended to a build or capture error."""
+    unset = unset_sizes(config)
+    if not unset:
+        return ""
+    sets = " ".join(f"--set {k}={json.dumps(v, separators=(',', ':'))} ({rel})" if v is not None else f"--set {k}=N"
+                     for k, (rel, v) in unset.items())
+    return f"; the config leaves {', '.join(unset)} None (transformers' default gives no value): pass {sets}"
 
 
 def _positive(name: str, key: str, value: Any) -> int:
@@ -439,15 +542,28 @@ def max_positions(cfg: Any) -> int | None:
     return None
 
 
+def takes_tokens(name: str, task: str) -> bool:
+    """Whether the class's batch has token ids: every language task, and image classifiers whose forward takes
+    them (ImageGPT classifies pixel tokens; ShieldGemma2 reads a prompt beside the image)."""
+    return task != "image_classification" or "input_ids" in forward_params(name)
+
+
+def takes_pixels(name: str, task: str) -> bool:
+    """Whether the class's batch has pixel values: image classifiers whose forward takes them."""
+    return task == "image_classification" and "pixel_values" in forward_params(name)
+
+
 def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[str, int]:
-    """batch and seq_len (bounded by the model's positions), or batch and image_size."""
+    """batch, seq_len (bounded by the model's positions) where the batch has token ids, image_size where it has pixels."""
     out = {"batch": _positive(name, "batch", knobs.get("batch", DEFAULT_BATCH))}
-    if task == "image_classification":
-        size = getattr(cfg, "image_size", None) or knobs.get("image_size", DEFAULT_IMAGE_SIZE)
+    if takes_pixels(name, task):
+        size = (getattr(cfg, "image_size", None) or getattr(getattr(cfg, "vision_config", None), "image_size", None)
+                or knobs.get("image_size", DEFAULT_IMAGE_SIZE))
         out["image_size"] = _positive(name, "image_size", size[0] if isinstance(size, (list, tuple)) else size)
+    elif "image_size" in knobs:
+        raise ModelError(f"hf:{name}: image_size applies to image classifiers only (their forward takes pixel_values)")
+    if not takes_tokens(name, task):
         return out
-    if "image_size" in knobs:
-        raise ModelError(f"hf:{name}: image_size applies to image classifiers only")
     limit = max_positions(cfg)
     seq = _positive(name, "seq_len", knobs.get("seq_len", min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)))
     if limit is not None and seq > limit:
@@ -485,40 +601,73 @@ def _text(cfg: Any) -> Any:
 
 
 def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """The keyword batch of the spec's task (on the current default device; meta for capture)."""
+    """The keyword batch of the spec's task (on the current default device; meta for capture): pixels and token
+    ids as the sizes say, the attention mask where the forward takes one, decoder ids for a sequence-to-sequence
+    LM, and labels: a class per sample for classifiers, a token per position for language models."""
     cfg = hf_config(spec)
-    b = spec.inputs["batch"]
-    if spec.task == "image_classification":
+    b, takes = spec.inputs["batch"], forward_params(spec.cls)
+    out: dict[str, torch.Tensor] = {}
+    if "image_size" in spec.inputs:
         s, c = spec.inputs["image_size"], getattr(cfg, "num_channels", 3)
-        return {"pixel_values": torch.randn(b, c, s, s, generator=generator),
-                "labels": torch.randint(0, cfg.num_labels, (b,), generator=generator)}
-    t, vocab = spec.inputs["seq_len"], _text(cfg).vocab_size
-    out = {"input_ids": torch.randint(0, vocab, (b, t), generator=generator),
-           "attention_mask": torch.ones(b, t, dtype=torch.long)}
-    if spec.task == "seq2seq_lm":
-        out["decoder_input_ids"] = torch.randint(0, vocab, (b, t), generator=generator)
-    if spec.task == "sequence_classification":
+        out["pixel_values"] = torch.randn(b, c, s, s, generator=generator)
+    vocab = getattr(_text(cfg), "vocab_size", None)
+    if "seq_len" in spec.inputs:
+        t = spec.inputs["seq_len"]
+        out["input_ids"] = torch.randint(0, vocab, (b, t), generator=generator)
+        if "attention_mask" in takes:
+            out["attention_mask"] = torch.ones(b, t, dtype=torch.long)
+        if spec.task == "seq2seq_lm" and "decoder_input_ids" in takes:  # not a decoder-only VLM's
+            out["decoder_input_ids"] = torch.randint(0, vocab, (b, t), generator=generator)
+    if spec.task in CLASSIFIERS:
         out["labels"] = torch.randint(0, cfg.num_labels, (b,), generator=generator)
     else:
-        out["labels"] = torch.randint(0, vocab, (b, t), generator=generator)
+        out["labels"] = torch.randint(0, vocab, (b, spec.inputs["seq_len"]), generator=generator)
     return out
 
 
 def hf_build(spec: HFSpec) -> torch.nn.Module:
     """The model, built from its config on the current default device (its own init; never a download)."""
     try:
-        return hf_class(spec.cls)(hf_config(spec))
+        model = hf_class(spec.cls)(hf_config(spec))
     except ModelError:
         raise
     except Exception as e:
-        raise ModelError(f"hf:{spec.cls}: building from the config failed: {type(e).__name__}: {first_line(e)}") from None
+        raise ModelError(f"hf:{spec.cls}: building from the config failed: {type(e).__name__}: {first_line(e)}"
+                         f"{unset_size_hint(spec.config)}") from None
+    if spec.task in CLASSIFIERS and "labels" not in forward_params(spec.cls):
+        model.forward = with_class_loss(model.forward)  # an instance attribute, as flat_forward sets it
+    return model
+
+
+CLASSIFIERS = ("sequence_classification", "image_classification")
+
+
+def with_class_loss(forward: Callable[..., Any]) -> Callable[..., torch.Tensor]:
+    """A classifier's forward that takes no labels (PPLCNet returns its class scores as `last_hidden_state`), given
+    the loss transformers' classifiers compute: the cross-entropy of its scores against `labels`."""
+
+    def forward_with_loss(*args: Any, labels: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        out = forward(*args, **kwargs)
+        scores = getattr(out, "logits", None)
+        scores = out[0] if scores is None else scores
+        return torch.nn.functional.cross_entropy(scores.reshape(labels.shape[0], -1), labels)
+
+    return forward_with_loss
 
 
 def capture_hf(spec: HFSpec, *, fallback: str | None = None) -> Graph:
     """Capture a transformers model on `meta`; the graph's origin holds the class, full config and input sizes."""
     with torch.device("meta"):
         model, inputs = hf_build(spec), hf_inputs(spec)
-    return capture(model, inputs, name=spec.cls, origin=spec.origin(), fallback=fallback)
+    try:
+        return capture(model, inputs, name=spec.cls, origin=spec.origin(), fallback=fallback)
+    except UnsupportedOpError:
+        raise
+    except ModelError as e:
+        hint = unset_size_hint(spec.config)
+        if not hint:
+            raise
+        raise ModelError(f"hf:{spec.cls}: {e}{hint}") from e
 
 
 def spec_of(origin: dict[str, Any]) -> HFSpec:

@@ -2,8 +2,10 @@
 runner's side rebuilds the same module and the same batch of every step from it (issue 13, item 4)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -118,8 +120,9 @@ def test_model_file_errors_are_one_line_model_errors(tmp_path):
     ("hf:LlamaForCausalLM", None, {"image_size": "32"}, "image_size applies to image classifiers only"),
     ("hf:LlamaForCausalLM", "missing.json", {}, "--config missing.json: file not found"),
     ("hf:MixtralForCausalLM", None, {"experts_implementation": "fast"}, "experts_implementation must be one of hap_dense"),
-    ("hf:Gemma4AssistantForCausalLM", None, {}, "default Gemma4AssistantConfig of this transformers release fails its "
-                                                "own validation \\(ValueError: hidden_size_per_layer_input must be 0"),
+    ("hf:Gemma4AssistantForCausalLM", None, {}, "default config does not validate: ValueError: hidden_size_per_layer_"),
+    ("hf:OlmoHybridForCausalLM", None, {"num_hidden_layers": 4, "layer_types": ["linear_attention"] * 4},
+     "bad config: ValueError: OLMoHybrid expects at least one attention layer"),
 ])
 def test_hf_spec_errors_are_one_line_model_errors(spec, config, knobs, message):
     pytest.importorskip("transformers")
@@ -182,6 +185,43 @@ def test_layerdrop_is_turned_off_unless_the_user_sets_it_and_the_origin_says_so(
     assert "adjusted" not in source.hf_spec("hf:BertForMaskedLM", None, TINY_BERT).origin()
 
 
+def test_a_causal_lm_reading_is_decoder_is_built_as_a_decoder_and_the_origin_says_so():
+    """BertGenerationDecoder (no TASKS suffix: its forward's labels and input_ids make it a causal LM) defaults to
+    is_decoder=False, which lets its layers see later tokens; Reformer's LM head refuses to build with it."""
+    pytest.importorskip("transformers")
+    spec = source.hf_spec("hf:BertGenerationDecoder", None, TINY_BERT)
+    assert spec.task == "causal_lm" and spec.config["is_decoder"] is True and spec.adjusted == {"is_decoder": False}
+    assert "is_decoder set to true" in source.adjusted_note("is_decoder", False)
+    assert source.hf_spec("hf:BertGenerationDecoder", None, {**TINY_BERT, "is_decoder": "false"}).adjusted == {}
+    assert "adjusted" not in source.hf_spec("hf:LlamaForCausalLM", None, {"num_hidden_layers": 1}).origin()
+
+
+def test_a_size_the_default_config_leaves_none_is_named_with_the_set_to_pass():
+    """Ministral's default config has head_dim None and its attention raises on it: the error names the key and
+    the --set of its standard relation."""
+    pytest.importorskip("transformers")
+    knobs = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 64, "vocab_size": 64}
+    spec = source.hf_spec("hf:MinistralForCausalLM", None, knobs)
+    with torch.device("meta"), pytest.raises(ModelError, match=r"leaves head_dim None .*: pass --set head_dim=8 "
+                                                                r"\(hidden_size // num_attention_heads\)$"):
+        source.hf_build(spec)
+    unset = source.unset_sizes({"n_routed_experts": None, "indexer_head_dim": None, "sliding_window": None})
+    assert unset == {"indexer_head_dim": ("", None), "n_routed_experts": ("", None)}
+
+
+def test_a_classifier_whose_forward_takes_no_labels_trains_on_the_cross_entropy_of_its_scores():
+    """PPLCNet's forward takes pixels only and returns its class scores as `last_hidden_state`."""
+    pytest.importorskip("transformers")
+    origin = source.hf_spec("hf:PPLCNetForImageClassification", None,
+                            {"image_size": 32, "batch": 2, "num_labels": 3, "hidden_dropout_prob": 0.0}).origin()
+    model = source.build_module(origin, 0)
+    pixels, labels = source.make_batch(origin, 0, 0)
+    with torch.no_grad():
+        scores = type(model).forward(model, pixels).last_hidden_state
+        assert torch.allclose(model(pixels, labels), torch.nn.functional.cross_entropy(scores, labels))
+
+
 @pytest.mark.parametrize("cls", ["MixtralForCausalLM", "Qwen2MoeForCausalLM"])
 def test_the_dense_experts_forward_computes_what_transformers_batched_experts_compute(cls):
     """`hap_dense` (every expert on every token, weighted by its routing weight) against transformers' own
@@ -225,6 +265,14 @@ def test_a_recorded_config_with_an_infinite_float_builds_again_and_training_keep
      {"pixel_values": (64, 3, 16, 16), "labels": (64,)}, 5),
     ("BertForSequenceClassification", {**TINY_BERT, "num_labels": 3, "batch": 64, "seq_len": 8},
      {"input_ids": (64, 8), "attention_mask": (64, 8), "labels": (64,)}, 3),
+    # no TASKS suffix: the task and the inputs follow what the forward takes
+    ("BertGenerationDecoder", {**TINY_BERT, "batch": 2, "seq_len": 8},
+     {"input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2, 8)}, 64),
+    ("SeamlessM4TForTextToText", {"vocab_size": 64, "batch": 2, "seq_len": 8},
+     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "labels": (2, 8)}, 64),
+    ("ImageGPTForImageClassification", {"vocab_size": 64, "num_labels": 3, "batch": 2, "seq_len": 8},
+     {"input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2,)}, 3),
+    ("FNetForMaskedLM", {"vocab_size": 64, "batch": 2, "seq_len": 8}, {"input_ids": (2, 8), "labels": (2, 8)}, 64),
 ])
 def test_hf_inputs_follow_the_task_and_stay_in_range(cls, knobs, expected, labels_below):
     pytest.importorskip("transformers")
@@ -232,7 +280,8 @@ def test_hf_inputs_follow_the_task_and_stay_in_range(cls, knobs, expected, label
     batch = source.hf_inputs(spec, torch.Generator().manual_seed(0))
     assert {k: tuple(v.shape) for k, v in batch.items()} == expected
     if "input_ids" in batch:
-        assert int(batch["input_ids"].max()) < spec.config["vocab_size"] and bool((batch["attention_mask"] == 1).all())
+        assert int(batch["input_ids"].max()) < spec.config["vocab_size"]
+    assert bool((batch.get("attention_mask", torch.ones(1)) == 1).all())
     assert int(batch["labels"].min()) >= 0 and int(batch["labels"].max()) < labels_below
 
 
@@ -292,3 +341,40 @@ def test_the_graph_run_on_the_runners_batch_gives_the_rebuilt_modules_loss(spec,
         assert tuple(x.shape) == p.shape and str(x.dtype).removeprefix("torch.") == p.dtype
     with torch.no_grad():
         assert torch.allclose(interpret(graph, module, batch), module(*batch), rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the coverage sweep's shrinking
+
+
+@pytest.fixture(scope="module")
+def sweep():
+    spec = importlib.util.spec_from_file_location("coverage_sweep", ROOT / "bench" / "sweep.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_a_per_layer_list_is_cut_keeping_a_layer_of_each_kind(sweep):
+    assert sweep.cut(["s", "s", "s", "f"] * 3, 2) == ["s", "f"]
+    assert sweep.cut(["a", "a", "b", "c"], 2) == ["a", "b", "c"]  # three kinds: three layers
+    assert sweep.cut([[1, 2], [1, 2], [3]], 2) == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("cls, expected", [
+    ("NeoMMEForMaskedLM", {"num_hidden_layers": 2}),  # keeps its one full_attention layer (the config checks)
+    ("AXK1ForCausalLM", {"n_routed_experts": 4, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 4}),
+    ("Ernie4_5_MoeForCausalLM", {"moe_num_experts": 4, "moe_k": 4}),  # top-k within the shrunk experts
+    ("Gemma3nForCausalLM", {"num_kv_shared_layers": 0}),  # 15 of 35 KV-sharing layers would leave no producer
+    ("MinistralForCausalLM", {"head_dim": 128}),  # None in the default: hidden_size // num_attention_heads
+    ("Dots1ForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}),  # None: filled
+])
+def test_the_sweep_shrinks_a_default_config_into_one_that_validates(sweep, cls, expected):
+    pytest.importorskip("transformers")
+    knobs = sweep.shrunk(cls)
+    assert {k: knobs.get(k) for k in expected} == expected
+    layer_types = knobs.get("layer_types")
+    if layer_types and cls == "NeoMMEForMaskedLM":
+        assert "full_attention" in layer_types and len(layer_types) == 2
+    source.hf_spec(f"hf:{cls}", None, knobs)  # the shrunk config validates
