@@ -36,7 +36,7 @@ notebook: install
 # tests/runner/dist_harness.py) and, beside them in a process of its own, the bundles submitted to a real Slurm
 # (one slurmctld per machine, tests/runner/slurm_harness.py; its output follows the parallel pass's); then,
 # alone, the two tests that measure wall-clock time. Each pass lists its slowest tests.
-WORKERS ?= 3
+WORKERS ?= 2
 test: install slurm-packages
 	@mkdir -p tests/artifacts; $(BIN)/python -m pytest -m serial --durations=8 tests/runner/test_slurm.py > tests/artifacts/slurm-tests.log 2>&1 & slurm=$$!; \
 	$(BIN)/python -m pytest -n $(WORKERS) --dist worksteal -m "not serial" --durations=25; parallel=$$?; \
