@@ -184,7 +184,6 @@ def plan_options(args: argparse.Namespace) -> PlanOptions:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from engine import load_cluster, plan
-    from engine.model.source import adjusted_note
 
     options = plan_options(args)
     _knobs(args.set or [])  # bad options, knobs and a bad cluster fail in milliseconds, before the model is built
@@ -192,6 +191,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for warning in cluster_launch_warnings(cluster):
         print(f"warning: {warning}", file=sys.stderr)
     graph = _load_graph(args)
+    from engine.model.source import adjusted_note  # torch: only once the cheap checks above passed
+
     for key, default in graph.origin.get("adjusted", {}).items():
         print(adjusted_note(key, default), file=sys.stderr)
     result = plan(graph, cluster, progress=_progress_printer(), options=options)
