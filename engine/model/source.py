@@ -318,8 +318,10 @@ def task_of(name: str) -> str:
     return task
 
 
+@functools.cache
 def forward_params(name: str) -> frozenset[str]:
-    """The keyword parameters of the transformers class's forward (empty when it has none by name)."""
+    """The keyword parameters of the transformers class's forward (empty when it has none by name); read once
+    per class, as the task, the input sizes, every batch and the build all ask."""
     forward = getattr(getattr(transformers_module(), name, None), "forward", None)
     try:
         return frozenset(inspect.signature(forward).parameters) if callable(forward) else frozenset()
