@@ -101,10 +101,19 @@ def read_types() -> dict[str, Any]:
 def shrunk(cls: str, small: bool = False) -> dict[str, Any]:
     """Knobs shrinking the class's default config: 2 layers (more only where a per-layer list has more kinds of
     layer: each kind is kept), at most 4 experts (in one group, top-k at most as many), sizes the default leaves
-    None filled (`fills`), and with `small` the widths of SMALL."""
+    None filled (`fills`), and with `small` the widths of SMALL. A composite config's sub-configs (an audio
+    model's `audio_config` and `text_config`) are shrunk alike, each given whole so its other defaults stay."""
     from engine.model.source import default_config
 
     default = default_config(cls).to_dict()
+    knobs = shrunk_dict(default, small)
+    if small:
+        knobs.update(batch=6, seq_len=16)
+    return {**knobs, **fills({**default, **knobs})}
+
+
+def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
+    """`shrunk`'s knobs for one config as a dict, and for each sub-config in it (recursively)."""
     knobs: dict[str, Any] = {}
     staged = isinstance(default.get("depths"), list)  # Swin-like: num_layers counts stages, depths their blocks
     layers = {k: v for k, v in default.items()
@@ -128,8 +137,11 @@ def shrunk(cls: str, small: bool = False) -> dict[str, Any]:
             knobs[k] = min(v, EXPERTS)
     if small:
         knobs.update({k: v for k, v in SMALL.items() if isinstance(default.get(k), int)})
-        knobs.update(batch=6, seq_len=16)
-    return {**knobs, **fills({**default, **knobs})}
+    for k, v in default.items():
+        sub = shrunk_dict(v, small) if isinstance(v, dict) and all(isinstance(x, str) for x in v) else {}
+        if sub:
+            knobs[k] = {**v, **sub}
+    return knobs
 
 
 def kinds_of(values: list) -> dict[str, int]:

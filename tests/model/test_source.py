@@ -378,3 +378,19 @@ def test_the_sweep_shrinks_a_default_config_into_one_that_validates(sweep, cls, 
     if layer_types and cls == "NeoMMEForMaskedLM":
         assert "full_attention" in layer_types and len(layer_types) == 2
     source.hf_spec(f"hf:{cls}", None, knobs)  # the shrunk config validates
+
+
+def test_the_sweep_shrinks_each_sub_config_of_a_composite_config_keeping_its_other_defaults(sweep):
+    """AudioFlamingo3's audio encoder and text decoder have 32 layers each in their own sub-configs: shrinking
+    only the top level left a 2-layer model of 180 GiB."""
+    pytest.importorskip("transformers")
+    default = source.default_config("AudioFlamingo3ForConditionalGeneration").to_dict()
+    knobs = sweep.shrunk("AudioFlamingo3ForConditionalGeneration")
+    for sub in ("audio_config", "text_config"):
+        assert knobs[sub]["num_hidden_layers"] == 2
+        shrunk = {"num_hidden_layers", "layer_types"}  # layer_types is cut with the layers
+        assert {k: v for k, v in knobs[sub].items() if k not in shrunk} == \
+            {k: v for k, v in default[sub].items() if k not in shrunk}
+    assert "id2label" not in knobs  # a dict of labels is not a config
+    spec = source.hf_spec("hf:AudioFlamingo3ForConditionalGeneration", None, knobs)  # validates
+    assert spec.config["text_config"]["num_hidden_layers"] == spec.config["audio_config"]["num_hidden_layers"] == 2
