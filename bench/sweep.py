@@ -123,6 +123,9 @@ def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
     knobs.update({k: n for k, v in layers.items() if v > n})
     knobs.update({k: cut(v, n) for k, v in per_layer.items() if len(v) > n})
     most = max(layers.values(), default=0)
+    if most > n:  # Gemma 4's per_layer_config {"05": {"head_dim": 512}, ...}: the kept layers' entries, renumbered
+        keep = kept(next(iter(per_layer.values())), n) if per_layer else list(range(n))
+        knobs.update({k: renumbered(v, keep) for k, v in default.items() if by_layer(v, most)})
     for k, v in default.items():
         if SUBCOUNT_KEY.match(k) and k not in layers and isinstance(v, int) and most > n and v >= n:
             knobs[k] = v * n // most
@@ -154,10 +157,28 @@ def kinds_of(values: list) -> dict[str, int]:
 
 def cut(values: list, n: int) -> list:
     """A per-layer list cut to n layers that keeps a layer of each kind (configs check for one 'full_attention'
-    layer, an attention layer among linear ones, ...): the first of each kind, then the first others, in order."""
+    layer, an attention layer among linear ones, ...)."""
+    return [values[i] for i in kept(values, n)]
+
+
+def kept(values: list, n: int) -> list[int]:
+    """The layers `cut` keeps: the first of each kind, then the first others, in order."""
     keep = set(kinds_of(values).values())
     keep |= set([i for i in range(len(values)) if i not in keep][:max(0, n - len(keep))])
-    return [values[i] for i in sorted(keep)]
+    return sorted(keep)
+
+
+def by_layer(value: Any, layers: int) -> bool:
+    """Whether a config value is a dict of per-layer entries keyed by layer index ("05", "11", ...)."""
+    return (isinstance(value, dict) and bool(value)
+            and all(isinstance(k, str) and k.isdigit() and int(k) < layers for k in value))
+
+
+def renumbered(entries: dict[str, Any], keep: list[int]) -> dict[str, Any]:
+    """A per-layer dict for the kept layers only, each keyed by its new index (zero-padded as before)."""
+    width = len(next(iter(entries)))
+    old = {int(k): v for k, v in entries.items()}
+    return {str(new).zfill(width): old[i] for new, i in enumerate(keep) if i in old}
 
 
 def fills(config: dict[str, Any]) -> dict[str, Any]:

@@ -394,3 +394,15 @@ def test_the_sweep_shrinks_each_sub_config_of_a_composite_config_keeping_its_oth
     assert "id2label" not in knobs  # a dict of labels is not a config
     spec = source.hf_spec("hf:AudioFlamingo3ForConditionalGeneration", None, knobs)  # validates
     assert spec.config["text_config"]["num_hidden_layers"] == spec.config["audio_config"]["num_hidden_layers"] == 2
+
+
+def test_the_sweep_keeps_a_per_layer_dict_for_the_layers_it_keeps_renumbered(sweep):
+    """Gemma 4 gives its full-attention layers (5, 11, ..., 29 of 30) a wider head in `per_layer_config`, keyed by
+    layer index: the two layers kept are a sliding and a full one, so the full one's entry becomes layer 1's."""
+    pytest.importorskip("transformers")
+    assert sweep.renumbered({"05": {"h": 1}, "11": {"h": 2}}, [0, 5]) == {"01": {"h": 1}}
+    assert not sweep.by_layer({"hidden_size": 4}, 30) and not sweep.by_layer({"31": 1}, 30)
+    text = sweep.shrunk("Gemma4ForConditionalGeneration")["text_config"]
+    assert text["layer_types"] == ["sliding_attention", "full_attention"]
+    assert text["per_layer_config"] == {"01": {"head_dim": 512}}
+    source.hf_spec("hf:Gemma4ForConditionalGeneration", None, sweep.shrunk("Gemma4ForConditionalGeneration"))
