@@ -1622,6 +1622,13 @@ def _h_flip(c: _Ctx) -> int:
     return c.emit("flip", [x.id], {"dims": sorted(_norm_dim(d, x.rank) for d in c.fx.args[1])})
 
 
+def _h_unfold(c: _Ctx) -> int:
+    """`x.unfold(dim, size, step)`: the windows of `size` entries every `step` along dim, as a new last dim (a view)."""
+    x = c.node(c.fx.args[0])
+    return c.emit("unfold", [x.id], {"dim": _norm_dim(c.fx.args[1], x.rank), "size": int(c.fx.args[2]),
+                                     "step": int(c.fx.args[3])})
+
+
 def _h_pad_mode(c: _Ctx) -> int:
     """reflection_pad{1,2,3}d / replication_pad{1,2,3}d: a `pad` node with its mode."""
     x = c.node(c.fx.args[0])
@@ -1648,7 +1655,7 @@ _HANDLERS.update({
     "var": _h_var,
     "max.other": _h_binary, "min.other": _h_binary,
     "repeat": _h_repeat, "index_select": _h_index_select, "copy": _h_copy, "slice_scatter": _h_slice_scatter,
-    "select_scatter": _h_select_scatter, "flip": _h_flip, "argsort": _h_argsort, "group_norm": _h_group_norm,
+    "select_scatter": _h_select_scatter, "flip": _h_flip, "unfold": _h_unfold, "argsort": _h_argsort, "group_norm": _h_group_norm,
     **{f"{kind}_pad{k}d": _h_pad_mode for kind in ("reflection", "replication") for k in (1, 2, 3)},
     **{f"upsample_{mode}{k}d": _h_upsample for mode, k in (("nearest", 1), ("nearest", 2), ("nearest", 3), ("linear", 1),
                                                           ("bilinear", 2), ("bicubic", 2), ("trilinear", 3))},

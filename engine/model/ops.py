@@ -330,6 +330,7 @@ _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "upsample": lambda n, x: resolve_aten(n.attrs["target"])(x[0], *n.attrs["args"]),
     "select_scatter": lambda n, x: torch.select_scatter(x[0], x[1], n.attrs["dim"], n.attrs["index"]),
     "flip": lambda n, x: torch.flip(x[0], n.attrs["dims"]),
+    "unfold": lambda n, x: x[0].unfold(n.attrs["dim"], n.attrs["size"], n.attrs["step"]),
     "elu": lambda n, x: torch.ops.aten.elu(x[0], n.attrs["alpha"], n.attrs["scale"], n.attrs["input_scale"]),
     "leaky_relu": lambda n, x: F.leaky_relu(x[0], n.attrs["negative_slope"]),
     "softplus": lambda n, x: F.softplus(x[0], n.attrs["beta"], n.attrs["threshold"]),

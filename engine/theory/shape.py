@@ -1,4 +1,4 @@
-"""Shape operators: `cat`, `narrow` (slice, and each piece of split/chunk), `select`, `expand`, `flip`.
+"""Shape operators: `cat`, `narrow` (slice, and each piece of split/chunk), `select`, `expand`, `flip`, `unfold`.
 
 Rows, with why they hold:
 - cat(S(d), ..., S(d)) -> S(d) for d != the cat dim: every operand is cut at the same rows of d, so
@@ -14,6 +14,7 @@ Rows, with why they hold:
   which is a slice of the global expansion. Its gradient (the sum over local rows) is an addend
   of the true gradient, as a Full operand's gradient must be.
 - flip(S(d)) -> S(d) for d not flipped (each slice flips within itself); P -> P (a permutation of entries).
+- unfold(S(d)) -> S(d) for d other than the windowed dim (windows lie along it); P -> P (a selection of entries).
 """
 from __future__ import annotations
 
@@ -58,6 +59,13 @@ def expand_rules(node: Node, graph: Graph) -> list[OpRule]:
         else:
             rules.append(OpRule("broadcast", (FULL,), d))
     return rules
+
+
+@rule("unfold")
+def unfold_rules(node: Node, graph: Graph) -> list[OpRule]:
+    """Windows along one dim: every other dim keeps its shards (the windows' dim is new and last)."""
+    dim = node.attrs["dim"]
+    return _linear_base(node) + [OpRule("shard", (d,), d) for d in range(node.rank - 1) if d != dim]
 
 
 @rule("flip")

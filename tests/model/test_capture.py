@@ -406,10 +406,11 @@ class Composites(nn.Module):
         norms = sum(torch.linalg.vector_norm(h, ord=p, dim=(1, 2), keepdim=True) for p in (2, 1, 3, float("inf"), 0))
         h = F.normalize(h, dim=-1) + norms.expand_as(h) + h.view_as(lse.unsqueeze(-1).expand_as(h))
         cols = F.unfold(h.unsqueeze(1), kernel_size=2)  # (batch, 4, places)
+        windows = h.unfold(2, 3, 2).amax(-1)  # Inkling's sliding windows: Tensor.unfold, a view
         picked = torch.zeros_like(cols).scatter(2, torch.zeros_like(cols[..., :1], dtype=torch.long), cols[..., :1])
         logp = torch.log_softmax(h.reshape(-1, 6), dim=-1)
         mixed = torch.fft.fftn(h, dim=(1, 2)).real * torch.fft.fftn(h, dim=(0, 1, 2), norm="ortho").real  # FNet's mixing
-        return F.nll_loss(logp, target, ignore_index=-100) + picked.mean() + lse.mean() + mixed.mean()
+        return F.nll_loss(logp, target, ignore_index=-100) + picked.mean() + lse.mean() + mixed.mean() + windows.mean()
 
 
 def test_composites_are_decomposed_into_ruled_operators_and_compute_the_same() -> None:
@@ -420,7 +421,8 @@ def test_composites_are_decomposed_into_ruled_operators_and_compute_the_same() -
     target = torch.tensor([0, 5, -100, 2, 3, -100])
     g = engine.load_model(module, (x, target))
     ops = {n.op for n in g.nodes}
-    assert {"tril", "triu", "im2col", "scatter", "hardswish", "log_sigmoid", "gather", "amax", "rsqrt", "einsum"} <= ops
+    assert {"tril", "triu", "im2col", "unfold", "scatter", "hardswish", "log_sigmoid", "gather", "amax", "rsqrt",
+            "einsum"} <= ops
     assert "opaque" not in ops and engine.theory.missing_rules(g) == []
     assert torch.allclose(interpret(g, module, (x, target)), module(x, target), rtol=1e-6, atol=1e-6)
 

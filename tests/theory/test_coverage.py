@@ -113,7 +113,7 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "index_add", "scatter_add", "histc", "roll", "clamp", "softplus", "rand", "round", "elu", "leaky_relu",
         "div_floor", "div_trunc", "bitwise_and", "bitwise_or", "bitwise_xor", "amax", "amin", "any", "all", "prod", "var",
         "argmax", "argmin", "flip", "slice_scatter", "select_scatter", "sort_values", "sort_indices", "group_norm", "upsample",
-        "tril", "triu", "scatter", "im2col"}
+        "tril", "triu", "scatter", "im2col", "unfold"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -144,6 +144,7 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "upsample": ([(2, 3, 4, 5)], {"target": "aten::upsample_bilinear2d.vec", "args": [None, False, [1.5, 2.0]], "spatial": 2}),
     **{op: ([(3, 4)], {"dim": 1, "descending": True, "stable": True}) for op in ("sort_values", "sort_indices")},
     "flip": ([(3, 4, 2)], {"dims": [1]}),
+    "unfold": ([(3, 7, 4)], {"dim": 1, "size": 3, "step": 2}),
     "slice_scatter": ([(4, 6), (4, 2)], {"dim": 1, "start": 1, "end": 5, "step": 2}),
     "select_scatter": ([(4, 6, 3), (4, 3)], {"dim": 1, "index": 2}),
     "clamp": ([(3, 4)], {"min": -0.25, "max": 0.5}),
