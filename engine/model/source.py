@@ -660,7 +660,7 @@ def with_class_loss(forward: Callable[..., Any]) -> Callable[..., torch.Tensor]:
 def capture_hf(spec: HFSpec, *, fallback: str | None = None) -> Graph:
     """Capture a transformers model on `meta`; the graph's origin holds the class, full config and input sizes."""
     with torch.device("meta"):
-        model, inputs = hf_build(spec), hf_inputs(spec)
+        model, inputs = all_on_meta(hf_build(spec)), hf_inputs(spec)
     try:
         return capture(model, inputs, name=spec.cls, origin=spec.origin(), fallback=fallback)
     except UnsupportedOpError:
@@ -670,6 +670,14 @@ def capture_hf(spec: HFSpec, *, fallback: str | None = None) -> Graph:
         if not hint:
             raise
         raise ModelError(f"hf:{spec.cls}: {e}{hint}") from e
+
+
+def all_on_meta(model: torch.nn.Module) -> torch.nn.Module:
+    """A model built under `torch.device("meta")`, with the tensors a legacy constructor still made on the CPU
+    (ImageGPT's `nn.Parameter(torch.Tensor(n))`) moved to meta too: the capture then mixes no devices."""
+    if any(t.device.type != "meta" for t in (*model.parameters(), *model.buffers())):
+        model.to("meta")
+    return model
 
 
 def spec_of(origin: dict[str, Any]) -> HFSpec:

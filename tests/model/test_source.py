@@ -406,3 +406,15 @@ def test_the_sweep_keeps_a_per_layer_dict_for_the_layers_it_keeps_renumbered(swe
     assert text["layer_types"] == ["sliding_attention", "full_attention"]
     assert text["per_layer_config"] == {"01": {"head_dim": 512}}
     source.hf_spec("hf:Gemma4ForConditionalGeneration", None, sweep.shrunk("Gemma4ForConditionalGeneration"))
+
+
+def test_a_parameter_a_legacy_constructor_makes_on_the_cpu_is_moved_to_meta_for_the_capture():
+    """ImageGPT's layer norm makes its weight with `torch.Tensor(n)`, which ignores `torch.device("meta")`: the
+    capture then mixed a CPU weight with meta activations and failed."""
+    pytest.importorskip("transformers")
+    g = engine.load_model("hf:ImageGPTForImageClassification", n_layer=1, n_embd=16, n_head=2, vocab_size=20,
+                          n_positions=16, seq_len=8, batch=2)
+    assert any(n.op == "parameter" and "ln_1" in n.name for n in g.nodes)
+    model = torch.nn.Linear(2, 2, device="meta")
+    model.extra = torch.nn.Parameter(torch.ones(2))  # on the CPU
+    assert {t.device.type for t in source.all_on_meta(model).parameters()} == {"meta"}
