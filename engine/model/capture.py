@@ -159,7 +159,8 @@ def _config_keys_read(line: str, config: Any) -> list[str]:
 
 
 class ValuedScalars(torch.overrides.TorchFunctionMode):
-    """Scalars made in forward from Python numbers on the meta device are made on the CPU instead.
+    """Scalars made in forward from Python numbers on the meta device are made on the CPU instead, and lists of
+    ints in arithmetic progression by `arange` (`_meta_progression`).
 
     A model captured on meta has no values, so `torch.tensor(finfo.min, device=x.device)` (GPT-Neo's mask
     value) would become a constant without a value. A 0-dim CPU tensor mixes with meta tensors like a
@@ -172,6 +173,8 @@ class ValuedScalars(torch.overrides.TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if func in self._MAKERS and _meta_scalar(func, args, kwargs):
             kwargs["device"] = "cpu"
+        elif func in self._MAKERS and (steps := _meta_progression(args, kwargs)) is not None:
+            return torch.arange(*steps, dtype=kwargs.get("dtype") or torch.int64, device="meta")
         elif func is torch.Tensor.__getitem__ and len(args) == 2 and _on_meta(args[0]):
             args = (args[0], _valued_index(args[1]))  # Falcon's `qkv[..., [-2], :]`: the list becomes a constant
         return func(*args, **kwargs)
@@ -189,6 +192,21 @@ def _valued_index(index: Any) -> Any:
             return torch.tensor(i, device="cpu")
         return i
     return tuple(one(i) for i in index) if isinstance(index, tuple) else one(index)
+
+
+def _meta_progression(args: tuple, kwargs: dict) -> tuple[int, int, int] | None:
+    """(start, end, step) where a tensor maker is asked for a list of ints in arithmetic progression on the meta
+    device (CPM-Ant's `torch.tensor(list(range(n))[::-1], device=x.device)`): made by `arange`, which the graph
+    records with its bounds, the tensor has its values; None for any other request."""
+    device, data = kwargs.get("device"), args[0] if args else kwargs.get("data")
+    if device is None or torch.device(device).type != "meta" or not isinstance(data, (list, tuple)) or len(data) < 2:
+        return None
+    if not all(type(v) is int for v in data):
+        return None
+    step = data[1] - data[0]
+    if step == 0 or any(b - a != step for a, b in zip(data, data[1:])):
+        return None
+    return data[0], data[-1] + step, step
 
 
 def _meta_scalar(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -427,6 +427,29 @@ def test_composites_are_decomposed_into_ruled_operators_and_compute_the_same() -
     assert torch.allclose(interpret(g, module, (x, target)), module(x, target), rtol=1e-6, atol=1e-6)
 
 
+class ReversedPositions(nn.Module):
+    """CPM-Ant's relative positions: a list of ints made a tensor in forward, on the input's device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.tensor(list(range(x.shape[1]))[::-1], device=x.device)
+        return (self.fc(x) * positions[None, :, None]).mean()
+
+
+def test_a_list_of_ints_in_progression_made_in_forward_on_meta_keeps_its_values() -> None:
+    from test_ecosystem import interpret
+
+    with torch.device("meta"):
+        g = engine.load_model(ReversedPositions(), (torch.empty(2, 5, 4),))
+    assert "arange" in {n.op for n in g.nodes} and engine.theory.missing_rules(g) == []
+    torch.manual_seed(0)
+    module, x = ReversedPositions(), torch.randn(2, 5, 4)
+    assert torch.allclose(interpret(g, module, (x,)), module(x))
+
+
 class ForwardConstant(nn.Module):
     """A tensor made in forward from Python numbers (torch.export lifts it as a constant)."""
 
