@@ -36,6 +36,7 @@ from __future__ import annotations
 import difflib
 import functools
 import hashlib
+import importlib
 import inspect
 import json
 import re
@@ -368,12 +369,28 @@ def implementation_of(name: str, values: dict[str, Any]) -> dict[str, str]:
 
 
 def _switchable_experts(name: str) -> bool:
-    """Whether the transformers class has experts whose kernel can be chosen (`@use_experts_implementation`)."""
+    """Whether the transformers class has experts whose kernel can be chosen (`@use_experts_implementation`), in
+    its own module or, for a composite model (a speech model around a MoE decoder), in a sub-config's model's:
+    transformers sets the implementation on every sub-config."""
     can = getattr(hf_class(name), "_can_set_experts_implementation", None)
     try:
-        return bool(can()) if callable(can) else False
+        if callable(can) and can():
+            return True
+        return any(_experts_in_module(type(sub).__module__) for sub in _sub_configs(hf_class(name).config_class()))
     except Exception:  # transformers reads the class's source file: a missing file means "cannot tell": leave it
         return False
+
+
+def _sub_configs(cfg: Any) -> list[Any]:
+    """The config's sub-configs, theirs in turn, and so on."""
+    subs = [s for key in getattr(cfg, "sub_configs", {}) if (s := getattr(cfg, key, None)) is not None]
+    return subs + [deeper for s in subs for deeper in _sub_configs(s)]
+
+
+def _experts_in_module(config_module: str) -> bool:
+    """Whether the modeling module beside a configuration module has switchable experts."""
+    modeling = importlib.import_module(config_module.replace(".configuration_", ".modeling_"))
+    return "@use_experts_implementation" in inspect.getsource(modeling)
 
 
 DATA_DEPENDENT_KEYS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")

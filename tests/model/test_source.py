@@ -418,3 +418,15 @@ def test_a_parameter_a_legacy_constructor_makes_on_the_cpu_is_moved_to_meta_for_
     model = torch.nn.Linear(2, 2, device="meta")
     model.extra = torch.nn.Parameter(torch.ones(2))  # on the CPU
     assert {t.device.type for t in source.all_on_meta(model).parameters()} == {"meta"}
+
+
+def test_a_composite_model_whose_decoder_has_switchable_experts_gets_the_capturable_kernel():
+    """A speech model around a mixture-of-experts decoder (NeMo's speech LM): the top class has no experts of its
+    own, the text sub-config's model does, and transformers sets the kernel on every sub-config."""
+    pytest.importorskip("transformers")
+    assert source._switchable_experts("Nemotron3_5TranscribeForConditionalGeneration")
+    assert not source._switchable_experts("LlamaForCausalLM")
+    assert not source._switchable_experts("WhisperForConditionalGeneration")
+    cfg = source.hf_class("Nemotron3_5TranscribeForConditionalGeneration").config_class()
+    cfg._experts_implementation = "hap_dense"
+    assert cfg.text_config._experts_implementation == "hap_dense"
