@@ -95,7 +95,17 @@ def _dtype(t: torch.Tensor) -> str:
 
 
 def _shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The static sizes of a traced tensor; refused where a size depends on tensor values (an unbacked symbol
+    such as JetMoE's count of routed tokens), which no static graph can hold."""
+    if not _static(t):
+        raise _Unsupported(f"a tensor whose size depends on tensor values ({', '.join(map(str, t.shape))}): a "
+                           "static graph cannot hold it; pick a config or kernel whose shapes are fixed")
     return tuple(int(s) for s in t.shape)
+
+
+def _static(t: torch.Tensor) -> bool:
+    """Whether every size of a traced tensor is a number (not a symbol export left unbacked)."""
+    return all(isinstance(s, int) or isinstance(s, torch.SymInt) and s.node.is_constant() for s in t.shape)
 
 
 def _layer_of(fx_node: torch.fx.Node) -> tuple[int | None, str]:
@@ -1449,7 +1459,7 @@ def _opaque(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> bool:
         return False
     val = fx.meta.get("val")
     outs = list(enumerate(val)) if isinstance(val, (tuple, list)) else [(None, val)]
-    if not all(isinstance(v, torch.Tensor) for _, v in outs):
+    if not all(isinstance(v, torch.Tensor) and _static(v) for _, v in outs):
         return False
     ids = []
     for index, v in outs:

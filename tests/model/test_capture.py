@@ -653,3 +653,16 @@ def test_grad_mode_regions_are_inlined_into_the_graph() -> None:
     shape = lambda g: [(n.op, n.inputs, n.shape) for n in g.nodes]  # noqa: E731
     assert shape(regions) == shape(plain)
     assert "cos" in [n.op for n in regions.nodes]
+
+
+class ValueSizedOutput(nn.Module):
+    """JetMoE's router: a tensor whose length is a count of tensor values (`nonzero`), which export traces with an
+    unbacked size."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum() + torch.nonzero(x > 0).float().sum()
+
+
+def test_a_tensor_sized_by_tensor_values_is_refused_by_name_not_raised_raw() -> None:
+    with pytest.raises(UnsupportedOpError, match="size depends on tensor values"):
+        engine.load_model(ValueSizedOutput(), (torch.randn(3, 4),))
