@@ -629,7 +629,7 @@ def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[st
     if "image_size" in spec.inputs:
         s, c = spec.inputs["image_size"], getattr(cfg, "num_channels", 3)
         out["pixel_values"] = torch.randn(b, c, s, s, generator=generator)
-    vocab = getattr(_text(cfg), "vocab_size", None)
+    vocab = getattr(_text(cfg), "vocab_size", None) or BYTE_IDS  # CANINE reads code points: it has no vocabulary
     if "seq_len" in spec.inputs:
         t = spec.inputs["seq_len"]
         out["input_ids"] = torch.randint(0, vocab, (b, t), generator=generator)
@@ -659,6 +659,8 @@ def hf_build(spec: HFSpec) -> torch.nn.Module:
 
 
 CLASSIFIERS = ("sequence_classification", "image_classification")
+BYTE_IDS = 256
+"""The token ids of a model whose config has no vocabulary size (tokenizer-free models read bytes or code points)."""
 
 
 def with_class_loss(forward: Callable[..., Any]) -> Callable[..., torch.Tensor]:

@@ -430,3 +430,14 @@ def test_a_composite_model_whose_decoder_has_switchable_experts_gets_the_captura
     cfg = source.hf_class("Nemotron3_5TranscribeForConditionalGeneration").config_class()
     cfg._experts_implementation = "hap_dense"
     assert cfg.text_config._experts_implementation == "hap_dense"
+
+
+def test_a_model_without_a_vocabulary_gets_byte_ids():
+    """CANINE reads Unicode code points through hash embeddings: its config has no vocab_size, and the batch drew
+    ids below None (a raw TypeError from randint)."""
+    pytest.importorskip("transformers")
+    spec = source.hf_spec("hf:CanineForSequenceClassification", None, {
+        "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64,
+        "num_hash_buckets": 64, "batch": 2, "seq_len": 16})
+    ids = source.hf_inputs(spec)["input_ids"]
+    assert ids.shape == (2, 16) and 0 <= int(ids.min()) and int(ids.max()) < source.BYTE_IDS
