@@ -48,8 +48,11 @@ GROUP_KEY = re.compile(r"^(n_group|num_expert_group|topk_group)$")
 PER_TOKEN = 2
 SHARED = 1
 VOCAB = 32000
+PAD = 0
 """Values the sweep fills where a default config leaves an expert count, top-k, shared-expert count or the
-vocabulary None and no relation gives it (engine.model.source.SIZE_RELATIONS gives the others)."""
+vocabulary None and no relation gives it (engine.model.source.SIZE_RELATIONS gives the others); a config that
+leaves its vocabulary None leaves its padding token None too (both are the tokenizer's), and the sweep's
+vocabulary gets PAD as its padding id (ESM numbers its positions from it)."""
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 16, "vocab_size": 256, "d_model": 64, "d_ff": 128, "d_kv": 16, "num_heads": 4,
          "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
@@ -183,7 +186,8 @@ def renumbered(entries: dict[str, Any], keep: list[int]) -> dict[str, Any]:
 
 def fills(config: dict[str, Any]) -> dict[str, Any]:
     """Sizes the config leaves None, filled: by their standard relation (head_dim = hidden_size //
-    num_attention_heads, ...), else expert counts EXPERTS, top-k PER_TOKEN, shared experts SHARED, vocabulary VOCAB."""
+    num_attention_heads, ...), else expert counts EXPERTS, top-k PER_TOKEN, shared experts SHARED, vocabulary VOCAB
+    (and with it the padding id PAD)."""
     from engine.model.source import unset_sizes
 
     out: dict[str, Any] = {}
@@ -193,6 +197,8 @@ def fills(config: dict[str, Any]) -> dict[str, Any]:
                      else SHARED if key.startswith(("n_shared", "num_shared")) else VOCAB if key == "vocab_size" else None)
         if value is not None:
             out[key] = value
+    if "vocab_size" in out and "pad_token_id" in config and config["pad_token_id"] is None:
+        out["pad_token_id"] = PAD
     return out
 
 
@@ -201,7 +207,7 @@ def one(model_type: str, cls: str) -> Outcome:
     import engine
     from engine.errors import InfeasibleError, ModelError, PlanError, UnsupportedOpError
 
-    from engine.model.source import default_config, unset_sizes
+    from engine.model.source import default_config
 
     start = time.perf_counter()
     filled: dict[str, Any] = {}
@@ -211,7 +217,8 @@ def one(model_type: str, cls: str) -> Outcome:
 
     try:
         knobs = shrunk(cls)
-        filled = {k: knobs[k] for k in unset_sizes(default_config(cls).to_dict()) if k in knobs}
+        default = default_config(cls).to_dict()
+        filled = {k: v for k, v in knobs.items() if k in default and default[k] in (None, {})}
         graph = engine.load_model(f"hf:{cls}", **knobs)
     except UnsupportedOpError as e:
         return row("refused", str(e))

@@ -255,7 +255,8 @@ def _site_dropout(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: i
                          if window else (tuple(node.shape), starts))
         if node.op == "rand":  # no operand: the rank draws its block of the output
             local = tuple(local_shape(plan, ins.node, ins.post, rank, seg))
-            return g.call_function(dropout.rand, (rng, a["rng_site"], shape, starts, local, getattr(torch, node.dtype)))
+            return g.call_function(dropout.rand, (rng, a["rng_site"], shape, starts, local, getattr(torch, node.dtype), None,
+                                                  a.get("low", 0.0), a.get("high", 1.0)))
         return g.call_function(dropout.dropout, (args[0], a["p"], rng, a["rng_site"], shape, starts))
     gqa = a.get("enable_gqa", False)
 

@@ -1180,7 +1180,7 @@ def _site_p(fx: torch.fx.Node) -> float:
     return 0.0
 
 
-_DRAW_OPS = frozenset({"rand", "rand_like", "bernoulli", "bernoulli_"})
+_DRAW_OPS = frozenset({"rand", "rand_like", "bernoulli", "bernoulli_", "uniform", "uniform_"})
 """Random draws with site-keyed numbers (engine.model.dropout.rand): every call is a site."""
 
 
@@ -1258,7 +1258,7 @@ _RANDOM_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_
                          "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
                          "randperm", "multinomial", "normal", "uniform"})
 """Random operators: never kept opaque (each device would draw its own numbers, so the run would
-not be single-device training); dropout, `rand` and `bernoulli` have exact, site-keyed numbers."""
+not be single-device training); dropout, `rand`, `uniform` and `bernoulli` have exact, site-keyed numbers."""
 
 
 def _h_random_refused(c: _Ctx) -> int:
@@ -1271,6 +1271,20 @@ def _h_rand(c: _Ctx) -> int:
     """`rand` / `rand_like`: the site's uniform numbers (engine.model.dropout.rand), a node with no
     operand whose every block a device draws itself (theory/random_ops.py)."""
     return c.emit("rand", [], {"rng_site": _rng_site(c)}, float(_numel(c.shape) * MASK_OPS_PER_ELEMENT))
+
+
+def _h_uniform(c: _Ctx) -> int:
+    """`x.uniform_(low, high)` (router and input jitter: `torch.empty_like(x).uniform_(1 - eps, 1 + eps)`): a `rand`
+    node of x's shape with its range; x gives only the shape, its values are overwritten."""
+    low, high = float(_arg(c.fx, 1, "from", 0.0)), float(_arg(c.fx, 2, "to", 1.0))
+    if _arg(c.fx, 3, "generator") is not None:
+        raise _Unsupported("aten.uniform with its own generator (its numbers cannot be site-keyed)")
+    if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+        raise _Unsupported(f"aten.uniform on [{low}, {high}) (needs finite bounds, low <= high)")
+    attrs: dict[str, Any] = {"rng_site": _rng_site(c)}
+    if (low, high) != (0.0, 1.0):
+        attrs.update(low=low, high=high)
+    return c.emit("rand", [], attrs, float(_numel(c.shape) * (MASK_OPS_PER_ELEMENT + 2)))
 
 
 def _h_bernoulli(c: _Ctx) -> int:
@@ -1289,7 +1303,7 @@ def _h_bernoulli(c: _Ctx) -> int:
     return c.emit("identity", [keep], {"dtype": c.dtype}, x.numel)
 
 
-_HANDLERS.update({"rand": _h_rand, "rand_like": _h_rand, "bernoulli": _h_bernoulli})
+_HANDLERS.update({"rand": _h_rand, "rand_like": _h_rand, "bernoulli": _h_bernoulli, "uniform": _h_uniform})
 _HANDLERS.update({op: _h_random_refused for op in ("feature_dropout", "alpha_dropout", "feature_alpha_dropout")})
 _HANDLERS["dropout"] = _h_dropout
 _SPLITS["native_dropout"] = _m_native_dropout

@@ -1,11 +1,11 @@
 """Exact dropout: every device draws, for its shard, the mask single-device training draws.
 
 A dropout *site* is one dropout call with p > 0 in training mode (an `nn.Dropout`, `F.dropout`, or
-the attention dropout of `scaled_dot_product_attention`), or one draw of `torch.rand`, `rand_like` or
-`bernoulli` (stochastic depth's per-sample keep, `rand` below); capture numbers the sites in forward
-order (`rng_site`, assigned before pruning) and the single-device reference counts its dropout
-calls the same way (`SiteKeyedDropout`). The mask of a site is a function of the *global*
-element index:
+the attention dropout of `scaled_dot_product_attention`), or one draw of `torch.rand`, `rand_like`,
+`bernoulli` (stochastic depth's per-sample keep, `rand` below) or `Tensor.uniform_` (MoE jitter); capture
+numbers the sites in forward order (`rng_site`, assigned before pruning) and the single-device reference
+counts its dropout calls the same way (`SiteKeyedDropout`). The mask of a site is a function of the
+*global* element index:
 
     keep[i] = u(seed, step, site, i) >= p,    u = a counter-based hash of (key, i) in [0, 1)
 
@@ -127,11 +127,15 @@ def below_one(u: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def rand(key: RngKey, site: int, global_shape: Sequence[int], starts: Sequence[int], local_shape: Sequence[int],
-         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> Tensor:
-    """`torch.rand` at a random site (stochastic depth, `bernoulli`): the box `starts + [0, local_shape)`
-    of the site's uniform numbers (on the default device unless `device`); a device draws only its block."""
+         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, low: float = 0.0,
+         high: float = 1.0) -> Tensor:
+    """`torch.rand` at a random site (stochastic depth, `bernoulli`), or `uniform_(low, high)` with a range (MoE
+    jitter): the box `starts + [0, local_shape)` of the site's uniform numbers (on the default device unless
+    `device`), scaled to [low, high) in float32 before the cast; a device draws only its block."""
     u = uniform(key, site, global_shape, starts, local_shape, torch.get_default_device() if device is None else device)
-    return below_one(u, dtype)
+    if (low, high) == (0.0, 1.0):
+        return below_one(u, dtype)
+    return (u * (high - low) + low).to(dtype)
 
 
 def attention_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None,
@@ -194,8 +198,8 @@ class SiteKeyedDropout(TorchFunctionMode):
     Used by the single-device reference (runner.train.reference_run): `F.dropout` / `nn.Dropout`,
     `torch.dropout` and `scaled_dot_product_attention` with `dropout_p > 0` draw exactly the masks
     a distributed run draws for the same sites, also inside the Python composites of
-    torch.nn.functional (`multi_head_attention_forward`); so do `torch.rand`, `rand_like` and
-    `bernoulli` (stochastic depth: `_DRAWS`), each a site of its own. Other random dropout variants
+    torch.nn.functional (`multi_head_attention_forward`); so do `torch.rand`, `rand_like`, `bernoulli`
+    (stochastic depth) and `Tensor.uniform_` (MoE jitter) (`_DRAWS`), each a site of its own. Other random dropout variants
     are refused (capture refuses them too)."""
 
     def __init__(self, key: RngKey) -> None:
@@ -278,6 +282,17 @@ class SiteKeyedDropout(TorchFunctionMode):
         x = args[0]
         return self._draw(x.shape, kwargs.get("dtype") or x.dtype, kwargs.get("device") or x.device)
 
+    def _uniform_(self, args: tuple, kwargs: dict) -> Tensor:
+        """`x.uniform_(from=0, to=1)`: x overwritten with the next site's numbers on [from, to), as capture lowers
+        it (a `rand` node with the range)."""
+        x = args[0]
+        low = float(args[1] if len(args) > 1 else kwargs.get("from", 0.0))
+        high = float(args[2] if len(args) > 2 else kwargs.get("to", 1.0))
+        if kwargs.get("generator") is not None:
+            raise NotImplementedError("uniform_ with its own generator has no site-keyed numbers")
+        shape = tuple(int(v) for v in x.shape)
+        return x.copy_(rand(self.key, self._next_site(), shape, [0] * len(shape), shape, x.dtype, x.device, low, high))
+
     def _bernoulli(self, args: tuple, kwargs: dict, inplace: bool = False) -> Tensor:
         """`bernoulli(probs)`, `bernoulli(x, p)` and `x.bernoulli_(p=0.5)`: 1 where the site's uniform
         number is below the probability, as capture lowers them (`rand`, `lt`, a cast)."""
@@ -289,6 +304,7 @@ class SiteKeyedDropout(TorchFunctionMode):
 
 _DRAWS = {torch.rand: SiteKeyedDropout._rand, torch.rand_like: SiteKeyedDropout._rand_like,
           torch.bernoulli: SiteKeyedDropout._bernoulli, Tensor.bernoulli: SiteKeyedDropout._bernoulli,
-          Tensor.bernoulli_: lambda mode, args, kwargs: mode._bernoulli(args, kwargs, inplace=True)}
+          Tensor.bernoulli_: lambda mode, args, kwargs: mode._bernoulli(args, kwargs, inplace=True),
+          Tensor.uniform_: SiteKeyedDropout._uniform_}
 """Random draws a forward may make besides dropout, by the function torch hands the mode: each is a
 site, numbered in call order with the dropout sites."""

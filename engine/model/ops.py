@@ -121,7 +121,8 @@ def _site_dropout(node: Node, graph: Graph, inputs: Sequence[Tensor], offsets: S
     a = node.attrs
     if node.op == "rand":
         starts = region_starts(node.shape, out_shape, out_offset)
-        return dropout.rand(rng, a["rng_site"], node.shape, starts, out_shape, getattr(torch, node.dtype))
+        return dropout.rand(rng, a["rng_site"], node.shape, starts, out_shape, getattr(torch, node.dtype),
+                            low=a.get("low", 0.0), high=a.get("high", 1.0))
     x = inputs[0]
     starts = region_starts(graph[node.inputs[0]].shape, x.shape, (offsets or [0])[0])
     if node.op == "dropout":

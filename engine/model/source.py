@@ -512,23 +512,44 @@ def root_cause(e: BaseException) -> str:
     return f"{type(e).__name__}: {first_line(e)}"
 
 
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+"""Plain RoPE at the base transformers itself falls back to (`RotaryEmbeddingConfigMixin.default_theta`)."""
+
+
+def default_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """Rotary parameters for a config that leaves them empty: DEFAULT_ROPE, one copy per kind of layer where the
+    config has layer kinds (a rotary embedding built per layer type looks its own up; Cohere Compass's default)."""
+    kinds = config.get("layer_types")
+    if isinstance(kinds, list) and kinds:
+        return {kind: dict(DEFAULT_ROPE) for kind in dict.fromkeys(kinds)}
+    return dict(DEFAULT_ROPE)
+
+
 SIZE_RELATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "head_dim": ("hidden_size // num_attention_heads", lambda c: c["hidden_size"] // c["num_attention_heads"]),
     "num_key_value_heads": ("num_attention_heads", lambda c: c["num_attention_heads"]),
     "layer_types": ('["full_attention"] * num_hidden_layers', lambda c: ["full_attention"] * c["num_hidden_layers"]),
+    "rope_parameters": ("plain RoPE, rope_theta 10000, per layer type", default_rope),
 }
 """Sizes a config may leave None that most configs derive by a standard relation: key -> (the relation, its value)."""
 UNSET_SIZE = re.compile(r"^(vocab_size|(\w+_)?head_dim|(\w+_)?(n|kv)_heads|num_key_value_heads|(\w+_)?intermediate_size|"
                         r"layer_types|(n|num)_(routed_|shared_|local_)?experts|num_experts_per_tok(en)?|top_k_experts|"
-                        r"moe_topk)$")
-"""Keys of sizes a model needs when its default config leaves them None (the others' None means 'off')."""
+                        r"moe_topk|rope_parameters)$")
+"""Keys of sizes a model needs when its default config leaves them None (the others' None means 'off'). An empty
+`rope_parameters` is unset too: transformers turns None into {} (no rotary parameters at all), which a model with
+rotary embeddings cannot build from."""
+
+
+def is_unset(key: str, value: Any) -> bool:
+    """Whether a config value leaves a needed size unset: None, or an empty dict of rotary parameters."""
+    return value is None or (key == "rope_parameters" and value == {})
 
 
 def unset_sizes(config: dict[str, Any]) -> dict[str, tuple[str, Any]]:
-    """The config's UNSET_SIZE keys left None: key -> (the standard relation, its value here), or ("", None)
-    where there is none."""
+    """The config's UNSET_SIZE keys left unset (`is_unset`): key -> (the standard relation, its value here), or
+    ("", None) where there is none."""
     out: dict[str, tuple[str, Any]] = {}
-    for key in sorted(k for k, v in config.items() if v is None and UNSET_SIZE.match(k)):
+    for key in sorted(k for k, v in config.items() if is_unset(k, v) and UNSET_SIZE.match(k)):
         relation, value = SIZE_RELATIONS.get(key, ("", None))
         try:
             out[key] = (relation, value(config) if value else None)
@@ -544,7 +565,8 @@ def unset_size_hint(config: dict[str, Any]) -> str:
         return ""
     sets = " ".join(f"--set {k}={json.dumps(v, separators=(',', ':'))} ({rel})" if v is not None else f"--set {k}=N"
                      for k, (rel, v) in unset.items())
-    return f"; the config leaves {', '.join(unset)} None (transformers' default gives no value): pass {sets}"
+    left = ", ".join(f"{k} {'empty' if config.get(k) == {} else 'None'}" for k in unset)
+    return f"; the config leaves {left} (transformers' default gives no value): pass {sets}"
 
 
 def _positive(name: str, key: str, value: Any) -> int:

@@ -1,10 +1,11 @@
-"""Random draws: `rand`, the site-keyed uniform numbers of stochastic depth and `bernoulli`.
+"""Random draws: `rand`, the site-keyed uniform numbers of stochastic depth, `bernoulli` and `uniform_`.
 
 A `rand` node has no operand. Its numbers are a function of (seed, step, site, global index)
 (engine/model/dropout.py), so a device draws exactly its block of the whole tensor:
 - F: every device draws the whole tensor (the same numbers on each);
 - S(d) on any dim of size >= 2: each device draws only its rows of d.
-No P: the numbers are not a sum of addends. `bernoulli` is captured as `rand`, `lt` and a cast.
+No P: the numbers are not a sum of addends. `bernoulli` is captured as `rand`, `lt` and a cast; `x.uniform_(low,
+high)` (MoE jitter) as `rand` with attrs `low` and `high`: each number scaled on its own, so the same rules hold.
 """
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ def run_sharded(node: Node, graph: Graph, inputs: list[torch.Tensor], forms: tup
         offsets = [start if f >= 0 else 0 for f in forms]
         shape = list(node.shape)
         shape[d] = size
-        outs.append(run_node(node, graph, local, shape, offsets, rng=KEY))
+        outs.append(run_node(node, graph, local, shape, offsets, rng=KEY, out_offset=start))
         start += size
     return torch.cat(outs, dim=out_form)
 
@@ -303,3 +303,44 @@ def test_the_reference_keys_the_attention_dropout_inside_nn_multihead_attention(
     assert float(losses[0]) == float(losses[1])
     assert torch.allclose(got, losses[0], rtol=1e-5, atol=1e-6)
     assert F.scaled_dot_product_attention is torch._C._nn.scaled_dot_product_attention, "the functional module is restored"
+
+
+class Jitter(nn.Module):
+    """A mixture-of-experts router's jitter: input noise on [0.9, 1.1) and a rand_like refilled by uniform_ (PhiMoE)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * torch.empty_like(x).uniform_(0.9, 1.1)  # site 0
+        coin = torch.rand_like(x).uniform_() > 0.75  # sites 1 (pruned: uniform_ overwrites it) and 2
+        return (self.fc(x) * coin).sum()
+
+
+def test_uniform_draws_are_sites_whose_range_the_graph_keeps_and_the_eager_forward_draws_alike():
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    graph = engine.load_model(Jitter(), (x,))
+    draws = sorted((n.attrs["rng_site"], n.attrs.get("low"), n.attrs.get("high")) for n in graph.nodes if n.op == "rand")
+    assert draws == [(0, 0.9, 1.1), (2, None, None)], draws
+    torch.manual_seed(0)
+    module = Jitter()
+    with SiteKeyedDropout(KEY) as mode:
+        eager = module(x)
+    assert mode.sites == 3
+    assert abs(float(interpret(graph, module, (x,), KEY)) - float(eager)) < 1e-5 * abs(float(eager))
+
+
+@pytest.mark.parametrize("ratios", WORLDS, ids=["2-devices", "3-devices"])
+def test_every_rule_of_a_ranged_draw_gives_the_single_device_numbers(ratios):
+    node, graph = one_node("rand", [], (7, 5), {"rng_site": 4, "low": -2.0, "high": 3.0})
+    with SiteKeyedDropout(KEY):
+        single = torch.empty(7, 5, dtype=torch.float64)
+        for _ in range(4):  # sites 0-3
+            torch.rand(1)
+        single.uniform_(-2.0, 3.0)  # site 4
+    assert single.min() >= -2.0 and single.max() < 3.0 and single.min() < 0.0 < single.max()
+    rules = op_rules(node, graph)
+    assert {r.output for r in rules} == {FULL, 0, 1}
+    for r in rules:
+        assert torch.equal(run_sharded(node, graph, [], r.inputs, r.output, ratios), single), str(r)

@@ -208,6 +208,12 @@ def test_a_size_the_default_config_leaves_none_is_named_with_the_set_to_pass():
         source.hf_build(spec)
     unset = source.unset_sizes({"n_routed_experts": None, "indexer_head_dim": None, "sliding_window": None})
     assert unset == {"indexer_head_dim": ("", None), "n_routed_experts": ("", None)}
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    assert source.unset_sizes({"rope_parameters": {}, "layer_types": ["sliding", "full", "sliding"]})["rope_parameters"][1] \
+        == {"sliding": rope, "full": rope}, "empty rotary parameters: plain RoPE for each kind of layer"
+    assert source.unset_sizes({"rope_parameters": {}})["rope_parameters"][1] == rope
+    assert source.unset_sizes({"rope_parameters": {"rope_theta": 5e5}}) == {}
+    assert "leaves rope_parameters empty" in source.unset_size_hint({"rope_parameters": {}})
 
 
 def test_a_classifier_whose_forward_takes_no_labels_trains_on_the_cross_entropy_of_its_scores():
@@ -369,6 +375,8 @@ def test_a_per_layer_list_is_cut_keeping_a_layer_of_each_kind(sweep):
     ("Gemma3nForCausalLM", {"num_kv_shared_layers": 0}),  # 15 of 35 KV-sharing layers would leave no producer
     ("MinistralForCausalLM", {"head_dim": 128}),  # None in the default: hidden_size // num_attention_heads
     ("Dots1ForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}),  # None: filled
+    ("EsmForMaskedLM", {"vocab_size": 32000, "pad_token_id": 0}),  # no vocabulary, so no padding id: both filled
+    ("CohereCompassForCausalLM", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
 ])
 def test_the_sweep_shrinks_a_default_config_into_one_that_validates(sweep, cls, expected):
     pytest.importorskip("transformers")
