@@ -1070,7 +1070,7 @@ _HANDLERS.update({
     "batch_norm": _h_batch_norm,
 })
 _HANDLERS.update({
-    "cat": _h_cat, "concat": _h_cat, "slice": _h_slice, "narrow": _h_narrow, "select": _h_select,
+    "cat": _h_cat, "concat": _h_cat, "concatenate": _h_cat, "slice": _h_slice, "narrow": _h_narrow, "select": _h_select,
     "expand": _h_expand, "broadcast_to": _h_expand, "stack": _h_stack, "baddbmm": _h_baddbmm,
     "clamp": _h_clamp, "clamp_min": _h_clamp, "clamp_max": _h_clamp, "hardtanh": _h_clamp, "relu6": _h_clamp,
     "softplus": _h_softplus, "square": _h_square,

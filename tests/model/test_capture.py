@@ -407,6 +407,7 @@ class Composites(nn.Module):
         h = F.normalize(h, dim=-1) + norms.expand_as(h) + h.view_as(lse.unsqueeze(-1).expand_as(h))
         cols = F.unfold(h.unsqueeze(1), kernel_size=2)  # (batch, 4, places)
         windows = h.unfold(2, 3, 2).amax(-1)  # Inkling's sliding windows: Tensor.unfold, a view
+        windows = torch.concatenate([windows[..., :1], windows[..., 1:]], dim=-1)  # Zamba2's name for cat
         picked = torch.zeros_like(cols).scatter(2, torch.zeros_like(cols[..., :1], dtype=torch.long), cols[..., :1])
         logp = torch.log_softmax(h.reshape(-1, 6), dim=-1)
         mixed = torch.fft.fftn(h, dim=(1, 2)).real * torch.fft.fftn(h, dim=(0, 1, 2), norm="ortho").real  # FNet's mixing
