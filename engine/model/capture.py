@@ -1412,6 +1412,29 @@ def _h_where(c: _Ctx) -> int:
     return c.emit("where", inputs, attrs, _numel(c.shape))
 
 
+def _h_index_put(c: _Ctx) -> int:
+    """`x[mask] = v` (`index_put(x, [mask], v)`) by one boolean mask over x's leading dims: `where(mask, v, x)`, the
+    mask given trailing dims of 1 (T5Gemma 2 writes its end-of-image embedding at the tokens that are one). Integer
+    indices and accumulation are not lowered."""
+    x, indices, v = c.node(c.fx.args[0]), c.fx.args[1], c.fx.args[2]
+    mask = indices[0] if len(indices) == 1 and isinstance(indices[0], torch.fx.Node) else None
+    if mask is None or mask.meta["val"].dtype != torch.bool or bool(_arg(c.fx, 3, "accumulate", False)):
+        raise _Unsupported("aten.index_put other than by one boolean mask without accumulation")
+    m = c.node(mask)
+    if tuple(x.shape[:m.rank]) != m.shape or c.node(v).rank > x.rank - m.rank:
+        raise _Unsupported("aten.index_put by a boolean mask that is not over the leading dims, or with values per "
+                           "masked entry")
+    step = _Steps(c)
+    cond = m.id
+    if m.rank < x.rank:
+        shape = m.shape + (1,) * (x.rank - m.rank)
+        cond = step("mask", "view", [m.id], {"shape": list(shape)}, shape=shape, dtype="bool", flops=0.0)
+    return step("", "where", [cond, c.tid(v), x.id], {"x": None, "y": None}, shape=x.shape, dtype=x.dtype, final=True)
+
+
+_HANDLERS["index_put"] = _h_index_put
+
+
 def _h_index_add(c: _Ctx) -> int:
     """`index_add(x, dim, index, source)` and `scatter_add(x, dim, index, src)` (MoE combine: expert
     outputs summed back into their tokens); alpha must be 1."""

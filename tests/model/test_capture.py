@@ -667,3 +667,27 @@ class ValueSizedOutput(nn.Module):
 def test_a_tensor_sized_by_tensor_values_is_refused_by_name_not_raised_raw() -> None:
     with pytest.raises(UnsupportedOpError, match="size depends on tensor values"):
         engine.load_model(ValueSizedOutput(), (torch.randn(3, 4),))
+
+
+class MaskedWrite(nn.Module):
+    """T5Gemma 2's end-of-image embedding: `x[ids == k] = v` (index_put by a boolean mask over the leading dims)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.special = nn.Embedding(10, 4), nn.Parameter(torch.randn(4))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h[ids == 3] = self.special
+        return h.pow(2).mean()
+
+
+def test_a_write_through_a_boolean_mask_is_lowered_as_where_and_computes_the_same() -> None:
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    module, ids = MaskedWrite(), torch.tensor([[3, 1, 3], [0, 3, 2]])
+    g = engine.load_model(module, (ids,))
+    assert "where" in {n.op for n in g.nodes} and "opaque" not in {n.op for n in g.nodes}
+    assert engine.theory.missing_rules(g) == []
+    assert torch.allclose(interpret(g, module, (ids,)), module(ids))
