@@ -260,7 +260,8 @@ def test_a_recorded_config_with_an_infinite_float_builds_again_and_training_keep
     ("BertForMaskedLM", {**TINY_BERT, "batch": 3, "seq_len": 8},
      {"input_ids": (3, 8), "attention_mask": (3, 8), "labels": (3, 8)}, 64),
     ("T5ForConditionalGeneration", {"d_model": 32, "vocab_size": 64, "batch": 2, "seq_len": 8},
-     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "labels": (2, 8)}, 64),
+     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "decoder_attention_mask": (2, 8),
+      "labels": (2, 8)}, 64),
     ("ViTForImageClassification", {"image_size": 16, "patch_size": 8, "num_labels": 5, "batch": 64},
      {"pixel_values": (64, 3, 16, 16), "labels": (64,)}, 5),
     ("BertForSequenceClassification", {**TINY_BERT, "num_labels": 3, "batch": 64, "seq_len": 8},
@@ -269,7 +270,8 @@ def test_a_recorded_config_with_an_infinite_float_builds_again_and_training_keep
     ("BertGenerationDecoder", {**TINY_BERT, "batch": 2, "seq_len": 8},
      {"input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2, 8)}, 64),
     ("SeamlessM4TForTextToText", {"vocab_size": 64, "batch": 2, "seq_len": 8},
-     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "labels": (2, 8)}, 64),
+     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "decoder_attention_mask": (2, 8),
+      "labels": (2, 8)}, 64),
     ("ImageGPTForImageClassification", {"vocab_size": 64, "num_labels": 3, "batch": 2, "seq_len": 8},
      {"input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2,)}, 3),
     ("FNetForMaskedLM", {"vocab_size": 64, "batch": 2, "seq_len": 8}, {"input_ids": (2, 8), "labels": (2, 8)}, 64),
@@ -281,7 +283,7 @@ def test_hf_inputs_follow_the_task_and_stay_in_range(cls, knobs, expected, label
     assert {k: tuple(v.shape) for k, v in batch.items()} == expected
     if "input_ids" in batch:
         assert int(batch["input_ids"].max()) < spec.config["vocab_size"]
-    assert bool((batch.get("attention_mask", torch.ones(1)) == 1).all())
+    assert all(bool((batch[k] == 1).all()) for k in source.ALL_ONES_INPUTS if k in batch)
     assert int(batch["labels"].min()) >= 0 and int(batch["labels"].max()) < labels_below
 
 
