@@ -105,6 +105,16 @@ def shrunk(cls: str, small: bool = False) -> dict[str, Any]:
     from engine.model.source import default_config
 
     default = default_config(cls).to_dict()
+    knobs = shrunk_sizes(default)
+    if small:
+        knobs.update({k: v for k, v in SMALL.items() if isinstance(default.get(k), int)})
+        knobs.update(batch=6, seq_len=16)
+    return {**knobs, **fills({**default, **knobs})}
+
+
+def shrunk_sizes(default: dict[str, Any]) -> dict[str, Any]:
+    """The layer and expert knobs of `shrunk` for one config dict, and for each sub-config in it (a composite
+    model's text_config, audio_config, ...: a `model_type` of its own) the whole sub-config with its own."""
     knobs: dict[str, Any] = {}
     staged = isinstance(default.get("depths"), list)  # Swin-like: num_layers counts stages, depths their blocks
     layers = {k: v for k, v in default.items()
@@ -126,10 +136,11 @@ def shrunk(cls: str, small: bool = False) -> dict[str, Any]:
     for k, v in default.items():
         if TOP_K_KEY.match(k) and isinstance(v, int):
             knobs[k] = min(v, EXPERTS)
-    if small:
-        knobs.update({k: v for k, v in SMALL.items() if isinstance(default.get(k), int)})
-        knobs.update(batch=6, seq_len=16)
-    return {**knobs, **fills({**default, **knobs})}
+        if isinstance(v, dict) and "model_type" in v:
+            inner = {key: x for key, x in shrunk_sizes(v).items() if v.get(key) != x}
+            if inner:
+                knobs[k] = {**v, **inner}
+    return knobs
 
 
 def kinds_of(values: list) -> dict[str, int]:

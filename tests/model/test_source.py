@@ -380,3 +380,14 @@ def test_the_sweep_shrinks_a_default_config_into_one_that_validates(sweep, cls, 
     if layer_types and cls == "NeoMMEForMaskedLM":
         assert "full_attention" in layer_types and len(layer_types) == 2
     source.hf_spec(f"hf:{cls}", None, knobs)  # the shrunk config validates
+
+
+def test_the_sweep_shrinks_the_sub_configs_of_a_composite_model(sweep):
+    """Qwen2-Audio's layers are in its text and audio sub-configs (32 each by default: 180 GiB to train, more
+    than the sweep's cluster holds); each is passed whole with its own counts shrunk."""
+    pytest.importorskip("transformers")
+    knobs = sweep.shrunk("Qwen2AudioForConditionalGeneration")
+    assert knobs["text_config"]["num_hidden_layers"] == 2 and knobs["audio_config"]["encoder_layers"] == 2
+    assert knobs["text_config"]["vocab_size"] == 151936  # the rest of the default sub-config kept
+    cfg = source.hf_spec("hf:Qwen2AudioForConditionalGeneration", None, knobs).config
+    assert cfg["text_config"]["num_hidden_layers"] == 2 and cfg["audio_config"]["encoder_layers"] == 2
