@@ -42,6 +42,7 @@ import torch
 from engine.errors import HapError, ModelError, UnsupportedOpError
 from engine.model.dropout import MASK_OPS_PER_ELEMENT
 from engine.model.graph import Graph, Node, parse_equation
+from engine.model.values import KnownValues
 
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
           "exp": "exp", "neg": "neg", "clone": "identity", "contiguous": "identity",
@@ -128,10 +129,16 @@ def _norm_dim(d: int, rank: int) -> int:
     return d + rank if d < 0 else d
 
 
-def export_program(module: torch.nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    """torch.export in non-strict mode; a failure becomes a ModelError that says what to try."""
+def export_program(module: torch.nn.Module, args: tuple, kwargs: dict,
+                   known: dict[str, torch.Tensor] | None = None) -> torch.export.ExportedProgram:
+    """torch.export in non-strict mode; a failure becomes a ModelError that says what to try. `known`: keyword
+    inputs whose value is the same in every batch (all-ones masks), by name: branches on them are decided
+    (engine.model.values)."""
+    values = KnownValues(known)
+    if isinstance(module, LossOf):
+        module.known = values
     try:
-        with ValuedScalars():
+        with ValuedScalars(), values:
             ep = torch.export.export(module, args, kwargs, strict=False)
     except Exception as e:  # torch raises many exception types from tracing
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -322,8 +329,12 @@ class LossOf(torch.nn.Module):
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
         self.inner = inner
+        self.known: KnownValues | None = None
+        """Set by export_program: told the traced keyword inputs, so those of known value get it."""
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.known is not None:
+            self.known.seed(kwargs)
         return loss_of(self.inner(*args, **kwargs))
 
 
@@ -344,20 +355,22 @@ def _by_name(module: torch.nn.Module, args: tuple) -> dict[str, Any] | None:
 
 
 def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str = "model",
-            origin: dict[str, Any] | None = None, fallback: str | None = None) -> Graph:
+            origin: dict[str, Any] | None = None, fallback: str | None = None,
+            known: dict[str, torch.Tensor] | None = None) -> Graph:
     """Trace `module` on `example_inputs` (positional tuple or keyword dict) into a Graph.
 
     The loss is the model's output or its `.loss` field. Operators with no rule: by default
     (`fallback=None` or `"auto"`) mask and position arithmetic is kept as opaque all-Full nodes and
     an op on activations is refused; `"replicate"` keeps every one opaque, `"strict"` none (see
-    `FALLBACKS`)."""
+    `FALLBACKS`). `known`: inputs (by keyword) whose value is the same in every batch, on the CPU: Python
+    branches on them are decided by that value (engine.model.values)."""
     _check_fallback(fallback)
     if isinstance(example_inputs, dict):
         args, kwargs = (), dict(example_inputs)
     else:
         kwargs = _by_name(module, tuple(example_inputs))
         args = () if kwargs is not None else tuple(example_inputs)
-    ep = functionalize(export_program(LossOf(module), args, kwargs or {}))
+    ep = functionalize(export_program(LossOf(module), args, kwargs or {}, known))
     return _to_graph(ep, name=name, origin=origin or {}, fallback=fallback)
 
 

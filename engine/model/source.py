@@ -641,10 +641,16 @@ def _text(cfg: Any) -> Any:
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+ALL_ONES_INPUTS = ("attention_mask", "decoder_attention_mask")
+"""Inputs that `hf_inputs` makes all ones in every batch (no padding): the capture knows their values, so a
+Python branch on them (Longformer's global attention, a loss that drops masked positions) is decided."""
+
+
 def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
     """The keyword batch of the spec's task (on the current default device; meta for capture): pixels and token
-    ids as the sizes say, the attention mask where the forward takes one, decoder ids for a sequence-to-sequence
-    LM, and labels: a class per sample for classifiers, a token per position for language models."""
+    ids as the sizes say, the attention masks (all ones) where the forward takes them, decoder ids for a
+    sequence-to-sequence LM, and labels: a class per sample for classifiers, a token per position for language
+    models."""
     cfg = hf_config(spec)
     b, takes = spec.inputs["batch"], forward_params(spec.cls)
     out: dict[str, torch.Tensor] = {}
@@ -659,6 +665,8 @@ def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[st
             out["attention_mask"] = torch.ones(b, t, dtype=torch.long)
         if spec.task == "seq2seq_lm" and "decoder_input_ids" in takes:  # not a decoder-only VLM's
             out["decoder_input_ids"] = torch.randint(0, vocab, (b, t), generator=generator)
+            if "decoder_attention_mask" in takes:  # else FSMT infers padding from the ids' values (a random pad id)
+                out["decoder_attention_mask"] = torch.ones(b, t, dtype=torch.long)
     if spec.task in CLASSIFIERS:
         out["labels"] = torch.randint(0, cfg.num_labels, (b,), generator=generator)
     else:
@@ -702,8 +710,9 @@ def capture_hf(spec: HFSpec, *, fallback: str | None = None) -> Graph:
     """Capture a transformers model on `meta`; the graph's origin holds the class, full config and input sizes."""
     with torch.device("meta"):
         model, inputs = all_on_meta(hf_build(spec)), hf_inputs(spec)
+    known = {k: torch.ones(tuple(v.shape), dtype=v.dtype) for k, v in inputs.items() if k in ALL_ONES_INPUTS}
     try:
-        return capture(model, inputs, name=spec.cls, origin=spec.origin(), fallback=fallback)
+        return capture(model, inputs, name=spec.cls, origin=spec.origin(), fallback=fallback, known=known)
     except UnsupportedOpError:
         raise
     except ModelError as e:

@@ -266,7 +266,8 @@ def test_a_recorded_config_with_an_infinite_float_builds_again_and_training_keep
     ("BertForMaskedLM", {**TINY_BERT, "batch": 3, "seq_len": 8},
      {"input_ids": (3, 8), "attention_mask": (3, 8), "labels": (3, 8)}, 64),
     ("T5ForConditionalGeneration", {"d_model": 32, "vocab_size": 64, "batch": 2, "seq_len": 8},
-     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "labels": (2, 8)}, 64),
+     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "decoder_attention_mask": (2, 8),
+      "labels": (2, 8)}, 64),
     ("ViTForImageClassification", {"image_size": 16, "patch_size": 8, "num_labels": 5, "batch": 64},
      {"pixel_values": (64, 3, 16, 16), "labels": (64,)}, 5),
     ("BertForSequenceClassification", {**TINY_BERT, "num_labels": 3, "batch": 64, "seq_len": 8},
@@ -275,7 +276,8 @@ def test_a_recorded_config_with_an_infinite_float_builds_again_and_training_keep
     ("BertGenerationDecoder", {**TINY_BERT, "batch": 2, "seq_len": 8},
      {"input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2, 8)}, 64),
     ("SeamlessM4TForTextToText", {"vocab_size": 64, "batch": 2, "seq_len": 8},
-     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "labels": (2, 8)}, 64),
+     {"input_ids": (2, 8), "attention_mask": (2, 8), "decoder_input_ids": (2, 8), "decoder_attention_mask": (2, 8),
+      "labels": (2, 8)}, 64),
     ("ImageGPTForImageClassification", {"vocab_size": 64, "num_labels": 3, "batch": 2, "seq_len": 8},
      {"input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2,)}, 3),
     ("FNetForMaskedLM", {"vocab_size": 64, "batch": 2, "seq_len": 8}, {"input_ids": (2, 8), "labels": (2, 8)}, 64),
@@ -287,7 +289,7 @@ def test_hf_inputs_follow_the_task_and_stay_in_range(cls, knobs, expected, label
     assert {k: tuple(v.shape) for k, v in batch.items()} == expected
     if "input_ids" in batch:
         assert int(batch["input_ids"].max()) < spec.config["vocab_size"]
-    assert bool((batch.get("attention_mask", torch.ones(1)) == 1).all())
+    assert all(bool((batch[k] == 1).all()) for k in source.ALL_ONES_INPUTS if k in batch)
     assert int(batch["labels"].min()) >= 0 and int(batch["labels"].max()) < labels_below
 
 
@@ -449,3 +451,14 @@ def test_a_model_without_a_vocabulary_gets_byte_ids():
         "num_hash_buckets": 64, "batch": 2, "seq_len": 16})
     ids = source.hf_inputs(spec)["input_ids"]
     assert ids.shape == (2, 16) and 0 <= int(ids.min()) and int(ids.max()) < source.BYTE_IDS
+
+
+def test_the_sweep_shrinks_the_sub_configs_of_a_composite_model(sweep):
+    """Qwen2-Audio's layers are in its text and audio sub-configs (32 each by default: 180 GiB to train, more
+    than the sweep's cluster holds); each is passed whole with its own counts shrunk."""
+    pytest.importorskip("transformers")
+    knobs = sweep.shrunk("Qwen2AudioForConditionalGeneration")
+    assert knobs["text_config"]["num_hidden_layers"] == 2 and knobs["audio_config"]["encoder_layers"] == 2
+    assert knobs["text_config"]["vocab_size"] == 151936  # the rest of the default sub-config kept
+    cfg = source.hf_spec("hf:Qwen2AudioForConditionalGeneration", None, knobs).config
+    assert cfg["text_config"]["num_hidden_layers"] == 2 and cfg["audio_config"]["encoder_layers"] == 2
