@@ -384,6 +384,9 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
             spec = specs[fx.name]
             val = fx.meta["val"]
             kind = spec.kind.name
+            if _is_complex(val) and fx in live:
+                unsupported.append(_complex_leaf(kind, str(spec.target).removeprefix(_WRAPPED)))
+                continue
             if kind in ("PARAMETER", "BUFFER"):
                 op = "parameter" if kind == "PARAMETER" else "buffer"
                 if op == "buffer":
@@ -1914,10 +1917,12 @@ def _is_complex(v: Any) -> bool:
 
 def _touches_complex(fx: torch.fx.Node, b: _Builder) -> bool:
     """Whether `fx` makes a complex tensor or reads one that capture holds as a pair."""
-    val = fx.meta.get("val")
-    made = any(_is_complex(v) for v in (val if isinstance(val, (list, tuple)) else [val]))
-    return (made and getattr(fx.target, "_opname", "") not in _FFT_OPS) or any(a.name in b.pairs
-                                                                               for a in fx.all_input_nodes)
+    def complex_made(n: torch.fx.Node) -> bool:
+        val = n.meta.get("val")
+        return (getattr(n.target, "_opname", "") not in _FFT_OPS
+                and any(_is_complex(v) for v in (val if isinstance(val, (list, tuple)) else [val])))
+
+    return complex_made(fx) or any(a.name in b.pairs or complex_made(a) for a in fx.all_input_nodes)
 
 
 def _lower_complex(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> int:
@@ -1934,6 +1939,14 @@ def _lower_complex(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> int:
     if pair:
         b.pairs.add(fx.name)
     return nid
+
+
+def _complex_leaf(kind: str, target: str) -> str:
+    """Why a complex parameter, buffer or input is refused: its value reaches the runners from the module as it is,
+    while capture holds complex tensors as (re, im) pairs."""
+    return (f"complex {kind.lower().replace('_', ' ')} '{target}' (complex tensors are held as real (re, im) pairs "
+            "inside the graph, but a leaf's value comes from the module unchanged: store it as "
+            "torch.view_as_real(...) and call torch.view_as_complex on it in forward)")
 
 
 def _is_pair(c: _Ctx, a: Any) -> bool:

@@ -473,9 +473,22 @@ class ComplexUnruly(nn.Module):
         return torch.view_as_real(torch.exp(z)).sum()
 
 
+class ComplexBuffer(nn.Module):
+    """A complex buffer (Llama 4's vision `freqs_ci`): its value reaches the runners as the module holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_real(torch.view_as_complex(x.reshape(4, 2)) * self.freqs).sum()
+
+
 def test_complex_operators_not_lowered_are_refused_by_name() -> None:
     with pytest.raises(UnsupportedOpError, match=r"aten\.exp of a complex tensor .*write this step in real arithmetic"):
         engine.load_model(ComplexUnruly(), (torch.randn(8),), fallback="strict")
+    with pytest.raises(UnsupportedOpError, match=r"^1 unsupported .*complex buffer 'freqs' .*store it as torch\.view_as_real"):
+        engine.load_model(ComplexBuffer(), (torch.randn(8),), fallback="strict")
 
 
 class ForwardConstant(nn.Module):
