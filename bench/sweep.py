@@ -121,7 +121,8 @@ def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
     staged = isinstance(default.get("depths"), list)  # Swin-like: num_layers counts stages, depths their blocks
     layers = {k: v for k, v in default.items()
               if LAYER_KEY.match(k) and isinstance(v, int) and v > LAYERS and not (staged and k == "num_layers")}
-    per_layer = {k: v for k, v in default.items() if isinstance(v, list) and v and len(v) in set(layers.values())}
+    per_layer = {k: v for k, v in default.items() if isinstance(v, list) and v and len(v) in set(layers.values())
+                 and not every_layer(v)}
     n = max([LAYERS, *(len(kinds_of(v)) for v in per_layer.values())])
     knobs.update({k: n for k, v in layers.items() if v > n})
     knobs.update({k: cut(v, n) for k, v in per_layer.items() if len(v) > n})
@@ -129,6 +130,7 @@ def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
     if most > n:  # Gemma 4's per_layer_config {"05": {"head_dim": 512}, ...}: the kept layers' entries, renumbered
         keep = kept(next(iter(per_layer.values())), n) if per_layer else list(range(n))
         knobs.update({k: renumbered(v, keep) for k, v in default.items() if by_layer(v, most)})
+        knobs.update({k: list(range(len(keep))) for k, v in default.items() if every_layer(v) and len(v) == most})
     for k, v in default.items():
         if SUBCOUNT_KEY.match(k) and k not in layers and isinstance(v, int) and most > n and v >= n:
             knobs[k] = v * n // most
@@ -169,6 +171,12 @@ def kept(values: list, n: int) -> list[int]:
     keep = set(kinds_of(values).values())
     keep |= set([i for i in range(len(values)) if i not in keep][:max(0, n - len(keep))])
     return sorted(keep)
+
+
+def every_layer(value: Any) -> bool:
+    """Whether a config value lists every layer's index (Llama 4's `moe_layers` when every layer is MoE): not a
+    per-layer list of kinds (48 distinct entries kept 48 layers), but the kept layers' indices once shrunk."""
+    return isinstance(value, list) and len(value) > 1 and value == list(range(len(value)))
 
 
 def by_layer(value: Any, layers: int) -> bool:

@@ -81,6 +81,8 @@ class _Builder:
         self.buffers: dict[str, str] = {}
         """Buffers (fx name -> module path); they are `buffer` leaves, pruned when the loss does not use them."""
         self.rng_sites = 0
+        self.pairs: set[str] = set()
+        """Complex tensors (fx names), each held as a real node with a trailing dim of 2: (re, im)."""
         """Dropout sites numbered in lowering order (only for programs `number_dropout_sites` did not number)."""
 
     def add(self, name: str, op: str, inputs: list[int], shape: tuple[int, ...], dtype: str,
@@ -423,6 +425,9 @@ def _to_graph(ep: torch.export.ExportedProgram, *, name: str, origin: dict[str, 
             spec = specs[fx.name]
             val = fx.meta["val"]
             kind = spec.kind.name
+            if _is_complex(val) and fx in live:
+                unsupported.append(_complex_leaf(kind, str(spec.target).removeprefix(_WRAPPED)))
+                continue
             if kind in ("PARAMETER", "BUFFER"):
                 op = "parameter" if kind == "PARAMETER" else "buffer"
                 if op == "buffer":
@@ -590,6 +595,9 @@ def _lower(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> None:
         b.multi[fx.name] = _broadcast_aliases(fx, b)
         return
     if opname in _NO_OPS:
+        return
+    if _touches_complex(fx, b):
+        b.ids[fx.name] = _lower_complex(fx, b, seg, src)
         return
     if opname in _VALUE_PRESERVING:  # in place, values unchanged: an alias of its operand
         b.ids[fx.name] = _Ctx(fx, b, seg, src, (), "").tid(fx.args[0])
@@ -1908,14 +1916,12 @@ def _h_scatter(c: _Ctx) -> int:
 
 
 def _h_complex_refused(c: _Ctx) -> int:
-    """Complex tensors (`view_as_complex`, the FFTs) are not modelled: refused with why and what to use instead."""
+    """Complex results capture does not hold as (re, im) pairs (an FFT's, `_lower_complex`'s are): refused with why."""
     raise _Unsupported(f"aten.{c.fx.target._opname} (complex tensors are not modelled: the planner has rules for real "
                        f"operators only{_COMPLEX_ADVICE.get(c.fx.target._opname, '')})")
 
 
 _COMPLEX_ADVICE = {
-    "view_as_complex": "; rotary embeddings written with complex numbers (Llama 4's apply_rotary_emb) have no "
-                       "real-valued form behind a config flag: a model with cos/sin rotary (Llama 3) plans",
     "real": "; only the real part of an FFT of a real tensor is lowered",
 }
 """What to do instead, for the complex operators real models bring."""
@@ -1981,8 +1987,224 @@ _HANDLERS.update({
     "logsumexp": _h_logsumexp, "rms_norm": _h_rms_norm, "linalg_vector_norm": _h_vector_norm,
     "nll_loss_nd": _h_nll_loss, "nll_loss": _h_nll_loss, "tril": _h_tril, "triu": _h_tril, "im2col": _h_im2col,
     "scatter": _h_scatter, "view_as": _h_view, "reshape_as": _h_view, "expand_as": _h_expand,
-    "view_as_complex": _h_complex_refused, "fft_fftn": _h_fft_real, "real": _h_real,
+    "fft_fftn": _h_fft_real, "real": _h_real,
 })
+
+
+# --- complex tensors as (re, im) pairs (issue 29: Llama 4's and DeepSeek-V2's complex rotary) ----
+_FFT_OPS = {"fft_fftn"}
+"""Complex-valued operators lowered on their own terms (`_h_fft_real`): their results are not pairs."""
+
+
+def _is_complex(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and v.is_complex()
+
+
+def _touches_complex(fx: torch.fx.Node, b: _Builder) -> bool:
+    """Whether `fx` makes a complex tensor or reads one that capture holds as a pair."""
+    def complex_made(n: torch.fx.Node) -> bool:
+        val = n.meta.get("val")
+        return (getattr(n.target, "_opname", "") not in _FFT_OPS
+                and any(_is_complex(v) for v in (val if isinstance(val, (list, tuple)) else [val])))
+
+    return complex_made(fx) or any(a.name in b.pairs or complex_made(a) for a in fx.all_input_nodes)
+
+
+def _lower_complex(fx: torch.fx.Node, b: _Builder, seg: int, src: str) -> int:
+    """A complex-valued step as real ones: every complex tensor is held as a real one with a trailing dim of 2
+    (re, im), so views keep that dim and products are spelled out (`_COMPLEX`); any other complex op is refused."""
+    opname = getattr(fx.target, "_opname", str(fx.target))
+    val, handler = fx.meta.get("val"), _COMPLEX.get(opname)
+    if handler is None or not isinstance(val, torch.Tensor):
+        raise _Unsupported(f"aten.{opname} of a complex tensor (capture holds complex tensors as (re, im) pairs and "
+                           f"lowers only {', '.join(sorted(_COMPLEX))} of them: write this step in real arithmetic)")
+    pair = val.is_complex()
+    shape, dtype = _shape(val) + ((2,) if pair else ()), str(val.dtype.to_real()).removeprefix("torch.")
+    nid = handler(_Ctx(fx, b, seg, src, shape, dtype))
+    if pair:
+        b.pairs.add(fx.name)
+    return nid
+
+
+def _complex_leaf(kind: str, target: str) -> str:
+    """Why a complex parameter, buffer or input is refused: its value reaches the runners from the module as it is,
+    while capture holds complex tensors as (re, im) pairs."""
+    return (f"complex {kind.lower().replace('_', ' ')} '{target}' (complex tensors are held as real (re, im) pairs "
+            "inside the graph, but a leaf's value comes from the module unchanged: store it as "
+            "torch.view_as_real(...) and call torch.view_as_complex on it in forward)")
+
+
+def _is_pair(c: _Ctx, a: Any) -> bool:
+    return isinstance(a, torch.fx.Node) and a.name in c.b.pairs
+
+
+def _pair(c: _Ctx, a: Any) -> Node:
+    """The pair node of a complex operand (a real operand where a complex one is expected is refused)."""
+    if not _is_pair(c, a):
+        raise _Unsupported(f"aten.{c.fx.target._opname} mixing complex and real operands")
+    return c.node(a)
+
+
+def _part(c: _Ctx, x: Node, k: int) -> int:
+    """The real (k=0) or imaginary (k=1) part of a pair."""
+    return _Steps(c)(f"{x.name}_{'ri'[k]}", "select", [x.id], {"dim": x.rank - 1, "index": k}, shape=x.shape[:-1],
+                     dtype=x.dtype, flops=0.0)
+
+
+def _join(c: _Ctx, re: int, im: int) -> int:
+    """The pair (re, im) of two real tensors of the output's complex shape: unsqueezed on the last dim and cat."""
+    step, cshape = _Steps(c), c.shape[:-1]
+    col = cshape + (1,)
+    parts = [step(f"{k}col", "view", [t], {"shape": list(col)}, shape=col, dtype=c.dtype, flops=0.0)
+             for k, t in (("re", re), ("im", im))]
+    return step("", "cat", parts, {"dim": len(cshape)}, shape=c.shape, dtype=c.dtype, flops=0.0, final=True)
+
+
+def _c_alias(c: _Ctx) -> int:
+    """`view_as_complex(x)` / `view_as_real(z)`: the pair is x itself (x's trailing 2 is (re, im))."""
+    return c.tid(c.fx.args[0])
+
+
+def _c_polar(c: _Ctx) -> int:
+    """`polar(abs, angle)` = (abs cos(angle), abs sin(angle))."""
+    r, angle = c.node(c.fx.args[0]), c.node(c.fx.args[1])
+    step, cshape = _Steps(c), c.shape[:-1]
+    waves = [step(op, op, [angle.id], shape=angle.shape, dtype=angle.dtype, flops=_UNARY_FLOPS[op] * angle.numel)
+             for op in ("cos", "sin")]
+    re, im = (step(f"{k}", "mul", [r.id, w], shape=cshape, dtype=c.dtype) for k, w in zip(("re", "im"), waves))
+    return _join(c, re, im)
+
+
+def _c_mul(c: _Ctx) -> int:
+    """complex * complex = (ac - bd, ad + bc); complex * real (a tensor or a number) scales both parts."""
+    x, y = c.fx.args[0], c.fx.args[1]
+    if _is_pair(c, x) and _is_pair(c, y):
+        step, cshape = _Steps(c), c.shape[:-1]
+        (a, b), (cc, d) = ((_part(c, n, 0), _part(c, n, 1)) for n in (c.node(x), c.node(y)))
+        prods = {k: step(k, "mul", [p, q], shape=cshape, dtype=c.dtype) for k, p, q in
+                 (("ac", a, cc), ("bd", b, d), ("ad", a, d), ("bc", b, cc))}
+        re = step("re", "sub", [prods["ac"], prods["bd"]], shape=cshape, dtype=c.dtype)
+        im = step("im", "add", [prods["ad"], prods["bc"]], shape=cshape, dtype=c.dtype)
+        return _join(c, re, im)
+    z, other = (x, y) if _is_pair(c, x) else (y, x)
+    return _c_scale(c, c.node(z), other, "mul")
+
+
+def _c_scale(c: _Ctx, z: Node, other: Any, op: str) -> int:
+    """A pair times (or over) a real tensor, unsqueezed to broadcast over (re, im), or a real number."""
+    if not isinstance(other, torch.fx.Node):
+        if isinstance(other, complex):
+            raise _Unsupported(f"aten.{c.fx.target._opname} by a complex number")
+        return c.emit(op, [z.id], _scalar_op(_scalar(other)), _numel(c.shape))
+    r = c.node(other)
+    col = c.emit("view", [r.id], {"shape": list(r.shape) + [1]}, name=f"{c.fx.name}_col", shape=r.shape + (1,),
+                 dtype=r.dtype)
+    return c.emit(op, [z.id, col], flops=_numel(c.shape))
+
+
+def _c_div(c: _Ctx) -> int:
+    """complex / real: both parts divided (a complex divisor is refused)."""
+    if _is_pair(c, c.fx.args[1]) or c.fx.kwargs.get("rounding_mode") is not None:
+        raise _Unsupported("aten.div by a complex tensor (capture holds complex tensors as (re, im) pairs)")
+    return _c_scale(c, _pair(c, c.fx.args[0]), c.fx.args[1], "div")
+
+
+def _c_add(c: _Ctx) -> int:
+    """complex +/- complex: the pairs add part by part (alpha and real operands are refused)."""
+    if c.fx.kwargs.get("alpha", 1) != 1:
+        raise _Unsupported(f"aten.{c.fx.target._opname} of complex tensors with alpha")
+    x, y = (_pair(c, a) for a in c.fx.args[:2])
+    return c.emit(c.fx.target._opname, [x.id, y.id], flops=_numel(c.shape))
+
+
+def _c_neg(c: _Ctx) -> int:
+    return c.emit("neg", [_pair(c, c.fx.args[0]).id], flops=_numel(c.shape))
+
+
+def _c_part(c: _Ctx) -> int:
+    """`real(z)` / `imag(z)`: one slot of the pair."""
+    z = _pair(c, c.fx.args[0])
+    return c.emit("select", [z.id], {"dim": z.rank - 1, "index": int(c.fx.target._opname == "imag")})
+
+
+def _c_reshape(c: _Ctx) -> int:
+    """A view of a complex tensor (view, reshape, flatten, unsqueeze, squeeze, ...): the pair's view, (re, im) kept."""
+    z = _pair(c, c.fx.args[0])
+    return c.emit("identity" if z.shape == c.shape else "view", [z.id], None if z.shape == c.shape else
+                  {"shape": list(c.shape)})
+
+
+def _c_expand(c: _Ctx) -> int:
+    z = _pair(c, c.fx.args[0])
+    return c.emit("identity", [z.id]) if z.shape == c.shape else c.emit("expand", [z.id], {"shape": list(c.shape)})
+
+
+def _c_copy(c: _Ctx) -> int:
+    """clone / contiguous / a dtype change between complex dtypes: an identity of the pair (complex to real refused)."""
+    z = _pair(c, c.fx.args[0])
+    if not _is_complex(c.fx.meta.get("val")):
+        raise _Unsupported(f"aten.{c.fx.target._opname} of a complex tensor to a real one (drops the imaginary part: "
+                           "take .real explicitly)")
+    return c.emit("identity", [z.id], {"dtype": c.dtype} if z.dtype != c.dtype else None)
+
+
+def _c_slice(c: _Ctx) -> int:
+    """slice / select / narrow of a complex tensor along a complex dim (a negative dim counts from the pair's
+    second-to-last)."""
+    z = _pair(c, c.fx.args[0])
+    op, rank = c.fx.target._opname, z.rank - 1
+    dim = _norm_dim(_arg(c.fx, 1, "dim", 0), rank)
+    size = z.shape[dim]
+    if op == "select":
+        index = c.fx.args[2] + (size if c.fx.args[2] < 0 else 0)
+        return c.emit("select", [z.id], {"dim": dim, "index": index})
+    if op == "narrow":
+        start = c.fx.args[2] + (size if c.fx.args[2] < 0 else 0)
+        start, end, step = start, start + c.fx.args[3], 1
+    else:
+        step = _arg(c.fx, 4, "step", 1)
+        start, end, _ = slice(_arg(c.fx, 2, "start"), _arg(c.fx, 3, "end"), step).indices(size)
+    if c.shape == z.shape:
+        return c.emit("identity", [z.id])
+    return c.emit("narrow", [z.id], {"dim": dim, "start": start, "end": max(start, end), "step": int(step)})
+
+
+def _c_permute(c: _Ctx) -> int:
+    """permute / transpose of a complex tensor: the same dims of the pair, (re, im) staying last."""
+    z = _pair(c, c.fx.args[0])
+    rank = z.rank - 1
+    if c.fx.target._opname == "permute":
+        dims = [_norm_dim(d, rank) for d in c.fx.args[1]]
+    else:
+        dims = list(range(rank))
+        d0, d1 = (_norm_dim(d, rank) for d in c.fx.args[1:3])
+        dims[d0], dims[d1] = dims[d1], dims[d0]
+    return c.emit("permute", [z.id], {"dims": dims + [rank]})
+
+
+def _c_cat(c: _Ctx) -> int:
+    """cat / stack of complex tensors along a complex dim (stack: each operand viewed with a 1 there first)."""
+    rank = len(c.shape) - 1
+    dim = _norm_dim(_arg(c.fx, 1, "dim", 0), rank)
+    parts = [_pair(c, t) for t in c.fx.args[0]]
+    if c.fx.target._opname == "stack":
+        ids = [c.emit("view", [p.id], {"shape": list(p.shape[:dim] + (1,) + p.shape[dim:])}, name=f"{c.fx.name}_part{k}",
+                      shape=p.shape[:dim] + (1,) + p.shape[dim:]) for k, p in enumerate(parts)]
+    else:
+        ids = [p.id for p in parts]
+    return c.emit("identity", ids) if len(ids) == 1 else c.emit("cat", ids, {"dim": dim})
+
+
+_COMPLEX: dict[str, Callable[[_Ctx], int]] = {
+    "view_as_complex": _c_alias, "view_as_real": _c_alias, "polar": _c_polar, "mul": _c_mul, "div": _c_div,
+    "add": _c_add, "sub": _c_add, "neg": _c_neg, "real": _c_part, "imag": _c_part,
+    **{op: _c_reshape for op in _VIEWS | {"unflatten"}}, "expand": _c_expand, "broadcast_to": _c_expand,
+    **{op: _c_copy for op in ("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_to_copy", "to",
+                              "type_as")},
+    "slice": _c_slice, "select": _c_slice, "narrow": _c_slice, "permute": _c_permute, "transpose": _c_permute,
+    "cat": _c_cat, "concat": _c_cat, "stack": _c_cat,
+}
+"""Complex-valued operators capture lowers onto (re, im) pairs."""
 
 
 # --- the automatic fallback: side arithmetic runs unsharded (issue 13) -------------------------

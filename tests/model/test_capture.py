@@ -451,6 +451,72 @@ def test_a_list_of_ints_in_progression_made_in_forward_on_meta_keeps_its_values(
     assert torch.allclose(interpret(g, module, (x,)), module(x))
 
 
+class ComplexRope(nn.Module):
+    """Rotary embeddings written with complex numbers, as Llama 4 and DeepSeek-V2 write them: the frequencies by
+    `polar` (scaled by a number) and by `view_as_complex` of stacked cos and sin, the rotation a complex product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 16)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        xq = self.q(x).view(b, s, 2, 8)
+        freqs = torch.arange(s, device=x.device).float()[None, :, None] * self.inv_freq  # (1, s, 4)
+        freqs_cis = torch.polar(torch.ones_like(freqs), freqs) * 0.5
+        stacked = torch.view_as_complex(torch.stack([torch.cos(freqs), torch.sin(freqs)], dim=-1))
+        xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+        rotated = xq_ * freqs_cis[:, :, None, :] * stacked.unsqueeze(2).expand(b, s, 1, 4)
+        out = torch.view_as_real(rotated.transpose(1, 2)[..., 1:]).flatten(3)
+        return out.type_as(xq).pow(2).mean() + torch.view_as_real(freqs_cis.real[:, :, None, :] * xq_).sum()
+
+
+def test_complex_rotary_is_lowered_to_real_pairs_and_computes_the_same() -> None:
+    """Complex tensors are held as (re, im) pairs: the graph has no complex node, every node's rules hold on
+    uneven shards, and the loss and its gradients are torch's."""
+    from engine.theory.check import check_node
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    module, x = ComplexRope(), torch.randn(2, 5, 8, requires_grad=True)
+    g = engine.load_model(module, (x,))
+    assert not any(n.dtype.startswith("complex") for n in g.nodes) and engine.theory.missing_rules(g) == []
+    assert {"cos", "sin", "select", "cat", "sub"} <= {n.op for n in g.nodes} and "opaque" not in {n.op for n in g.nodes}
+    for n in g.nodes:
+        if not n.is_leaf:
+            bad = [str(r) for r in check_node(n, g, [0.5, 0.3, 0.2]) if not r.ok]
+            assert not bad, (n.name, bad)
+    got, want = interpret(g, module, (x,)), module(x)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    grads = [torch.autograd.grad(v, [x, module.q.weight]) for v in (got, want)]
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*grads))
+
+
+class ComplexUnruly(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.view_as_complex(x.reshape(2, 2, 2))
+        return torch.view_as_real(torch.exp(z)).sum()
+
+
+class ComplexBuffer(nn.Module):
+    """A complex buffer (Llama 4's vision `freqs_ci`): its value reaches the runners as the module holds it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freqs", torch.polar(torch.ones(4), torch.arange(4.0)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_real(torch.view_as_complex(x.reshape(4, 2)) * self.freqs).sum()
+
+
+def test_complex_operators_not_lowered_are_refused_by_name() -> None:
+    with pytest.raises(UnsupportedOpError, match=r"aten\.exp of a complex tensor .*write this step in real arithmetic"):
+        engine.load_model(ComplexUnruly(), (torch.randn(8),), fallback="strict")
+    with pytest.raises(UnsupportedOpError, match=r"^1 unsupported .*complex buffer 'freqs' .*store it as torch\.view_as_real"):
+        engine.load_model(ComplexBuffer(), (torch.randn(8),), fallback="strict")
+
+
 class ForwardConstant(nn.Module):
     """A tensor made in forward from Python numbers (torch.export lifts it as a constant)."""
 

@@ -406,6 +406,15 @@ def test_the_sweep_shrinks_each_sub_config_of_a_composite_config_keeping_its_oth
     assert spec.config["text_config"]["num_hidden_layers"] == spec.config["audio_config"]["num_hidden_layers"] == 2
 
 
+def test_a_list_of_every_layers_index_is_shrunk_to_the_kept_layers(sweep):
+    """Llama 4's `moe_layers` lists all 48 layer indices: taken as 48 kinds of layer, it kept 48 layers (526 GiB)."""
+    pytest.importorskip("transformers")
+    knobs = sweep.shrunk("Llama4ForCausalLM")
+    assert knobs["num_hidden_layers"] == 2 and knobs["moe_layers"] == [0, 1] and len(knobs["no_rope_layers"]) == 2
+    assert sweep.every_layer([0, 1, 2]) and not sweep.every_layer([1, 3]) and not sweep.every_layer([0])
+    source.hf_spec("hf:Llama4ForCausalLM", None, knobs)
+
+
 def test_the_sweep_keeps_a_per_layer_dict_for_the_layers_it_keeps_renumbered(sweep):
     """Gemma 4 gives its full-attention layers (5, 11, ..., 29 of 30) a wider head in `per_layer_config`, keyed by
     layer index: the two layers kept are a sliding and a full one, so the full one's entry becomes layer 1's."""
