@@ -372,8 +372,12 @@ def capture(module: torch.nn.Module, example_inputs: tuple | dict, *, name: str 
     else:
         kwargs = _by_name(module, tuple(example_inputs))
         args = () if kwargs is not None else tuple(example_inputs)
-    ep = functionalize(export_program(LossOf(module), args, kwargs or {}, known))
-    return _to_graph(ep, name=name, origin=origin or {}, fallback=fallback)
+    wrapped = LossOf(module)
+    ep = functionalize(export_program(wrapped, args, kwargs or {}, known))
+    origin = dict(origin or {})
+    if wrapped.known is not None and wrapped.known.decided:  # the program holds for these inputs all ones only
+        origin["assumes_all_ones"] = sorted(k for k in (known or {}) if k in (kwargs or {}))
+    return _to_graph(ep, name=name, origin=origin, fallback=fallback)
 
 
 _VALUE_PRESERVING = {"detach_"}

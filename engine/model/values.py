@@ -45,6 +45,9 @@ class KnownValues(torch.overrides.TorchFunctionMode):
         super().__init__()
         self.known = {k: v.detach().to("cpu") for k, v in (known or {}).items()}
         self._twins: dict[int, tuple[weakref.ref, torch.Tensor]] = {}
+        self.decided = False
+        """Whether any branch or index was decided by a known value: the program then holds only for inputs of
+        those values, which the capture records (origin `assumes_all_ones`) and the runner checks per batch."""
 
     # ------------------------------------------------------------------ the twins
     def seed(self, inputs: dict[str, Any]) -> None:
@@ -97,6 +100,7 @@ class KnownValues(torch.overrides.TorchFunctionMode):
         on a traced tensor with data-dependent values, and capture reports the line)."""
         t = self.twin(args[0])
         if t is not None:
+            self.decided = True
             with _disable_current_modes():
                 return func(t, *args[1:], **kwargs)
         asserted = asserted_value() if name == "__bool__" else None
@@ -111,6 +115,7 @@ class KnownValues(torch.overrides.TorchFunctionMode):
         k = mask.dim()
         if tuple(x.shape[:k]) != tuple(mask.shape):
             return None
+        self.decided = True
         with _disable_current_modes():
             every = bool(mask.all())
             where = None if every else mask.nonzero(as_tuple=True)

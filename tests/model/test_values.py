@@ -127,3 +127,33 @@ def test_hf_masks_are_known_all_ones_and_a_seq2seq_batch_has_its_decoder_mask():
     assert set(source.ALL_ONES_INPUTS) <= set(batch)
     graph = source.capture_hf(spec)
     assert [n.attrs["name"] for n in graph.nodes if n.op == "placeholder"] == list(batch)
+
+
+class MaskArithmetic(nn.Module):
+    """A mask used as data only (multiplied in): nothing is decided by its value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return (self.proj(x) * attention_mask[:, :, None]).sum()
+
+
+def test_a_capture_decided_by_a_mask_records_it_and_a_padded_batch_is_refused():
+    """The program of a capture that decided a branch by the all-ones mask is that of an unpadded batch: the graph
+    says so, and a global batch with padding is refused by name rather than trained by the wrong program."""
+    from runner.global_batch import ApiError, flat_batch
+
+    known = {"attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    with torch.device("meta"):
+        decided, plain = GlobalAttention(), MaskArithmetic()
+    inputs = {"x": meta(2, 3, 4), "attention_mask": meta(2, 3, dtype=torch.long)}
+    graph = capture(decided, inputs, known=known)
+    assert graph.origin["assumes_all_ones"] == ["attention_mask"]
+    assert "assumes_all_ones" not in capture(plain, inputs, known=known).origin
+    x, mask = torch.randn(2, 3, 4), torch.ones(2, 3, dtype=torch.long)
+    assert len(flat_batch(graph, {"x": x, "attention_mask": mask})) == 2
+    mask[0, 2] = 0
+    with pytest.raises(ApiError, match="attention_mask has entries other than 1"):
+        flat_batch(graph, {"x": x, "attention_mask": mask})
