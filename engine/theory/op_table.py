@@ -76,7 +76,6 @@ _REPLICATED = """
     col2im.default: overlapping patches summed into an image; no rule written yet
     diagonal.default: no rule written yet (the dims other than the two could split)
     grid_sampler_2d.default: sampling positions are data; no rule written yet (the batch could split)
-    index_put.default: writes at data-dependent positions (boolean masks, accumulation)
     masked_scatter.default: the k-th selected entry takes source entry k: a shard's positions depend on the counts before it
     scatter_reduce.two: product, max, min or mean into data-dependent positions
     _native_batch_norm_legit_no_training.default: batch norm in eval mode: plan the model in training mode
@@ -150,6 +149,8 @@ TABLE: dict[str, CoreOp] = {
     "copy.default": lowered("expand", "identity", note="src broadcast to self's shape, cast to self's dtype"),
     **_rows(lowered("scatter", note="no Partial rule with src: duplicate indices write in an unspecified order"),
             "scatter.src", "scatter.value"),
+    "index_put.default": lowered("view", "where", note="by one boolean mask over the leading dims, without accumulation: "
+                                 "where(mask, values, x); integer indices and accumulation are replicated"),
     **_reasons("replicated", _REPLICATED),
     **_reasons("refused", _REFUSED),
     **_rows(CoreOp("backward", note="not in forward graphs"), "_adaptive_avg_pool2d_backward.default",
