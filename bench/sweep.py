@@ -317,7 +317,9 @@ def verify(planned: list[str], types: dict[str, str], k: int, seed: int) -> list
             run = subprocess.run([sys.executable, "-m", "runner.hap", "run", f"{tmp}/plan.json", "--steps", "2",
                                   "--verify"], cwd=ROOT, capture_output=True, text=True)
             lines = (run.stdout + run.stderr).strip().splitlines()
-            verdict = next((ln for ln in reversed(lines) if ln.startswith("verify: OK")), None)
+            verdict = next((ln for ln in reversed(lines) if ln.startswith(("verify: OK", "verify: FAILED"))), None)
+            if verdict and verdict.startswith("verify: FAILED"):  # with the largest differences it found
+                verdict = "; ".join(ln for ln in lines if ln.startswith("verify: largest")) + "; " + verdict
             out.append((model_type, verdict or ("run failed: " + (lines or ["?"])[-1][:200])))
         print(f"verify {model_type:28s} {out[-1][1]}", flush=True)
     return out
