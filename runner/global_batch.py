@@ -31,13 +31,12 @@ def flat_batch(graph: Graph, batch: Sequence[torch.Tensor] | Mapping[str, torch.
     if len(flat) != len(inputs):
         raise ApiError(f"the global batch has {len(flat)} tensors; the plan's model takes {len(inputs)} "
                        f"({', '.join(str(n.attrs.get('name', n.name)) for n in inputs)})")
-    for t, n in zip(flat, inputs):
-        if tuple(t.shape) != tuple(n.shape):
-            raise ApiError(f"input {n.attrs.get('name', n.name)} has shape {list(t.shape)} but the plan was made "
-                           f"for {list(n.shape)}: give the global batch (every rank the same), not a local one")
     ones = set(graph.origin.get("assumes_all_ones", ()))
     for t, n in zip(flat, inputs):
         name = n.attrs.get("name", n.name)
+        if tuple(t.shape) != tuple(n.shape):
+            raise ApiError(f"input {name} has shape {list(t.shape)} but the plan was made "
+                           f"for {list(n.shape)}: give the global batch (every rank the same), not a local one")
         if name in ones and not bool((t == 1).all()):
             raise ApiError(f"input {name} has entries other than 1, but the model's forward branches on {name} and "
                            f"the plan was captured for it all ones (no padding): give batches without padding")

@@ -66,6 +66,8 @@ _SCALAR_FIRST = ("add", "sub", "mul", "div", "div_floor", "div_trunc", "pow", "r
 _NO_OPS = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size"}
 """Checks torch.export records for itself: they compute nothing."""
 _VIEWS = {"view", "reshape", "_unsafe_view", "flatten", "unsqueeze", "squeeze"}
+_CATS = ("cat", "concat", "concatenate")
+"""The names torch records concatenation under (Zamba2 and xLSTM call `torch.concatenate`)."""
 _UNARY_FLOPS = {"gelu": 8, "silu": 4, "sigmoid": 4, "tanh": 4, "exp": 1, "rsqrt": 1, "sqrt": 1, "cos": 4, "sin": 4,
                 "hardswish": 4, "hardsigmoid": 3, "log_sigmoid": 6, "mish": 10}
 
@@ -81,9 +83,9 @@ class _Builder:
         self.buffers: dict[str, str] = {}
         """Buffers (fx name -> module path); they are `buffer` leaves, pruned when the loss does not use them."""
         self.rng_sites = 0
+        """Dropout sites numbered in lowering order (only for programs `number_dropout_sites` did not number)."""
         self.pairs: set[str] = set()
         """Complex tensors (fx names), each held as a real node with a trailing dim of 2: (re, im)."""
-        """Dropout sites numbered in lowering order (only for programs `number_dropout_sites` did not number)."""
 
     def add(self, name: str, op: str, inputs: list[int], shape: tuple[int, ...], dtype: str,
             attrs: dict[str, Any] | None = None, flops: float = 0.0, segment: int = 0, source: str = "") -> int:
@@ -1095,7 +1097,7 @@ _HANDLERS.update({
     "batch_norm": _h_batch_norm,
 })
 _HANDLERS.update({
-    "cat": _h_cat, "concat": _h_cat, "concatenate": _h_cat, "slice": _h_slice, "narrow": _h_narrow, "select": _h_select,
+    **{op: _h_cat for op in _CATS}, "slice": _h_slice, "narrow": _h_narrow, "select": _h_select,
     "expand": _h_expand, "broadcast_to": _h_expand, "stack": _h_stack, "baddbmm": _h_baddbmm,
     "clamp": _h_clamp, "clamp_min": _h_clamp, "clamp_max": _h_clamp, "hardtanh": _h_clamp, "relu6": _h_clamp,
     "softplus": _h_softplus, "square": _h_square,
@@ -1987,6 +1989,7 @@ def _h_real(c: _Ctx) -> int:
         return _h_complex_refused(c)
     return c.tid(c.fx.args[0])
 
+
 _HANDLERS.update({
     "logsumexp": _h_logsumexp, "rms_norm": _h_rms_norm, "linalg_vector_norm": _h_vector_norm,
     "nll_loss_nd": _h_nll_loss, "nll_loss": _h_nll_loss, "tril": _h_tril, "triu": _h_tril, "im2col": _h_im2col,
@@ -2206,7 +2209,7 @@ _COMPLEX: dict[str, Callable[[_Ctx], int]] = {
     **{op: _c_copy for op in ("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_to_copy", "to",
                               "type_as")},
     "slice": _c_slice, "select": _c_slice, "narrow": _c_slice, "permute": _c_permute, "transpose": _c_permute,
-    "cat": _c_cat, "concat": _c_cat, "stack": _c_cat,
+    **{op: _c_cat for op in _CATS}, "stack": _c_cat,
 }
 """Complex-valued operators capture lowers onto (re, im) pairs."""
 

@@ -376,7 +376,7 @@ def _switchable_experts(name: str) -> bool:
     try:
         if callable(can) and can():
             return True
-        return any(_experts_in_module(type(sub).__module__) for sub in _sub_configs(hf_class(name).config_class()))
+        return any(_experts_in_module(type(sub).__module__) for sub in _sub_configs(default_config(name)))
     except Exception:  # transformers reads the class's source file: a missing file means "cannot tell": leave it
         return False
 
