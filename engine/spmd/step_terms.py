@@ -3,11 +3,17 @@
 The search prices the same (leaf, form, segment), (position, rule) and (collective, tensor,
 segments) terms for thousands of children: profiled on a 24-layer GPT, recomputing them per child
 took a fifth of the search. `StepTerms` computes each once per search (one cost model, one set
-of ratios), by the same arithmetic as before, so every score and every plan stays bit-identical.
+of ratios). A rule's work is priced per device class here too, so a child adds per-class seconds to
+its open stages instead of pricing the summed work again (the same linear arithmetic, summed in
+another order: scores agree to rounding).
 """
 from __future__ import annotations
 
 from engine.spmd.cost import Acc, CostModel
+from engine.spmd.program import COMPUTE
+
+Times = tuple[float, ...]
+"""Seconds (or bytes) per device class."""
 
 
 class StepTerms:
@@ -16,7 +22,7 @@ class StepTerms:
     def __init__(self, cm: CostModel) -> None:
         self.cm = cm
         self._loads: dict[tuple[int, int, int], tuple[Acc, tuple[float, ...], tuple[float, ...] | None]] = {}
-        self._rules: dict[tuple, tuple[Acc, Acc, tuple[float, ...]]] = {}
+        self._rules: dict[tuple[int, int], tuple] = {}
         self._halves: dict[tuple[str, int, tuple[int, ...]], float] = {}
 
     def load(self, t: int, form: int, segment: int) -> tuple[Acc, tuple[float, ...], tuple[float, ...] | None]:
@@ -30,14 +36,21 @@ class StepTerms:
             got = self._loads[key] = (sync, self.cm.memory_by_class(m, segment), times)
         return got
 
-    def rule(self, search, position: int, nid: int, rule) -> tuple[Acc, Acc, tuple[float, ...]]:
-        """(forward work, backward work, per-class memory) of computing `position` by `rule`: the
-        search's tables `deltas` and `rule_memory`, looked up once per rule."""
-        key = (position, rule.inputs, rule.output, rule.sharded)
+    def rule(self, search, position: int, nid: int, rule) -> tuple:
+        """(forward seconds, backward seconds, memory: each per class; whether there is any forward,
+        any backward work; the compute instruction as a tuple) of
+        computing `position` by `rule`, in the segment of `position`: the search's tables `deltas` and
+        `rule_memory`, looked up and priced once per rule. The open stages sum these per-class seconds,
+        which `CostModel.class_times` of the summed work equals up to rounding (it is linear in the work)."""
+        key = (position, id(rule))  # the rules live as long as the search (`_Prepared.rules`)
         got = self._rules.get(key)
         if got is None:
             df, db = search.deltas[position][(rule.sharded, self.cm.weights_whole(nid, rule.inputs))]
-            got = self._rules[key] = (df, db, search.rule_memory[position][(rule.inputs, rule.output)])
+            k = search.seg[position]
+            inputs = search.graph[nid].inputs
+            got = self._rules[key] = (tuple(self.cm.class_times(df, k)), tuple(self.cm.class_times(db, k)),
+                                      search.rule_memory[position][(rule.inputs, rule.output)], any(df), any(db),
+                                      (COMPUTE, nid, rule.name, tuple(zip(inputs, rule.inputs)), rule.output))
         return got
 
     def half_time(self, key: str, t: int, segments: tuple[int, ...]) -> float:

@@ -42,10 +42,13 @@ generalised to the max-plus terms that the open stages can still change.
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import math
+import threading
 import time
 from bisect import bisect_left
+from contextlib import contextmanager
 from operator import add as _plus
 from operator import sub as _minus
 from dataclasses import dataclass, field
@@ -114,15 +117,17 @@ class SearchResult:
 
 
 class _State:
-    __slots__ = ("p", "props", "closed", "facc", "bacc", "mem", "tf", "tb", "score", "parent", "step", "alive", "ov",
+    """A partial program: its position, live properties and cost so far. The open forward and backward
+    stages are held as per-class seconds (`tf`, `tb`), built up step by step, with whether they hold any
+    work at all (`fw`, `bw`: an empty stage is no stage, and duplex's chain tells them apart)."""
+
+    __slots__ = ("p", "props", "closed", "tf", "tb", "fw", "bw", "mem", "score", "parent", "step", "alive", "ov",
                  "aux")
 
-    def __init__(self, p: int, props: frozenset, closed: float, facc: Acc, bacc: Acc, mem: tuple[float, ...],
-                 parent: "_State | None", step: tuple[Instruction, ...]) -> None:
-        self.p, self.props, self.closed, self.facc, self.bacc, self.mem = p, props, closed, facc, bacc, mem
-        self.parent, self.step, self.alive = parent, step, True
-        self.tf: tuple[float, ...] = ()
-        self.tb: tuple[float, ...] = ()
+    def __init__(self, p: int, props: frozenset, closed: float, tf: tuple[float, ...], tb: tuple[float, ...],
+                 fw: bool, bw: bool, mem: tuple[float, ...], parent: "_State | None", step: tuple) -> None:
+        self.p, self.props, self.closed, self.tf, self.tb, self.fw, self.bw = p, props, closed, tf, tb, fw, bw
+        self.mem, self.parent, self.step, self.alive = mem, parent, step, True
         self.score = 0.0
         self.ov: tuple = ()
         """Overlap modes: the mode's extra state (`_Ddp`, `_Duplex`); empty in mode none."""
@@ -148,6 +153,8 @@ class _Prepared:
         for nid, rules in zip(self.order, self.rules):
             if not rules:
                 raise InfeasibleError(f"node '{graph[nid].name}' ({graph[nid].op}) has no rule in this search space")
+        self.pairs = [[list(zip(graph[nid].inputs, r.inputs)) for r in rules] for nid, rules in zip(self.order, self.rules)]
+        """Per position and rule, (operand, form) of each operand the rule asks for."""
         self.leaf_ok = {n.id: [f for f in leaf_forms(n) if _leaf_filter(space, n.op)(n.id, f)]
                         for n in graph.nodes if n.is_leaf}
         self.collectives = space.collectives
@@ -168,6 +175,8 @@ class _Prepared:
         self.dead_codes = [frozenset(c for t in dead for c in self.codes[t]) for dead in self.dead_after]
         self.live_inputs = [[t for t in dict.fromkeys(graph[nid].inputs) if self.last_use[t] > k]
                             for k, nid in enumerate(self.order)]
+        self.live_marks = [[(t, code(t, _COMMUNICATED)) for t in live] for live in self.live_inputs]
+        """Per position, each operand still live after it with the code that marks it communicated."""
         self.wanted = [self._wanted_forms(k) for k in range(len(self.order))]
         self.consumers: list[list[int]] = [[] for _ in range(len(graph))]
         for k, nid in enumerate(self.order):
@@ -225,10 +234,42 @@ def synthesize(graph: Graph, cm: CostModel, *, space: SearchSpace | None = None,
     the cap may have cost optimality (`optimal`). An `incumbent` program (e.g. the previous Q of the
     Q<->B loop) bounds the search from the start and is returned if nothing beats it.
     """
-    search = _Search(graph, cm, space or SearchSpace(), time_budget_s, progress, report_every, beam_width)
-    if incumbent is not None:
-        search.set_incumbent(incumbent)
-    return search.run()
+    with collector_paused():
+        search = _Search(graph, cm, space or SearchSpace(), time_budget_s, progress, report_every, beam_width)
+        if incumbent is not None:
+            search.set_incumbent(incumbent)
+        return search.run()
+
+
+class _CollectorPause:
+    """Python's cyclic garbage collector off while any search runs, back on (if it was on) when the
+    last concurrent one ends. A search allocates hundreds of thousands of small acyclic objects
+    (states, property sets, cost tuples) that stay alive until it ends; the collector's repeated
+    passes over them took a quarter of the search's time on an 8-layer GPT, and they free nothing
+    that reference counting does not."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.was_enabled = False
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self.lock:
+            if self.running == 0:
+                self.was_enabled = gc.isenabled()
+                gc.disable()
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.running -= 1
+                if self.running == 0 and self.was_enabled:
+                    gc.enable()
+
+
+collector_paused = _CollectorPause()
 
 
 class _Search:
@@ -288,7 +329,8 @@ class _Search:
 
     def root(self) -> _State:
         """The empty program."""
-        s = _State(0, frozenset(), 0.0, ZERO, ZERO, (0.0,) * len(self.cm.classes), None, ())
+        zero = self.zero_times
+        s = _State(0, frozenset(), 0.0, zero, zero, False, False, (0.0,) * len(self.cm.classes), None, ())
         if self.mode is not None:
             s.ov = self.mode.root()
         return s
@@ -315,14 +357,7 @@ class _Search:
         slack = sum(w * (top - t) for w, t in zip(self.weights, times))
         return top + max(0.0, remaining - slack) / self.sum_flops
 
-    def _times(self, s: _State) -> None:
-        """The open stages' class times (the score reads them, and so do the children a collective closes them in)."""
-        k = self.seg[max(s.p - 1, 0)]  # the open stages hold work of the last computed position's segment
-        s.tf = tuple(self.cm.class_times(s.facc, k))
-        s.tb = tuple(self.cm.class_times(s.bacc, k))
-
     def _finish(self, s: _State) -> None:
-        self._times(s)
         if self.mode is not None:
             s.score = self.mode.score(s)
             return
@@ -393,11 +428,15 @@ class _Search:
     def _push(self, s: _State) -> None:
         self.generated += 1
         self._finish(s)
-        if s.score >= self.best_cost or not self.cm.fits(s.mem):
+        if s.score >= self.best_cost:
             self.pruned += 1
-            self.over_memory += not self.cm.fits(s.mem)
             return
-        self.deepest = max(self.deepest, s.p)
+        if self.memory_binds and not self.cm.fits(s.mem):  # else even the all-Full program fits
+            self.pruned += 1
+            self.over_memory += 1
+            return
+        if s.p > self.deepest:
+            self.deepest = s.p
         key = (s.p, s.props)
         bucket = self.seen.setdefault(key, [])
         for other in bucket:
@@ -507,22 +546,26 @@ class _Search:
     # --- successors ----------------------------------------------------------------------
     def _children(self, s: _State) -> Iterator[_State]:
         """Compute node p by each rule; operands missing a form get it by a fused collective or slice."""
-        graph = self.graph
         nid = self.prep.order[s.p]
-        node = graph[nid]
-        if not s.tf:  # a state that was never queued (the tests' exhaustive enumeration)
-            self._times(s)
-        for r in self.prep.rules[s.p]:
-            pairs = list(zip(node.inputs, r.inputs))
-            ways = [self._ways(s.props, t, f, self.seg[s.p]) for t, f in pairs]
-            if any(not w for w in ways):
-                continue
-            for combo in product(*ways):
-                loads: dict[int, int] = {}
-                comms: list[tuple[int, int, str, int]] = []
-                slices: list[tuple[int, int]] = []
-                if self._merge(combo, pairs, loads, comms, slices):
-                    yield self._after_compute(s, nid, r, loads, comms, slices)
+        k = self.seg[s.p]
+        props = s.props
+        known: dict[tuple[int, int], list[tuple]] = {}  # rules of one node share operand forms
+        for r, pairs in zip(self.prep.rules[s.p], self.prep.pairs[s.p]):
+            ways = []
+            for operand in pairs:
+                w = known.get(operand)
+                if w is None:
+                    w = known[operand] = self._ways(props, operand[0], operand[1], k)
+                if not w:
+                    break
+                ways.append(w)
+            else:
+                for combo in product(*ways):
+                    loads: dict[int, int] = {}
+                    comms: list[tuple[int, int, str, int]] = []
+                    slices: list[tuple[int, int]] = []
+                    if self._merge(combo, pairs, loads, comms, slices):
+                        yield self._after_compute(s, nid, r, loads, comms, slices)
 
     def _ways(self, props: frozenset, t: int, f: int, k: int) -> list[tuple]:
         """How operand t can be had in form f: ("have",), ("slice",), ("load", g), ("comm", src, key, g)."""
@@ -598,59 +641,63 @@ class _Search:
         if self.mode is not None:
             return self._after_compute_overlap(s, nid, r, loads, comms, slices)
         cm, graph = self.cm, self.graph
-        closed, facc, bacc, mem = s.closed, s.facc, s.bacc, s.mem
-        tf, tb = s.tf, s.tb  # the open stages' class times (`_finish`), until a collective closes them
+        closed, mem = s.closed, s.mem
+        tf, tb, fw, bw = s.tf, s.tb, s.fw, s.bw  # the open stages, until a collective closes them
+        zero = self.zero_times
         props = set(s.props)
         k = self.seg[s.p]
         step: list[tuple] = []  # instructions as plain tuples; built into Instructions only for the result
         for t, src, key, g in comms:
             closed += max(tf) + cm.comm_time(key, t, (k,))
-            facc, tf = ZERO, self.zero_times
+            tf, fw = zero, False
             if cm.requires_grad[t]:
                 closed += max(tb) + cm.comm_time(DUAL[key], t, (k,))
-                bacc, tb = ZERO, self.zero_times
+                tb, bw = zero, False
             if self.rerun[s.p]:
                 closed += max(tb) + cm.comm_time(key, t, (k,))
-                bacc, tb = ZERO, self.zero_times
+                tb, bw = zero, False
             props.add(code(t, g))
             props.add(code(t, _COMMUNICATED))
             if g == FULL and self.slice_ok:  # Full subsumes every shard: a slice is free
                 props.difference_update(code(t, d) for d in range(graph[t].rank))
             step.append((COMM, t, key, ((t, src),), g))
         for t, f in loads.items():
-            sync, m, _ = self.terms.load(t, f, k)
+            _, m, sync = self.terms.load(t, f, k)
             mem = add(mem, m)
             if graph[t].op == "parameter" and f == FULL:  # its gradient joins the bucket (engine.spmd.cost)
                 closed += cm.nbytes[t] * self.bucket_s_per_byte
                 if _BUCKET not in props:
                     closed += self.bucket_latency
                     props.add(_BUCKET)
-            bacc = add(bacc, sync)
+            if sync is not None:
+                tb, bw = tuple(map(_plus, tb, sync)), True
             props.add(code(t, f))
             step.append((LOAD, t, graph[t].op, (), f))
-        facc, bacc, mem = self._compute_step(s, nid, r, slices, props, step, facc, bacc, mem)
+        tf, tb, fw, bw, mem = self._compute_step(s, nid, r, slices, props, step, tf, tb, fw, bw, mem)
         p = s.p + 1
         if p == len(self.prep.order) or self.seg[p] != k:  # the program is whole, or a segment ends (§5.2)
-            closed += cm.stage_time(facc, k) + cm.stage_time(bacc, k)
-            facc = bacc = ZERO
+            closed += max(tf) + max(tb)
+            tf, tb, fw, bw = zero, zero, False, False
             if p < len(self.prep.order):
                 closed += self._resplit(props, step, (k, self.seg[p]))
-        return _State(p, frozenset(props), closed, facc, bacc, mem, s, tuple(step))
+        return _State(p, frozenset(props), closed, tf, tb, fw, bw, mem, s, tuple(step))
 
     def _compute_step(self, s: _State, nid: int, r: OpRule, slices: list[tuple[int, int]], props: set[int],
-                      step: list[tuple], facc: Acc, bacc: Acc, mem: tuple[float, ...]) -> tuple[Acc, Acc, tuple[float, ...]]:
+                      step: list[tuple], tf: tuple[float, ...], tb: tuple[float, ...], fw: bool, bw: bool,
+                      mem: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...], bool, bool, tuple[float, ...]]:
         """Node p's own instructions once its operands are in place (free slices, then the compute),
-        its work and memory added, and the forms no later consumer wants dropped from `props`."""
-        graph = self.graph
-        step.extend((COMM, t, "slice", ((t, FULL),), f) for t, f in slices)
-        df, db, dm = self.terms.rule(self, s.p, nid, r)
-        step.append((COMPUTE, nid, r.name, tuple(zip(graph[nid].inputs, r.inputs)), r.output))
-        props.add(code(nid, r.output))
+        its work (per-class seconds of the open stages) and memory added, and the forms no later
+        consumer wants dropped from `props`."""
+        for t, f in slices:
+            step.append((COMM, t, "slice", ((t, FULL),), f))
+        df, db, dm, wf, wb, instruction = self.terms.rule(self, s.p, nid, r)
+        step.append(instruction)
+        props.add(nid * _K + r.output + _OFF)
         props -= self.prep.dead_codes[s.p]
-        for t in self.prep.live_inputs[s.p]:
-            if code(t, _COMMUNICATED) in props:
+        for t, communicated in self.prep.live_marks[s.p]:
+            if communicated in props:
                 self._drop_redundant(props, t, s.p + 1)
-        return add(facc, df), add(bacc, db), add(mem, dm)
+        return tuple(map(_plus, tf, df)), tuple(map(_plus, tb, db)), fw or wf, bw or wb, tuple(map(_plus, mem, dm))
 
     def _after_compute_overlap(self, s: _State, nid: int, r: OpRule, loads: dict[int, int],
                                comms: list[tuple[int, int, str, int]], slices: list[tuple[int, int]]) -> _State:
@@ -658,21 +705,21 @@ class _Search:
         and the tail go through the mode's state (`_Ddp`, `_Duplex`)."""
         cm, graph, mode = self.cm, self.graph, self.mode
         ov = list(s.ov)
-        closed, facc, bacc, mem = s.closed, s.facc, s.bacc, s.mem
-        tf, tb = s.tf, s.tb  # the open stages' class times (`_finish`), until a collective closes them
+        closed, mem = s.closed, s.mem
+        tf, tb, fw, bw = s.tf, s.tb, s.fw, s.bw  # the open stages, until a collective closes them
         zero = self.zero_times
         props = set(s.props)
         k = self.seg[s.p]
         step: list[tuple] = []
         for t, src, key, g in comms:
-            closed = mode.open_forward(ov, closed, facc, tf, key, t, (k,))
-            facc, tf = ZERO, zero
+            closed = mode.open_forward(ov, closed, fw, tf, key, t, (k,))
+            tf, fw = zero, False
             if cm.requires_grad[t]:
-                closed = mode.open_backward(ov, closed, bacc, tb, DUAL[key], t, (k,))
-                bacc, tb = ZERO, zero
+                closed = mode.open_backward(ov, closed, bw, tb, DUAL[key], t, (k,))
+                tb, bw = zero, False
             if self.rerun[s.p]:
-                closed = mode.open_backward(ov, closed, bacc, tb, key, t, (k,))
-                bacc, tb = ZERO, zero
+                closed = mode.open_backward(ov, closed, bw, tb, key, t, (k,))
+                tb, bw = zero, False
             props.add(code(t, g))
             props.add(code(t, _COMMUNICATED))
             if g == FULL and self.slice_ok:
@@ -697,19 +744,19 @@ class _Search:
             if finishes and _SLOT in props:
                 props.discard(_SLOT)
                 mode.finish_slot(ov)
-        facc, bacc, mem = self._compute_step(s, nid, r, slices, props, step, facc, bacc, mem)
+        tf, tb, fw, bw, mem = self._compute_step(s, nid, r, slices, props, step, tf, tb, fw, bw, mem)
         p = s.p + 1
         if p == len(self.prep.order) or self.seg[p] != k:
-            closed = mode.close(ov, closed, facc, bacc, k, last=p == len(self.prep.order))
-            facc = bacc = ZERO
+            closed = mode.close(ov, closed, fw, tf, bw, tb, last=p == len(self.prep.order))
+            tf, tb, fw, bw = zero, zero, False, False
             if p < len(self.prep.order):
                 for t, d in self._live_shards(props):
                     segments = (k, self.seg[p])
-                    closed = mode.open_forward(ov, closed, ZERO, zero, RESPLIT, t, segments)
+                    closed = mode.open_forward(ov, closed, False, zero, RESPLIT, t, segments)
                     if cm.requires_grad[t]:
-                        closed = mode.open_backward(ov, closed, ZERO, zero, RESPLIT, t, segments)
+                        closed = mode.open_backward(ov, closed, False, zero, RESPLIT, t, segments)
                     step.append((COMM, t, RESPLIT, ((t, d),), d))
-        out = _State(p, frozenset(props), closed, facc, bacc, mem, s, tuple(step))
+        out = _State(p, frozenset(props), closed, tf, tb, fw, bw, mem, s, tuple(step))
         out.ov = tuple(ov)
         return out
 
@@ -817,11 +864,11 @@ class _Ddp(_Mode):
     def root(self) -> tuple:
         return (self.zero, 0.0, 0.0, -math.inf, None, 0.0, None, None)
 
-    def open_forward(self, ov: list, closed: float, facc: Acc, ftimes: tuple[float, ...], key: str, t: int,
+    def open_forward(self, ov: list, closed: float, work: bool, ftimes: tuple[float, ...], key: str, t: int,
                      segments: tuple[int, ...]) -> float:
         return closed + max(ftimes) + self.cm.comm_time(key, t, segments)
 
-    def open_backward(self, ov: list, closed: float, bacc: Acc, btimes: tuple[float, ...], key: str, t: int,
+    def open_backward(self, ov: list, closed: float, work: bool, btimes: tuple[float, ...], key: str, t: int,
                       segments: tuple[int, ...]) -> float:
         top = self._close_backward(ov, btimes)
         dual = self.cm.comm_time(key, t, segments)
@@ -858,10 +905,11 @@ class _Ddp(_Mode):
             ov[3] = max(ov[3], d - ov[7])
         ov[5], ov[6], ov[7] = 0.0, None, None
 
-    def close(self, ov: list, closed: float, facc: Acc, bacc: Acc, k: int, last: bool) -> float:
-        top = self._close_backward(ov, self.cm.class_times(bacc, k))
+    def close(self, ov: list, closed: float, fw: bool, ftimes: tuple[float, ...], bw: bool,
+              btimes: tuple[float, ...], last: bool) -> float:
+        top = self._close_backward(ov, btimes)
         ov[1] += top
-        return closed + self.cm.stage_time(facc, k) + top
+        return closed + max(ftimes) + top
 
     def score(self, s: _State) -> float:
         search = self.search
@@ -919,19 +967,19 @@ class _Duplex(_Mode):
             return  # an empty blank stage is no stage
         ov[i + 1] = c
 
-    def _open(self, ov: list, i: int, acc: Acc, times: tuple[float, ...], m: float) -> None:
-        self._append_stage(ov, i, max(times) / 2, any(acc))
+    def _open(self, ov: list, i: int, work: bool, times: tuple[float, ...], m: float) -> None:
+        self._append_stage(ov, i, max(times) / 2, work)
         ov[i] += max(ov[i + 1], m)
         ov[i + 1], ov[i + 2] = m, False
 
-    def open_forward(self, ov: list, closed: float, facc: Acc, ftimes: tuple[float, ...], key: str, t: int,
+    def open_forward(self, ov: list, closed: float, work: bool, ftimes: tuple[float, ...], key: str, t: int,
                      segments: tuple[int, ...]) -> float:
-        self._open(ov, 1, facc, ftimes, self.half_time(key, t, segments))
+        self._open(ov, 1, work, ftimes, self.half_time(key, t, segments))
         return closed
 
-    def open_backward(self, ov: list, closed: float, bacc: Acc, btimes: tuple[float, ...], key: str, t: int,
+    def open_backward(self, ov: list, closed: float, work: bool, btimes: tuple[float, ...], key: str, t: int,
                       segments: tuple[int, ...]) -> float:
-        self._open(ov, 4, bacc, btimes, self.half_time(key, t, segments))
+        self._open(ov, 4, work, btimes, self.half_time(key, t, segments))
         return closed
 
     def start_slot(self, ov: list, closed: float, duration: float, btimes: tuple[float, ...]) -> float:
@@ -943,9 +991,10 @@ class _Duplex(_Mode):
     def finish_slot(self, ov: list) -> None:
         return None
 
-    def close(self, ov: list, closed: float, facc: Acc, bacc: Acc, k: int, last: bool) -> float:
-        for i, acc in ((1, facc), (4, bacc)):
-            self._append_stage(ov, i, self.cm.stage_time(acc, k) / 2, any(acc))
+    def close(self, ov: list, closed: float, fw: bool, ftimes: tuple[float, ...], bw: bool,
+              btimes: tuple[float, ...], last: bool) -> float:
+        for i, work, times in ((1, fw, ftimes), (4, bw, btimes)):
+            self._append_stage(ov, i, max(times) / 2, work)
             ov[i + 2] = True
             if last:
                 ov[i] += ov[i + 1]
@@ -965,12 +1014,12 @@ class _Duplex(_Mode):
     def dominates(self, a: _State, b: _State) -> bool:
         oa, ob = a.ov, b.ov
         total = a.closed - b.closed + _maxdiff(oa[0], ob[0])
-        for i, ta, tb, acc_a, acc_b in ((1, a.tf, b.tf, a.facc, b.facc), (4, a.tb, b.tb, a.bacc, b.bacc)):
+        for i, ta, tb, work_a, work_b in ((1, a.tf, b.tf, a.fw, b.fw), (4, a.tb, b.tb, a.bw, b.bw)):
             if oa[i + 2] != ob[i + 2]:
                 return False
             e = _maxdiff(ta, tb)
             if oa[i + 2]:
-                if any(acc_a) != any(acc_b):
+                if work_a != work_b:
                     return False
                 total += oa[i] - ob[i] + max(0.0, oa[i + 1] - ob[i + 1]) + max(0.0, e)
             else:
