@@ -42,6 +42,7 @@ import torch
 from engine.errors import HapError, ModelError, UnsupportedOpError
 from engine.model.dropout import MASK_OPS_PER_ELEMENT
 from engine.model.graph import Graph, Node, parse_equation
+from engine.model.strided import NotAView, as_strided_steps
 from engine.model.values import KnownValues
 
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
@@ -1721,6 +1722,24 @@ def _h_unfold(c: _Ctx) -> int:
                                      "step": int(c.fx.args[3])})
 
 
+def _h_as_strided(c: _Ctx) -> int:
+    """`x.as_strided(size, stride, offset)` that reads x's own elements in a pattern of windows (Longformer's
+    overlapping chunks): the chain of views, narrows and unfolds of engine.model.strided; any other is refused."""
+    x, val = c.node(c.fx.args[0]), c.fx.args[0].meta["val"]
+    size, stride = [int(s) for s in c.fx.args[1]], [int(s) for s in c.fx.args[2]]
+    offset = _arg(c.fx, 3, "storage_offset")
+    try:
+        steps = as_strided_steps(x.shape, tuple(int(s) for s in val.stride()), int(val.storage_offset()),
+                                 tuple(size), tuple(stride), int(val.storage_offset() if offset is None else offset))
+    except NotAView as e:
+        raise _Unsupported(f"aten.as_strided (size {size}, stride {stride}) that is no window view of its operand: {e} "
+                           "(write it with Tensor.unfold, which capture lowers)") from None
+    step, out = _Steps(c), x.id
+    for k, (op, attrs, shape) in enumerate(steps):
+        out = step(f"{op}{k}", op, [out], attrs, shape=shape, dtype=x.dtype, flops=0.0, final=k == len(steps) - 1)
+    return out if steps else c.emit("identity", [x.id])
+
+
 def _h_pad_mode(c: _Ctx) -> int:
     """reflection_pad{1,2,3}d / replication_pad{1,2,3}d: a `pad` node with its mode."""
     x = c.node(c.fx.args[0])
@@ -1748,6 +1767,7 @@ _HANDLERS.update({
     "max.other": _h_binary, "min.other": _h_binary,
     "repeat": _h_repeat, "index_select": _h_index_select, "copy": _h_copy, "slice_scatter": _h_slice_scatter,
     "select_scatter": _h_select_scatter, "flip": _h_flip, "unfold": _h_unfold, "argsort": _h_argsort, "group_norm": _h_group_norm,
+    "as_strided": _h_as_strided,
     **{f"{kind}_pad{k}d": _h_pad_mode for kind in ("reflection", "replication") for k in (1, 2, 3)},
     **{f"upsample_{mode}{k}d": _h_upsample for mode, k in (("nearest", 1), ("nearest", 2), ("nearest", 3), ("linear", 1),
                                                           ("bilinear", 2), ("bicubic", 2), ("trilinear", 3))},

@@ -72,7 +72,6 @@ _REPLICATED = """
     _embedding_bag.default: bags of data-dependent lengths (offsets); no rule written yet
     _fft_r2c.default: a transform mixes every entry of its dims; no rule written yet for the others
     _fft_c2r.default: a transform mixes every entry of its dims; no rule written yet for the others
-    as_strided.default: arbitrary strides over the storage: a shard of the input is no shard of the output
     col2im.default: overlapping patches summed into an image; no rule written yet
     diagonal.default: no rule written yet (the dims other than the two could split)
     grid_sampler_2d.default: sampling positions are data; no rule written yet (the batch could split)
@@ -149,6 +148,9 @@ TABLE: dict[str, CoreOp] = {
     "copy.default": lowered("expand", "identity", note="src broadcast to self's shape, cast to self's dtype"),
     **_rows(lowered("scatter", note="no Partial rule with src: duplicate indices write in an unspecified order"),
             "scatter.src", "scatter.value"),
+    "as_strided.default": lowered("view", "permute", "narrow", "unfold", "expand",
+                                  note="reads of a dense operand's own elements in windows (Longformer's overlapping "
+                                  "chunks, engine/model/strided.py); other strides replicated"),
     "index_put.default": lowered("view", "where", note="by one boolean mask over the leading dims, without accumulation: "
                                  "where(mask, values, x); integer indices and accumulation are replicated"),
     **_reasons("replicated", _REPLICATED),
