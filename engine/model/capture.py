@@ -1929,6 +1929,15 @@ def _h_im2col(c: _Ctx) -> int:
     return c.emit("im2col", [x.id], attrs, _numel(c.shape))
 
 
+def _h_col2im(c: _Ctx) -> int:
+    """`col2im(x, output_size, kernel_size, dilation, padding, stride)` (F.fold, MobileViTv2's patches back into
+    a feature map): each column's patch added at its place."""
+    x = c.node(c.fx.args[0])
+    keys = ("output_size", "kernel_size", "dilation", "padding", "stride")
+    attrs = {k: [int(v) for v in _arg(c.fx, i, k)] for i, k in enumerate(keys, 1)}
+    return c.emit("col2im", [x.id], attrs, x.numel)
+
+
 def _h_scatter(c: _Ctx) -> int:
     """`scatter.src(x, dim, index, src)` and `scatter.value(x, dim, index, value)`: x with the entries at `index`
     along dim replaced (the reduce overloads are not lowered)."""
@@ -2013,6 +2022,7 @@ def _h_real(c: _Ctx) -> int:
 _HANDLERS.update({
     "logsumexp": _h_logsumexp, "rms_norm": _h_rms_norm, "linalg_vector_norm": _h_vector_norm,
     "nll_loss_nd": _h_nll_loss, "nll_loss": _h_nll_loss, "tril": _h_tril, "triu": _h_tril, "im2col": _h_im2col,
+    "col2im": _h_col2im,
     "scatter": _h_scatter, "view_as": _h_view, "reshape_as": _h_view, "expand_as": _h_expand,
     "fft_fftn": _h_fft_real, "real": _h_real,
 })

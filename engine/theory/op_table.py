@@ -72,7 +72,6 @@ _REPLICATED = """
     _embedding_bag.default: bags of data-dependent lengths (offsets); no rule written yet
     _fft_r2c.default: a transform mixes every entry of its dims; no rule written yet for the others
     _fft_c2r.default: a transform mixes every entry of its dims; no rule written yet for the others
-    col2im.default: overlapping patches summed into an image; no rule written yet
     diagonal.default: no rule written yet (the dims other than the two could split)
     grid_sampler_2d.default: sampling positions are data; no rule written yet (the batch could split)
     masked_scatter.default: the k-th selected entry takes source entry k: a shard's positions depend on the counts before it
@@ -151,6 +150,8 @@ TABLE: dict[str, CoreOp] = {
     "as_strided.default": lowered("view", "permute", "narrow", "unfold", "expand",
                                   note="reads of a dense operand's own elements in windows (Longformer's overlapping "
                                   "chunks, engine/model/strided.py); other strides replicated"),
+    "col2im.default": lowered("col2im", note="F.fold: the batch and whole channels split, the patches and the "
+                              "image's dims do not (overlapping patches sum into the same pixels)"),
     "index_put.default": lowered("view", "where", note="by one boolean mask over the leading dims, without accumulation: "
                                  "where(mask, values, x); integer indices and accumulation are replicated"),
     **_reasons("replicated", _REPLICATED),
