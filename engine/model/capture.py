@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
 import math
 import operator
 import re
@@ -42,6 +41,7 @@ import torch
 from engine.errors import HapError, ModelError, UnsupportedOpError
 from engine.model.dropout import MASK_OPS_PER_ELEMENT
 from engine.model.graph import Graph, Node, parse_equation
+from engine.model.strided import NotAView, as_strided_steps
 from engine.model.values import KnownValues
 
 _UNARY = {"relu": "relu", "gelu": "gelu", "tanh": "tanh", "sigmoid": "sigmoid", "silu": "silu",
@@ -1721,6 +1721,24 @@ def _h_unfold(c: _Ctx) -> int:
                                      "step": int(c.fx.args[3])})
 
 
+def _h_as_strided(c: _Ctx) -> int:
+    """`x.as_strided(size, stride, offset)` that reads x's own elements in a pattern of windows (Longformer's
+    overlapping chunks): the chain of views, narrows and unfolds of engine.model.strided; any other is refused."""
+    x, val = c.node(c.fx.args[0]), c.fx.args[0].meta["val"]
+    size, stride = [int(s) for s in c.fx.args[1]], [int(s) for s in c.fx.args[2]]
+    offset = _arg(c.fx, 3, "storage_offset")
+    try:
+        steps = as_strided_steps(x.shape, tuple(int(s) for s in val.stride()), int(val.storage_offset()),
+                                 tuple(size), tuple(stride), int(val.storage_offset() if offset is None else offset))
+    except NotAView as e:
+        raise _Unsupported(f"aten.as_strided (size {size}, stride {stride}) that is no window view of its operand: {e} "
+                           "(write it with Tensor.unfold, which capture lowers)") from None
+    step, out = _Steps(c), x.id
+    for k, (op, attrs, shape) in enumerate(steps):
+        out = step(f"{op}{k}", op, [out], attrs, shape=shape, dtype=x.dtype, flops=0.0, final=k == len(steps) - 1)
+    return out if steps else c.emit("identity", [x.id])
+
+
 def _h_pad_mode(c: _Ctx) -> int:
     """reflection_pad{1,2,3}d / replication_pad{1,2,3}d: a `pad` node with its mode."""
     x = c.node(c.fx.args[0])
@@ -1748,6 +1766,7 @@ _HANDLERS.update({
     "max.other": _h_binary, "min.other": _h_binary,
     "repeat": _h_repeat, "index_select": _h_index_select, "copy": _h_copy, "slice_scatter": _h_slice_scatter,
     "select_scatter": _h_select_scatter, "flip": _h_flip, "unfold": _h_unfold, "argsort": _h_argsort, "group_norm": _h_group_norm,
+    "as_strided": _h_as_strided,
     **{f"{kind}_pad{k}d": _h_pad_mode for kind in ("reflection", "replication") for k in (1, 2, 3)},
     **{f"upsample_{mode}{k}d": _h_upsample for mode, k in (("nearest", 1), ("nearest", 2), ("nearest", 3), ("linear", 1),
                                                           ("bilinear", 2), ("bicubic", 2), ("trilinear", 3))},
@@ -1909,6 +1928,15 @@ def _h_im2col(c: _Ctx) -> int:
     return c.emit("im2col", [x.id], attrs, _numel(c.shape))
 
 
+def _h_col2im(c: _Ctx) -> int:
+    """`col2im(x, output_size, kernel_size, dilation, padding, stride)` (F.fold, MobileViTv2's patches back into
+    a feature map): each column's patch added at its place."""
+    x = c.node(c.fx.args[0])
+    keys = ("output_size", "kernel_size", "dilation", "padding", "stride")
+    attrs = {k: [int(v) for v in _arg(c.fx, i, k)] for i, k in enumerate(keys, 1)}
+    return c.emit("col2im", [x.id], attrs, x.numel)
+
+
 def _h_scatter(c: _Ctx) -> int:
     """`scatter.src(x, dim, index, src)` and `scatter.value(x, dim, index, value)`: x with the entries at `index`
     along dim replaced (the reduce overloads are not lowered)."""
@@ -1921,88 +1949,15 @@ def _h_scatter(c: _Ctx) -> int:
     return c.emit("scatter", [x.id, idx.id], {"dim": dim, "value": _scalar(src)}, idx.numel)
 
 
-def _h_complex_refused(c: _Ctx) -> int:
-    """Complex results capture does not hold as (re, im) pairs (an FFT's, `_lower_complex`'s are): refused with why."""
-    raise _Unsupported(f"aten.{c.fx.target._opname} (complex tensors are not modelled: the planner has rules for real "
-                       f"operators only{_COMPLEX_ADVICE.get(c.fx.target._opname, '')})")
-
-
-_COMPLEX_ADVICE = {
-    "real": "; only the real part of an FFT of a real tensor is lowered",
-}
-"""What to do instead, for the complex operators real models bring."""
-
-
-def _h_fft_real(c: _Ctx) -> int:
-    """`fft_fftn(x, s=None, dim, norm)` of a real tensor whose every user takes the real part (FNet's Fourier mixing):
-    that real part, Re(prod_d (C_d - i S_d)) x, as a sum of real products: for each even subset of the dims, S (the
-    sines) applied along those dims and C (the cosines) along the others, by `einsum`, with sign (-1)^(size / 2). The
-    waves are built from `arange` (jk mod n, so the angles stay exact). The cost model then counts a matrix product's
-    flops per dim (n per entry), more than an FFT's."""
-    x = c.node(c.fx.args[0])
-    if not x.dtype.startswith(("float", "bfloat")) or _arg(c.fx, 1, "s") is not None:
-        raise _Unsupported("aten.fft_fftn of a complex tensor or with output sizes (complex tensors are not modelled)")
-    if any(u.target is not torch.ops.aten.real.default for u in c.fx.users):
-        raise _Unsupported("aten.fft_fftn whose imaginary part is used (complex tensors are not modelled: only the "
-                           "real part of an FFT of a real tensor is lowered)")
-    dims, norm = _all_dims(_arg(c.fx, 2, "dim", None), x.rank), _arg(c.fx, 3, "norm", None)
-    step, dt, names = _Steps(c), x.dtype, itertools.count()
-    waves = {n: _waves(c, n, dt) for n in {x.shape[d] for d in dims}}
-    letters = string.ascii_lowercase[:x.rank]
-    out, last = None, not norm or norm == "backward"
-    terms = [(m, subset) for m in range(0, len(dims) + 1, 2) for subset in itertools.combinations(dims, m)]
-    for k, (m, subset) in enumerate(terms):
-        t = x.id
-        for d in dims:
-            equation = f"{letters},{letters[d]}Z->{letters.replace(letters[d], 'Z')}"
-            t = step(f"dft{next(names)}", "einsum", [t, waves[x.shape[d]][d in subset]], {"equation": equation},
-                     shape=x.shape, dtype=dt, flops=2.0 * x.numel * x.shape[d])
-        if out is None:
-            out = t if m % 4 == 0 else step("neg", "neg", [t], shape=x.shape, dtype=dt)
-        else:
-            out = step(f"term{k}", "add" if m % 4 == 0 else "sub", [out, t], shape=x.shape, dtype=dt,
-                       final=last and k == len(terms) - 1)
-    if last:
-        return out if len(terms) > 1 else step("", "identity", [out], shape=x.shape, dtype=dt, flops=0.0, final=True)
-    count = math.prod(x.shape[d] for d in dims)
-    scale = {"ortho": 1.0 / math.sqrt(count), "forward": 1.0 / count}[norm]
-    return step("", "mul", [out], _scalar_op(scale), shape=x.shape, dtype=dt, final=True)
-
-
-def _waves(c: _Ctx, n: int, dtype: str) -> tuple[int, int]:
-    """cos(2 pi jk / n) and sin(2 pi jk / n), (n, n), from arange: the real and minus the imaginary part of the DFT."""
-    step, name = _Steps(c), f"wave{n}"
-    j = step(f"{name}_j", "arange", [], {"start": 0, "end": n, "step": 1}, shape=(n,), dtype="int64", flops=0.0)
-    col = step(f"{name}_col", "view", [j], {"shape": [n, 1]}, shape=(n, 1), dtype="int64", flops=0.0)
-    row = step(f"{name}_row", "view", [j], {"shape": [1, n]}, shape=(1, n), dtype="int64", flops=0.0)
-    jk = step(f"{name}_jk", "mul", [col, row], shape=(n, n), dtype="int64")
-    jk = step(f"{name}_mod", "remainder", [jk], _scalar_op(n), shape=(n, n), dtype="int64")
-    angle = step(f"{name}_float", "identity", [jk], {"dtype": dtype}, shape=(n, n), dtype=dtype)
-    angle = step(f"{name}_angle", "mul", [angle], _scalar_op(2.0 * math.pi / n), shape=(n, n), dtype=dtype)
-    return (step(f"{name}_cos", "cos", [angle], shape=(n, n), dtype=dtype),
-            step(f"{name}_sin", "sin", [angle], shape=(n, n), dtype=dtype))
-
-
-def _h_real(c: _Ctx) -> int:
-    """`real` of an FFT that `_h_fft_real` lowered: that node already is the real part."""
-    if getattr(c.fx.args[0].target, "_opname", "") != "fft_fftn":
-        return _h_complex_refused(c)
-    return c.tid(c.fx.args[0])
-
-
 _HANDLERS.update({
     "logsumexp": _h_logsumexp, "rms_norm": _h_rms_norm, "linalg_vector_norm": _h_vector_norm,
     "nll_loss_nd": _h_nll_loss, "nll_loss": _h_nll_loss, "tril": _h_tril, "triu": _h_tril, "im2col": _h_im2col,
+    "col2im": _h_col2im,
     "scatter": _h_scatter, "view_as": _h_view, "reshape_as": _h_view, "expand_as": _h_expand,
-    "fft_fftn": _h_fft_real, "real": _h_real,
 })
 
 
-# --- complex tensors as (re, im) pairs (issue 29: Llama 4's and DeepSeek-V2's complex rotary) ----
-_FFT_OPS = {"fft_fftn"}
-"""Complex-valued operators lowered on their own terms (`_h_fft_real`): their results are not pairs."""
-
-
+# --- complex tensors as (re, im) pairs (issue 29: Llama 4's and DeepSeek-V2's complex rotary, FNet's FFTs) ----
 def _is_complex(v: Any) -> bool:
     return isinstance(v, torch.Tensor) and v.is_complex()
 
@@ -2011,8 +1966,7 @@ def _touches_complex(fx: torch.fx.Node, b: _Builder) -> bool:
     """Whether `fx` makes a complex tensor or reads one that capture holds as a pair."""
     def complex_made(n: torch.fx.Node) -> bool:
         val = n.meta.get("val")
-        return (getattr(n.target, "_opname", "") not in _FFT_OPS
-                and any(_is_complex(v) for v in (val if isinstance(val, (list, tuple)) else [val])))
+        return any(_is_complex(v) for v in (val if isinstance(val, (list, tuple)) else [val]))
 
     return complex_made(fx) or any(a.name in b.pairs or complex_made(a) for a in fx.all_input_nodes)
 
@@ -2202,6 +2156,45 @@ def _c_cat(c: _Ctx) -> int:
     return c.emit("identity", ids) if len(ids) == 1 else c.emit("cat", ids, {"dim": dim})
 
 
+_FFT_NORMS = {True: ("backward", "ortho", "forward"), False: ("forward", "ortho", "backward")}
+"""`_fft_c2c` / `_fft_r2c`'s normalization (0: none, 1: 1/sqrt(n), 2: 1/n) as torch.fft's `norm`, forward and inverse."""
+
+
+def _c_fft(c: _Ctx) -> int:
+    """An FFT (fft, ifft, rfft and their 2-D and n-D forms, and the core `_fft_c2c` / `_fft_r2c`) of a real tensor or
+    of a pair into a pair: one `fft` node over its dims (rules in theory/fft.py), so an FFT's result feeds the next
+    FFT (FNet's `fft` per axis) or its parts (`.real`); a one-sided transform is the full one narrowed to n // 2 + 1
+    on its last dim. Output sizes (`n`, `s`) are refused: pad or trim explicitly."""
+    op, arg, pair = c.fx.target._opname, c.fx.args[0], _is_complex(c.fx.args[0].meta.get("val"))
+    x, rank = _pair(c, arg) if pair else c.node(arg), len(c.shape) - 1
+    if op.startswith("_fft_"):  # (x, dim, normalization, forward) / (x, dim, normalization, onesided)
+        dims, forward = list(c.fx.args[1]), op == "_fft_r2c" or bool(c.fx.args[3])
+        norm, onesided = _FFT_NORMS[forward][int(c.fx.args[2])], op == "_fft_r2c" and bool(c.fx.args[3])
+    else:
+        kind = op.removeprefix("fft_")  # fft, ifft, rfft, fft2, ...
+        if _arg(c.fx, 1, "s" if kind[-1] in "2n" else "n") is not None:
+            raise _Unsupported(f"aten.{op} with output sizes (pad or trim the input to the transform's length first)")
+        default = {"2": [-2, -1], "n": None}.get(kind[-1], -1)
+        dims, norm = _arg(c.fx, 2, "dim", default), _arg(c.fx, 3, "norm", None) or "backward"
+        forward, onesided = not kind.startswith("i"), kind.startswith("r")
+    dims = dims if isinstance(dims, (list, tuple)) or dims is None else [dims]
+    halved = _norm_dim(list(dims or [rank - 1])[-1], rank) if onesided else None
+    dims = _all_dims(dims, rank)
+    if not x.dtype.startswith(("float", "bfloat")):
+        raise _Unsupported(f"aten.{op} of a {x.dtype} tensor")
+    full = tuple(x.shape[d] if d == halved else s for d, s in enumerate(c.shape[:-1]))
+    flops = 5.0 * math.prod(full) * math.log2(max(2, math.prod(full[d] for d in dims)))  # the usual FFT count
+    attrs = {"dims": dims, "norm": norm, "inverse": not forward, "pair": pair}
+    if not onesided:
+        return c.emit("fft", [x.id], attrs, flops)
+    spectrum = c.emit("fft", [x.id], attrs, flops, name=f"{c.fx.name}_full", shape=full + (2,))
+    return c.emit("narrow", [spectrum], {"dim": halved, "start": 0, "end": c.shape[halved], "step": 1})
+
+
+_FFT_OPS = tuple(f"fft_{k}{n}" for k in ("", "i", "r") for n in ("fft", "fft2", "fftn")) + ("_fft_c2c", "_fft_r2c")
+"""The FFTs `_c_fft` lowers (the inverse of a one-sided one, irfft, and the Hermitian ones are not)."""
+
+
 _COMPLEX: dict[str, Callable[[_Ctx], int]] = {
     "view_as_complex": _c_alias, "view_as_real": _c_alias, "polar": _c_polar, "mul": _c_mul, "div": _c_div,
     "add": _c_add, "sub": _c_add, "neg": _c_neg, "real": _c_part, "imag": _c_part,
@@ -2210,6 +2203,7 @@ _COMPLEX: dict[str, Callable[[_Ctx], int]] = {
                               "type_as")},
     "slice": _c_slice, "select": _c_slice, "narrow": _c_slice, "permute": _c_permute, "transpose": _c_permute,
     **{op: _c_cat for op in _CATS}, "stack": _c_cat,
+    **{op: _c_fft for op in _FFT_OPS},
 }
 """Complex-valued operators capture lowers onto (re, im) pairs."""
 

@@ -323,6 +323,27 @@ def _im2col(a: dict, x: Tensor) -> Tensor:
     return unless_empty(lambda t: torch.ops.aten.im2col(t, k, d, p, s), out_shape, x)
 
 
+def _col2im(a: dict, x: Tensor) -> Tensor:
+    """`col2im` (F.fold) of x (N, C*kh*kw, L) or (C*kh*kw, L) into (N, C, H, W); a device holding no channel of a
+    split channel dim gets its empty block (col2im rejects an empty one)."""
+    k, d, p, s = a["kernel_size"], a["dilation"], a["padding"], a["stride"]
+    out_shape = tuple(x.shape[:-2]) + (x.shape[-2] // math.prod(k),) + tuple(a["output_size"])
+    return unless_empty(lambda t: torch.ops.aten.col2im(t, a["output_size"], k, d, p, s), out_shape, x)
+
+
+def _fft(a: dict, x: Tensor) -> Tensor:
+    """`fft` over `dims` of a real tensor or of a complex one held as a (re, im) pair (a trailing dim of 2), into a
+    pair; half-precision operands are transformed in float32 (torch's FFT takes no half dtypes on the CPU), and a
+    device holding no row of a split dim gets its empty block."""
+    def transform(t: Tensor) -> Tensor:
+        z = t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+        z = torch.view_as_complex(z.contiguous()) if a["pair"] else z  # a pair's trailing 2 is (re, im)
+        out = (torch.fft.ifftn if a.get("inverse") else torch.fft.fftn)(z, dim=a["dims"], norm=a["norm"])
+        return torch.view_as_real(out).to(t.dtype)
+
+    return unless_empty(transform, tuple(x.shape[:x.dim() - a["pair"]]) + (2,), x)
+
+
 _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "clamp": lambda n, x: torch.clamp(x[0], n.attrs["min"], n.attrs["max"]),
     "round": lambda n, x: torch.round(x[0], decimals=n.attrs.get("decimals", 0)),
@@ -350,6 +371,8 @@ _INDEX: dict[str, Callable[[Node, Sequence[Tensor]], Tensor]] = {
     "triu": lambda n, x: torch.triu(x[0], n.attrs["diagonal"]),
     "scatter": lambda n, x: torch.scatter(x[0], n.attrs["dim"], x[1], x[2] if len(x) > 2 else n.attrs["value"]),
     "im2col": lambda n, x: _im2col(n.attrs, x[0]),
+    "col2im": lambda n, x: _col2im(n.attrs, x[0]),
+    "fft": lambda n, x: _fft(n.attrs, x[0]),
 }
 
 

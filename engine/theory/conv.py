@@ -16,6 +16,13 @@ to cut at group borders, so grouped convolutions get only the batch and replicat
 - channels: S(1) -> S(1)   a channel's taps are a contiguous run of kh*kw rows of the output (C is outer).
 - partial:  P -> P         a selection of entries is linear.
 Unbatched (C, H, W): the channel rule on dim 0. The spatial dims stay whole: patches overlap (a halo).
+
+`col2im(x[N, C*kh*kw, L])` (F.fold, im2col's adjoint) -> [N, C, H, W]: each patch added back at its place.
+- batch:    S(0) -> S(0)   patches never cross samples.
+- channels: S(1) -> S(1)   a channel's image sums only its own kh*kw rows (C is outer), so whole channels split.
+- partial:  P -> P         a sum of entries is linear.
+Unbatched (C*kh*kw, L): the channel rule on dim 0. Neither the patches' dim L nor the image's dims split:
+overlapping patches sum into the same pixels, and a shard of places is no shard of rows.
 """
 from __future__ import annotations
 
@@ -34,5 +41,12 @@ def conv_rules(node: Node, graph: Graph) -> list[OpRule]:
 @rule("im2col")
 def im2col_rules(node: Node, graph: Graph) -> list[OpRule]:
     channel = graph[node.inputs[0]].rank - 3
+    rules = [replicate(node), OpRule("partial", (PARTIAL,), PARTIAL), OpRule("channels", (channel,), channel)]
+    return rules + ([OpRule("batch", (0,), 0)] if channel == 1 else [])
+
+
+@rule("col2im")
+def col2im_rules(node: Node, graph: Graph) -> list[OpRule]:
+    channel = graph[node.inputs[0]].rank - 2
     rules = [replicate(node), OpRule("partial", (PARTIAL,), PARTIAL), OpRule("channels", (channel,), channel)]
     return rules + ([OpRule("batch", (0,), 0)] if channel == 1 else [])

@@ -70,10 +70,7 @@ _REPLICATED = """
     _cdist_forward.default: pairwise distances; no rule written yet (the batch dim could split)
     _pdist_forward.default: each output pairs two rows of the whole input
     _embedding_bag.default: bags of data-dependent lengths (offsets); no rule written yet
-    _fft_r2c.default: a transform mixes every entry of its dims; no rule written yet for the others
-    _fft_c2r.default: a transform mixes every entry of its dims; no rule written yet for the others
-    as_strided.default: arbitrary strides over the storage: a shard of the input is no shard of the output
-    col2im.default: overlapping patches summed into an image; no rule written yet
+    _fft_c2r.default: the inverse of a one-sided transform (irfft) reads the spectrum's missing half by symmetry; not lowered yet
     diagonal.default: no rule written yet (the dims other than the two could split)
     grid_sampler_2d.default: sampling positions are data; no rule written yet (the batch could split)
     masked_scatter.default: the k-th selected entry takes source entry k: a shard's positions depend on the counts before it
@@ -149,6 +146,13 @@ TABLE: dict[str, CoreOp] = {
     "copy.default": lowered("expand", "identity", note="src broadcast to self's shape, cast to self's dtype"),
     **_rows(lowered("scatter", note="no Partial rule with src: duplicate indices write in an unspecified order"),
             "scatter.src", "scatter.value"),
+    "as_strided.default": lowered("view", "permute", "narrow", "unfold", "expand",
+                                  note="reads of a dense operand's own elements in windows (Longformer's overlapping "
+                                  "chunks, engine/model/strided.py); other strides replicated"),
+    "col2im.default": lowered("col2im", note="F.fold: the batch and whole channels split, the patches and the "
+                              "image's dims do not (overlapping patches sum into the same pixels)"),
+    "_fft_r2c.default": lowered("fft", "narrow", note="into a real (re, im) pair, as every complex tensor is held; "
+                                "one-sided: the full transform narrowed to n // 2 + 1"),
     "index_put.default": lowered("view", "where", note="by one boolean mask over the leading dims, without accumulation: "
                                  "where(mask, values, x); integer indices and accumulation are replicated"),
     **_reasons("replicated", _REPLICATED),

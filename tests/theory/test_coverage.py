@@ -113,7 +113,7 @@ def test_every_op_capture_can_emit_is_registered() -> None:
         "index_add", "scatter_add", "histc", "roll", "clamp", "softplus", "rand", "round", "elu", "leaky_relu",
         "div_floor", "div_trunc", "bitwise_and", "bitwise_or", "bitwise_xor", "amax", "amin", "any", "all", "prod", "var",
         "argmax", "argmin", "flip", "slice_scatter", "select_scatter", "sort_values", "sort_indices", "group_norm", "upsample",
-        "tril", "triu", "scatter", "im2col", "unfold"}
+        "tril", "triu", "scatter", "im2col", "unfold", "col2im", "fft"}
     assert emitted - set(registered_ops()) == set()
 
 
@@ -198,11 +198,17 @@ EXAMPLES: dict[str, tuple[list, dict]] = {
     "triu": ([(2, 3, 4, 5)], {"diagonal": 2}),
     "scatter": ([(4, 5, 3), ((4, 2, 3), "int64"), (4, 2, 3)], {"dim": 1}),
     "im2col": ([(2, 3, 5, 6)], {"kernel_size": [2, 3], "dilation": [1, 2], "padding": [1, 0], "stride": [2, 1]}),
+    "fft": ([(3, 4, 5, 2)], {"dims": [1], "norm": "ortho", "inverse": False, "pair": True}),
+    "col2im": ([(2, 18, 6)], {"output_size": [4, 5], "kernel_size": [2, 3], "dilation": [1, 1], "padding": [0, 1],
+                              "stride": [2, 2]}),
 }
 MORE_EXAMPLES: list[tuple[str, list, dict]] = [
     ("scatter", [(4, 5, 3), ((4, 2, 3), "int64")], {"dim": 1, "value": 0}),
     ("scatter", [(4, 5), ((3, 2), "int64")], {"dim": 1, "value": 1.5}),
     ("im2col", [(6, 5, 5)], {"kernel_size": [2, 2], "dilation": [1, 1], "padding": [0, 0], "stride": [1, 1]}),
+    ("fft", [(3, 4, 5)], {"dims": [0, 2], "norm": "backward", "inverse": True, "pair": False}),
+    ("col2im", [(12, 16)], {"output_size": [5, 5], "kernel_size": [2, 2], "dilation": [1, 1], "padding": [0, 0],
+                            "stride": [1, 1]}),
 ]
 """Further examples of operators whose rules depend on their attrs or operand shapes (a value to scatter, an
 unbatched input)."""

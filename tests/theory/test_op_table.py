@@ -12,9 +12,10 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "core_aten_ops.md"
 
 
 def _lowering(overload: str) -> object:
-    """Capture's lowering of an overload (its own, or its operator's), None when capture has none."""
+    """Capture's lowering of an overload (its own, or its operator's; of real tensors or of complex ones held as
+    pairs), None when capture has none."""
     name = overload.split(".")[0]
-    for table in (capture._SPLITS, capture._HANDLERS):
+    for table in (capture._SPLITS, capture._HANDLERS, capture._COMPLEX):
         if overload in table or name in table:
             return table.get(overload, table.get(name))
     return None
