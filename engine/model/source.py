@@ -622,7 +622,24 @@ def hf_config(spec: HFSpec) -> Any:
             raise ModelError(f"hf:{spec.cls}: origin.implementation.{kind} = {value!r} is not one of "
                              f"{', '.join(IMPLEMENTATIONS.get(kind, ()) or ('experts', 'attn'))}; plan the model again")
         setattr(cfg, f"_{kind}_implementation", value)
+    with_legacy_rope_theta(cfg)
     return cfg
+
+
+def with_legacy_rope_theta(cfg: Any, theta: Any = None) -> None:
+    """Give each sub-config that declares no `rope_theta` the rotary base of the nearest config above it that has
+    one in its `rope_parameters`: transformers 5 moved the base there, but some modeling code still reads the old
+    attribute from a sub-config (DBRX's attention from `attn_config`), which then fails to build. Set on the config
+    object only, not recorded: every build (capture and runner) sets it alike."""
+    rope = getattr(cfg, "rope_parameters", None)
+    theta = rope.get("rope_theta", theta) if isinstance(rope, dict) else theta
+    for key in getattr(cfg, "sub_configs", {}):
+        sub = getattr(cfg, key, None)
+        if sub is None or isinstance(sub, (dict, list)):
+            continue
+        if theta is not None and not hasattr(sub, "rope_theta") and not getattr(sub, "rope_parameters", None):
+            sub.rope_theta = theta
+        with_legacy_rope_theta(sub, theta)
 
 
 def special_floats(value: Any) -> Any:

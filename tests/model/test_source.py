@@ -471,3 +471,15 @@ def test_the_sweep_shrinks_the_sub_configs_of_a_composite_model(sweep):
     assert knobs["text_config"]["vocab_size"] == 151936  # the rest of the default sub-config kept
     cfg = source.hf_spec("hf:Qwen2AudioForConditionalGeneration", None, knobs).config
     assert cfg["text_config"]["num_hidden_layers"] == 2 and cfg["audio_config"]["encoder_layers"] == 2
+
+
+def test_a_sub_config_read_for_the_legacy_rope_theta_gets_the_configs_rotary_base():
+    """DBRX's attention reads `attn_config.rope_theta`, which transformers 5 no longer declares (the base moved into
+    `rope_parameters`): the build raised AttributeError for every DBRX config."""
+    pytest.importorskip("transformers")
+    spec = source.hf_spec("hf:DbrxForCausalLM", None, {"n_layers": 1, "d_model": 32, "n_heads": 2, "vocab_size": 64,
+                                                       "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    with torch.device("meta"):
+        model = source.hf_build(spec)
+    assert model.config.attn_config.rope_theta == 5e5
+    assert "rope_theta" not in spec.config["attn_config"], "set at build, not recorded"
