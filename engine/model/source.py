@@ -594,8 +594,36 @@ def takes_pixels(name: str, task: str) -> bool:
     return task == "image_classification" and "pixel_values" in forward_params(name)
 
 
+SEQUENCE_RELATIONS: dict[str, tuple[str, Callable[[Any], int | None]]] = {
+    "axial_pos_shape": ("the product of axial_pos_shape (axial position embeddings)",
+                        lambda c: product(c.axial_pos_shape) if getattr(c, "axial_pos_embds", True) else None),
+}
+"""Config keys that fix the training sequence length: key -> (the relation, the length it gives, None when off)."""
+
+
+def product(values: Any) -> int | None:
+    """The product of a list of positive ints (None for anything else)."""
+    if not isinstance(values, (list, tuple)) or not values or not all(type(v) is int and v > 0 for v in values):
+        return None
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def dictated_seq_len(cfg: Any) -> tuple[str, str, int] | None:
+    """(key, relation, length) where the config fixes the training sequence length (Reformer's axial position
+    embeddings cover exactly prod(axial_pos_shape) positions in training), else None."""
+    for key, (relation, length) in SEQUENCE_RELATIONS.items():
+        value = length(cfg) if getattr(cfg, key, None) is not None else None
+        if value is not None:
+            return key, relation, value
+    return None
+
+
 def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[str, int]:
-    """batch, seq_len (bounded by the model's positions) where the batch has token ids, image_size where it has pixels."""
+    """batch, seq_len (bounded by the model's positions; by default the length the config dictates, if any) where
+    the batch has token ids, image_size where it has pixels."""
     out = {"batch": _positive(name, "batch", knobs.get("batch", DEFAULT_BATCH))}
     if takes_pixels(name, task):
         size = (getattr(cfg, "image_size", None) or getattr(getattr(cfg, "vision_config", None), "image_size", None)
@@ -605,8 +633,13 @@ def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[s
         raise ModelError(f"hf:{name}: image_size applies to image classifiers only (their forward takes pixel_values)")
     if not takes_tokens(name, task):
         return out
-    limit = max_positions(cfg)
-    seq = _positive(name, "seq_len", knobs.get("seq_len", min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)))
+    limit, dictated = max_positions(cfg), dictated_seq_len(cfg)
+    default = dictated[2] if dictated else min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)
+    seq = _positive(name, "seq_len", knobs.get("seq_len", default))
+    if dictated and seq != dictated[2]:
+        key, relation, length = dictated
+        raise ModelError(f"hf:{name}: seq_len {seq} does not fit the config: {relation} is {length}, the only length "
+                         f"it trains on; pass seq_len={length}, or set {key} to fit {seq}")
     if limit is not None and seq > limit:
         raise ModelError(f"hf:{name}: seq_len {seq} exceeds the model's {limit} positions (max_position_embeddings)")
     out["seq_len"] = seq

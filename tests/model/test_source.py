@@ -483,3 +483,36 @@ def test_a_sub_config_read_for_the_legacy_rope_theta_gets_the_configs_rotary_bas
         model = source.hf_build(spec)
     assert model.config.attn_config.rope_theta == 5e5
     assert "rope_theta" not in spec.config["attn_config"], "set at build, not recorded"
+
+
+def test_the_sweep_shrinks_the_layer_counts_a_config_holds_as_a_partition_of_the_layers(sweep):
+    """Dory stores each layer as an attention and an MLP block (its counts doubled in `to_dict()`, halved when built
+    from that form), and its input, recurrent and output layers must sum to all of them: shrunk from the stored form
+    each on its own, the counts no longer added up."""
+    pytest.importorskip("transformers")
+    knobs = sweep.shrunk("DoryForCausalLM")
+    assert {k: knobs[k] for k in ("num_hidden_layers", "n_input_layers", "n_recurrent_layers", "n_output_layers")} \
+        == {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1}
+    assert "mlp" not in knobs["layer_types"] and len(knobs["layer_types"]) == 3
+    cfg = source.hf_config(source.hf_spec("hf:DoryForCausalLM", None, knobs))  # validates, and builds again as recorded
+    assert (cfg.num_hidden_layers, cfg.n_recurrent_layers) == (3, 1)
+    assert sweep.apportioned({"a": 8, "b": 20, "c": 8}, 5) == {"a": 1, "b": 3, "c": 1}
+    assert sweep.partition({"n_a_layers": 2, "n_b_layers": 3}, 5) and not sweep.partition({"n_a_layers": 2}, 2)
+
+
+def test_a_sequence_length_the_config_dictates_is_the_default_and_the_sweep_shrinks_it_with_the_shape(sweep):
+    """Reformer's axial position embeddings train on exactly prod(axial_pos_shape) positions (4096 by default): the
+    input's default 128 tokens failed at capture; the sweep refactors the shape to its sequence."""
+    pytest.importorskip("transformers")
+    knobs = sweep.shrunk("ReformerModelWithLMHead")
+    assert knobs["axial_pos_shape"] == [8, 16]
+    assert source.hf_spec("hf:ReformerModelWithLMHead", None, knobs).inputs["seq_len"] == 128
+    assert source.hf_spec("hf:ReformerModelWithLMHead", None, {"num_hidden_layers": 2}).inputs["seq_len"] == 4096
+    with pytest.raises(ModelError, match=r"seq_len 64 does not fit the config: the product of axial_pos_shape .* is "
+                                         r"128, .*pass seq_len=128, or set axial_pos_shape"):
+        source.hf_spec("hf:ReformerModelWithLMHead", None, {**knobs, "seq_len": 64})
+    small = sweep.shrunk("ReformerModelWithLMHead", small=True)
+    assert small["axial_pos_shape"] == [4, 4] and small["lsh_attn_chunk_length"] == small["seq_len"] == 16
+    assert small["axial_pos_embds_dim"] == [16, 48], "the widths splitting the hidden size shrink with it"
+    source.hf_spec("hf:ReformerModelWithLMHead", None, small)
+    assert sweep.factored(128, 2) == [8, 16] and sweep.factored(12, 3) == [2, 2, 3] and sweep.factored(7, 2) == [1, 7]
