@@ -53,8 +53,11 @@ PER_TOKEN = 2
 SHARED = 1
 VOCAB = 32000
 PAD = 0
-"""Values the sweep fills where a default config leaves an expert count, top-k, shared-expert count or the
-vocabulary None and no relation gives it (engine.model.source.SIZE_RELATIONS gives the others); a config that
+BUDGET = 64
+BLOCK = 4
+"""Values the sweep fills where a default config leaves an expert count, top-k, shared-expert count, the
+vocabulary, a token indexer's budget (a multiple of its block, half the sequence) or its block of pooled keys None
+and no relation gives it (engine.model.source.SIZE_RELATIONS gives the others); a config that
 leaves its vocabulary None leaves its padding token None too (both are the tokenizer's), and the sweep's
 vocabulary gets PAD as its padding id (ESM numbers its positions from it)."""
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -299,14 +302,15 @@ def renumbered(entries: dict[str, Any], keep: list[int]) -> dict[str, Any]:
 def fills(config: dict[str, Any]) -> dict[str, Any]:
     """Sizes the config leaves None, filled: by their standard relation (head_dim = hidden_size //
     num_attention_heads, ...), else expert counts EXPERTS, top-k PER_TOKEN, shared experts SHARED, vocabulary VOCAB
-    (and with it the padding id PAD)."""
+    (and with it the padding id PAD), an indexer's budget BUDGET and block BLOCK."""
     from engine.model.source import unset_sizes
 
     out: dict[str, Any] = {}
     for key, (_, value) in unset_sizes(config).items():
         if value is None:
             value = (EXPERTS if EXPERT_KEY.match(key) else min(PER_TOKEN, EXPERTS) if TOP_K_KEY.match(key)
-                     else SHARED if key.startswith(("n_shared", "num_shared")) else VOCAB if key == "vocab_size" else None)
+                     else SHARED if key.startswith(("n_shared", "num_shared")) else VOCAB if key == "vocab_size"
+                     else BUDGET if key.endswith("budget") else BLOCK if key.endswith("compress_ratio") else None)
         if value is not None:
             out[key] = value
     if "vocab_size" in out and "pad_token_id" in config and config["pad_token_id"] is None:

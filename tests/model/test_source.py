@@ -379,6 +379,8 @@ def test_a_per_layer_list_is_cut_keeping_a_layer_of_each_kind(sweep):
     ("Dots1ForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}),  # None: filled
     ("EsmForMaskedLM", {"vocab_size": 32000, "pad_token_id": 0}),  # no vocabulary, so no padding id: both filled
     ("CohereCompassForCausalLM", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    ("Qwen4ExpForCausalLM", {"indexer_n_heads": 16, "indexer_kv_heads": 1, "indexer_head_dim": 256,  # all None: the
+                             "indexer_budget": 64, "indexer_compress_ratio": 4}),  # indexer is built on every layer
 ])
 def test_the_sweep_shrinks_a_default_config_into_one_that_validates(sweep, cls, expected):
     pytest.importorskip("transformers")
