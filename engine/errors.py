@@ -17,6 +17,11 @@ class UnsupportedOpError(ModelError):
     """The captured graph holds operators with no sharding rule."""
 
 
+class ParameterWriteError(ModelError):
+    """The model's forward writes a parameter's values in place (a weight clip inside forward): an update of the
+    state outside autograd and the optimizer, which a captured program cannot hold."""
+
+
 class PlanError(HapError, ValueError):
     """A plan file is malformed or does not match the model/cluster it is used with."""
 
