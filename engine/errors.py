@@ -22,6 +22,11 @@ class ParameterWriteError(ModelError):
     state outside autograd and the optimizer, which a captured program cannot hold."""
 
 
+class MissingInputError(ModelError):
+    """The model's forward refuses the batch for an input the batch does not make (a draft model's forward takes
+    its main model's states)."""
+
+
 class PlanError(HapError, ValueError):
     """A plan file is malformed or does not match the model/cluster it is used with."""
 

@@ -41,6 +41,7 @@ import inspect
 import json
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -50,10 +51,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from engine import limits
-from engine.errors import ModelError, UnsupportedOpError
+from engine.errors import MissingInputError, ModelError, UnsupportedOpError
 from engine.model.capture import capture
 from engine.model.capture import load_model as _load_other
-from engine.model.capture import loss_of
+from engine.model.capture import loss_of, model_line
 from engine.model.graph import Graph
 from engine.readers import check_size, read_bytes, read_json
 
@@ -771,10 +772,29 @@ def capture_hf(spec: HFSpec, *, fallback: str | None = None) -> Graph:
     except UnsupportedOpError:
         raise
     except ModelError as e:
+        missing = inputs_refused(spec, inputs, e)
+        if missing:
+            raise MissingInputError(
+                f"hf:{spec.cls}: its forward needs {' and '.join(missing)}, which the {spec.task} batch does not make; "
+                f"the model raised: {first_line(e.__cause__)}{model_line(e.__cause__)}. Plan the model that computes "
+                "them (a draft model's main model), or write a model file whose example_inputs() makes them") from e
         hint = unset_size_hint(spec.config)
         if not hint:
             raise
         raise ModelError(f"hf:{spec.cls}: {e}{hint}") from e
+
+
+def inputs_refused(spec: HFSpec, inputs: dict[str, Any], e: ModelError) -> list[str]:
+    """The forward's parameters the batch leaves out that the model's own `raise` names, where the capture failed
+    on one (Gemma 4's assistant: "inputs_embeds and shared_kv_states cannot be None"); [] for any other failure."""
+    cause = e.__cause__
+    frames = traceback.extract_tb(cause.__traceback__) if cause is not None else []
+    if not frames or not (frames[-1].line or "").lstrip().startswith("raise "):
+        return []
+    if Path(frames[-1].filename).resolve().parent.parent != Path(transformers_module().models.__file__).parent:
+        return []  # raised by torch or by this package, not by a model's own code
+    text = str(cause)
+    return [p for p in sorted(forward_params(spec.cls) - set(inputs)) if re.search(rf"\b{p}\b", text)]
 
 
 def all_on_meta(model: torch.nn.Module) -> torch.nn.Module:

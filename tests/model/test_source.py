@@ -518,3 +518,16 @@ def test_a_sequence_length_the_config_dictates_is_the_default_and_the_sweep_shri
     assert small["axial_pos_embds_dim"] == [16, 48], "the widths splitting the hidden size shrink with it"
     source.hf_spec("hf:ReformerModelWithLMHead", None, small)
     assert sweep.factored(128, 2) == [8, 16] and sweep.factored(12, 3) == [2, 2, 3] and sweep.factored(7, 2) == [1, 7]
+
+
+def test_a_model_refusing_the_batch_for_an_input_it_lacks_is_refused_naming_the_input(sweep):
+    """Gemma 4's unified assistant (a draft model) raises in forward without its main model's `inputs_embeds` and
+    `shared_kv_states`, which no `hf:` batch makes: a one-line typed error names them and the model's line."""
+    pytest.importorskip("transformers")
+    from engine.errors import MissingInputError
+
+    cls = "Gemma4UnifiedAssistantForCausalLM"
+    spec = source.hf_spec(f"hf:{cls}", None, {**sweep.shrunk(cls), "batch": 2, "seq_len": 8})
+    with pytest.raises(MissingInputError, match=r"its forward needs inputs_embeds and shared_kv_states, which the "
+                                                r"causal_lm batch does not make; the model raised: .* at modeling_"):
+        source.capture_hf(spec)
