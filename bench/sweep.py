@@ -108,15 +108,16 @@ def read_types() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- one type (in its own process)
 
 
-def shrunk(cls: str, small: bool = False) -> dict[str, Any]:
+def shrunk(cls: str, small: bool = False, per_kind: int = 1) -> dict[str, Any]:
     """Knobs shrinking the class's default config: 2 layers (more only where a per-layer list has more kinds of
     layer: each kind is kept), at most 4 experts (in one group, top-k at most as many), sizes the default leaves
     None filled (`fills`), and with `small` the widths of SMALL. A composite config's sub-configs (an audio
-    model's `audio_config` and `text_config`) are shrunk alike, each given whole so its other defaults stay."""
+    model's `audio_config` and `text_config`) are shrunk alike, each given whole so its other defaults stay.
+    `per_kind`: the layers kept of each kind of a per-layer list (2 where one does not build: `one`)."""
     from engine.model.source import default_config
 
     default = held(default_config(cls))
-    knobs = shrunk_dict(default, small)
+    knobs = shrunk_dict(default, small, per_kind)
     if small:
         knobs.update(batch=6, seq_len=SMALL_SEQ)
     return {**knobs, **fills({**default, **knobs})}
@@ -171,7 +172,7 @@ def apportioned(parts: dict[str, int], n: int) -> dict[str, int]:
     return out
 
 
-def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
+def shrunk_dict(default: dict[str, Any], small: bool = False, per_kind: int = 1) -> dict[str, Any]:
     """`shrunk`'s knobs for one config as a dict, and for each sub-config in it (recursively)."""
     knobs: dict[str, Any] = {}
     staged = isinstance(default.get("depths"), list)  # Swin-like: num_layers counts stages, depths their blocks
@@ -181,13 +182,13 @@ def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
                  and not every_layer(v)}
     most = max(layers.values(), default=0)
     parts = partition(default, most)
-    n = max([LAYERS, sum(v > 0 for v in parts.values()), *(len(kinds_of(v)) for v in per_layer.values())])
+    n = max([LAYERS, sum(v > 0 for v in parts.values()), *(per_kind * len(kinds_of(v)) for v in per_layer.values())])
     knobs.update({k: n for k, v in layers.items() if v > n})
-    knobs.update({k: cut(v, n) for k, v in per_layer.items() if len(v) > n})
+    knobs.update({k: cut(v, n, per_kind) for k, v in per_layer.items() if len(v) > n})
     if most > n:
         knobs.update(apportioned(parts, n))
     if most > n:  # Gemma 4's per_layer_config {"05": {"head_dim": 512}, ...}: the kept layers' entries, renumbered
-        keep = kept(next(iter(per_layer.values())), n) if per_layer else list(range(n))
+        keep = kept(next(iter(per_layer.values())), n, per_kind) if per_layer else list(range(n))
         knobs.update({k: renumbered(v, keep) for k, v in default.items() if by_layer(v, most)})
         knobs.update({k: list(range(len(keep))) for k, v in default.items() if every_layer(v) and len(v) == most})
     for k, v in default.items():
@@ -207,7 +208,7 @@ def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
         knobs.update(widths_summing(default, knobs))
     knobs.update(sequence_fitted(default, SMALL_SEQ if small else None))
     for k, v in default.items():
-        sub = shrunk_dict(v, small) if isinstance(v, dict) and all(isinstance(x, str) for x in v) else {}
+        sub = shrunk_dict(v, small, per_kind) if isinstance(v, dict) and all(isinstance(x, str) for x in v) else {}
         if sub:
             knobs[k] = {**v, **sub}
     return knobs
@@ -267,15 +268,15 @@ def kinds_of(values: list) -> dict[str, int]:
     return first
 
 
-def cut(values: list, n: int) -> list:
+def cut(values: list, n: int, per_kind: int = 1) -> list:
     """A per-layer list cut to n layers that keeps a layer of each kind (configs check for one 'full_attention'
     layer, an attention layer among linear ones, ...)."""
-    return [values[i] for i in kept(values, n)]
+    return [values[i] for i in kept(values, n, per_kind)]
 
 
-def kept(values: list, n: int) -> list[int]:
-    """The layers `cut` keeps: the first of each kind, then the first others, in order."""
-    keep = set(kinds_of(values).values())
+def kept(values: list, n: int, per_kind: int = 1) -> list[int]:
+    """The layers `cut` keeps: the first `per_kind` of each kind, then the first others, in order."""
+    keep = {i for kind in kinds_of(values) for i in [j for j, v in enumerate(values) if json.dumps(v) == kind][:per_kind]}
     keep |= set([i for i in range(len(values)) if i not in keep][:max(0, n - len(keep))])
     return sorted(keep)
 
@@ -321,7 +322,7 @@ def fills(config: dict[str, Any]) -> dict[str, Any]:
 def one(model_type: str, cls: str) -> Outcome:
     """Capture and plan one type; every failure becomes a row."""
     import engine
-    from engine.errors import InfeasibleError, ModelError, PlanError, UnsupportedOpError
+    from engine.errors import BuildError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
 
     from engine.model.source import default_config
 
@@ -335,7 +336,12 @@ def one(model_type: str, cls: str) -> Outcome:
         knobs = shrunk(cls)
         default = default_config(cls).to_dict()
         filled = {k: v for k, v in knobs.items() if k in default and default[k] in (None, {})}
-        graph = engine.load_model(f"hf:{cls}", **knobs)
+        try:
+            graph = engine.load_model(f"hf:{cls}", **knobs)
+        except BuildError:  # layers sharing weights (Zamba's hybrid layers) need a second of their kind to share with
+            if shrunk(cls, per_kind=2) == knobs:
+                raise
+            graph = engine.load_model(f"hf:{cls}", **shrunk(cls, per_kind=2))
     except UnsupportedOpError as e:
         return row("refused", str(e))
     except ModelError as e:

@@ -22,6 +22,10 @@ class ParameterWriteError(ModelError):
     state outside autograd and the optimizer, which a captured program cannot hold."""
 
 
+class BuildError(ModelError):
+    """A model class does not build from its config (transformers' own check failed, or a size is unset)."""
+
+
 class MissingInputError(ModelError):
     """The model's forward refuses the batch for an input the batch does not make (a draft model's forward takes
     its main model's states)."""

@@ -51,7 +51,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from engine import limits
-from engine.errors import MissingInputError, ModelError, UnsupportedOpError
+from engine.errors import BuildError, MissingInputError, ModelError, UnsupportedOpError
 from engine.model.capture import capture
 from engine.model.capture import load_model as _load_other
 from engine.model.capture import loss_of, model_line
@@ -737,7 +737,7 @@ def hf_build(spec: HFSpec) -> torch.nn.Module:
     except ModelError:
         raise
     except Exception as e:
-        raise ModelError(f"hf:{spec.cls}: building from the config failed: {type(e).__name__}: {first_line(e)}"
+        raise BuildError(f"hf:{spec.cls}: building from the config failed: {type(e).__name__}: {first_line(e)}"
                          f"{unset_size_hint(spec.config)}") from None
     if spec.task in CLASSIFIERS and "labels" not in forward_params(spec.cls):
         model.forward = with_class_loss(model.forward)  # an instance attribute, as flat_forward sets it

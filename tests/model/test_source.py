@@ -531,3 +531,19 @@ def test_a_model_refusing_the_batch_for_an_input_it_lacks_is_refused_naming_the_
     with pytest.raises(MissingInputError, match=r"its forward needs inputs_embeds and shared_kv_states, which the "
                                                 r"causal_lm batch does not make; the model raised: .* at modeling_"):
         source.capture_hf(spec)
+
+
+def test_layers_that_share_weights_keep_a_second_of_their_kind_when_one_does_not_build(sweep):
+    """Zamba ties every hybrid layer's shared transformer to the first one's: cut to one hybrid layer, the tie had
+    no layer to share with and the build failed; `one` then shrinks with two layers of each kind."""
+    pytest.importorskip("transformers")
+    from engine.errors import BuildError
+
+    assert sweep.cut(["a", "a", "b", "c", "b"], 2, per_kind=2) == ["a", "a", "b", "c", "b"]
+    assert sweep.cut(["a", "a", "a", "b", "b"], 2, per_kind=2) == ["a", "a", "b", "b"]
+    once, twice = sweep.shrunk("ZambaForCausalLM", small=True), sweep.shrunk("ZambaForCausalLM", small=True, per_kind=2)
+    assert twice["layers_block_type"] == ["linear_attention", "linear_attention", "hybrid", "hybrid"]
+    with torch.device("meta"):
+        with pytest.raises(BuildError, match="tie_weights_keys"):
+            source.hf_build(source.hf_spec("hf:ZambaForCausalLM", None, once))
+        assert sum(1 for _ in source.hf_build(source.hf_spec("hf:ZambaForCausalLM", None, twice)).model.layers) == 4
