@@ -142,7 +142,7 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict,
     if isinstance(module, LossOf):
         module.known = values
     try:
-        with ValuedScalars(), values, ParameterWrites():
+        with ParameterWrites(), ValuedScalars(), values:  # KnownValues innermost: its handler reads the model's frame
             ep = torch.export.export(module, args, kwargs, strict=False)
     except ParameterWriteError as e:
         raise ParameterWriteError(f"cannot capture the model: its forward writes a parameter in place{model_line(e)}: "
