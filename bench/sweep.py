@@ -45,12 +45,19 @@ EXPERT_KEY = re.compile(r"^(num_local_experts|num_experts|n_routed_experts|moe_n
 TOP_K_KEY = re.compile(r"^(num_experts_per_tok(en)?|moe_topk|moe_k|top_k|top_k_experts|num_selected_experts)$")
 GROUP_KEY = re.compile(r"^(n_group|num_expert_group|topk_group)$")
 """Expert groups and the groups routed to: 1 when the experts shrink (a group count must divide them)."""
+CHUNK_KEY = re.compile(r"^\w*chunk_length$")
+"""Lengths of the chunks a model splits its sequence into (Reformer's LSH and local attention)."""
+SMALL_SEQ = 16
+"""The sequence length of `--verify`; the sweep's own is engine.model.source.DEFAULT_SEQ_LEN."""
 PER_TOKEN = 2
 SHARED = 1
 VOCAB = 32000
 PAD = 0
-"""Values the sweep fills where a default config leaves an expert count, top-k, shared-expert count or the
-vocabulary None and no relation gives it (engine.model.source.SIZE_RELATIONS gives the others); a config that
+BUDGET = 64
+BLOCK = 4
+"""Values the sweep fills where a default config leaves an expert count, top-k, shared-expert count, the
+vocabulary, a token indexer's budget (a multiple of its block, half the sequence) or its block of pooled keys None
+and no relation gives it (engine.model.source.SIZE_RELATIONS gives the others); a config that
 leaves its vocabulary None leaves its padding token None too (both are the tokenizer's), and the sweep's
 vocabulary gets PAD as its padding id (ESM numbers its positions from it)."""
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -101,21 +108,71 @@ def read_types() -> dict[str, Any]:
 # ----------------------------------------------------------------------------- one type (in its own process)
 
 
-def shrunk(cls: str, small: bool = False) -> dict[str, Any]:
+def shrunk(cls: str, small: bool = False, per_kind: int = 1) -> dict[str, Any]:
     """Knobs shrinking the class's default config: 2 layers (more only where a per-layer list has more kinds of
     layer: each kind is kept), at most 4 experts (in one group, top-k at most as many), sizes the default leaves
     None filled (`fills`), and with `small` the widths of SMALL. A composite config's sub-configs (an audio
-    model's `audio_config` and `text_config`) are shrunk alike, each given whole so its other defaults stay."""
+    model's `audio_config` and `text_config`) are shrunk alike, each given whole so its other defaults stay.
+    `per_kind`: the layers kept of each kind of a per-layer list (2 where one does not build: `one`)."""
     from engine.model.source import default_config
 
-    default = default_config(cls).to_dict()
-    knobs = shrunk_dict(default, small)
+    default = held(default_config(cls))
+    knobs = shrunk_dict(default, small, per_kind)
     if small:
-        knobs.update(batch=6, seq_len=16)
+        knobs.update(batch=6, seq_len=SMALL_SEQ)
     return {**knobs, **fills({**default, **knobs})}
 
 
-def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
+def held(config: Any) -> dict[str, Any]:
+    """The config as a dict of the values it holds, where that dict builds the same config again: a config may
+    store another layout than it holds (Dory stores each layer as an attention and an MLP block, its layer counts
+    doubled, and halves them when built from that form), and the counts the model reads are the ones to shrink.
+    Otherwise its `to_dict()`."""
+    stored = config.to_dict()
+    values = {k: v for k in stored if plain(v := held_value(config, k)) and v != stored[k]}
+    if not values:
+        return stored
+    try:
+        again = type(config).from_dict({**stored, **values}).to_dict()
+    except Exception:  # transformers validates in many ways: keep the stored form
+        return stored
+    return {**stored, **values} if again == stored else stored
+
+
+def held_value(config: Any, key: str) -> Any:
+    """The config's attribute `key`, None where reading it raises (a per-layer attribute read globally)."""
+    try:
+        return getattr(config, key, None)
+    except Exception:
+        return None
+
+
+def plain(value: Any) -> bool:
+    """Whether a value is a count or a list of JSON scalars, the kinds of value `shrunk_dict` shrinks."""
+    if isinstance(value, list):
+        return all(isinstance(v, (int, float, str)) for v in value)
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def partition(default: dict[str, Any], layers: int) -> dict[str, int]:
+    """Counts of parts of the layers that sum to all of them (Dory's input, recurrent and output layers): shrunk
+    as a partition (`apportioned`), not each on its own, where there are two or more."""
+    parts = {k: v for k, v in default.items() if SUBCOUNT_KEY.match(k) and not LAYER_KEY.match(k) and isinstance(v, int)
+             and not isinstance(v, bool) and v >= 0}
+    return parts if len(parts) > 1 and sum(parts.values()) == layers else {}
+
+
+def apportioned(parts: dict[str, int], n: int) -> dict[str, int]:
+    """A partition of n layers with a layer for each non-empty part (n is at least their number), each further
+    layer to the part with the most default layers per layer given."""
+    out = {k: int(v > 0) for k, v in parts.items()}
+    for _ in range(n - sum(out.values()) if any(out.values()) else 0):
+        k = max((k for k in parts if out[k]), key=lambda k: parts[k] / out[k])
+        out[k] += 1
+    return out
+
+
+def shrunk_dict(default: dict[str, Any], small: bool = False, per_kind: int = 1) -> dict[str, Any]:
     """`shrunk`'s knobs for one config as a dict, and for each sub-config in it (recursively)."""
     knobs: dict[str, Any] = {}
     staged = isinstance(default.get("depths"), list)  # Swin-like: num_layers counts stages, depths their blocks
@@ -123,16 +180,19 @@ def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
               if LAYER_KEY.match(k) and isinstance(v, int) and v > LAYERS and not (staged and k == "num_layers")}
     per_layer = {k: v for k, v in default.items() if isinstance(v, list) and v and len(v) in set(layers.values())
                  and not every_layer(v)}
-    n = max([LAYERS, *(len(kinds_of(v)) for v in per_layer.values())])
-    knobs.update({k: n for k, v in layers.items() if v > n})
-    knobs.update({k: cut(v, n) for k, v in per_layer.items() if len(v) > n})
     most = max(layers.values(), default=0)
+    parts = partition(default, most)
+    n = max([LAYERS, sum(v > 0 for v in parts.values()), *(per_kind * len(kinds_of(v)) for v in per_layer.values())])
+    knobs.update({k: n for k, v in layers.items() if v > n})
+    knobs.update({k: cut(v, n, per_kind) for k, v in per_layer.items() if len(v) > n})
+    if most > n:
+        knobs.update(apportioned(parts, n))
     if most > n:  # Gemma 4's per_layer_config {"05": {"head_dim": 512}, ...}: the kept layers' entries, renumbered
-        keep = kept(next(iter(per_layer.values())), n) if per_layer else list(range(n))
+        keep = kept(next(iter(per_layer.values())), n, per_kind) if per_layer else list(range(n))
         knobs.update({k: renumbered(v, keep) for k, v in default.items() if by_layer(v, most)})
         knobs.update({k: list(range(len(keep))) for k, v in default.items() if every_layer(v) and len(v) == most})
     for k, v in default.items():
-        if SUBCOUNT_KEY.match(k) and k not in layers and isinstance(v, int) and most > n and v >= n:
+        if SUBCOUNT_KEY.match(k) and k not in layers and k not in parts and isinstance(v, int) and most > n and v >= n:
             knobs[k] = v * n // most
         if k == "depths" and isinstance(v, list):
             knobs[k] = [min(d, LAYERS) for d in v]
@@ -145,11 +205,59 @@ def shrunk_dict(default: dict[str, Any], small: bool = False) -> dict[str, Any]:
             knobs[k] = min(v, EXPERTS)
     if small:
         knobs.update({k: v for k, v in SMALL.items() if isinstance(default.get(k), int)})
+        knobs.update(widths_summing(default, knobs))
+    knobs.update(sequence_fitted(default, SMALL_SEQ if small else None))
     for k, v in default.items():
-        sub = shrunk_dict(v, small) if isinstance(v, dict) and all(isinstance(x, str) for x in v) else {}
+        sub = shrunk_dict(v, small, per_kind) if isinstance(v, dict) and all(isinstance(x, str) for x in v) else {}
         if sub:
             knobs[k] = {**v, **sub}
     return knobs
+
+
+def sequence_fitted(default: dict[str, Any], seq: int | None) -> dict[str, Any]:
+    """A config whose shape fixes the sequence length (engine.model.source.SEQUENCE_RELATIONS: Reformer's axial
+    positions train on exactly prod(axial_pos_shape) = 4096 tokens) gets that shape refactored to the sweep's
+    sequence, each axis a share of it, and its chunk lengths at most the sequence (training needs the sequence a
+    multiple of them). `seq` None: the source's default length."""
+    from engine.model.source import DEFAULT_SEQ_LEN, SEQUENCE_RELATIONS, product
+
+    seq = seq or DEFAULT_SEQ_LEN
+    out: dict[str, Any] = {}
+    for key in SEQUENCE_RELATIONS:
+        shape = default.get(key)
+        if product(shape) is not None and product(shape) != seq:
+            out[key] = factored(seq, len(shape))
+    if out:
+        out.update({k: seq for k, v in default.items() if CHUNK_KEY.match(k) and isinstance(v, int) and v > seq})
+    return out
+
+
+def widths_summing(default: dict[str, Any], knobs: dict[str, Any]) -> dict[str, list[int]]:
+    """Lists of widths that split the hidden size (Reformer's axial_pos_embds_dim must sum to it), rescaled to the
+    hidden size the knobs give, the last taking what rounding leaves."""
+    old, new = default.get("hidden_size"), knobs.get("hidden_size")
+    if not isinstance(old, int) or not isinstance(new, int) or old == new:
+        return {}
+    out = {}
+    for k, v in default.items():
+        if isinstance(v, list) and len(v) > 1 and all(type(x) is int and x > 0 for x in v) and sum(v) == old:
+            scaled = [max(1, x * new // old) for x in v[:-1]]
+            out[k] = [*scaled, new - sum(scaled)]
+    return {k: v for k, v in out.items() if v[-1] > 0}
+
+
+def factored(n: int, axes: int) -> list[int]:
+    """n as a product of `axes` factors as even as its prime factors allow, smallest first ((8, 16) for 128)."""
+    primes, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            primes.append(p)
+            n //= p
+        p += 1
+    out = [1] * axes
+    for q in sorted(primes, reverse=True):
+        out[out.index(min(out))] *= q
+    return sorted(out)
 
 
 def kinds_of(values: list) -> dict[str, int]:
@@ -160,15 +268,15 @@ def kinds_of(values: list) -> dict[str, int]:
     return first
 
 
-def cut(values: list, n: int) -> list:
+def cut(values: list, n: int, per_kind: int = 1) -> list:
     """A per-layer list cut to n layers that keeps a layer of each kind (configs check for one 'full_attention'
     layer, an attention layer among linear ones, ...)."""
-    return [values[i] for i in kept(values, n)]
+    return [values[i] for i in kept(values, n, per_kind)]
 
 
-def kept(values: list, n: int) -> list[int]:
-    """The layers `cut` keeps: the first of each kind, then the first others, in order."""
-    keep = set(kinds_of(values).values())
+def kept(values: list, n: int, per_kind: int = 1) -> list[int]:
+    """The layers `cut` keeps: the first `per_kind` of each kind, then the first others, in order."""
+    keep = {i for kind in kinds_of(values) for i in [j for j, v in enumerate(values) if json.dumps(v) == kind][:per_kind]}
     keep |= set([i for i in range(len(values)) if i not in keep][:max(0, n - len(keep))])
     return sorted(keep)
 
@@ -195,14 +303,15 @@ def renumbered(entries: dict[str, Any], keep: list[int]) -> dict[str, Any]:
 def fills(config: dict[str, Any]) -> dict[str, Any]:
     """Sizes the config leaves None, filled: by their standard relation (head_dim = hidden_size //
     num_attention_heads, ...), else expert counts EXPERTS, top-k PER_TOKEN, shared experts SHARED, vocabulary VOCAB
-    (and with it the padding id PAD)."""
+    (and with it the padding id PAD), an indexer's budget BUDGET and block BLOCK."""
     from engine.model.source import unset_sizes
 
     out: dict[str, Any] = {}
     for key, (_, value) in unset_sizes(config).items():
         if value is None:
             value = (EXPERTS if EXPERT_KEY.match(key) else min(PER_TOKEN, EXPERTS) if TOP_K_KEY.match(key)
-                     else SHARED if key.startswith(("n_shared", "num_shared")) else VOCAB if key == "vocab_size" else None)
+                     else SHARED if key.startswith(("n_shared", "num_shared")) else VOCAB if key == "vocab_size"
+                     else BUDGET if key.endswith("budget") else BLOCK if key.endswith("compress_ratio") else None)
         if value is not None:
             out[key] = value
     if "vocab_size" in out and "pad_token_id" in config and config["pad_token_id"] is None:
@@ -213,7 +322,7 @@ def fills(config: dict[str, Any]) -> dict[str, Any]:
 def one(model_type: str, cls: str) -> Outcome:
     """Capture and plan one type; every failure becomes a row."""
     import engine
-    from engine.errors import InfeasibleError, ModelError, PlanError, UnsupportedOpError
+    from engine.errors import BuildError, InfeasibleError, ModelError, PlanError, UnsupportedOpError
 
     from engine.model.source import default_config
 
@@ -227,7 +336,12 @@ def one(model_type: str, cls: str) -> Outcome:
         knobs = shrunk(cls)
         default = default_config(cls).to_dict()
         filled = {k: v for k, v in knobs.items() if k in default and default[k] in (None, {})}
-        graph = engine.load_model(f"hf:{cls}", **knobs)
+        try:
+            graph = engine.load_model(f"hf:{cls}", **knobs)
+        except BuildError:  # layers sharing weights (Zamba's hybrid layers) need a second of their kind to share with
+            if shrunk(cls, per_kind=2) == knobs:
+                raise
+            graph = engine.load_model(f"hf:{cls}", **shrunk(cls, per_kind=2))
     except UnsupportedOpError as e:
         return row("refused", str(e))
     except ModelError as e:

@@ -17,6 +17,20 @@ class UnsupportedOpError(ModelError):
     """The captured graph holds operators with no sharding rule."""
 
 
+class ParameterWriteError(ModelError):
+    """The model's forward writes a parameter's values in place (a weight clip inside forward): an update of the
+    state outside autograd and the optimizer, which a captured program cannot hold."""
+
+
+class BuildError(ModelError):
+    """A model class does not build from its config (transformers' own check failed, or a size is unset)."""
+
+
+class MissingInputError(ModelError):
+    """The model's forward refuses the batch for an input the batch does not make (a draft model's forward takes
+    its main model's states)."""
+
+
 class PlanError(HapError, ValueError):
     """A plan file is malformed or does not match the model/cluster it is used with."""
 

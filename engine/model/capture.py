@@ -38,7 +38,7 @@ from typing import Any, Callable
 
 import torch
 
-from engine.errors import HapError, ModelError, UnsupportedOpError
+from engine.errors import HapError, ModelError, ParameterWriteError, UnsupportedOpError
 from engine.model.dropout import MASK_OPS_PER_ELEMENT
 from engine.model.graph import Graph, Node, parse_equation
 from engine.model.strided import NotAView, as_strided_steps
@@ -142,12 +142,21 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict,
     if isinstance(module, LossOf):
         module.known = values
     try:
-        with ValuedScalars(), values:
+        with ParameterWrites(), ValuedScalars(), values:  # KnownValues innermost: its handler reads the model's frame
             ep = torch.export.export(module, args, kwargs, strict=False)
+    except ParameterWriteError as e:
+        raise ParameterWriteError(f"cannot capture the model: its forward writes a parameter in place{model_line(e)}: "
+                                  f"{e}") from None
     except Exception as e:  # torch raises many exception types from tracing
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot capture the model with torch.export: {first}{where_in_model(e, module)}") from e
     return number_dropout_sites(inline_grad_mode_regions(ep))
+
+
+def model_line(e: BaseException) -> str:
+    """" at FILE:LINE `code`" of the model's own line an exception was raised from ("" when none is)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not _library_frame(f.filename)]
+    return f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} `{(frames[-1].line or '').strip()}`" if frames else ""
 
 
 def where_in_model(e: BaseException, module: torch.nn.Module) -> str:
@@ -157,7 +166,7 @@ def where_in_model(e: BaseException, module: torch.nn.Module) -> str:
     if not frames:
         return " (make forward() free of data-dependent Python control flow)"
     f = frames[-1]
-    text = f" at {Path(f.filename).name}:{f.lineno} `{(f.line or '').strip()}`"
+    text = model_line(e)
     keys = _config_keys_read(f.line or "", getattr(getattr(module, "inner", module), "config", None))
     if keys:
         return text + (f"; the line reads the config's {' or '.join(keys)}: set it so the branch goes away "
@@ -199,6 +208,41 @@ class ValuedScalars(torch.overrides.TorchFunctionMode):
         elif func is torch.Tensor.__getitem__ and len(args) == 2 and _on_meta(args[0]):
             args = (args[0], _valued_index(args[1]))  # Falcon's `qkv[..., [-2], :]`: the list becomes a constant
         return func(*args, **kwargs)
+
+
+_NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "retain_grad_"})
+"""Tensor methods named like in-place operators that change no values."""
+
+
+class ParameterWrites(torch.overrides.TorchFunctionMode):
+    """Refuses, at the model's line, an in-place operator on a parameter or on its `.data` in forward (Gemma 3n's
+    `weight.data.clamp_(-clip, clip)` while training): torch.export would fail later with "a fake tensor in the
+    exported program constant's list", naming no line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._aliases: dict[int, weakref.ref] = {}
+        """The `.data` of parameters taken in forward, by id."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {})) if not self._writes(func, args) else self._refuse(func)
+        if func == torch.Tensor.data.__get__ and args and isinstance(args[0], torch.nn.Parameter):  # a new wrapper each time
+            self._aliases[id(out)] = weakref.ref(out)
+        return out
+
+    def _writes(self, func: Any, args: tuple) -> bool:
+        name, x = getattr(func, "__name__", ""), args[0] if args else None
+        if not (name.endswith("_") and not name.startswith("_") and name not in _NOT_WRITES and isinstance(x, torch.Tensor)):
+            return False
+        alias = self._aliases.get(id(x))
+        return isinstance(x, torch.nn.Parameter) or (alias is not None and alias() is x)
+
+    @staticmethod
+    def _refuse(func: Any) -> Any:
+        raise ParameterWriteError(f"Tensor.{func.__name__} on a parameter or its .data (a weight clip while "
+                                  "training) updates the weights outside autograd and the optimizer, which a captured "
+                                  "program cannot hold; write a model file whose forward leaves its parameters alone "
+                                  "(clip them after the optimizer step)")
 
 
 def _on_meta(x: Any) -> bool:

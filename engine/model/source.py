@@ -41,6 +41,7 @@ import inspect
 import json
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -50,10 +51,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from engine import limits
-from engine.errors import ModelError, UnsupportedOpError
+from engine.errors import BuildError, MissingInputError, ModelError, UnsupportedOpError
 from engine.model.capture import capture
 from engine.model.capture import load_model as _load_other
-from engine.model.capture import loss_of
+from engine.model.capture import loss_of, model_line
 from engine.model.graph import Graph
 from engine.readers import check_size, read_bytes, read_json
 
@@ -530,12 +531,17 @@ SIZE_RELATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "num_key_value_heads": ("num_attention_heads", lambda c: c["num_attention_heads"]),
     "layer_types": ('["full_attention"] * num_hidden_layers', lambda c: ["full_attention"] * c["num_hidden_layers"]),
     "rope_parameters": ("plain RoPE, rope_theta 10000, per layer type", default_rope),
+    "indexer_n_heads": ("num_attention_heads", lambda c: c["num_attention_heads"]),
+    "indexer_head_dim": ("head_dim", lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
+    "indexer_kv_heads": ("1: the indexer's one key head, shared by its queries", lambda c: 1),
 }
 """Sizes a config may leave None that most configs derive by a standard relation: key -> (the relation, its value)."""
 UNSET_SIZE = re.compile(r"^(vocab_size|(\w+_)?head_dim|(\w+_)?(n|kv)_heads|num_key_value_heads|(\w+_)?intermediate_size|"
                         r"layer_types|(n|num)_(routed_|shared_|local_)?experts|num_experts_per_tok(en)?|top_k_experts|"
-                        r"moe_topk|rope_parameters)$")
-"""Keys of sizes a model needs when its default config leaves them None (the others' None means 'off'). An empty
+                        r"moe_topk|rope_parameters|(\w+_)?budget|(\w+_)?compress_ratio)$")
+"""Keys of sizes a model needs when its default config leaves them None (the others' None means 'off'; a sparse
+attention's token indexer, Qwen4-Exp's, is built on its layers whatever its sizes say, its budget of tokens and
+the keys it pools into a block among them). An empty
 `rope_parameters` is unset too: transformers turns None into {} (no rotary parameters at all), which a model with
 rotary embeddings cannot build from."""
 
@@ -594,8 +600,36 @@ def takes_pixels(name: str, task: str) -> bool:
     return task == "image_classification" and "pixel_values" in forward_params(name)
 
 
+SEQUENCE_RELATIONS: dict[str, tuple[str, Callable[[Any], int | None]]] = {
+    "axial_pos_shape": ("the product of axial_pos_shape (axial position embeddings)",
+                        lambda c: product(c.axial_pos_shape) if getattr(c, "axial_pos_embds", True) else None),
+}
+"""Config keys that fix the training sequence length: key -> (the relation, the length it gives, None when off)."""
+
+
+def product(values: Any) -> int | None:
+    """The product of a list of positive ints (None for anything else)."""
+    if not isinstance(values, (list, tuple)) or not values or not all(type(v) is int and v > 0 for v in values):
+        return None
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+def dictated_seq_len(cfg: Any) -> tuple[str, str, int] | None:
+    """(key, relation, length) where the config fixes the training sequence length (Reformer's axial position
+    embeddings cover exactly prod(axial_pos_shape) positions in training), else None."""
+    for key, (relation, length) in SEQUENCE_RELATIONS.items():
+        value = length(cfg) if getattr(cfg, key, None) is not None else None
+        if value is not None:
+            return key, relation, value
+    return None
+
+
 def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[str, int]:
-    """batch, seq_len (bounded by the model's positions) where the batch has token ids, image_size where it has pixels."""
+    """batch, seq_len (bounded by the model's positions; by default the length the config dictates, if any) where
+    the batch has token ids, image_size where it has pixels."""
     out = {"batch": _positive(name, "batch", knobs.get("batch", DEFAULT_BATCH))}
     if takes_pixels(name, task):
         size = (getattr(cfg, "image_size", None) or getattr(getattr(cfg, "vision_config", None), "image_size", None)
@@ -605,8 +639,13 @@ def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[s
         raise ModelError(f"hf:{name}: image_size applies to image classifiers only (their forward takes pixel_values)")
     if not takes_tokens(name, task):
         return out
-    limit = max_positions(cfg)
-    seq = _positive(name, "seq_len", knobs.get("seq_len", min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)))
+    limit, dictated = max_positions(cfg), dictated_seq_len(cfg)
+    default = dictated[2] if dictated else min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)
+    seq = _positive(name, "seq_len", knobs.get("seq_len", default))
+    if dictated and seq != dictated[2]:
+        key, relation, length = dictated
+        raise ModelError(f"hf:{name}: seq_len {seq} does not fit the config: {relation} is {length}, the only length "
+                         f"it trains on; pass seq_len={length}, or set {key} to fit {seq}")
     if limit is not None and seq > limit:
         raise ModelError(f"hf:{name}: seq_len {seq} exceeds the model's {limit} positions (max_position_embeddings)")
     out["seq_len"] = seq
@@ -622,7 +661,24 @@ def hf_config(spec: HFSpec) -> Any:
             raise ModelError(f"hf:{spec.cls}: origin.implementation.{kind} = {value!r} is not one of "
                              f"{', '.join(IMPLEMENTATIONS.get(kind, ()) or ('experts', 'attn'))}; plan the model again")
         setattr(cfg, f"_{kind}_implementation", value)
+    with_legacy_rope_theta(cfg)
     return cfg
+
+
+def with_legacy_rope_theta(cfg: Any, theta: Any = None) -> None:
+    """Give each sub-config that declares no `rope_theta` the rotary base of the nearest config above it that has
+    one in its `rope_parameters`: transformers 5 moved the base there, but some modeling code still reads the old
+    attribute from a sub-config (DBRX's attention from `attn_config`), which then fails to build. Set on the config
+    object only, not recorded: every build (capture and runner) sets it alike."""
+    rope = getattr(cfg, "rope_parameters", None)
+    theta = rope.get("rope_theta", theta) if isinstance(rope, dict) else theta
+    for key in getattr(cfg, "sub_configs", {}):
+        sub = getattr(cfg, key, None)
+        if sub is None or isinstance(sub, (dict, list)):
+            continue
+        if theta is not None and not hasattr(sub, "rope_theta") and not getattr(sub, "rope_parameters", None):
+            sub.rope_theta = theta
+        with_legacy_rope_theta(sub, theta)
 
 
 def special_floats(value: Any) -> Any:
@@ -681,7 +737,7 @@ def hf_build(spec: HFSpec) -> torch.nn.Module:
     except ModelError:
         raise
     except Exception as e:
-        raise ModelError(f"hf:{spec.cls}: building from the config failed: {type(e).__name__}: {first_line(e)}"
+        raise BuildError(f"hf:{spec.cls}: building from the config failed: {type(e).__name__}: {first_line(e)}"
                          f"{unset_size_hint(spec.config)}") from None
     if spec.task in CLASSIFIERS and "labels" not in forward_params(spec.cls):
         model.forward = with_class_loss(model.forward)  # an instance attribute, as flat_forward sets it
@@ -716,10 +772,29 @@ def capture_hf(spec: HFSpec, *, fallback: str | None = None) -> Graph:
     except UnsupportedOpError:
         raise
     except ModelError as e:
+        missing = inputs_refused(spec, inputs, e)
+        if missing:
+            raise MissingInputError(
+                f"hf:{spec.cls}: its forward needs {' and '.join(missing)}, which the {spec.task} batch does not make; "
+                f"the model raised: {first_line(e.__cause__)}{model_line(e.__cause__)}. Plan the model that computes "
+                "them (a draft model's main model), or write a model file whose example_inputs() makes them") from e
         hint = unset_size_hint(spec.config)
         if not hint:
             raise
         raise ModelError(f"hf:{spec.cls}: {e}{hint}") from e
+
+
+def inputs_refused(spec: HFSpec, inputs: dict[str, Any], e: ModelError) -> list[str]:
+    """The forward's parameters the batch leaves out that the model's own `raise` names, where the capture failed
+    on one (Gemma 4's assistant: "inputs_embeds and shared_kv_states cannot be None"); [] for any other failure."""
+    cause = e.__cause__
+    frames = traceback.extract_tb(cause.__traceback__) if cause is not None else []
+    if not frames or not (frames[-1].line or "").lstrip().startswith("raise "):
+        return []
+    if Path(frames[-1].filename).resolve().parent.parent != Path(transformers_module().models.__file__).parent:
+        return []  # raised by torch or by this package, not by a model's own code
+    text = str(cause)
+    return [p for p in sorted(forward_params(spec.cls) - set(inputs)) if re.search(rf"\b{p}\b", text)]
 
 
 def all_on_meta(model: torch.nn.Module) -> torch.nn.Module:

@@ -757,3 +757,31 @@ def test_a_write_through_a_boolean_mask_is_lowered_as_where_and_computes_the_sam
     assert "where" in {n.op for n in g.nodes} and "opaque" not in {n.op for n in g.nodes}
     assert engine.theory.missing_rules(g) == []
     assert torch.allclose(interpret(g, module, (ids,)), module(ids))
+
+
+class _ClipsInForward(nn.Module):
+    """Gemma 3n's AltUp clips its coefficients' weights in forward while training (`weight.data.clamp_`)."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        self.lin, self.write = nn.Linear(8, 8), write
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.write:
+            self.lin.weight.data.clamp_(-1.0, 1.0)
+        h = self.lin(x)
+        h.add_(1.0)  # an in-place operator on an activation is no parameter write
+        return h.sum()
+
+
+def test_a_forward_that_writes_a_parameter_in_place_is_refused_at_its_line() -> None:
+    """torch.export failed late on such a forward ("a fake tensor in the exported program constant's list"), naming
+    no line; the refusal names the model's line and the operator."""
+    from engine.errors import ParameterWriteError
+
+    with torch.device("meta"):
+        clips, plain, x = _ClipsInForward(True), _ClipsInForward(False), torch.randn(4, 8)
+    with pytest.raises(ParameterWriteError, match=r"writes a parameter in place at test_capture\.py:\d+ "
+                                                  r"`self\.lin\.weight\.data\.clamp_\(-1\.0, 1\.0\)`: Tensor\.clamp_"):
+        engine.load_model(clips, (x,))
+    assert any(n.op == "linear" for n in engine.load_model(plain, (x,)).nodes)

@@ -379,6 +379,8 @@ def test_a_per_layer_list_is_cut_keeping_a_layer_of_each_kind(sweep):
     ("Dots1ForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}),  # None: filled
     ("EsmForMaskedLM", {"vocab_size": 32000, "pad_token_id": 0}),  # no vocabulary, so no padding id: both filled
     ("CohereCompassForCausalLM", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
+    ("Qwen4ExpForCausalLM", {"indexer_n_heads": 16, "indexer_kv_heads": 1, "indexer_head_dim": 256,  # all None: the
+                             "indexer_budget": 64, "indexer_compress_ratio": 4}),  # indexer is built on every layer
 ])
 def test_the_sweep_shrinks_a_default_config_into_one_that_validates(sweep, cls, expected):
     pytest.importorskip("transformers")
@@ -471,3 +473,77 @@ def test_the_sweep_shrinks_the_sub_configs_of_a_composite_model(sweep):
     assert knobs["text_config"]["vocab_size"] == 151936  # the rest of the default sub-config kept
     cfg = source.hf_spec("hf:Qwen2AudioForConditionalGeneration", None, knobs).config
     assert cfg["text_config"]["num_hidden_layers"] == 2 and cfg["audio_config"]["encoder_layers"] == 2
+
+
+def test_a_sub_config_read_for_the_legacy_rope_theta_gets_the_configs_rotary_base():
+    """DBRX's attention reads `attn_config.rope_theta`, which transformers 5 no longer declares (the base moved into
+    `rope_parameters`): the build raised AttributeError for every DBRX config."""
+    pytest.importorskip("transformers")
+    spec = source.hf_spec("hf:DbrxForCausalLM", None, {"n_layers": 1, "d_model": 32, "n_heads": 2, "vocab_size": 64,
+                                                       "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+    with torch.device("meta"):
+        model = source.hf_build(spec)
+    assert model.config.attn_config.rope_theta == 5e5
+    assert "rope_theta" not in spec.config["attn_config"], "set at build, not recorded"
+
+
+def test_the_sweep_shrinks_the_layer_counts_a_config_holds_as_a_partition_of_the_layers(sweep):
+    """Dory stores each layer as an attention and an MLP block (its counts doubled in `to_dict()`, halved when built
+    from that form), and its input, recurrent and output layers must sum to all of them: shrunk from the stored form
+    each on its own, the counts no longer added up."""
+    pytest.importorskip("transformers")
+    knobs = sweep.shrunk("DoryForCausalLM")
+    assert {k: knobs[k] for k in ("num_hidden_layers", "n_input_layers", "n_recurrent_layers", "n_output_layers")} \
+        == {"num_hidden_layers": 3, "n_input_layers": 1, "n_recurrent_layers": 1, "n_output_layers": 1}
+    assert "mlp" not in knobs["layer_types"] and len(knobs["layer_types"]) == 3
+    cfg = source.hf_config(source.hf_spec("hf:DoryForCausalLM", None, knobs))  # validates, and builds again as recorded
+    assert (cfg.num_hidden_layers, cfg.n_recurrent_layers) == (3, 1)
+    assert sweep.apportioned({"a": 8, "b": 20, "c": 8}, 5) == {"a": 1, "b": 3, "c": 1}
+    assert sweep.partition({"n_a_layers": 2, "n_b_layers": 3}, 5) and not sweep.partition({"n_a_layers": 2}, 2)
+
+
+def test_a_sequence_length_the_config_dictates_is_the_default_and_the_sweep_shrinks_it_with_the_shape(sweep):
+    """Reformer's axial position embeddings train on exactly prod(axial_pos_shape) positions (4096 by default): the
+    input's default 128 tokens failed at capture; the sweep refactors the shape to its sequence."""
+    pytest.importorskip("transformers")
+    knobs = sweep.shrunk("ReformerModelWithLMHead")
+    assert knobs["axial_pos_shape"] == [8, 16]
+    assert source.hf_spec("hf:ReformerModelWithLMHead", None, knobs).inputs["seq_len"] == 128
+    assert source.hf_spec("hf:ReformerModelWithLMHead", None, {"num_hidden_layers": 2}).inputs["seq_len"] == 4096
+    with pytest.raises(ModelError, match=r"seq_len 64 does not fit the config: the product of axial_pos_shape .* is "
+                                         r"128, .*pass seq_len=128, or set axial_pos_shape"):
+        source.hf_spec("hf:ReformerModelWithLMHead", None, {**knobs, "seq_len": 64})
+    small = sweep.shrunk("ReformerModelWithLMHead", small=True)
+    assert small["axial_pos_shape"] == [4, 4] and small["lsh_attn_chunk_length"] == small["seq_len"] == 16
+    assert small["axial_pos_embds_dim"] == [16, 48], "the widths splitting the hidden size shrink with it"
+    source.hf_spec("hf:ReformerModelWithLMHead", None, small)
+    assert sweep.factored(128, 2) == [8, 16] and sweep.factored(12, 3) == [2, 2, 3] and sweep.factored(7, 2) == [1, 7]
+
+
+def test_a_model_refusing_the_batch_for_an_input_it_lacks_is_refused_naming_the_input(sweep):
+    """Gemma 4's unified assistant (a draft model) raises in forward without its main model's `inputs_embeds` and
+    `shared_kv_states`, which no `hf:` batch makes: a one-line typed error names them and the model's line."""
+    pytest.importorskip("transformers")
+    from engine.errors import MissingInputError
+
+    cls = "Gemma4UnifiedAssistantForCausalLM"
+    spec = source.hf_spec(f"hf:{cls}", None, {**sweep.shrunk(cls), "batch": 2, "seq_len": 8})
+    with pytest.raises(MissingInputError, match=r"its forward needs inputs_embeds and shared_kv_states, which the "
+                                                r"causal_lm batch does not make; the model raised: .* at modeling_"):
+        source.capture_hf(spec)
+
+
+def test_layers_that_share_weights_keep_a_second_of_their_kind_when_one_does_not_build(sweep):
+    """Zamba ties every hybrid layer's shared transformer to the first one's: cut to one hybrid layer, the tie had
+    no layer to share with and the build failed; `one` then shrinks with two layers of each kind."""
+    pytest.importorskip("transformers")
+    from engine.errors import BuildError
+
+    assert sweep.cut(["a", "a", "b", "c", "b"], 2, per_kind=2) == ["a", "a", "b", "c", "b"]
+    assert sweep.cut(["a", "a", "a", "b", "b"], 2, per_kind=2) == ["a", "a", "b", "b"]
+    once, twice = sweep.shrunk("ZambaForCausalLM", small=True), sweep.shrunk("ZambaForCausalLM", small=True, per_kind=2)
+    assert twice["layers_block_type"] == ["linear_attention", "linear_attention", "hybrid", "hybrid"]
+    with torch.device("meta"):
+        with pytest.raises(BuildError, match="tie_weights_keys"):
+            source.hf_build(source.hf_spec("hf:ZambaForCausalLM", None, once))
+        assert sum(1 for _ in source.hf_build(source.hf_spec("hf:ZambaForCausalLM", None, twice)).model.layers) == 4
