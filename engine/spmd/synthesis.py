@@ -50,6 +50,7 @@ import time
 from bisect import bisect_left
 from contextlib import contextmanager
 from operator import add as _plus
+from operator import mul as _times
 from operator import sub as _minus
 from dataclasses import dataclass, field
 from itertools import product
@@ -70,6 +71,11 @@ _OFF = 3         # forms -2 (P), -1 (F), 0.. (S(d)); code 0 is the "communicated
 _COMMUNICATED = -3
 _BUCKET = -1     # a property-set marker (not a tensor code): the gradient bucket's latency is paid
 _SLOT = -2       # ddp, duplex: the open bucket slot holds a Full parameter (its latency is paid)
+
+
+Comm = tuple[int, int, str, int, float, "float | None"]
+"""A fused collective of a child: (tensor, source form, key, target form, forward seconds, backward seconds
+of its dual or None when the tensor needs no gradient)."""
 
 
 def code(tensor: int, form: int) -> int:
@@ -170,6 +176,10 @@ class _Prepared:
         self.codes = [[code(t, f) for f in range(_COMMUNICATED, graph[t].rank)] for t in range(len(graph))]
         self.forms = [[(f, code(t, f)) for f in range(PARTIAL, graph[t].rank)] for t in range(len(graph))]
         """Per tensor, (form, property code) of every form it can hold (`_comm_ways`' lookup)."""
+        self.shard_codes = [tuple(code(t, d) for d in range(graph[t].rank)) for t in range(len(graph))]
+        """Per tensor, the property codes of its shards (a Full form subsumes them)."""
+        self.full_param = [n.op == "parameter" for n in graph.nodes]
+        """Whether each tensor is a parameter (loaded Full, its gradient joins the bucket)."""
         self.leaf = [n.is_leaf for n in graph.nodes]
         """Whether each tensor is a leaf (the inner loop's lookup, without a node access)."""
         self.dead_codes = [frozenset(c for t in dead for c in self.codes[t]) for dead in self.dead_after]
@@ -238,7 +248,10 @@ def synthesize(graph: Graph, cm: CostModel, *, space: SearchSpace | None = None,
         search = _Search(graph, cm, space or SearchSpace(), time_budget_s, progress, report_every, beam_width)
         if incumbent is not None:
             search.set_incumbent(incumbent)
-        return search.run()
+        try:
+            return search.run()
+        finally:
+            search.release()  # before the collector is back: it would walk every state once more
 
 
 class _CollectorPause:
@@ -353,9 +366,10 @@ class _Search:
 
     # --- scoring -------------------------------------------------------------------------
     def _bound(self, times: tuple[float, ...], remaining: float) -> float:
-        top = max(times)
-        slack = sum(w * (top - t) for w, t in zip(self.weights, times))
-        return top + max(0.0, remaining - slack) / self.sum_flops
+        """The earliest end of an open stage with class times `times` and `remaining` flops still to
+        compute: no sooner than its slowest device, nor than its work so far and the remaining flops
+        spread perfectly over every device (admissible, §4.3)."""
+        return max(max(times), (remaining + sum(map(_times, self.weights, times))) / self.sum_flops)
 
     def _finish(self, s: _State) -> None:
         if self.mode is not None:
@@ -505,6 +519,15 @@ class _Search:
         return SearchResult(self._program(self.best), self.best_cost, optimal, self.expanded, self.generated,
                             self.pruned, time.perf_counter() - start, self.frontier)
 
+    def release(self) -> None:
+        """Drop the states and tables of a finished search (the result holds only its program)."""
+        self.heap.clear()
+        self.seen.clear()
+        self.state_debt.clear()
+        self.debt_cache.clear()
+        self.ways_cache.clear()
+        self.best = None
+
     def _why_none(self) -> str:
         """Why no complete program was found: memory, or the node no program got past, and how."""
         k = min(self.deepest, len(self.prep.order) - 1)
@@ -562,13 +585,14 @@ class _Search:
             else:
                 for combo in product(*ways):
                     loads: dict[int, int] = {}
-                    comms: list[tuple[int, int, str, int]] = []
+                    comms: list[Comm] = []
                     slices: list[tuple[int, int]] = []
                     if self._merge(combo, pairs, loads, comms, slices):
                         yield self._after_compute(s, nid, r, loads, comms, slices)
 
     def _ways(self, props: frozenset, t: int, f: int, k: int) -> list[tuple]:
-        """How operand t can be had in form f: ("have",), ("slice",), ("load", g), ("comm", src, key, g)."""
+        """How operand t can be had in form f: ("have",), ("slice",), ("load", g), or ("comm", src, key, g,
+        forward seconds, backward seconds or None) by a collective (and its dual)."""
         base = t * _K + _OFF  # code(t, form) = base + form
         if base + f in props:
             return [("have",)]
@@ -601,9 +625,11 @@ class _Search:
                 if not coll.is_communication or coll.key not in self.prep.collectives:
                     continue
                 if g == f or (g == FULL and f >= 0 and self.slice_ok):
-                    c = self._comm_cost(coll.key, t, (k,))
+                    forward = self.cm.comm_time(coll.key, t, (k,))
+                    backward = self.cm.comm_time(DUAL[coll.key], t, (k,)) if self.cm.requires_grad[t] else None
+                    c = forward + (backward or 0.0)
                     if g not in best or c < best[g][0]:  # same post: keep the cheaper implementation (§4.4)
-                        best[g] = (c, ("comm", src, coll.key, g))
+                        best[g] = (c, ("comm", src, coll.key, g, forward, backward))
         return [w for _, w in best.values()]
 
     def _comm_cost(self, key: str, t: int, segments: tuple[int, ...]) -> float:
@@ -625,11 +651,12 @@ class _Search:
                 if way[1] != f:
                     slices.append((t, f))
             elif kind == "comm":
+                entry = (t, *way[1:])
                 if any(c[0] == t for c in comms):
-                    if (t, way[1], way[2], way[3]) not in comms:
+                    if entry not in comms:
                         return False
                     continue
-                comms.append((t, way[1], way[2], way[3]))
+                comms.append(entry)
                 if way[3] != f:
                     slices.append((t, f))
             elif kind == "slice":
@@ -637,7 +664,7 @@ class _Search:
         return True
 
     def _after_compute(self, s: _State, nid: int, r: OpRule, loads: dict[int, int],
-                       comms: list[tuple[int, int, str, int]], slices: list[tuple[int, int]]) -> _State:
+                       comms: list[Comm], slices: list[tuple[int, int]]) -> _State:
         if self.mode is not None:
             return self._after_compute_overlap(s, nid, r, loads, comms, slices)
         cm, graph = self.cm, self.graph
@@ -647,31 +674,32 @@ class _Search:
         props = set(s.props)
         k = self.seg[s.p]
         step: list[tuple] = []  # instructions as plain tuples; built into Instructions only for the result
-        for t, src, key, g in comms:
-            closed += max(tf) + cm.comm_time(key, t, (k,))
+        prep = self.prep
+        for t, src, key, g, forward, backward in comms:
+            closed += max(tf) + forward
             tf, fw = zero, False
-            if cm.requires_grad[t]:
-                closed += max(tb) + cm.comm_time(DUAL[key], t, (k,))
+            if backward is not None:
+                closed += max(tb) + backward
                 tb, bw = zero, False
             if self.rerun[s.p]:
-                closed += max(tb) + cm.comm_time(key, t, (k,))
+                closed += max(tb) + forward
                 tb, bw = zero, False
-            props.add(code(t, g))
-            props.add(code(t, _COMMUNICATED))
+            props.add(t * _K + g + _OFF)
+            props.add(t * _K + _COMMUNICATED + _OFF)
             if g == FULL and self.slice_ok:  # Full subsumes every shard: a slice is free
-                props.difference_update(code(t, d) for d in range(graph[t].rank))
+                props.difference_update(prep.shard_codes[t])
             step.append((COMM, t, key, ((t, src),), g))
         for t, f in loads.items():
             _, m, sync = self.terms.load(t, f, k)
-            mem = add(mem, m)
-            if graph[t].op == "parameter" and f == FULL:  # its gradient joins the bucket (engine.spmd.cost)
+            mem = tuple(map(_plus, mem, m))
+            if f == FULL and prep.full_param[t]:  # its gradient joins the bucket (engine.spmd.cost)
                 closed += cm.nbytes[t] * self.bucket_s_per_byte
                 if _BUCKET not in props:
                     closed += self.bucket_latency
                     props.add(_BUCKET)
             if sync is not None:
                 tb, bw = tuple(map(_plus, tb, sync)), True
-            props.add(code(t, f))
+            props.add(t * _K + f + _OFF)
             step.append((LOAD, t, graph[t].op, (), f))
         tf, tb, fw, bw, mem = self._compute_step(s, nid, r, slices, props, step, tf, tb, fw, bw, mem)
         p = s.p + 1
@@ -700,7 +728,7 @@ class _Search:
         return tuple(map(_plus, tf, df)), tuple(map(_plus, tb, db)), fw or wf, bw or wb, tuple(map(_plus, mem, dm))
 
     def _after_compute_overlap(self, s: _State, nid: int, r: OpRule, loads: dict[int, int],
-                               comms: list[tuple[int, int, str, int]], slices: list[tuple[int, int]]) -> _State:
+                               comms: list[Comm], slices: list[tuple[int, int]]) -> _State:
         """`_after_compute` in the overlap modes: the same instructions and properties; stages, buckets
         and the tail go through the mode's state (`_Ddp`, `_Duplex`)."""
         cm, graph, mode = self.cm, self.graph, self.mode
@@ -711,7 +739,7 @@ class _Search:
         props = set(s.props)
         k = self.seg[s.p]
         step: list[tuple] = []
-        for t, src, key, g in comms:
+        for t, src, key, g, _, _ in comms:
             closed = mode.open_forward(ov, closed, fw, tf, key, t, (k,))
             tf, fw = zero, False
             if cm.requires_grad[t]:
