@@ -30,6 +30,8 @@ token ids, an all-ones attention mask and labels for language models (decoder id
 encoder-decoders), pixel values and class labels for image classifiers. A class whose name has no
 known suffix gets its task from what its forward takes (`task_by_signature`), and each input goes
 only where the forward takes it (no attention mask for FNet, no decoder ids for a decoder-only VLM).
+Where the forward's docstring gives ids or labels a shape with a size of the config among its dims
+(MusicGen's row of ids and label per codebook), the batch has that shape (`config_layout`).
 """
 from __future__ import annotations
 
@@ -641,6 +643,48 @@ def _text(cfg: Any) -> Any:
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+SEQUENCE_DIMS = frozenset({"sequence_length", "target_sequence_length", "seq_len", "input_ids_length"})
+"""The names transformers' docstrings give the token positions of a documented shape."""
+
+
+@functools.cache
+def documented_shape(name: str, arg: str) -> tuple[str, ...] | None:
+    """The shape the class's forward docstring gives `arg` (`labels (`torch.LongTensor` of shape `(batch_size,
+    sequence_length, num_codebooks)`)`), as its dims' text; None where it gives none."""
+    forward = getattr(getattr(transformers_module(), name, None), "forward", None)
+    doc = (forward.__doc__ if callable(forward) else None) or ""
+    found = re.search(rf"^\s*{re.escape(arg)} \(`[^`]*` of shape `\(([^)]*)\)`", doc, re.M)
+    return tuple(d.strip() for d in found.group(1).split(",") if d.strip()) if found else None
+
+
+def config_layout(name: str, arg: str, cfg: Any, batch: int, seq_len: int) -> tuple[int, ...] | None:
+    """`arg`'s shape where the forward documents it with a size of the config among its dims (MusicGen: input_ids
+    `(batch_size * num_codebooks, sequence_length)`, labels `(batch_size, sequence_length, num_codebooks)`); None
+    where it documents the plain layout or a dim the config does not size (a docstring copied from another model
+    may name sizes its model has not: those are not trusted)."""
+    dims, named = documented_shape(name, arg), False
+    out = []
+    for dim in dims or ():
+        size = 1
+        for factor in (f.strip().removeprefix("config.") for f in dim.split("*")):
+            value = batch if factor == "batch_size" else seq_len if factor in SEQUENCE_DIMS else _config_int(cfg, factor)
+            if value is None:
+                return None
+            named |= factor != "batch_size" and factor not in SEQUENCE_DIMS
+            size *= value
+        out.append(size)
+    return tuple(out) if named else None
+
+
+def _config_int(cfg: Any, key: str) -> int | None:
+    """A positive integer size of the config (or of its text config) named `key`; None when it has none."""
+    for c in (cfg, _text(cfg)):
+        value = getattr(c, key, None) if key.isidentifier() else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 ALL_ONES_INPUTS = ("attention_mask", "decoder_attention_mask")
 """Inputs that `hf_inputs` makes all ones in every batch (no padding): the capture knows their values, so a
 Python branch on them (Longformer's global attention, a loss that drops masked positions) is decided."""
@@ -650,7 +694,7 @@ def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[st
     """The keyword batch of the spec's task (on the current default device; meta for capture): pixels and token
     ids as the sizes say, the attention masks (all ones) where the forward takes them, decoder ids for a
     sequence-to-sequence LM, and labels: a class per sample for classifiers, a token per position for language
-    models."""
+    models; ids and labels in the layout the forward documents where it names a config size (`config_layout`)."""
     cfg = hf_config(spec)
     b, takes = spec.inputs["batch"], forward_params(spec.cls)
     out: dict[str, torch.Tensor] = {}
@@ -660,7 +704,8 @@ def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[st
     vocab = getattr(_text(cfg), "vocab_size", None) or BYTE_IDS  # CANINE reads code points: it has no vocabulary
     if "seq_len" in spec.inputs:
         t = spec.inputs["seq_len"]
-        out["input_ids"] = torch.randint(0, vocab, (b, t), generator=generator)
+        ids = config_layout(spec.cls, "input_ids", cfg, b, t) or (b, t)
+        out["input_ids"] = torch.randint(0, vocab, ids, generator=generator)
         if "attention_mask" in takes:
             out["attention_mask"] = torch.ones(b, t, dtype=torch.long)
         if spec.task == "seq2seq_lm" and "decoder_input_ids" in takes:  # not a decoder-only VLM's
@@ -670,7 +715,8 @@ def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[st
     if spec.task in CLASSIFIERS:
         out["labels"] = torch.randint(0, cfg.num_labels, (b,), generator=generator)
     else:
-        out["labels"] = torch.randint(0, vocab, (b, spec.inputs["seq_len"]), generator=generator)
+        t = spec.inputs["seq_len"]
+        out["labels"] = torch.randint(0, vocab, config_layout(spec.cls, "labels", cfg, b, t) or (b, t), generator=generator)
     return out
 
 

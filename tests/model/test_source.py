@@ -22,6 +22,8 @@ MODEL_FILES = ROOT / "tests" / "fixtures" / "model_files"
 CUMPROD = MODEL_FILES / "cumprod_mlp.py"
 TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
              "vocab_size": 64, "max_position_embeddings": 32}
+TINY_MUSICGEN = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "ffn_dim": 64, "vocab_size": 64,
+                 "num_codebooks": 3, "max_position_embeddings": 32, "dropout": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +283,10 @@ def test_a_recorded_config_with_an_infinite_float_builds_again_and_training_keep
     ("ImageGPTForImageClassification", {"vocab_size": 64, "num_labels": 3, "batch": 2, "seq_len": 8},
      {"input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2,)}, 3),
     ("FNetForMaskedLM", {"vocab_size": 64, "batch": 2, "seq_len": 8}, {"input_ids": (2, 8), "labels": (2, 8)}, 64),
+    # the forward documents its ids and labels with the config's codebook count: a row of ids per codebook, a
+    # label per codebook (the plain (batch, seq_len) labels failed the loss: "Expected input batch_size (256)")
+    ("MusicgenForCausalLM", {**TINY_MUSICGEN, "batch": 2, "seq_len": 8},
+     {"input_ids": (6, 8), "attention_mask": (2, 8), "labels": (2, 8, 3)}, 64),
 ])
 def test_hf_inputs_follow_the_task_and_stay_in_range(cls, knobs, expected, labels_below):
     pytest.importorskip("transformers")
@@ -291,6 +297,19 @@ def test_hf_inputs_follow_the_task_and_stay_in_range(cls, knobs, expected, label
         assert int(batch["input_ids"].max()) < spec.config["vocab_size"]
     assert all(bool((batch[k] == 1).all()) for k in source.ALL_ONES_INPUTS if k in batch)
     assert int(batch["labels"].min()) >= 0 and int(batch["labels"].max()) < labels_below
+
+
+def test_a_documented_shape_is_used_only_where_the_config_sizes_its_every_dim():
+    """DistilBERT's forward documents input_ids as (batch_size, num_choices), copied from a multiple-choice head:
+    a dim no config key sizes is not trusted, and the plain layouts keep the default batch."""
+    pytest.importorskip("transformers")
+    spec = source.hf_spec("hf:MusicgenForCausalLM", None, {**TINY_MUSICGEN, "batch": 2, "seq_len": 8})
+    cfg = source.hf_config(spec)
+    assert source.documented_shape("MusicgenForCausalLM", "input_ids") == ("batch_size * num_codebooks", "sequence_length")
+    assert source.config_layout("MusicgenForCausalLM", "labels", cfg, 5, 7) == (5, 7, 3)
+    assert source.documented_shape("DistilBertForMaskedLM", "input_ids") == ("batch_size", "num_choices")
+    assert source.config_layout("DistilBertForMaskedLM", "input_ids", cfg, 5, 7) is None
+    assert source.config_layout("GPT2LMHeadModel", "labels", cfg, 5, 7) is None  # (batch_size, input_ids_length)
 
 
 def test_an_hf_model_is_rebuilt_identically_and_its_flat_batch_gives_the_model_loss():
@@ -334,6 +353,7 @@ def test_export_carries_the_plans_model_file_and_check_ties_it_to_the_plan(tmp_p
     (str(CUMPROD), {"fallback": "replicate"}),
     ("hf:LlamaForCausalLM", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
                              "num_key_value_heads": 2, "vocab_size": 64, "batch": 3, "seq_len": 8}),
+    ("hf:MusicgenForCausalLM", {**TINY_MUSICGEN, "batch": 2, "seq_len": 8}),
 ])
 def test_the_graph_run_on_the_runners_batch_gives_the_rebuilt_modules_loss(spec, knobs):
     """Capture (meta) and the runner's rebuild agree: placeholders index the flat batch, parameters match by name."""
