@@ -31,7 +31,10 @@ encoder-decoders), pixel values and class labels for image classifiers. A class 
 known suffix gets its task from what its forward takes (`task_by_signature`), and each input goes
 only where the forward takes it (no attention mask for FNet, no decoder ids for a decoder-only VLM).
 Where the forward's docstring gives ids or labels a shape with a size of the config among its dims
-(MusicGen's row of ids and label per codebook), the batch has that shape (`config_layout`).
+(MusicGen's row of ids and label per codebook), the batch has that shape (`config_layout`). A
+language model that merges an image or audio with its tokens by position, not at placeholder ids
+(GIT's image before the text, Voxtral Realtime's audio added to every token), gets pixels sized by its
+vision config or audio frames by its config's audio length per token (`merged_by_position`).
 """
 from __future__ import annotations
 
@@ -591,20 +594,54 @@ def takes_tokens(name: str, task: str) -> bool:
     return task != "image_classification" or "input_ids" in forward_params(name)
 
 
-def takes_pixels(name: str, task: str) -> bool:
-    """Whether the class's batch has pixel values: image classifiers whose forward takes them."""
-    return task == "image_classification" and "pixel_values" in forward_params(name)
+def takes_pixels(name: str, task: str, cfg: Any = None) -> bool:
+    """Whether the class's batch has pixel values: image classifiers whose forward takes them, and language models
+    that merge an image with the tokens by position (`merged_by_position`)."""
+    if task == "image_classification":
+        return "pixel_values" in forward_params(name)
+    return cfg is not None and merged_by_position(name, cfg, "pixel_values")
+
+
+MODALITIES = {"pixel_values": ("vision_config", re.compile(r"^(image|img|video)_token_(id|index)$")),
+              "input_features": ("audio_config", re.compile(r"^audio_token_(id|index)$"))}
+"""A modality's input -> the sub-config of its tower and the config keys of its placeholder token."""
+AUDIO_PER_TOKEN = re.compile(r"^audio_length_per_tok(en)?$")
+"""Config keys giving the audio frames of one token position (Voxtral Realtime's 8: a stride-2 convolution, then
+4 frames stacked per position)."""
+
+
+def merged_by_position(name: str, cfg: Any, arg: str) -> bool:
+    """Whether a language model takes `arg` (pixels, audio features) beside its ids in every batch: its forward
+    takes it, its config has that modality's tower and names no placeholder token for it, so the model merges it
+    by position (GIT puts the image's patches before the text, Voxtral Realtime adds audio frames to every
+    token's embedding) and its loss counts on it. A model with placeholder ids splices the modality in where they
+    are; a random batch holds none, so its batch stays text only."""
+    tower, placeholder = MODALITIES[arg]
+    if arg not in forward_params(name) or getattr(cfg, tower, None) is None:
+        return False
+    return not any(placeholder.match(k) for c in (cfg, _text(cfg)) for k in c.to_dict())
+
+
+def audio_frames(name: str, cfg: Any, seq_len: int) -> int | None:
+    """The audio frames of a batch whose model adds audio to every token position: seq_len times the config's
+    audio length per token; None where the batch has no audio (or the config gives no such length)."""
+    if not merged_by_position(name, cfg, "input_features"):
+        return None
+    per_token = next((v for k, v in cfg.to_dict().items() if AUDIO_PER_TOKEN.match(k) and isinstance(v, int)), None)
+    return seq_len * per_token if per_token else None
 
 
 def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[str, int]:
-    """batch, seq_len (bounded by the model's positions) where the batch has token ids, image_size where it has pixels."""
+    """batch, seq_len (bounded by the model's positions) where the batch has token ids, image_size where it has
+    pixels, audio_frames where it has audio features."""
     out = {"batch": _positive(name, "batch", knobs.get("batch", DEFAULT_BATCH))}
-    if takes_pixels(name, task):
+    if takes_pixels(name, task, cfg):
         size = (getattr(cfg, "image_size", None) or getattr(getattr(cfg, "vision_config", None), "image_size", None)
                 or knobs.get("image_size", DEFAULT_IMAGE_SIZE))
         out["image_size"] = _positive(name, "image_size", size[0] if isinstance(size, (list, tuple)) else size)
     elif "image_size" in knobs:
-        raise ModelError(f"hf:{name}: image_size applies to image classifiers only (their forward takes pixel_values)")
+        raise ModelError(f"hf:{name}: image_size applies to models whose batch has pixels (image classifiers, "
+                         "models that put an image before the text)")
     if not takes_tokens(name, task):
         return out
     limit = max_positions(cfg)
@@ -612,6 +649,9 @@ def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[s
     if limit is not None and seq > limit:
         raise ModelError(f"hf:{name}: seq_len {seq} exceeds the model's {limit} positions (max_position_embeddings)")
     out["seq_len"] = seq
+    frames = audio_frames(name, cfg, seq)
+    if frames:
+        out["audio_frames"] = frames
     return out
 
 
@@ -676,6 +716,11 @@ def config_layout(name: str, arg: str, cfg: Any, batch: int, seq_len: int) -> tu
     return tuple(out) if named else None
 
 
+def _tower_int(cfg: Any, tower: str, key: str) -> int | None:
+    """A size of the config, else of its `tower` sub-config (an image's channels, an audio frame's mel bins)."""
+    return _config_int(cfg, key) or _config_int(getattr(cfg, tower, None), key)
+
+
 def _config_int(cfg: Any, key: str) -> int | None:
     """A positive integer size of the config (or of its text config) named `key`; None when it has none."""
     for c in (cfg, _text(cfg)):
@@ -699,8 +744,11 @@ def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[st
     b, takes = spec.inputs["batch"], forward_params(spec.cls)
     out: dict[str, torch.Tensor] = {}
     if "image_size" in spec.inputs:
-        s, c = spec.inputs["image_size"], getattr(cfg, "num_channels", 3)
+        s, c = spec.inputs["image_size"], _tower_int(cfg, "vision_config", "num_channels") or 3
         out["pixel_values"] = torch.randn(b, c, s, s, generator=generator)
+    if "audio_frames" in spec.inputs:  # log-mel features as transformers' extractors give them: (batch, bins, frames)
+        bins = _tower_int(cfg, "audio_config", "num_mel_bins") or _tower_int(cfg, "audio_config", "feature_size")
+        out["input_features"] = torch.randn(b, bins, spec.inputs["audio_frames"], generator=generator)
     vocab = getattr(_text(cfg), "vocab_size", None) or BYTE_IDS  # CANINE reads code points: it has no vocabulary
     if "seq_len" in spec.inputs:
         t = spec.inputs["seq_len"]
