@@ -34,7 +34,10 @@ Where the forward's docstring gives ids or labels a shape with a size of the con
 (MusicGen's row of ids and label per codebook), the batch has that shape (`config_layout`). A
 language model that merges an image or audio with its tokens by position, not at placeholder ids
 (GIT's image before the text, Voxtral Realtime's audio added to every token), gets pixels sized by its
-vision config or audio frames by its config's audio length per token (`merged_by_position`).
+vision config or audio frames by its config's audio length per token (`merged_by_position`); a
+model that takes its image already cut into patches (a vision config with num_patches, no
+image_size: SigLIP 2) gets them on a grid, with its all-ones patch mask and grid shape; and a masked
+LM whose head predicts a fixed number of positions (Perceiver) gets that many tokens.
 """
 from __future__ import annotations
 
@@ -44,9 +47,10 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -56,10 +60,11 @@ from torch.utils import _pytree as pytree
 
 from engine import limits
 from engine.errors import ModelError, UnsupportedOpError
-from engine.model.capture import capture
+from engine.model.capture import ValuedScalars, capture
 from engine.model.capture import load_model as _load_other
 from engine.model.capture import loss_of
 from engine.model.graph import Graph
+from engine.model.values import KnownValues
 from engine.readers import check_size, read_bytes, read_json
 
 HF_PREFIX = "hf:"
@@ -277,7 +282,8 @@ class HFSpec:
     """The full config (`to_dict()`), as the plan records it."""
     task: str
     inputs: dict[str, int] = field(default_factory=dict)
-    """batch, seq_len (language models) or image_size (vision)."""
+    """batch, seq_len (token ids), image_size or patches (pixels), audio_frames (audio features): the sizes of
+    every batch, which `hf_inputs` makes from them and the config alone."""
     implementation: dict[str, str] = field(default_factory=dict)
     """The kernels picked where transformers offers several ({"experts": "hap_dense"}): not part of a
     config's `to_dict()`, so recorded beside it for the runner to rebuild the same model."""
@@ -493,8 +499,48 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
     except Exception as e:  # transformers validates in many ways
         raise ModelError(f"hf:{name}: bad config: {root_cause(e)}") from None
     task = task_of(name)
-    return HFSpec(name, json.loads(cfg.to_json_string(use_diff=False)), task, input_sizes(name, cfg, task, inputs),
+    spec = HFSpec(name, json.loads(cfg.to_json_string(use_diff=False)), task, input_sizes(name, cfg, task, inputs),
                   implementation, adjusted)
+    return at_head_positions(spec, chosen="seq_len" in inputs)
+
+
+def at_head_positions(spec: HFSpec, chosen: bool) -> HFSpec:
+    """A masked LM whose head predicts a fixed number of positions whatever the input's length (Perceiver's decoder
+    queries its config's max_position_embeddings positions) gets that many tokens, as its labels must be one per
+    predicted position; a seq_len the user chose otherwise is refused, naming the number."""
+    if spec.task != "masked_lm" or "seq_len" not in spec.inputs:
+        return spec
+    positions, seq = predicted_positions(spec), spec.inputs["seq_len"]
+    if positions is None or positions == seq:
+        return spec
+    keys = sorted(k for k, v in spec.config.items() if v == positions and not isinstance(v, bool))
+    why = f"hf:{spec.cls} predicts {positions} positions whatever its input's length"
+    if chosen:
+        raise ModelError(f"{why} ({', '.join(keys) or 'fixed by its code'}): its labels are one per predicted "
+                         f"position, so seq_len must be {positions}, not {seq}")
+    limit = max_positions(hf_config(spec))
+    if limit is not None and positions > limit:
+        raise ModelError(f"{why}, more than its {limit} positions (max_position_embeddings): no seq_len fits both")
+    return replace(spec, inputs={**spec.inputs, "seq_len": positions})
+
+
+def predicted_positions(spec: HFSpec) -> int | None:
+    """The positions the model's logits cover on the spec's batch without labels, from a forward on meta (nothing
+    allocated) that decides branches on the all-ones masks as the capture does (`KnownValues`); None where that
+    forward fails or gives no per-position logits."""
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]), torch.no_grad():
+            model, batch = all_on_meta(hf_build(spec)), hf_inputs(spec)
+            batch.pop("labels")
+            known = {k: torch.ones(tuple(v.shape), dtype=v.dtype, device="cpu") for k, v in batch.items()
+                     if k in ALL_ONES_INPUTS}
+            with ValuedScalars(), KnownValues(known) as values:
+                values.seed(batch)
+                out = model(**batch)
+    except Exception:  # a forward that needs data (or the known-values capture) says nothing here: keep seq_len
+        return None
+    logits = getattr(out, "logits", None)
+    return logits.shape[1] if isinstance(logits, torch.Tensor) and logits.dim() == 3 else None
 
 
 def default_config(name: str) -> Any:
@@ -622,6 +668,24 @@ def merged_by_position(name: str, cfg: Any, arg: str) -> bool:
     return not any(placeholder.match(k) for c in (cfg, _text(cfg)) for k in c.to_dict())
 
 
+def image_patches(cfg: Any) -> int | None:
+    """The patches of a model that takes its image already cut into patches (SigLIP 2's pixel_values are (batch,
+    patches, channels * patch * patch)): its config or vision config gives patch_size and num_patches, no
+    image_size; None for a model that takes an image."""
+    for c in (cfg, getattr(cfg, "vision_config", None)):
+        patches = getattr(c, "num_patches", None)
+        if (c is not None and getattr(c, "image_size", None) is None and isinstance(patches, int) and patches > 0
+                and _config_int(c, "patch_size")):
+            return patches
+    return None
+
+
+def patch_grid(patches: int) -> tuple[int, int]:
+    """Rows and columns of an image of exactly `patches` patches, as square as they divide (16 x 16 for 256)."""
+    rows = max(r for r in range(1, math.isqrt(patches) + 1) if patches % r == 0)
+    return rows, patches // rows
+
+
 def audio_frames(name: str, cfg: Any, seq_len: int) -> int | None:
     """The audio frames of a batch whose model adds audio to every token position: seq_len times the config's
     audio length per token; None where the batch has no audio (or the config gives no such length)."""
@@ -635,7 +699,13 @@ def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[s
     """batch, seq_len (bounded by the model's positions) where the batch has token ids, image_size where it has
     pixels, audio_frames where it has audio features."""
     out = {"batch": _positive(name, "batch", knobs.get("batch", DEFAULT_BATCH))}
-    if takes_pixels(name, task, cfg):
+    patches = image_patches(cfg) if takes_pixels(name, task, cfg) else None
+    if patches:
+        if "image_size" in knobs:
+            raise ModelError(f"hf:{name}: this model takes its image cut into {patches} patches, not an image_size: "
+                             "set the vision config's num_patches instead")
+        out["patches"] = patches
+    elif takes_pixels(name, task, cfg):
         size = (getattr(cfg, "image_size", None) or getattr(getattr(cfg, "vision_config", None), "image_size", None)
                 or knobs.get("image_size", DEFAULT_IMAGE_SIZE))
         out["image_size"] = _positive(name, "image_size", size[0] if isinstance(size, (list, tuple)) else size)
@@ -730,7 +800,7 @@ def _config_int(cfg: Any, key: str) -> int | None:
     return None
 
 
-ALL_ONES_INPUTS = ("attention_mask", "decoder_attention_mask")
+ALL_ONES_INPUTS = ("attention_mask", "decoder_attention_mask", "pixel_attention_mask")
 """Inputs that `hf_inputs` makes all ones in every batch (no padding): the capture knows their values, so a
 Python branch on them (Longformer's global attention, a loss that drops masked positions) is decided."""
 
@@ -746,6 +816,14 @@ def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[st
     if "image_size" in spec.inputs:
         s, c = spec.inputs["image_size"], _tower_int(cfg, "vision_config", "num_channels") or 3
         out["pixel_values"] = torch.randn(b, c, s, s, generator=generator)
+    if "patches" in spec.inputs:  # cut into patches, all of them the image's (no padding), on a rows x cols grid
+        n, c = spec.inputs["patches"], _tower_int(cfg, "vision_config", "num_channels") or 3
+        p = _tower_int(cfg, "vision_config", "patch_size")
+        out["pixel_values"] = torch.randn(b, n, c * p * p, generator=generator)
+        if "pixel_attention_mask" in takes:
+            out["pixel_attention_mask"] = torch.ones(b, n, dtype=torch.long)
+        if "spatial_shapes" in takes:
+            out["spatial_shapes"] = torch.tensor([patch_grid(n)] * b, dtype=torch.long)
     if "audio_frames" in spec.inputs:  # log-mel features as transformers' extractors give them: (batch, bins, frames)
         bins = _tower_int(cfg, "audio_config", "num_mel_bins") or _tower_int(cfg, "audio_config", "feature_size")
         out["input_features"] = torch.randn(b, bins, spec.inputs["audio_frames"], generator=generator)
