@@ -37,7 +37,8 @@ HEADS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_MASKED_LM_MAPPING_NAMES
 LAYERS = 2
 EXPERTS = 4
 LAYER_KEY = re.compile(r"^(num_(hidden_|encoder_|decoder_)?layers|n_layers?|n_layer|(encoder|decoder)_layers|"
-                       r"num_decoder_layers|num_encoder_layers|num_blocks)$")
+                       r"num_decoder_layers|num_encoder_layers|num_blocks|num_\w+_per_block)$")
+"""Layer counts, shrunk to LAYERS: a block's layers too (Perceiver's 26 latent self-attentions per block)."""
 SUBCOUNT_KEY = re.compile(r"^(num|n)_\w+_layers$")
 """Counts of some of the layers (num_kv_shared_layers, num_dense_layers): scaled down with the layers where they
 would otherwise cover all of them (Gemma3n's 15 KV-sharing layers of 35 leave no layer to produce a cache)."""

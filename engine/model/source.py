@@ -30,6 +30,14 @@ token ids, an all-ones attention mask and labels for language models (decoder id
 encoder-decoders), pixel values and class labels for image classifiers. A class whose name has no
 known suffix gets its task from what its forward takes (`task_by_signature`), and each input goes
 only where the forward takes it (no attention mask for FNet, no decoder ids for a decoder-only VLM).
+Where the forward's docstring gives ids or labels a shape with a size of the config among its dims
+(MusicGen's row of ids and label per codebook), the batch has that shape (`config_layout`). A
+language model that merges an image or audio with its tokens by position, not at placeholder ids
+(GIT's image before the text, Voxtral Realtime's audio added to every token), gets pixels sized by its
+vision config or audio frames by its config's audio length per token (`merged_by_position`); a
+model that takes its image already cut into patches (a vision config with num_patches, no
+image_size: SigLIP 2) gets them on a grid, with its all-ones patch mask and grid shape; and a masked
+LM whose head predicts a fixed number of positions (Perceiver) gets that many tokens.
 """
 from __future__ import annotations
 
@@ -39,10 +47,11 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import re
 import sys
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
@@ -52,10 +61,11 @@ from torch.utils import _pytree as pytree
 
 from engine import limits
 from engine.errors import BuildError, MissingInputError, ModelError, UnsupportedOpError
-from engine.model.capture import capture
+from engine.model.capture import ValuedScalars, capture
 from engine.model.capture import load_model as _load_other
 from engine.model.capture import loss_of, model_line
 from engine.model.graph import Graph
+from engine.model.values import KnownValues
 from engine.readers import check_size, read_bytes, read_json
 
 HF_PREFIX = "hf:"
@@ -273,7 +283,8 @@ class HFSpec:
     """The full config (`to_dict()`), as the plan records it."""
     task: str
     inputs: dict[str, int] = field(default_factory=dict)
-    """batch, seq_len (language models) or image_size (vision)."""
+    """batch, seq_len (token ids), image_size or patches (pixels), audio_frames (audio features): the sizes of
+    every batch, which `hf_inputs` makes from them and the config alone."""
     implementation: dict[str, str] = field(default_factory=dict)
     """The kernels picked where transformers offers several ({"experts": "hap_dense"}): not part of a
     config's `to_dict()`, so recorded beside it for the runner to rebuild the same model."""
@@ -489,8 +500,48 @@ def hf_spec(model: str, config: str | Path | dict | None = None, knobs: dict[str
     except Exception as e:  # transformers validates in many ways
         raise ModelError(f"hf:{name}: bad config: {root_cause(e)}") from None
     task = task_of(name)
-    return HFSpec(name, json.loads(cfg.to_json_string(use_diff=False)), task, input_sizes(name, cfg, task, inputs),
+    spec = HFSpec(name, json.loads(cfg.to_json_string(use_diff=False)), task, input_sizes(name, cfg, task, inputs),
                   implementation, adjusted)
+    return at_head_positions(spec, chosen="seq_len" in inputs)
+
+
+def at_head_positions(spec: HFSpec, chosen: bool) -> HFSpec:
+    """A masked LM whose head predicts a fixed number of positions whatever the input's length (Perceiver's decoder
+    queries its config's max_position_embeddings positions) gets that many tokens, as its labels must be one per
+    predicted position; a seq_len the user chose otherwise is refused, naming the number."""
+    if spec.task != "masked_lm" or "seq_len" not in spec.inputs:
+        return spec
+    positions, seq = predicted_positions(spec), spec.inputs["seq_len"]
+    if positions is None or positions == seq:
+        return spec
+    keys = sorted(k for k, v in spec.config.items() if v == positions and not isinstance(v, bool))
+    why = f"hf:{spec.cls} predicts {positions} positions whatever its input's length"
+    if chosen:
+        raise ModelError(f"{why} ({', '.join(keys) or 'fixed by its code'}): its labels are one per predicted "
+                         f"position, so seq_len must be {positions}, not {seq}")
+    limit = max_positions(hf_config(spec))
+    if limit is not None and positions > limit:
+        raise ModelError(f"{why}, more than its {limit} positions (max_position_embeddings): no seq_len fits both")
+    return replace(spec, inputs={**spec.inputs, "seq_len": positions})
+
+
+def predicted_positions(spec: HFSpec) -> int | None:
+    """The positions the model's logits cover on the spec's batch without labels, from a forward on meta (nothing
+    allocated) that decides branches on the all-ones masks as the capture does (`KnownValues`); None where that
+    forward fails or gives no per-position logits."""
+    try:
+        with torch.device("meta"), torch.random.fork_rng(devices=[]), torch.no_grad():
+            model, batch = all_on_meta(hf_build(spec)), hf_inputs(spec)
+            batch.pop("labels")
+            known = {k: torch.ones(tuple(v.shape), dtype=v.dtype, device="cpu") for k, v in batch.items()
+                     if k in ALL_ONES_INPUTS}
+            with ValuedScalars(), KnownValues(known) as values:
+                values.seed(batch)
+                out = model(**batch)
+    except Exception:  # a forward that needs data (or the known-values capture) says nothing here: keep seq_len
+        return None
+    logits = getattr(out, "logits", None)
+    return logits.shape[1] if isinstance(logits, torch.Tensor) and logits.dim() == 3 else None
 
 
 def default_config(name: str) -> Any:
@@ -595,9 +646,59 @@ def takes_tokens(name: str, task: str) -> bool:
     return task != "image_classification" or "input_ids" in forward_params(name)
 
 
-def takes_pixels(name: str, task: str) -> bool:
-    """Whether the class's batch has pixel values: image classifiers whose forward takes them."""
-    return task == "image_classification" and "pixel_values" in forward_params(name)
+def takes_pixels(name: str, task: str, cfg: Any = None) -> bool:
+    """Whether the class's batch has pixel values: image classifiers whose forward takes them, and language models
+    that merge an image with the tokens by position (`merged_by_position`)."""
+    if task == "image_classification":
+        return "pixel_values" in forward_params(name)
+    return cfg is not None and merged_by_position(name, cfg, "pixel_values")
+
+
+MODALITIES = {"pixel_values": ("vision_config", re.compile(r"^(image|img|video)_token_(id|index)$")),
+              "input_features": ("audio_config", re.compile(r"^audio_token_(id|index)$"))}
+"""A modality's input -> the sub-config of its tower and the config keys of its placeholder token."""
+AUDIO_PER_TOKEN = re.compile(r"^audio_length_per_tok(en)?$")
+"""Config keys giving the audio frames of one token position (Voxtral Realtime's 8: a stride-2 convolution, then
+4 frames stacked per position)."""
+
+
+def merged_by_position(name: str, cfg: Any, arg: str) -> bool:
+    """Whether a language model takes `arg` (pixels, audio features) beside its ids in every batch: its forward
+    takes it, its config has that modality's tower and names no placeholder token for it, so the model merges it
+    by position (GIT puts the image's patches before the text, Voxtral Realtime adds audio frames to every
+    token's embedding) and its loss counts on it. A model with placeholder ids splices the modality in where they
+    are; a random batch holds none, so its batch stays text only."""
+    tower, placeholder = MODALITIES[arg]
+    if arg not in forward_params(name) or getattr(cfg, tower, None) is None:
+        return False
+    return not any(placeholder.match(k) for c in (cfg, _text(cfg)) for k in c.to_dict())
+
+
+def image_patches(cfg: Any) -> int | None:
+    """The patches of a model that takes its image already cut into patches (SigLIP 2's pixel_values are (batch,
+    patches, channels * patch * patch)): its config or vision config gives patch_size and num_patches, no
+    image_size; None for a model that takes an image."""
+    for c in (cfg, getattr(cfg, "vision_config", None)):
+        patches = getattr(c, "num_patches", None)
+        if (c is not None and getattr(c, "image_size", None) is None and isinstance(patches, int) and patches > 0
+                and _config_int(c, "patch_size")):
+            return patches
+    return None
+
+
+def patch_grid(patches: int) -> tuple[int, int]:
+    """Rows and columns of an image of exactly `patches` patches, as square as they divide (16 x 16 for 256)."""
+    rows = max(r for r in range(1, math.isqrt(patches) + 1) if patches % r == 0)
+    return rows, patches // rows
+
+
+def audio_frames(name: str, cfg: Any, seq_len: int) -> int | None:
+    """The audio frames of a batch whose model adds audio to every token position: seq_len times the config's
+    audio length per token; None where the batch has no audio (or the config gives no such length)."""
+    if not merged_by_position(name, cfg, "input_features"):
+        return None
+    per_token = next((v for k, v in cfg.to_dict().items() if AUDIO_PER_TOKEN.match(k) and isinstance(v, int)), None)
+    return seq_len * per_token if per_token else None
 
 
 SEQUENCE_RELATIONS: dict[str, tuple[str, Callable[[Any], int | None]]] = {
@@ -629,14 +730,21 @@ def dictated_seq_len(cfg: Any) -> tuple[str, str, int] | None:
 
 def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[str, int]:
     """batch, seq_len (bounded by the model's positions; by default the length the config dictates, if any) where
-    the batch has token ids, image_size where it has pixels."""
+    the batch has token ids, image_size where it has pixels, audio_frames where it has audio features."""
     out = {"batch": _positive(name, "batch", knobs.get("batch", DEFAULT_BATCH))}
-    if takes_pixels(name, task):
+    patches = image_patches(cfg) if takes_pixels(name, task, cfg) else None
+    if patches:
+        if "image_size" in knobs:
+            raise ModelError(f"hf:{name}: this model takes its image cut into {patches} patches, not an image_size: "
+                             "set the vision config's num_patches instead")
+        out["patches"] = patches
+    elif takes_pixels(name, task, cfg):
         size = (getattr(cfg, "image_size", None) or getattr(getattr(cfg, "vision_config", None), "image_size", None)
                 or knobs.get("image_size", DEFAULT_IMAGE_SIZE))
         out["image_size"] = _positive(name, "image_size", size[0] if isinstance(size, (list, tuple)) else size)
     elif "image_size" in knobs:
-        raise ModelError(f"hf:{name}: image_size applies to image classifiers only (their forward takes pixel_values)")
+        raise ModelError(f"hf:{name}: image_size applies to models whose batch has pixels (image classifiers, "
+                         "models that put an image before the text)")
     if not takes_tokens(name, task):
         return out
     limit, dictated = max_positions(cfg), dictated_seq_len(cfg)
@@ -649,6 +757,9 @@ def input_sizes(name: str, cfg: Any, task: str, knobs: dict[str, Any]) -> dict[s
     if limit is not None and seq > limit:
         raise ModelError(f"hf:{name}: seq_len {seq} exceeds the model's {limit} positions (max_position_embeddings)")
     out["seq_len"] = seq
+    frames = audio_frames(name, cfg, seq)
+    if frames:
+        out["audio_frames"] = frames
     return out
 
 
@@ -697,7 +808,54 @@ def _text(cfg: Any) -> Any:
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-ALL_ONES_INPUTS = ("attention_mask", "decoder_attention_mask")
+SEQUENCE_DIMS = frozenset({"sequence_length", "target_sequence_length", "seq_len", "input_ids_length"})
+"""The names transformers' docstrings give the token positions of a documented shape."""
+
+
+@functools.cache
+def documented_shape(name: str, arg: str) -> tuple[str, ...] | None:
+    """The shape the class's forward docstring gives `arg` (`labels (`torch.LongTensor` of shape `(batch_size,
+    sequence_length, num_codebooks)`)`), as its dims' text; None where it gives none."""
+    forward = getattr(getattr(transformers_module(), name, None), "forward", None)
+    doc = (forward.__doc__ if callable(forward) else None) or ""
+    found = re.search(rf"^\s*{re.escape(arg)} \(`[^`]*` of shape `\(([^)]*)\)`", doc, re.M)
+    return tuple(d.strip() for d in found.group(1).split(",") if d.strip()) if found else None
+
+
+def config_layout(name: str, arg: str, cfg: Any, batch: int, seq_len: int) -> tuple[int, ...] | None:
+    """`arg`'s shape where the forward documents it with a size of the config among its dims (MusicGen: input_ids
+    `(batch_size * num_codebooks, sequence_length)`, labels `(batch_size, sequence_length, num_codebooks)`); None
+    where it documents the plain layout or a dim the config does not size (a docstring copied from another model
+    may name sizes its model has not: those are not trusted)."""
+    dims, named = documented_shape(name, arg), False
+    out = []
+    for dim in dims or ():
+        size = 1
+        for factor in (f.strip().removeprefix("config.") for f in dim.split("*")):
+            value = batch if factor == "batch_size" else seq_len if factor in SEQUENCE_DIMS else _config_int(cfg, factor)
+            if value is None:
+                return None
+            named |= factor != "batch_size" and factor not in SEQUENCE_DIMS
+            size *= value
+        out.append(size)
+    return tuple(out) if named else None
+
+
+def _tower_int(cfg: Any, tower: str, key: str) -> int | None:
+    """A size of the config, else of its `tower` sub-config (an image's channels, an audio frame's mel bins)."""
+    return _config_int(cfg, key) or _config_int(getattr(cfg, tower, None), key)
+
+
+def _config_int(cfg: Any, key: str) -> int | None:
+    """A positive integer size of the config (or of its text config) named `key`; None when it has none."""
+    for c in (cfg, _text(cfg)):
+        value = getattr(c, key, None) if key.isidentifier() else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+ALL_ONES_INPUTS = ("attention_mask", "decoder_attention_mask", "pixel_attention_mask")
 """Inputs that `hf_inputs` makes all ones in every batch (no padding): the capture knows their values, so a
 Python branch on them (Longformer's global attention, a loss that drops masked positions) is decided."""
 
@@ -706,17 +864,29 @@ def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[st
     """The keyword batch of the spec's task (on the current default device; meta for capture): pixels and token
     ids as the sizes say, the attention masks (all ones) where the forward takes them, decoder ids for a
     sequence-to-sequence LM, and labels: a class per sample for classifiers, a token per position for language
-    models."""
+    models; ids and labels in the layout the forward documents where it names a config size (`config_layout`)."""
     cfg = hf_config(spec)
     b, takes = spec.inputs["batch"], forward_params(spec.cls)
     out: dict[str, torch.Tensor] = {}
     if "image_size" in spec.inputs:
-        s, c = spec.inputs["image_size"], getattr(cfg, "num_channels", 3)
+        s, c = spec.inputs["image_size"], _tower_int(cfg, "vision_config", "num_channels") or 3
         out["pixel_values"] = torch.randn(b, c, s, s, generator=generator)
+    if "patches" in spec.inputs:  # cut into patches, all of them the image's (no padding), on a rows x cols grid
+        n, c = spec.inputs["patches"], _tower_int(cfg, "vision_config", "num_channels") or 3
+        p = _tower_int(cfg, "vision_config", "patch_size")
+        out["pixel_values"] = torch.randn(b, n, c * p * p, generator=generator)
+        if "pixel_attention_mask" in takes:
+            out["pixel_attention_mask"] = torch.ones(b, n, dtype=torch.long)
+        if "spatial_shapes" in takes:
+            out["spatial_shapes"] = torch.tensor([patch_grid(n)] * b, dtype=torch.long)
+    if "audio_frames" in spec.inputs:  # log-mel features as transformers' extractors give them: (batch, bins, frames)
+        bins = _tower_int(cfg, "audio_config", "num_mel_bins") or _tower_int(cfg, "audio_config", "feature_size")
+        out["input_features"] = torch.randn(b, bins, spec.inputs["audio_frames"], generator=generator)
     vocab = getattr(_text(cfg), "vocab_size", None) or BYTE_IDS  # CANINE reads code points: it has no vocabulary
     if "seq_len" in spec.inputs:
         t = spec.inputs["seq_len"]
-        out["input_ids"] = torch.randint(0, vocab, (b, t), generator=generator)
+        ids = config_layout(spec.cls, "input_ids", cfg, b, t) or (b, t)
+        out["input_ids"] = torch.randint(0, vocab, ids, generator=generator)
         if "attention_mask" in takes:
             out["attention_mask"] = torch.ones(b, t, dtype=torch.long)
         if spec.task == "seq2seq_lm" and "decoder_input_ids" in takes:  # not a decoder-only VLM's
@@ -726,7 +896,8 @@ def hf_inputs(spec: HFSpec, generator: torch.Generator | None = None) -> dict[st
     if spec.task in CLASSIFIERS:
         out["labels"] = torch.randint(0, cfg.num_labels, (b,), generator=generator)
     else:
-        out["labels"] = torch.randint(0, vocab, (b, spec.inputs["seq_len"]), generator=generator)
+        t = spec.inputs["seq_len"]
+        out["labels"] = torch.randint(0, vocab, config_layout(spec.cls, "labels", cfg, b, t) or (b, t), generator=generator)
     return out
 
 

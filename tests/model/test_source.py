@@ -22,6 +22,18 @@ MODEL_FILES = ROOT / "tests" / "fixtures" / "model_files"
 CUMPROD = MODEL_FILES / "cumprod_mlp.py"
 TINY_BERT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64,
              "vocab_size": 64, "max_position_embeddings": 32}
+TINY_GIT = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64, "vocab_size": 64,
+            "max_position_embeddings": 32, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+            "vision_config": {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                              "intermediate_size": 64, "image_size": 16, "patch_size": 8}}
+TINY_VOXTRAL_RT = {"audio_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                    "num_attention_heads": 2, "head_dim": 16, "num_mel_bins": 8},
+                   "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                   "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16, "vocab_size": 64}}
+TINY_SIGLIP2 = {"num_labels": 3, "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                                  "num_attention_heads": 2, "num_patches": 16, "patch_size": 4}}
+TINY_MUSICGEN = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "ffn_dim": 64, "vocab_size": 64,
+                 "num_codebooks": 3, "max_position_embeddings": 32, "dropout": 0.0}
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +129,7 @@ def test_model_file_errors_are_one_line_model_errors(tmp_path):
     ("hf:LlamaForCausalLM", None, {"hiden_size": "64"}, "'hiden_size' is not a key of LlamaConfig .*did you mean 'hidden_size'"),
     ("hf:LlamaForCausalLM", None, {"seq_len": "99999999"}, "seq_len 99999999 exceeds the model's"),
     ("hf:LlamaForCausalLM", None, {"batch": "0"}, "batch must be a positive integer"),
-    ("hf:LlamaForCausalLM", None, {"image_size": "32"}, "image_size applies to image classifiers only"),
+    ("hf:LlamaForCausalLM", None, {"image_size": "32"}, "image_size applies to models whose batch has pixels"),
     ("hf:LlamaForCausalLM", "missing.json", {}, "--config missing.json: file not found"),
     ("hf:MixtralForCausalLM", None, {"experts_implementation": "fast"}, "experts_implementation must be one of hap_dense"),
     ("hf:Gemma4AssistantForCausalLM", None, {}, "default config does not validate: ValueError: hidden_size_per_layer_"),
@@ -281,6 +293,21 @@ def test_a_recorded_config_with_an_infinite_float_builds_again_and_training_keep
     ("ImageGPTForImageClassification", {"vocab_size": 64, "num_labels": 3, "batch": 2, "seq_len": 8},
      {"input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2,)}, 3),
     ("FNetForMaskedLM", {"vocab_size": 64, "batch": 2, "seq_len": 8}, {"input_ids": (2, 8), "labels": (2, 8)}, 64),
+    # the forward documents its ids and labels with the config's codebook count: a row of ids per codebook, a
+    # label per codebook (the plain (batch, seq_len) labels failed the loss: "Expected input batch_size (256)")
+    ("MusicgenForCausalLM", {**TINY_MUSICGEN, "batch": 2, "seq_len": 8},
+     {"input_ids": (6, 8), "attention_mask": (2, 8), "labels": (2, 8, 3)}, 64),
+    # a modality merged by position, with no placeholder token: GIT's image before the text (its loss starts after
+    # the image's 5 patch tokens: without pixels it had no logits left), Voxtral Realtime's audio added to every
+    # token (8 frames per token, its config's audio_length_per_tok), as (batch, mel bins, frames)
+    ("GitForCausalLM", {**TINY_GIT, "batch": 2, "seq_len": 8},
+     {"pixel_values": (2, 3, 16, 16), "input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2, 8)}, 64),
+    ("VoxtralRealtimeForConditionalGeneration", {**TINY_VOXTRAL_RT, "batch": 2, "seq_len": 8},
+     {"input_features": (2, 8, 64), "input_ids": (2, 8), "attention_mask": (2, 8), "labels": (2, 8)}, 64),
+    # an image already cut into patches (its vision config has num_patches, no image_size), all of them the image's,
+    # on a 4 x 4 grid: (batch, patches, channels * patch * patch), not (batch, channels, 224, 224)
+    ("Siglip2ForImageClassification", {**TINY_SIGLIP2, "batch": 2},
+     {"pixel_values": (2, 16, 48), "pixel_attention_mask": (2, 16), "spatial_shapes": (2, 2), "labels": (2,)}, 3),
 ])
 def test_hf_inputs_follow_the_task_and_stay_in_range(cls, knobs, expected, labels_below):
     pytest.importorskip("transformers")
@@ -288,9 +315,59 @@ def test_hf_inputs_follow_the_task_and_stay_in_range(cls, knobs, expected, label
     batch = source.hf_inputs(spec, torch.Generator().manual_seed(0))
     assert {k: tuple(v.shape) for k, v in batch.items()} == expected
     if "input_ids" in batch:
-        assert int(batch["input_ids"].max()) < spec.config["vocab_size"]
+        assert int(batch["input_ids"].max()) < source._text(source.hf_config(spec)).vocab_size
     assert all(bool((batch[k] == 1).all()) for k in source.ALL_ONES_INPUTS if k in batch)
     assert int(batch["labels"].min()) >= 0 and int(batch["labels"].max()) < labels_below
+
+
+def test_a_documented_shape_is_used_only_where_the_config_sizes_its_every_dim():
+    """DistilBERT's forward documents input_ids as (batch_size, num_choices), copied from a multiple-choice head:
+    a dim no config key sizes is not trusted, and the plain layouts keep the default batch."""
+    pytest.importorskip("transformers")
+    spec = source.hf_spec("hf:MusicgenForCausalLM", None, {**TINY_MUSICGEN, "batch": 2, "seq_len": 8})
+    cfg = source.hf_config(spec)
+    assert source.documented_shape("MusicgenForCausalLM", "input_ids") == ("batch_size * num_codebooks", "sequence_length")
+    assert source.config_layout("MusicgenForCausalLM", "labels", cfg, 5, 7) == (5, 7, 3)
+    assert source.documented_shape("DistilBertForMaskedLM", "input_ids") == ("batch_size", "num_choices")
+    assert source.config_layout("DistilBertForMaskedLM", "input_ids", cfg, 5, 7) is None
+    assert source.config_layout("GPT2LMHeadModel", "labels", cfg, 5, 7) is None  # (batch_size, input_ids_length)
+
+
+def test_a_modality_is_in_the_batch_only_where_the_model_merges_it_by_position():
+    """A vision-language model with an image placeholder token (LLaVA) splices image features in at those ids,
+    which random ids never are: its batch stays text only. GIT names none: it puts the image before the text."""
+    pytest.importorskip("transformers")
+    llava, git = source.default_config("LlavaForConditionalGeneration"), source.default_config("GitForCausalLM")
+    assert not source.merged_by_position("LlavaForConditionalGeneration", llava, "pixel_values")
+    assert source.merged_by_position("GitForCausalLM", git, "pixel_values")
+    assert not source.merged_by_position("GitForCausalLM", git, "input_features")  # its forward takes no audio
+    assert "image_size" not in source.hf_spec("hf:LlavaForConditionalGeneration", None, {}).inputs
+
+
+def test_patches_lie_on_a_grid_as_square_as_they_divide_and_the_grid_is_in_every_batch():
+    pytest.importorskip("transformers")
+    assert [source.patch_grid(n) for n in (256, 12, 7, 1)] == [(16, 16), (3, 4), (1, 7), (1, 1)]
+    spec = source.hf_spec("hf:Siglip2ForImageClassification", None, {**TINY_SIGLIP2, "batch": 3})
+    assert spec.inputs == {"batch": 3, "patches": 16}
+    assert source.hf_inputs(spec)["spatial_shapes"].tolist() == [[4, 4]] * 3
+    with pytest.raises(ModelError, match="cut into 16 patches, not an image_size"):
+        source.hf_spec("hf:Siglip2ForImageClassification", None, {**TINY_SIGLIP2, "image_size": 32})
+
+
+def test_a_masked_lm_whose_head_predicts_fixed_positions_gets_that_many_tokens():
+    """Perceiver's decoder queries max_position_embeddings positions whatever the input's length: labels for the
+    default 128 tokens failed its loss ("Expected input batch_size (16384) to match target batch_size (1024)")."""
+    pytest.importorskip("transformers")
+    knobs = {"num_latents": 4, "d_latents": 16, "d_model": 16, "num_blocks": 1, "num_self_attends_per_block": 1,
+             "num_self_attention_heads": 2, "num_cross_attention_heads": 1, "vocab_size": 64,
+             "max_position_embeddings": 24, "batch": 2}
+    spec = source.hf_spec("hf:PerceiverForMaskedLM", None, knobs)
+    assert spec.inputs == {"batch": 2, "seq_len": 24}
+    assert {k: tuple(v.shape) for k, v in source.hf_inputs(spec).items()} == {
+        "input_ids": (2, 24), "attention_mask": (2, 24), "labels": (2, 24)}
+    with pytest.raises(ModelError, match=r"predicts 24 positions .*max_position_embeddings.*seq_len must be 24, not 8"):
+        source.hf_spec("hf:PerceiverForMaskedLM", None, {**knobs, "seq_len": 8})
+    assert source.hf_spec("hf:BertForMaskedLM", None, {**TINY_BERT, "seq_len": 8}).inputs["seq_len"] == 8
 
 
 def test_an_hf_model_is_rebuilt_identically_and_its_flat_batch_gives_the_model_loss():
@@ -334,6 +411,10 @@ def test_export_carries_the_plans_model_file_and_check_ties_it_to_the_plan(tmp_p
     (str(CUMPROD), {"fallback": "replicate"}),
     ("hf:LlamaForCausalLM", {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
                              "num_key_value_heads": 2, "vocab_size": 64, "batch": 3, "seq_len": 8}),
+    ("hf:MusicgenForCausalLM", {**TINY_MUSICGEN, "batch": 2, "seq_len": 8}),
+    ("hf:GitForCausalLM", {**TINY_GIT, "batch": 2, "seq_len": 8}),
+    ("hf:VoxtralRealtimeForConditionalGeneration", {**TINY_VOXTRAL_RT, "batch": 2, "seq_len": 8}),
+    ("hf:Siglip2ForImageClassification", {**TINY_SIGLIP2, "batch": 2}),
 ])
 def test_the_graph_run_on_the_runners_batch_gives_the_rebuilt_modules_loss(spec, knobs):
     """Capture (meta) and the runner's rebuild agree: placeholders index the flat batch, parameters match by name."""
@@ -381,6 +462,7 @@ def test_a_per_layer_list_is_cut_keeping_a_layer_of_each_kind(sweep):
     ("CohereCompassForCausalLM", {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}}),
     ("Qwen4ExpForCausalLM", {"indexer_n_heads": 16, "indexer_kv_heads": 1, "indexer_head_dim": 256,  # all None: the
                              "indexer_budget": 64, "indexer_compress_ratio": 4}),  # indexer is built on every layer
+    ("PerceiverForMaskedLM", {"num_self_attends_per_block": 2}),  # a block's 26 layers: 1398 nodes, 240 s to plan
 ])
 def test_the_sweep_shrinks_a_default_config_into_one_that_validates(sweep, cls, expected):
     pytest.importorskip("transformers")
