@@ -78,6 +78,11 @@ Comm = tuple[int, int, str, int, float, "float | None"]
 of its dual or None when the tensor needs no gradient)."""
 
 
+def _way_seconds(way: tuple) -> float:
+    """Seconds of a collective way (`_Search._ways`) and its dual: how the search ranks ways to one form."""
+    return way[4] + (way[5] or 0.0) if way[0] == "comm" else 0.0
+
+
 def code(tensor: int, form: int) -> int:
     return tensor * _K + form + _OFF
 
@@ -186,6 +191,11 @@ class _Prepared:
         self.live_inputs = [[t for t in dict.fromkeys(graph[nid].inputs) if self.last_use[t] > k]
                             for k, nid in enumerate(self.order)]
         self.live_marks = [[(t, code(t, _COMMUNICATED)) for t in live] for live in self.live_inputs]
+        self.spent = [frozenset(t for t in graph[nid].inputs if graph[nid].inputs.count(t) == 1
+                                and self.last_use[t] == k and not self.leaf[t]) for k, nid in enumerate(self.order)]
+        """Per position, the operands it reads once and last: whichever collective brings one into the form a rule
+        wants, its properties die with the node, so the children differ only in cost and the cheapest dominates
+        (a 128-way `cat` of a scan's steps had 2^128 combinations of its operands' ways)."""
         """Per position, each operand still live after it with the code that marks it communicated."""
         self.wanted = [self._wanted_forms(k) for k in range(len(self.order))]
         self.consumers: list[list[int]] = [[] for _ in range(len(graph))]
@@ -507,7 +517,7 @@ class _Search:
                     break  # out of time with a program in hand (the incumbent counts): return it
                 if not self.greedy:
                     self._go_greedy()
-            if self.expanded % 64 == 0 and self.expanded % self.report_every == 0:
+            if self.expanded % self.report_every == 0:
                 self._report(start)
         self._report(start)
         optimal = optimal and self.beam_cut >= self.best_cost and not self.prep.side_replicated
@@ -553,7 +563,10 @@ class _Search:
         heapq.heapify(self.heap)
 
     def _report(self, start: float) -> None:
-        lowest = min((k[0] if not self.greedy else k[1] for k in self.heap), default=self.best_cost)
+        if not self.greedy:
+            lowest = self.heap[0][0] if self.heap else self.best_cost  # the queue is ordered by score
+        else:
+            lowest = min((k[1] for k in self.heap), default=self.best_cost)
         p = SearchProgress(self.expanded, len(self.heap), self.best_cost, min(lowest, self.best_cost), time.perf_counter() - start)
         self.frontier.append(p)
         if self.progress is not None:
@@ -578,7 +591,10 @@ class _Search:
             for operand in pairs:
                 w = known.get(operand)
                 if w is None:
-                    w = known[operand] = self._ways(props, operand[0], operand[1], k)
+                    w = self._ways(props, operand[0], operand[1], k)
+                    if len(w) > 1 and operand[0] in self.prep.spent[s.p]:
+                        w = [min(w, key=_way_seconds)]  # every way leaves the same properties: the cheapest dominates
+                    known[operand] = w
                 if not w:
                     break
                 ways.append(w)

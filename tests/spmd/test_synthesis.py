@@ -333,6 +333,16 @@ def test_progress_callback_receives_search_progress_ending_with_bound_below_best
     assert result.frontier == seen
 
 
+def test_progress_is_reported_every_report_every_expansions(small_gpt, load_sample):
+    """Not only at common multiples of report_every and 64 (a default of 500 reported every 8000)."""
+    cluster = load_sample("cpu_4_uneven")
+    cm = CostModel(small_gpt, cluster, ratios_for(cluster, "flops"))
+    seen: list[SearchProgress] = []
+    result = synthesize(small_gpt, cm, progress=seen.append, report_every=50)
+    assert result.expanded >= 150
+    assert [p.expanded for p in seen[:-1]] == list(range(50, result.expanded + 1, 50))
+
+
 # ----------------------------------------------------------------------------- well-formedness
 
 
@@ -550,3 +560,47 @@ def test_under_a_beam_side_arithmetic_runs_replicated_and_the_result_is_not_call
     assert side[1] == "replicate" and not beamed.optimal, "its Full result slices to any shard for free"
     assert exact.optimal and beamed.cost >= exact.cost
     assert beamed.cost - exact.cost <= g[2].flops / 5e11, "at most the side node's own compute"
+
+
+# ----------------------------------------------------------------------------- operands read once and last
+
+
+def _cat_graph(k: int, B: int = 16, H: int = 8) -> Graph:
+    """k linears of one input concatenated on the feature dim, then a loss: each linear's result is
+    read once, by the cat, and dies there."""
+    from conftest import build_graph
+
+    rows: list[tuple] = [("x", "placeholder", (), (B, H))]
+    outs = []
+    for i in range(k):
+        rows.append((f"w{i}", "parameter", (), (H, H)))
+        rows.append((f"h{i}", "linear", (0, len(rows) - 1), (B, H), 2 * B * H * H))
+        outs.append(len(rows) - 1)
+    rows.append(("c", "cat", tuple(outs), (B, k * H), 0.0, {"dim": 1}))
+    rows.append(("y", "placeholder", (), (B, k * H)))
+    rows.append(("loss", "mse_loss", (len(rows) - 1, len(rows) - 2), (), 3 * B * k * H, {"count": B * k * H}))
+    return build_graph(rows, name=f"hand_cat{k}")
+
+
+def test_an_operand_read_once_and_last_keeps_only_its_cheapest_way_and_the_optimum(load_sample):
+    """Whichever collective brings such an operand into the form a rule wants, its properties die with
+    the node: the children differ only in cost, and keeping the cheapest loses no optimum."""
+    graph = _cat_graph(3)
+    cluster = load_sample("cpu_4_uneven")
+    cm = CostModel(graph, cluster, ratios_for(cluster, (0.4, 0.3, 0.2, 0.1)))
+    reduced = _Search(graph, cm, SearchSpace(), None, None, 500, None)
+    assert reduced.prep.spent[len(reduced.prep.order) - 2] == frozenset(range(2, 8, 2)), "the cat reads h0..h2 last"
+    every = _Search(graph, cm, SearchSpace(), None, None, 500, None)
+    every.prep.spent = [frozenset()] * len(every.prep.spent)
+    a, b = reduced.run(), every.run()
+    assert a.cost == pytest.approx(b.cost, rel=1e-12)
+    assert a.generated < b.generated
+
+
+def test_a_wide_cat_of_operands_in_the_wrong_form_plans_without_enumerating_their_combinations(load_sample):
+    """A scan's 128 steps stacked by one cat (Mamba) never finished: every combination of its operands'
+    ways was a child (12 operands: 16,541 children against 159)."""
+    graph = _cat_graph(12)
+    cluster = load_sample("cpu_4_uneven")
+    result = synthesize(graph, CostModel(graph, cluster, ratios_for(cluster, "flops")), beam_width=4)
+    assert result.generated < 1_000
