@@ -94,13 +94,38 @@ def replicated_space() -> SearchSpace:
                        collectives=frozenset())
 
 
+_SEARCHED: dict[tuple, tuple[Graph, Cluster, SearchResult]] = {}
+"""The last data-parallel searches of this process by (graph, cluster, ratios, options, overlap, recompute):
+a plan seeds its loop with the baselines, then the CLI and the Compare page price the same baselines
+again; each is searched once (a gathering search on a 2,700-node Mamba takes seconds)."""
+SEARCHES_KEPT = 16
+
+
 def data_parallel(graph: Graph, cm: CostModel, deadline: float | None = None) -> SearchResult:
     """The data-parallel program under `cm`: plain when every operator splits on the batch, else
     with all-gathers before the operators that cannot, else every device running the whole model
     (a program whenever every operator has its all-Full rule, as opaque ones do and memory allows).
     The gathering space is searched with a beam: exactly, it has as many programs as ways to place
     the gathers (BART-base-sized graphs took minutes). InfeasibleError says why there is none;
-    each search stops at `deadline` (time.perf_counter) with the best program it has."""
+    each search stops at `deadline` (time.perf_counter) with the best program it has. A search
+    without a deadline is kept for the process (`_SEARCHED`)."""
+    if cm.states is not None:  # the seeds and baselines keep every state replicated
+        return _search_data_parallel(graph, cm, deadline)
+    key = (id(graph), id(cm.cluster), tuple(map(tuple, cm.ratios)), cm.options, cm.overlap, cm.recompute,
+           cm.segmentation)
+    kept = _SEARCHED.get(key)
+    if kept is not None and kept[0] is graph and kept[1] is cm.cluster:
+        return kept[2]
+    res = _search_data_parallel(graph, cm, deadline)
+    if deadline is None:
+        if len(_SEARCHED) >= SEARCHES_KEPT:
+            del _SEARCHED[next(iter(_SEARCHED))]
+        _SEARCHED[key] = (graph, cm.cluster, res)
+    return res
+
+
+def _search_data_parallel(graph: Graph, cm: CostModel, deadline: float | None) -> SearchResult:
+    """`data_parallel`'s searches, from the plainest space to the widest."""
     try:
         return synthesize(graph, cm, space=data_parallel_space(graph), time_budget_s=left_s(deadline))
     except InfeasibleError:

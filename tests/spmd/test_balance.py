@@ -326,3 +326,18 @@ def test_lp_in_ddp_mode_overlaps_the_buckets_it_prices(mlp1):
     assert b.total_s == pytest.approx(ddp.objective_s, rel=1e-6)
     none = balance(program, big, cluster)
     assert ddp.objective_s <= none.objective_s
+
+
+def test_a_baseline_searched_once_is_not_searched_again_for_the_same_graph_cluster_and_ratios(load_sample):
+    """A plan's seeds, then the CLI's and the Compare page's baselines: one search each (`_SEARCHED`)."""
+    from conftest import mse_graph
+
+    from engine.spmd import baselines as B
+
+    graph, cluster = mse_graph(), load_sample("cpu_4_uneven")
+    cm = B.CostModel(graph, cluster, B.even_ratios(cluster))
+    first = B.data_parallel(graph, cm)
+    again = B.data_parallel(graph, B.CostModel(graph, cluster, B.even_ratios(cluster)))
+    assert again is first
+    other = B.data_parallel(graph, B.CostModel(graph, cluster, B.proportional_ratios(cluster)))
+    assert other is not first and other.program == first.program
