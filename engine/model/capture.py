@@ -25,6 +25,7 @@ What real models bring, and what capture does with it:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -34,7 +35,7 @@ import string
 import traceback
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -142,7 +143,7 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict,
     if isinstance(module, LossOf):
         module.known = values
     try:
-        with ParameterWrites(), ValuedScalars(), values:  # KnownValues innermost: its handler reads the model's frame
+        with no_op_conversions(), ParameterWrites(), ValuedScalars(), values:  # KnownValues innermost: its handler reads the model's frame
             ep = torch.export.export(module, args, kwargs, strict=False)
     except ParameterWriteError as e:
         raise ParameterWriteError(f"cannot capture the model: its forward writes a parameter in place{model_line(e)}: "
@@ -151,6 +152,35 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict,
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot capture the model with torch.export: {first}{where_in_model(e, module)}") from e
     return number_dropout_sites(inline_grad_mode_regions(ep))
+
+
+@contextlib.contextmanager
+def no_op_conversions() -> Iterator[None]:
+    """While a forward is traced, `module.to(dtype)` (or `.float()`, `.to(device)`) that changes no parameter or
+    buffer returns the module untouched: Switch Transformers' router runs `self.classifier.to(float32)` in forward.
+
+    torch converts a module by swapping each fake parameter for a new one even when the tensor is unchanged, which
+    fails under export ("Couldn't swap Linear.weight"); an identity conversion changes nothing, so it is skipped. A
+    conversion that changes a tensor (weights cast in forward) is still refused, with what to try."""
+    original = torch.nn.Module._apply
+
+    def apply(module: torch.nn.Module, fn: Callable, recurse: bool = True) -> torch.nn.Module:
+        tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+        with torch.no_grad():
+            if all(fn(t) is t for t in tensors):
+                return module
+        try:
+            return original(module, fn, recurse)
+        except RuntimeError as e:
+            raise RuntimeError(f"its forward converts the parameters of {type(module).__name__} to another dtype or "
+                               f"device (Module.to), which a captured program cannot hold; give the model that dtype "
+                               f"from the start ({e})") from e
+
+    torch.nn.Module._apply = apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original
 
 
 def model_line(e: BaseException) -> str:
