@@ -255,6 +255,9 @@ def _site_dropout(g: fx.Graph, plan: Plan, ins: Instruction, args: list, rank: i
                          if window else (tuple(node.shape), starts))
         if node.op == "rand":  # no operand: the rank draws its block of the output
             local = tuple(local_shape(plan, ins.node, ins.post, rank, seg))
+            if a.get("normal"):
+                return g.call_function(dropout.randn, (rng, a["rng_site"], shape, starts, local, getattr(torch, node.dtype),
+                                                       None, a.get("mean", 0.0), a.get("std", 1.0)))
             return g.call_function(dropout.rand, (rng, a["rng_site"], shape, starts, local, getattr(torch, node.dtype), None,
                                                   a.get("low", 0.0), a.get("high", 1.0)))
         return g.call_function(dropout.dropout, (args[0], a["p"], rng, a["rng_site"], shape, starts))

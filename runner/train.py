@@ -207,8 +207,9 @@ def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr:
         total = 0.0
         for j in range(k):
             index = step * k + j
+            batch = tuple(t.to(device) for t in draw(index))  # drawn outside the mode: a file's torch.randn is no site
             with SiteKeyedDropout(RngKey(seed, index)), autocast(precision, device):  # the ranks' masks and autocast
-                loss = module(*(t.to(device) for t in draw(index)))
+                loss = module(*batch)
             scaled = loss if k == 1 else loss / k
             (scaler.scale(scaled) if scaler else scaled).backward()
             total += float(loss.detach())

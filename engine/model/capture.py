@@ -25,6 +25,7 @@ What real models bring, and what capture does with it:
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -34,12 +35,12 @@ import string
 import traceback
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from engine.errors import HapError, ModelError, ParameterWriteError, UnsupportedOpError
-from engine.model.dropout import MASK_OPS_PER_ELEMENT
+from engine.model.dropout import MASK_OPS_PER_ELEMENT, RANDN_OPS_PER_ELEMENT
 from engine.model.graph import Graph, Node, parse_equation
 from engine.model.strided import NotAView, as_strided_steps
 from engine.model.values import KnownValues
@@ -142,7 +143,7 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict,
     if isinstance(module, LossOf):
         module.known = values
     try:
-        with ParameterWrites(), ValuedScalars(), values:  # KnownValues innermost: its handler reads the model's frame
+        with no_op_conversions(), ParameterWrites(), ValuedScalars(), values:  # KnownValues innermost: its handler reads the model's frame
             ep = torch.export.export(module, args, kwargs, strict=False)
     except ParameterWriteError as e:
         raise ParameterWriteError(f"cannot capture the model: its forward writes a parameter in place{model_line(e)}: "
@@ -151,6 +152,35 @@ def export_program(module: torch.nn.Module, args: tuple, kwargs: dict,
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"cannot capture the model with torch.export: {first}{where_in_model(e, module)}") from e
     return number_dropout_sites(inline_grad_mode_regions(ep))
+
+
+@contextlib.contextmanager
+def no_op_conversions() -> Iterator[None]:
+    """While a forward is traced, `module.to(dtype)` (or `.float()`, `.to(device)`) that changes no parameter or
+    buffer returns the module untouched: Switch Transformers' router runs `self.classifier.to(float32)` in forward.
+
+    torch converts a module by swapping each fake parameter for a new one even when the tensor is unchanged, which
+    fails under export ("Couldn't swap Linear.weight"); an identity conversion changes nothing, so it is skipped. A
+    conversion that changes a tensor (weights cast in forward) is still refused, with what to try."""
+    original = torch.nn.Module._apply
+
+    def apply(module: torch.nn.Module, fn: Callable, recurse: bool = True) -> torch.nn.Module:
+        tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+        with torch.no_grad():
+            if all(fn(t) is t for t in tensors):
+                return module
+        try:
+            return original(module, fn, recurse)
+        except RuntimeError as e:
+            raise RuntimeError(f"its forward converts the parameters of {type(module).__name__} to another dtype or "
+                               f"device (Module.to), which a captured program cannot hold; give the model that dtype "
+                               f"from the start ({e})") from e
+
+    torch.nn.Module._apply = apply
+    try:
+        yield
+    finally:
+        torch.nn.Module._apply = original
 
 
 def model_line(e: BaseException) -> str:
@@ -1251,7 +1281,8 @@ def _site_p(fx: torch.fx.Node) -> float:
     return 0.0
 
 
-_DRAW_OPS = frozenset({"rand", "rand_like", "bernoulli", "bernoulli_", "uniform", "uniform_"})
+_DRAW_OPS = frozenset({"rand", "rand_like", "bernoulli", "bernoulli_", "uniform", "uniform_", "randn", "randn_like",
+                       "normal", "normal_", "normal_functional"})
 """Random draws with site-keyed numbers (engine.model.dropout.rand): every call is a site."""
 
 
@@ -1329,7 +1360,8 @@ _RANDOM_OPS = frozenset({"dropout", "native_dropout", "feature_dropout", "alpha_
                          "bernoulli", "rand", "rand_like", "randn", "randn_like", "randint", "randint_like",
                          "randperm", "multinomial", "normal", "uniform"})
 """Random operators: never kept opaque (each device would draw its own numbers, so the run would
-not be single-device training); dropout, `rand`, `uniform` and `bernoulli` have exact, site-keyed numbers."""
+not be single-device training); dropout, `rand`, `uniform`, `bernoulli`, `randn` and `normal` have exact, site-keyed
+numbers."""
 
 
 def _h_random_refused(c: _Ctx) -> int:
@@ -1341,6 +1373,8 @@ def _h_random_refused(c: _Ctx) -> int:
 def _h_rand(c: _Ctx) -> int:
     """`rand` / `rand_like`: the site's uniform numbers (engine.model.dropout.rand), a node with no
     operand whose every block a device draws itself (theory/random_ops.py)."""
+    if c.fx.kwargs.get("generator") is not None or "generator" in c.fx.target._overloadname:
+        raise _Unsupported(f"aten.{c.fx.target._opname} with its own generator (its numbers cannot be site-keyed)")
     return c.emit("rand", [], {"rng_site": _rng_site(c)}, float(_numel(c.shape) * MASK_OPS_PER_ELEMENT))
 
 
@@ -1356,6 +1390,26 @@ def _h_uniform(c: _Ctx) -> int:
     if (low, high) != (0.0, 1.0):
         attrs.update(low=low, high=high)
     return c.emit("rand", [], attrs, float(_numel(c.shape) * (MASK_OPS_PER_ELEMENT + 2)))
+
+
+def _h_randn(c: _Ctx) -> int:
+    """`randn` / `randn_like` (LSH attention's random rotations), `x.normal_(mean, std)` (`normal_functional`) and
+    `torch.normal(mean, std, size)` of float mean and std: a `rand` node with `normal` (Box-Muller on the site's
+    numbers, engine.model.dropout.randn), elementwise in the global index like `rand`, so the same rules hold."""
+    op = c.fx.target._opname
+    if c.fx.kwargs.get("generator") is not None or "generator" in c.fx.target._overloadname:
+        raise _Unsupported(f"aten.{op} with its own generator (its numbers cannot be site-keyed)")
+    mean, std = 0.0, 1.0
+    if op == "normal_functional":
+        mean, std = _arg(c.fx, 1, "mean", 0.0), _arg(c.fx, 2, "std", 1.0)
+    elif op == "normal":
+        mean, std = c.fx.args[0], c.fx.args[1]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in (mean, std)) or std < 0:
+        raise _Unsupported(f"aten.{op} with a tensor or non-finite mean or std (write torch.randn(...) * std + mean)")
+    attrs: dict[str, Any] = {"rng_site": _rng_site(c), "normal": True}
+    if (mean, std) != (0.0, 1.0):
+        attrs.update(mean=float(mean), std=float(std))
+    return c.emit("rand", [], attrs, float(_numel(c.shape) * (2 * MASK_OPS_PER_ELEMENT + RANDN_OPS_PER_ELEMENT)))
 
 
 def _h_bernoulli(c: _Ctx) -> int:
@@ -1374,7 +1428,8 @@ def _h_bernoulli(c: _Ctx) -> int:
     return c.emit("identity", [keep], {"dtype": c.dtype}, x.numel)
 
 
-_HANDLERS.update({"rand": _h_rand, "rand_like": _h_rand, "bernoulli": _h_bernoulli, "uniform": _h_uniform})
+_HANDLERS.update({"rand": _h_rand, "rand_like": _h_rand, "bernoulli": _h_bernoulli, "uniform": _h_uniform,
+                  **{op: _h_randn for op in ("randn", "randn_like", "normal", "normal_functional")}})
 _HANDLERS.update({op: _h_random_refused for op in ("feature_dropout", "alpha_dropout", "feature_alpha_dropout")})
 _HANDLERS["dropout"] = _h_dropout
 _SPLITS["native_dropout"] = _m_native_dropout

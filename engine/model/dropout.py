@@ -2,7 +2,8 @@
 
 A dropout *site* is one dropout call with p > 0 in training mode (an `nn.Dropout`, `F.dropout`, or
 the attention dropout of `scaled_dot_product_attention`), or one draw of `torch.rand`, `rand_like`,
-`bernoulli` (stochastic depth's per-sample keep, `rand` below) or `Tensor.uniform_` (MoE jitter); capture
+`bernoulli` (stochastic depth's per-sample keep, `rand` below), `Tensor.uniform_` (MoE jitter) or `torch.randn`
+(LSH attention's random rotations, normal numbers by Box-Muller: `randn` below); capture
 numbers the sites in forward order (`rng_site`, assigned before pruning) and the single-device reference
 counts its dropout calls the same way (`SiteKeyedDropout`). The mask of a site is a function of the
 *global* element index:
@@ -47,6 +48,9 @@ _M32 = 0xFFFFFFFF
 MASK_OPS_PER_ELEMENT = 24
 """Integer operations per mask element (flat index, two mixing rounds of 9 operations, the
 conversion and the comparison): what capture adds to a dropout site's flops."""
+RANDN_OPS_PER_ELEMENT = 8
+"""Floating-point operations per normal number besides its two uniform ones (Box-Muller: log1p, sqrt, cos, the
+scalings and the casts)."""
 
 
 @dataclass(frozen=True)
@@ -59,9 +63,11 @@ class RngKey:
     """False for an evaluation pass: every site passes its input through, as `module.eval()` does."""
 
 
-def site_words(key: RngKey, site: int) -> tuple[int, int]:
-    """Two 32-bit words derived from (seed, step, site): every site of every step gets its own stream."""
-    digest = hashlib.blake2b(f"hap-dropout:{key.seed}:{key.step}:{site}".encode(), digest_size=8).digest()
+def site_words(key: RngKey, site: int, stream: int = 0) -> tuple[int, int]:
+    """Two 32-bit words derived from (seed, step, site): every site of every step gets its own stream (and a
+    site that needs a second number per element, `randn`, a second stream)."""
+    tag = f"hap-dropout:{key.seed}:{key.step}:{site}" + (f":{stream}" if stream else "")
+    digest = hashlib.blake2b(tag.encode(), digest_size=8).digest()
     return int.from_bytes(digest[:4], "little"), int.from_bytes(digest[4:], "little")
 
 
@@ -92,9 +98,9 @@ def flat_index(global_shape: Sequence[int], starts: Sequence[int], local_shape: 
 
 
 def uniform(key: RngKey, site: int, global_shape: Sequence[int], starts: Sequence[int],
-            local_shape: Sequence[int], device: torch.device | str = "cpu") -> Tensor:
+            local_shape: Sequence[int], device: torch.device | str = "cpu", stream: int = 0) -> Tensor:
     """u in [0, 1) (float32, 24 random bits) for the box of the global tensor; a pure function of the global index."""
-    w0, w1 = site_words(key, site)
+    w0, w1 = site_words(key, site, stream)
     index = flat_index(global_shape, starts, local_shape, device)
     h = _mix32((index & _M32) ^ w0)
     h = _mix32(h ^ (index >> 32) ^ w1)
@@ -136,6 +142,21 @@ def rand(key: RngKey, site: int, global_shape: Sequence[int], starts: Sequence[i
     if (low, high) == (0.0, 1.0):
         return below_one(u, dtype)
     return (u * (high - low) + low).to(dtype)
+
+
+def randn(key: RngKey, site: int, global_shape: Sequence[int], starts: Sequence[int], local_shape: Sequence[int],
+          dtype: torch.dtype = torch.float32, device: torch.device | str | None = None, mean: float = 0.0,
+          std: float = 1.0) -> Tensor:
+    """`torch.randn` / `normal_(mean, std)` at a random site (LSH attention's random rotations): the box
+    `starts + [0, local_shape)` of the site's normal numbers, a device drawing only its block.
+
+    Box-Muller on two uniform numbers of the same global index (streams 0 and 1 of the site), in float64 before
+    the cast, so every element is a function of its index alone; 1 - u1 lies in (0, 1], so the log is finite."""
+    device = torch.get_default_device() if device is None else device
+    u1 = uniform(key, site, global_shape, starts, local_shape, device).to(torch.float64)
+    u2 = uniform(key, site, global_shape, starts, local_shape, device, stream=1).to(torch.float64)
+    z = torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos((2.0 * math.pi) * u2)
+    return (z * std + mean).to(dtype)
 
 
 def attention_dropout(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None,
@@ -199,7 +220,8 @@ class SiteKeyedDropout(TorchFunctionMode):
     `torch.dropout` and `scaled_dot_product_attention` with `dropout_p > 0` draw exactly the masks
     a distributed run draws for the same sites, also inside the Python composites of
     torch.nn.functional (`multi_head_attention_forward`); so do `torch.rand`, `rand_like`, `bernoulli`
-    (stochastic depth) and `Tensor.uniform_` (MoE jitter) (`_DRAWS`), each a site of its own. Other random dropout variants
+    (stochastic depth), `Tensor.uniform_` (MoE jitter), `torch.randn`, `randn_like`, `normal` and `Tensor.normal_`
+    (LSH attention's rotations) (`_DRAWS`), each a site of its own. Other random dropout variants
     are refused (capture refuses them too)."""
 
     def __init__(self, key: RngKey) -> None:
@@ -218,7 +240,7 @@ class SiteKeyedDropout(TorchFunctionMode):
             return self._dropout(func, args, kwargs)
         if func is _F_SDPA:
             return self._sdpa(func, args, kwargs)
-        if func in _DRAWS:
+        if func in _DRAWS and kwargs.get("generator") is None:
             return _DRAWS[func](self, args, kwargs)
         if func in _RANDOM_FUNCS and _draws(func, args, kwargs):
             raise NotImplementedError(f"{getattr(func, '__name__', func)} has no site-keyed mask (use nn.Dropout)")
@@ -266,21 +288,43 @@ class SiteKeyedDropout(TorchFunctionMode):
         return attention_dropout(q, k, v, a.get("attn_mask"), bool(a.get("is_causal", False)), a.get("scale"), p,
                                  self.key, self._next_site(), shape, [0] * len(shape), bool(a.get("enable_gqa", False)))
 
-    def _draw(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> Tensor:
-        """The next site's uniform numbers for a whole tensor (what `torch.rand` draws at a site)."""
+    def _draw(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device | str, normal: bool = False) -> Tensor:
+        """The next site's uniform (or `normal`) numbers for a whole tensor (what `torch.rand` or `randn` draws at a site)."""
         shape = tuple(int(v) for v in shape)
-        return rand(self.key, self._next_site(), shape, [0] * len(shape), shape, dtype, device)
+        return (randn if normal else rand)(self.key, self._next_site(), shape, [0] * len(shape), shape, dtype, device)
 
-    def _rand(self, args: tuple, kwargs: dict) -> Tensor:
-        """`torch.rand(*size, dtype=, device=)`, the size as varargs, one sequence, or `size=`."""
+    def _rand(self, args: tuple, kwargs: dict, normal: bool = False) -> Tensor:
+        """`torch.rand(*size, dtype=, device=)` (or `torch.randn`, `normal`), the size as varargs, one sequence, or
+        `size=`."""
         size = kwargs.get("size", args[0] if len(args) == 1 and not isinstance(args[0], int) else args)
         out = self._draw(size, kwargs.get("dtype") or torch.get_default_dtype(),
-                         kwargs.get("device") or torch.get_default_device())
+                         kwargs.get("device") or torch.get_default_device(), normal)
         return out.requires_grad_(bool(kwargs.get("requires_grad", False)))
 
-    def _rand_like(self, args: tuple, kwargs: dict) -> Tensor:
+    def _rand_like(self, args: tuple, kwargs: dict, normal: bool = False) -> Tensor:
         x = args[0]
-        return self._draw(x.shape, kwargs.get("dtype") or x.dtype, kwargs.get("device") or x.device)
+        return self._draw(x.shape, kwargs.get("dtype") or x.dtype, kwargs.get("device") or x.device, normal)
+
+    def _normal_(self, args: tuple, kwargs: dict) -> Tensor:
+        """`x.normal_(mean=0, std=1)`: x overwritten with the next site's normal numbers, as capture lowers it (a
+        `rand` node with `normal`, `mean` and `std`)."""
+        x = args[0]
+        mean = float(args[1] if len(args) > 1 else kwargs.get("mean", 0.0))
+        std = float(args[2] if len(args) > 2 else kwargs.get("std", 1.0))
+        shape = tuple(int(v) for v in x.shape)
+        return x.copy_(randn(self.key, self._next_site(), shape, [0] * len(shape), shape, x.dtype, x.device, mean, std))
+
+    def _normal(self, args: tuple, kwargs: dict) -> Tensor:
+        """`torch.normal(mean, std, size)` with float mean and std (what capture takes); tensor means and stds are
+        refused, as capture refuses them."""
+        a = inspect.signature(lambda mean, std, size=None, **_: None).bind(*args, **kwargs).arguments
+        if a.get("size") is None or isinstance(a["mean"], Tensor) or isinstance(a["std"], Tensor):
+            raise NotImplementedError("torch.normal with tensor mean or std has no site-keyed numbers "
+                                      "(use torch.randn(...) * std + mean)")
+        size = tuple(int(v) for v in a["size"])
+        return randn(self.key, self._next_site(), size, [0] * len(size), size,
+                     kwargs.get("dtype") or torch.get_default_dtype(), kwargs.get("device") or torch.get_default_device(),
+                     float(a["mean"]), float(a["std"]))
 
     def _uniform_(self, args: tuple, kwargs: dict) -> Tensor:
         """`x.uniform_(from=0, to=1)`: x overwritten with the next site's numbers on [from, to), as capture lowers
@@ -288,8 +332,6 @@ class SiteKeyedDropout(TorchFunctionMode):
         x = args[0]
         low = float(args[1] if len(args) > 1 else kwargs.get("from", 0.0))
         high = float(args[2] if len(args) > 2 else kwargs.get("to", 1.0))
-        if kwargs.get("generator") is not None:
-            raise NotImplementedError("uniform_ with its own generator has no site-keyed numbers")
         shape = tuple(int(v) for v in x.shape)
         return x.copy_(rand(self.key, self._next_site(), shape, [0] * len(shape), shape, x.dtype, x.device, low, high))
 
@@ -305,6 +347,10 @@ class SiteKeyedDropout(TorchFunctionMode):
 _DRAWS = {torch.rand: SiteKeyedDropout._rand, torch.rand_like: SiteKeyedDropout._rand_like,
           torch.bernoulli: SiteKeyedDropout._bernoulli, Tensor.bernoulli: SiteKeyedDropout._bernoulli,
           Tensor.bernoulli_: lambda mode, args, kwargs: mode._bernoulli(args, kwargs, inplace=True),
-          Tensor.uniform_: SiteKeyedDropout._uniform_}
+          Tensor.uniform_: SiteKeyedDropout._uniform_,
+          torch.randn: lambda mode, args, kwargs: mode._rand(args, kwargs, normal=True),
+          torch.randn_like: lambda mode, args, kwargs: mode._rand_like(args, kwargs, normal=True),
+          Tensor.normal_: SiteKeyedDropout._normal_, torch.normal: SiteKeyedDropout._normal}
 """Random draws a forward may make besides dropout, by the function torch hands the mode: each is a
-site, numbered in call order with the dropout sites."""
+site, numbered in call order with the dropout sites. A draw with its own `generator` (inputs made inside the mode)
+is no site: torch draws it (capture refuses such a draw in a forward)."""

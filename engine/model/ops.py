@@ -121,6 +121,9 @@ def _site_dropout(node: Node, graph: Graph, inputs: Sequence[Tensor], offsets: S
     a = node.attrs
     if node.op == "rand":
         starts = region_starts(node.shape, out_shape, out_offset)
+        if a.get("normal"):
+            return dropout.randn(rng, a["rng_site"], node.shape, starts, out_shape, getattr(torch, node.dtype),
+                                 mean=a.get("mean", 0.0), std=a.get("std", 1.0))
         return dropout.rand(rng, a["rng_site"], node.shape, starts, out_shape, getattr(torch, node.dtype),
                             low=a.get("low", 0.0), high=a.get("high", 1.0))
     x = inputs[0]

@@ -585,14 +585,16 @@ SIZE_RELATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], Any]]] = {
     "indexer_n_heads": ("num_attention_heads", lambda c: c["num_attention_heads"]),
     "indexer_head_dim": ("head_dim", lambda c: c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]),
     "indexer_kv_heads": ("1: the indexer's one key head, shared by its queries", lambda c: 1),
+    "default_language": ("the first of languages", lambda c: list(c["languages"])[0]),
 }
 """Sizes a config may leave None that most configs derive by a standard relation: key -> (the relation, its value)."""
 UNSET_SIZE = re.compile(r"^(vocab_size|(\w+_)?head_dim|(\w+_)?(n|kv)_heads|num_key_value_heads|(\w+_)?intermediate_size|"
                         r"layer_types|(n|num)_(routed_|shared_|local_)?experts|num_experts_per_tok(en)?|top_k_experts|"
-                        r"moe_topk|rope_parameters|(\w+_)?budget|(\w+_)?compress_ratio)$")
+                        r"moe_topk|rope_parameters|(\w+_)?budget|(\w+_)?compress_ratio|default_language)$")
 """Keys of sizes a model needs when its default config leaves them None (the others' None means 'off'; a sparse
 attention's token indexer, Qwen4-Exp's, is built on its layers whatever its sizes say, its budget of tokens and
-the keys it pools into a block among them). An empty
+the keys it pools into a block among them; X-MOD's default language, whose adapters a batch without language ids
+runs, X-MOD refusing such a batch otherwise). An empty
 `rope_parameters` is unset too: transformers turns None into {} (no rotary parameters at all), which a model with
 rotary embeddings cannot build from."""
 

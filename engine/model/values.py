@@ -6,8 +6,9 @@ guard on data-dependent expression"). Two kinds of such branch are decided here 
 - **Inputs that are the same in every batch** (the all-ones attention masks `engine.model.source` makes). Their
   values are given to `KnownValues`, which follows every tensor computed from them alone (and from Python
   numbers and small constant factories) with a CPU twin computed alongside. A branch (`bool`, `.item()`,
-  `.tolist()`) on such a tensor takes the twin's value, and a boolean-mask index by one becomes the index of its
-  True entries (an all-True mask: a reshape). Every batch of a run has the same values, so the program holds for
+  `.tolist()`) on such a tensor takes the twin's value, a boolean-mask index by one becomes the index of its
+  True entries (an all-True mask: a reshape), and a write by an all-True (all-False) one a whole copy (nothing).
+  Every batch of a run has the same values, so the program holds for
   each of them (Longformer's `is_global_attn`, a loss that drops the masked positions).
 - **Assertions on tensor values** (`assert not x.isnan().any()`): a model that runs passes them, so the
   capture takes them as true, as `torch._check` would.
@@ -91,6 +92,8 @@ class KnownValues(torch.overrides.TorchFunctionMode):
             masked = self._mask_index(args[0], args[1])
             if masked is not None:
                 return masked
+        if name == "__setitem__" and len(args) == 3 and self._mask_write(*args):
+            return None
         out = func(*args, **kwargs)
         self._follow(func, name, args, kwargs, out)
         return out
@@ -120,6 +123,27 @@ class KnownValues(torch.overrides.TorchFunctionMode):
             every = bool(mask.all())
             where = None if every else mask.nonzero(as_tuple=True)
         return x.reshape(-1, *x.shape[k:]).clone() if every else x[where]
+
+    def _mask_write(self, x: Any, index: Any, value: Any) -> bool:
+        """`x[mask] = value` by a boolean mask of known value that is all True (x written whole: a copy of the values
+        laid out in x's shape) or all False (nothing written); False when the write is no such one (torch's own
+        write follows: a mask with some True entries becomes an index_put). X-MOD writes each language's adapter
+        output back by the language's mask."""
+        mask = self.twin(index) if isinstance(index, torch.Tensor) else None
+        if mask is None or mask.dtype != torch.bool or not isinstance(x, torch.Tensor) or mask.dim() == 0:
+            return False
+        k = mask.dim()
+        if tuple(x.shape[:k]) != tuple(mask.shape):
+            return False
+        with _disable_current_modes():
+            every, none = bool(mask.all()), not bool(mask.any())
+        if not (every or none):
+            return False
+        self.decided = True
+        if every:
+            self._forget_storage(x)
+            x.copy_(torch.broadcast_to(value, (mask.numel(), *x.shape[k:])).reshape(x.shape))
+        return True
 
     def _follow(self, func: Callable, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         """Give `out` the twin of func applied to the operands' twins, when every tensor operand has one."""

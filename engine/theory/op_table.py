@@ -79,7 +79,6 @@ _REPLICATED = """
 """
 """No rule (yet): kept opaque when the fallback allows it."""
 _REFUSED = """
-    randn.default: a random draw with no site-keyed numbers (each device would draw its own)
     randperm.default: a random draw with no site-keyed numbers (each device would draw its own)
     nonzero.default: its shape depends on the data: torch.export stops at its users
     _local_scalar_dense.default: `.item()`: a value read into Python, which export cannot guard on
@@ -130,6 +129,8 @@ TABLE: dict[str, CoreOp] = {
     **_rows(lowered("upsample", note="the same ATen overload, sizes and scales on each block"), "upsample_bilinear2d.vec",
             "upsample_nearest2d.vec"),
     "native_dropout.default": lowered("dropout", note="a site-keyed mask (engine/model/dropout.py)"),
+    "randn.default": lowered("rand", note="site-keyed normal numbers (Box-Muller on two of the site's uniform "
+                             "numbers per global index, engine/model/dropout.py); LSH attention's rotations"),
     **_rows(lowered("full"), "full.default", "full_like.default", "empty.memory_format", "empty_strided.default",
             "scalar_tensor.default", "fill.Scalar"),
     "constant_pad_nd.default": lowered("pad"),

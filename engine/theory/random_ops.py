@@ -5,7 +5,10 @@ A `rand` node has no operand. Its numbers are a function of (seed, step, site, g
 - F: every device draws the whole tensor (the same numbers on each);
 - S(d) on any dim of size >= 2: each device draws only its rows of d.
 No P: the numbers are not a sum of addends. `bernoulli` is captured as `rand`, `lt` and a cast; `x.uniform_(low,
-high)` (MoE jitter) as `rand` with attrs `low` and `high`: each number scaled on its own, so the same rules hold.
+high)` (MoE jitter) as `rand` with attrs `low` and `high`: each number scaled on its own, so the same rules hold;
+`randn`, `randn_like`, `normal_` and `normal` (LSH attention's rotations) as `rand` with `normal` (and `mean`, `std`):
+each number is Box-Muller on two uniform numbers of its own global index, elementwise too, so F and every S(d) are
+exact whatever consumes the draw (a rotation matrix contracted whole gets its Full form from the consumer's rules).
 """
 from __future__ import annotations
 

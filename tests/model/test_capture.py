@@ -785,3 +785,28 @@ def test_a_forward_that_writes_a_parameter_in_place_is_refused_at_its_line() -> 
                                                   r"`self\.lin\.weight\.data\.clamp_\(-1\.0, 1\.0\)`: Tensor\.clamp_"):
         engine.load_model(clips, (x,))
     assert any(n.op == "linear" for n in engine.load_model(plain, (x,)).nodes)
+
+
+class _RouterInDtype(nn.Module):
+    """Switch Transformers' router moves its classifier to the router dtype in forward (`self.classifier.to(dtype)`)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.classifier, self.dtype = nn.Linear(8, 4), dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.classifier = self.classifier.to(self.dtype)
+        return self.classifier(x.to(self.dtype)).softmax(-1).sum()
+
+
+def test_a_module_moved_to_its_own_dtype_in_forward_is_captured_as_if_untouched() -> None:
+    """torch swaps every fake parameter on a module conversion, even one that changes nothing, which export refused
+    ("Couldn't swap Linear.weight"); a no-op conversion is identity, a real one is refused at the model's line."""
+    with torch.device("meta"):
+        same, other, x = _RouterInDtype(torch.float32), _RouterInDtype(torch.float64), torch.randn(3, 8)
+    g = engine.load_model(same, (x,))
+    assert [n.op for n in g.nodes if n.op == "linear"] == ["linear"] and g.parameters[0].dtype == "float32"
+    with pytest.raises(ModelError, match=r"converts the parameters of Linear to another dtype.*at test_capture\.py:\d+ "
+                                         r"`self\.classifier = self\.classifier\.to\(self\.dtype\)`"):
+        engine.load_model(other, (x,))
+    assert torch.nn.Module._apply.__qualname__ == "Module._apply", "torch's own conversion is restored"

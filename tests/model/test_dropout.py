@@ -344,3 +344,95 @@ def test_every_rule_of_a_ranged_draw_gives_the_single_device_numbers(ratios):
     assert {r.output for r in rules} == {FULL, 0, 1}
     for r in rules:
         assert torch.equal(run_sharded(node, graph, [], r.inputs, r.output, ratios), single), str(r)
+
+
+class Rotations(nn.Module):
+    """LSH attention's hashing in small: random rotations (randn) contracted with the vectors, an argmax bucket,
+    plus a randn_like, a normal_ and a torch.normal that feed the loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rotations = torch.randn((6, 2), dtype=x.dtype)  # site 0
+        buckets = torch.argmax(torch.einsum("bd,dr->br", x.detach(), rotations), dim=-1)
+        h = self.fc(x) + torch.randn_like(x) + torch.empty_like(x).normal_(2.0, 0.5)  # sites 1, 2
+        return (h * buckets[:, None]).sum() + torch.normal(1.0, 3.0, size=(2, 3)).sum()  # site 3
+
+
+def test_normal_draws_are_sites_whose_mean_and_std_the_graph_keeps_and_the_eager_forward_draws_alike():
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
+    graph = engine.load_model(Rotations(), (x,))
+    draws = sorted((n.attrs["rng_site"], n.attrs.get("normal"), n.attrs.get("mean"), n.attrs.get("std"))
+                   for n in graph.nodes if n.op == "rand")
+    assert draws == [(0, True, None, None), (1, True, None, None), (2, True, 2.0, 0.5), (3, True, 1.0, 3.0)], draws
+    torch.manual_seed(0)
+    module = Rotations()
+    with SiteKeyedDropout(KEY) as mode:
+        eager = module(x)
+    assert mode.sites == 4
+    assert abs(float(interpret(graph, module, (x,), KEY)) - float(eager)) < 1e-5 * abs(float(eager))
+
+
+def test_site_keyed_normal_numbers_look_normal():
+    with SiteKeyedDropout(KEY):
+        z = torch.randn(200_000, dtype=torch.float64)
+    assert abs(float(z.mean())) < 0.01 and abs(float(z.std()) - 1.0) < 0.01, (z.mean(), z.std())
+    assert abs(float((z > 1.0).double().mean()) - 0.1587) < 0.005, "the tail of a standard normal"
+    assert torch.isfinite(z).all()
+
+
+@pytest.mark.parametrize("ratios", WORLDS, ids=["2-devices", "3-devices"])
+def test_every_rule_of_a_normal_draw_gives_the_single_device_numbers(ratios):
+    node, graph = one_node("rand", [], (7, 5), {"rng_site": 2, "normal": True, "mean": -1.0, "std": 2.0})
+    with SiteKeyedDropout(KEY):
+        torch.rand(1), torch.rand(1)  # sites 0 and 1
+        single = torch.empty(7, 5, dtype=torch.float64).normal_(-1.0, 2.0)  # site 2
+    rules = op_rules(node, graph)
+    assert {r.output for r in rules} == {FULL, 0, 1}
+    for r in rules:
+        assert torch.equal(run_sharded(node, graph, [], r.inputs, r.output, ratios), single), str(r)
+
+
+def test_a_draw_with_its_own_generator_is_refused_naming_the_operator():
+    class Seeded(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return (x * torch.randn(x.shape, generator=torch.Generator().manual_seed(0))).sum()
+
+    with pytest.raises(UnsupportedOpError, match="randn with its own generator"):
+        engine.load_model(Seeded(), (torch.ones(2, 3),))
+
+
+class LmLoss(nn.Module):
+    """A causal language model's loss on its own ids (the labels), as one positional input."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.inner(input_ids=ids, labels=ids).loss
+
+
+def test_reformer_lsh_attention_captures_and_computes_the_eager_loss_with_the_sites_rotations():
+    """LSH attention hashes by random rotations (`torch.randn` in forward): one normal site, whose numbers the
+    graph and the eager forward under SiteKeyedDropout draw alike, so buckets, sorting and loss agree."""
+    from transformers import ReformerConfig, ReformerModelWithLMHead
+
+    config = ReformerConfig(attn_layers=["lsh"], hidden_size=16, num_attention_heads=2, attention_head_size=8,
+                            feed_forward_size=16, axial_pos_embds=False, max_position_embeddings=16, vocab_size=20,
+                            lsh_attn_chunk_length=4, num_buckets=4, num_hashes=2, is_decoder=True,
+                            hidden_dropout_prob=0.0, lsh_attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    module = LmLoss(ReformerModelWithLMHead(config).double().train())
+    ids = torch.randint(0, 20, (2, 16), generator=torch.Generator().manual_seed(1))
+    graph = engine.load_model(module, (ids,), fallback="strict")
+    assert [n.attrs for n in graph.nodes if n.op == "rand"] == [{"rng_site": 0, "normal": True}]
+    with SiteKeyedDropout(KEY) as mode:
+        want = module(ids)
+    assert mode.sites == 1
+    got = interpret(graph, module, (ids,), KEY)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12), (got, want)
+    with SiteKeyedDropout(RngKey(seed=7, step=4)):
+        assert not torch.allclose(module(ids), want, rtol=1e-6), "another step hashes by other rotations"

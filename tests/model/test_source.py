@@ -228,6 +228,16 @@ def test_a_size_the_default_config_leaves_none_is_named_with_the_set_to_pass():
     assert "leaves rope_parameters empty" in source.unset_size_hint({"rope_parameters": {}})
 
 
+def test_a_default_language_left_none_is_named_with_the_first_of_the_languages():
+    """X-MOD refuses a batch without language ids unless its config names a default language (None by default):
+    the relation gives the first of its languages, which the sweep fills and a capture error names."""
+    unset = source.unset_sizes({"default_language": None, "languages": ["en_XX", "de_DE"]})
+    assert unset == {"default_language": ("the first of languages", "en_XX")}
+    assert source.unset_sizes({"default_language": "de_DE", "languages": ["en_XX", "de_DE"]}) == {}
+    assert 'pass --set default_language="en_XX" (the first of languages)' in source.unset_size_hint(
+        {"default_language": None, "languages": ("en_XX",)})
+
+
 def test_a_classifier_whose_forward_takes_no_labels_trains_on_the_cross_entropy_of_its_scores():
     """PPLCNet's forward takes pixels only and returns its class scores as `last_hidden_state`."""
     pytest.importorskip("transformers")

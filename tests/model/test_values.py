@@ -76,6 +76,34 @@ def test_a_boolean_index_by_a_known_all_true_mask_keeps_every_position():
         capture(model, inputs)
 
 
+class LanguageAdapters(nn.Module):
+    """X-MOD's adapters: a language id per sample (the default language's, made by `ones`), each language's adapter
+    run on its samples (a boolean index) and written back by the same mask (a boolean-mask write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapters = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lang_ids = 0 * torch.ones(x.shape[0], device=x.device)
+        out = torch.zeros_like(x)
+        for i, adapter in enumerate(self.adapters):
+            mask = lang_ids == i  # all True for language 0, all False for language 1
+            out[mask] = adapter(x[mask])
+        return (out * x).sum()
+
+
+def test_a_write_by_a_known_mask_all_true_is_a_whole_copy_and_all_false_writes_nothing():
+    from test_ecosystem import interpret
+
+    torch.manual_seed(0)
+    model, x = LanguageAdapters(), torch.randn(2, 3, 4)
+    graph = capture(model, (x,))
+    ops = [n.op for n in graph.nodes]
+    assert "index_put" not in ops and "opaque" not in ops and ops.count("linear") == 1, ops
+    assert torch.allclose(interpret(graph, model, (x,)), model(x))
+
+
 def test_a_write_of_unknown_values_forgets_what_was_known():
     class Overwritten(nn.Module):
         def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -109,3 +109,14 @@ def test_swin_with_its_default_drop_path_rate_trains_like_one_device_on_3_uneven
     plan = engine.plan(g, cluster(3), optimizer="sgd")
     assert len(set(plan.ratios["0"])) == 3, "the ratios should be uneven"
     check_equivalence(plan, tmp_path, "sgd", steps=2, near_zero=1e-6)  # the key biases' true gradient is 0 (hf_bert's note)
+
+
+def test_normal_noise_and_a_random_projection_train_like_one_device_on_3_uneven_ranks(tmp_path):
+    """`randn_like` noise and a whole `randn` projection (LSH attention's rotations): each rank draws its block of
+    the site's normal numbers (the noise's rows of its batch share), the projection whole or as the plan splits it."""
+    g = engine.load_model(str(ROOT / "tests" / "fixtures" / "model_files" / "normal_noise_mlp.py"))
+    plan = engine.plan(g, cluster(3), optimizer="sgd")
+    assert len(set(plan.ratios["0"])) == 3, "the ratios should be uneven"
+    draws = [i for i in plan.program if i.kind == "compute" and g[i.node].op == "rand"]
+    assert sorted(g[i.node].attrs["rng_site"] for i in draws) == [0, 1] and all(g[i.node].attrs["normal"] for i in draws)
+    check_equivalence(plan, tmp_path, "sgd", steps=2)
