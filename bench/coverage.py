@@ -21,6 +21,7 @@ Writes the table to bench/results/coverage.json. Run from the repository root:
     python bench/coverage.py --run                 # also train and verify on 2 and 3 ranks (slow)
     python bench/coverage.py --all --jobs 16       # every transformers type (bench/sweep.py; long)
     python bench/coverage.py --all --verify 10 --seed 20261127   # and train 10 of them drawn with that seed
+    python bench/coverage.py --all --types swin,funnel --verify-types swin,funnel   # train those (if they plan)
 """
 from __future__ import annotations
 
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep_args.add_argument("--cap", type=float, default=180.0, metavar="S", help="seconds per type")
     sweep_args.add_argument("--verify", type=int, default=0, metavar="K", help="then train K planned types, 2 steps")
     sweep_args.add_argument("--seed", type=int, default=20261127, help="the draw of --verify's types")
+    sweep_args.add_argument("--verify-types", metavar="A,B", help="then train these planned types (not a draw)")
     args = parser.parse_args(argv)
     if args.all:
         import sweep

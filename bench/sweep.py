@@ -8,7 +8,8 @@ and planned with default options on `sample_clusters/a100x2_p100x2.json`, in its
 several at once. Each row says: planned, refused (the operators or the reason), capture error, timeout or crash.
 
 `--verify K --seed S` then trains K planned types drawn with that seed, each with small widths as well, for
-two steps on 3 uneven gloo ranks (`hap run --steps 2 --verify`).
+two steps on 3 uneven gloo ranks (`hap run --steps 2 --verify`). `--verify-types a,b` trains those planned types
+instead of a draw (to rerun the ones a draw failed on).
 """
 from __future__ import annotations
 
@@ -415,9 +416,21 @@ def summary(outcomes: list[Outcome], elapsed_s: float, meta: dict[str, Any]) -> 
     return "\n".join(lines)
 
 
-def verify(planned: list[str], types: dict[str, str], k: int, seed: int) -> list[tuple[str, str]]:
-    """`hap run --steps 2 --verify` on 3 uneven ranks of K planned types drawn with `seed` (small widths)."""
-    drawn = random.Random(seed).sample(sorted(planned), min(k, len(planned)))
+def drawn_types(planned: list[str], k: int, seed: int, chosen: str | None = None) -> list[str]:
+    """The types `--verify` trains: `chosen` (comma-separated, each among the planned), else K drawn with `seed`."""
+    if chosen:
+        names = chosen.split(",")
+        unplanned = [t for t in names if t not in planned]
+        if unplanned:
+            raise SystemExit(f"--verify-types: not planned in this sweep: {', '.join(unplanned)}")
+        return names
+    return random.Random(seed).sample(sorted(planned), min(k, len(planned)))
+
+
+def verify(planned: list[str], types: dict[str, str], k: int, seed: int, chosen: str | None = None
+           ) -> list[tuple[str, str]]:
+    """`hap run --steps 2 --verify` on 3 uneven ranks of the `drawn_types` (small widths)."""
+    drawn = drawn_types(planned, k, seed, chosen)
     out = []
     for model_type in drawn:
         cls = types[model_type]
@@ -456,8 +469,9 @@ def main(args: Any) -> int:
     print(text)
     doc: dict[str, Any] = {**ran, "summary": text,
                            "elapsed_s": round(elapsed, 1), "rows": [asdict(o) for o in outcomes]}
-    if args.verify:
-        checks = verify([o.type for o in outcomes if o.status == "planned"], types, args.verify, args.seed)
+    if args.verify or args.verify_types:
+        checks = verify([o.type for o in outcomes if o.status == "planned"], types, args.verify, args.seed,
+                        args.verify_types)
         doc["verify"] = {"seed": args.seed, "rows": checks}
         print(f"verify: {sum(v.startswith('verify: OK') for _, v in checks)} of {len(checks)} OK (seed {args.seed})")
     if not args.types:

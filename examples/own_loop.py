@@ -10,7 +10,8 @@ builds any torch optimiser over this rank's shards (ZeRO slices included). Every
 ordinary PyTorch. With the same plan, data, seed and settings, `hap run plan.json --optimizer adamw
 --lr-schedule cosine ...` gives the same losses to the bit: it runs the same API (runner.loop).
 
-`--verify` retrains on one device (rank 0) and compares losses and final weights.
+`--verify` checks every step on one device (rank 0): the loss and gradients at the run's own parameters,
+and the final weights from the optimiser fed the run's gradients (runner.verify).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 import runner
 from runner.batches import batch_source
+from runner.train import Trace
 
 
 def warmup_cosine(warmup: int, steps: int, floor: float):
@@ -61,8 +63,10 @@ def main() -> None:
     opt = model.optimizer(torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.warmup, args.steps, args.min_lr / args.lr))
 
-    losses = []
+    losses, trace = [], Trace()
     for step in range(args.steps):
+        if args.verify:  # every rank takes part; rank 0 checks each step from these (runner.verify)
+            trace.params.append({k: v.detach().cpu().clone() for k, v in model.full_state_dict().items()})
         model.zero_grad()
         total = 0.0
         for j in range(args.accum):
@@ -77,6 +81,8 @@ def main() -> None:
         opt.step()
         sched.step()
         losses.append(total / args.accum)
+        if args.verify:
+            trace.grads.append(model.full_grad_dict())
         if model.rank == 0:
             extra = f"  grad norm {float(norm):.3g}" if norm is not None else ""
             print(f"step {step:4d}  loss {losses[-1]:.6f}  lr {lr:.3g}{extra}", flush=True)
@@ -87,23 +93,21 @@ def main() -> None:
             json.dump(losses, f)
     status = 0
     if args.verify and model.rank == 0:
-        status = verify(model, args, batches, losses, state)
+        status = verify(model, args, batches, losses, state, trace)
     dist.destroy_process_group()
     raise SystemExit(status)
 
 
-def verify(model, args, batches, losses: list[float], state: dict) -> int:
-    """Single-device training with the same settings; 0 when losses and weights match within tolerance."""
+def verify(model, args, batches, losses: list[float], state: dict, trace: Trace) -> int:
+    """Each step against one device with the same settings; 0 when losses, gradients and weights match
+    within tolerance (runner.verify says how)."""
     from runner.optim import OptimConfig
-    from runner.train import reference_run
-    from runner.verify import compare, tolerance_for
+    from runner.verify import check_steps, tolerance_for
 
     optim = OptimConfig(name="adamw", lr=args.lr, weight_decay=args.weight_decay, schedule="cosine",
                         warmup=args.warmup, min_lr=args.min_lr, steps=args.steps, clip_grad_norm=args.clip,
                         grad_accum=args.accum)
-    noise: set[str] = set()
-    ref_losses, ref_params = reference_run(model.plan, args.steps, args.seed, optim=optim, batches=batches, noise=noise)
-    result = compare(losses, state, ref_losses, ref_params, sorted(noise))
+    result = check_steps(model.plan, losses, state, trace, args.seed, optim, batches=batches)
     tolerance = tolerance_for(model.plan.options.precision)
     print(result.render(tolerance), flush=True)
     return 0 if result.ok(tolerance) else 1

@@ -27,7 +27,7 @@ What the object does for you, and why each piece is here:
 - `clip_grad_norm_` computes the true global norm: replicated gradients counted once, the squares of
   sharded and sliced ones summed across ranks;
 - `full_state_dict` / `load_full_state_dict` gather or scatter the single-device parameters (names as the
-  model has them); `save_pretrained` writes them as safetensors (runner.weights).
+  model has them); `full_grad_dict` gathers the gradients the optimiser last got (verify mode compares them); `save_pretrained` writes them as safetensors (runner.weights).
 
 Pipeline plans: `parallelize` returns a `runner.pipeline_api.PipelineModel` with the same surface where it
 applies, so the loop above runs unchanged. What differs: `local_batch` returns the whole global batch
@@ -60,7 +60,7 @@ from .pipeline_api import PipelineModel, parallelize_pipeline
 from .precision import autocast
 from .program import shard
 from .timing import Pacer
-from .train import RankState, factory_device, gathered_params, setup_rank, sync_gradients
+from .train import RankState, factory_device, gathered_grads, gathered_params, setup_rank, sync_gradients
 from .zero import optimizer_params
 
 
@@ -333,6 +333,11 @@ class ParallelModel:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to its whole shape, by the model's names (collective: every rank calls it)."""
         return gathered_params(self.plan, self.state)
+
+    def full_grad_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter's gradient as the optimiser last got it, gathered whole, by the model's names, on
+        the CPU (collective; what `--verify` compares step by step: runner.verify)."""
+        return gathered_grads(self.plan, self.state)
 
     @torch.no_grad()
     def load_full_state_dict(self, state: Mapping[str, torch.Tensor]) -> None:

@@ -60,7 +60,7 @@ from runner.api import parallelize
 from runner.batches import batch_source
 from runner.loop import train_step
 from runner.run_report import MetricsFile, Progress, announce, evaluate, run_settings
-from runner.train import RankState
+from runner.train import RankState, Trace, gathered_grads, gathered_params
 from runner.timing import mfu_line
 from runner.verify import verify
 
@@ -88,6 +88,19 @@ def agree_on_start(start: int, rank: int, device: torch.device) -> None:
     if len(set(starts)) > 1:
         raise checkpoint.CheckpointError(f"ranks found different checkpoints to resume from (steps done per rank: "
                                          f"{starts}); --checkpoint-dir must be one folder every rank sees")
+
+
+def record(st: RankState, keep: bool, params: dict, grads: dict) -> None:
+    """Verify mode: rank 0 keeps the step's parameters before it and the gradients its optimiser got."""
+    if keep:
+        st.trace = st.trace or Trace()
+        st.trace.params.append(params)
+        st.trace.grads.append(grads)
+
+
+def snapshot(params: dict) -> dict:
+    """Copies on the CPU, taken before the step: a Full parameter is the live tensor the optimiser steps in place."""
+    return {k: v.detach().cpu().clone() for k, v in params.items()}
 
 
 def checkpoint_due(cfg: RunConfig, steps_done: int) -> bool:
@@ -132,7 +145,11 @@ def train(plan: Plan, cfg: RunConfig, env: DistEnv, device: torch.device, metric
             evaluate(model, evals, cfg, 0, metrics, env.rank)
         for step in range(start, cfg.steps):
             maybe_inject_fault(env.rank, step)
+            before = gathered_params(plan, st) if cfg.verify else None  # collectives: every rank takes part
+            before = snapshot(before) if before is not None and env.rank == 0 else before
             result = train_step(model, opt, batches, optim, step, want_norm=bool(cfg.metrics))
+            if cfg.verify:
+                record(st, env.rank == 0, before, gathered_grads(plan, st))
             metrics.write({"step": step, "rank": env.rank, "loss": result.loss, "step_time_s": result.seconds,
                            "lr": result.lr, "grad_norm": result.grad_norm, "grad_accum": optim.grad_accum,
                            **progress.figures(result.seconds),

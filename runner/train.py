@@ -73,6 +73,18 @@ class RankState:
     """The dtype gradients are all-reduced in (None: fp32; bf16 under the plan's grad_dtype bf16)."""
     zero: RankStates | None = None
     """The plan's sharded states of Full weights on this rank (runner.zero); None when it has none."""
+    trace: "Trace | None" = None
+    """Verify mode, rank 0: each step's parameters and gradients, whole (runner.verify checks them)."""
+
+
+@dataclass
+class Trace:
+    """The distributed run as verify mode records it (runner.verify), whole tensors on rank 0, one entry per step."""
+
+    params: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """The parameters before each step, by the names the plan holds (`gathered_params`)."""
+    grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """The gradients each step's optimiser got: synchronised, unscaled, clipped (`gathered_grads`)."""
 
 
 GRAD_SYNC = ("bucket", "per-param")
@@ -183,14 +195,35 @@ def gathered_params(plan: Plan, st: RankState) -> dict[str, torch.Tensor]:
     return out
 
 
+def gathered_grads(plan: Plan, st: RankState) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient as the optimiser last received it (synchronised, unscaled, clipped),
+    reassembled to its full shape (verify mode checks the program on these). Collective: every rank
+    calls it; a parameter without a gradient on a rank contributes zeros there."""
+    from .zero import optimizer_params
+
+    staged = st.zero.by_index() if st.zero is not None else {}
+    out = {}
+    for i, ((node, form), p) in enumerate(zip(st.program.params, optimizer_params(st))):
+        g = (p.grad if p.grad is not None else torch.zeros_like(p)).detach()
+        if i in staged:  # the optimiser steps a ZeRO slice: its gradient is the slice's
+            g = staged[i].gather(g)
+        elif form >= 0:
+            g = gather_padded(g.contiguous(), form, sizes_of(plan, node, form))
+        out[plan.graph[node].attrs["target"]] = _copy(g)
+    return out
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    """A detached fp32 copy on the CPU (a gradient may be a view of a bucket the next step overwrites)."""
+    return t.detach().float().cpu().clone()
+
+
 def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
                   device: torch.device | str = "cpu", *, optim: OptimConfig | None = None,
-                  batches: Batches | None = None, init: Mapping[str, torch.Tensor] | str | Path | None = None,
-                  noise: set[str] | None = None):
+                  batches: Batches | None = None, init: Mapping[str, torch.Tensor] | str | Path | None = None):
     """Single-device training of the same model on the same batches and dropout masks, with the same
     optimiser, schedule, clipping and accumulation (`optim`; else `optimizer` at a fixed `lr`): losses
-    and final parameters. `noise`, when given, receives the names of parameters whose gradient stayed
-    rounding noise (`noise_parameters`)."""
+    and final parameters."""
     optim = optim or OptimConfig(name=optimizer, lr=lr)
     module = initial_module(plan, seed, init).to(device)
     params = list(module.parameters())
@@ -200,7 +233,6 @@ def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr:
     draw = batches or Batches(lambda index: make_batch(plan, index, seed))
     k = optim.grad_accum
     losses: list[float] = []
-    peak: dict[str, float] = {}
     for step in range(steps):
         O.set_lr(opt, optim.lr_at(step))
         opt.zero_grad(set_to_none=True)
@@ -215,10 +247,6 @@ def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr:
             total += float(loss.detach())
         if scaler is not None:
             scaler.unscale_(opt)
-        if noise is not None:
-            for name, p in module.named_parameters():
-                if p.grad is not None:
-                    peak[name] = max(peak.get(name, 0.0), float(p.grad.detach().double().abs().max()))
         if optim.clip_grad_norm:
             grads = [p.grad for p in params if p.grad is not None]
             O.clip_(grads, O.total_norm(grads), optim.clip_grad_norm)
@@ -228,21 +256,4 @@ def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr:
             scaler.step(opt)
             scaler.update()
         losses.append(total / k)
-    if noise is not None and optim.name != "sgd":
-        noise.update(noise_parameters(peak))
     return losses, {k_: v.detach() for k_, v in module.named_parameters(remove_duplicate=False)}
-
-
-NOISE = 1e-5
-"""A gradient whose largest element never exceeded this fraction of the largest gradient element of the
-model, over every step, is rounding noise (an attention key bias: softmax ignores a shift common to all
-keys, so its true gradient is exactly zero)."""
-
-
-def noise_parameters(peak: Mapping[str, float]) -> list[str]:
-    """Parameters whose gradient was only rounding noise. Adam and AdamW divide a gradient by its own
-    running magnitude, so they turn such noise into steps of the full learning rate with a random sign:
-    the distributed run and the reference then differ by about the learning rate there, which says
-    nothing about the program. SGD scales noise by the rate, and such a parameter stays at ~1e-10."""
-    top = max(peak.values(), default=0.0)
-    return sorted(name for name, value in peak.items() if top > 0 and value <= NOISE * top)
