@@ -24,8 +24,9 @@ a gradient scaled by any constant (a gradient summed once per rank, say).
 Differences are relative: |a - b| / |b| for a loss; rms(a - b) / max(rms(b), floor) over a tensor, the
 relative Frobenius norm. Floors: a parameter whose rms is below `NEAR_ZERO` is compared absolutely; a
 gradient is compared to the larger of its own rms, `GRAD_FLOOR` of the model's gradient rms at that
-step, and `ROUNDING_FACTOR` times the rounding one fp32 device makes on it, measured by redoing
-step 1's forward and backward in fp64 (`rounding`): a gradient whose true value is zero is rounding
+step, and `ROUNDING_FACTOR` times the rounding one device makes on it (in fp32, or in the plan's
+autocast) over the tolerance, measured by redoing step 1's forward and backward in fp64 (`rounding`):
+a difference within ROUNDING_FACTOR x that rounding passes. A gradient whose true value is zero is rounding
 of terms that cancel, and how large those terms are is the model's business (MobileViTv2's
 batch-norm biases sum 98,304 positions: fp32 holds 1.6e-6 there, fp64 1e-14).
 
@@ -220,11 +221,10 @@ def replayed_optimizer(plan: Plan, seed: int, optim: OptimConfig, grads: Sequenc
 
 def rounding(plan: Plan, theta: Mapping[str, torch.Tensor], seed: int, optim: OptimConfig, grads32: Mapping[str, torch.Tensor],
              **kw) -> tuple[dict[str, float], str]:
-    """rms of one fp32 device's rounding error on each gradient of step 1 (its difference from fp64 at the
-    same parameters), and a line saying so; empty when fp64 cannot run the model (a module that casts to
-    fp32 itself) or the plan is in mixed precision (its tolerance covers rounding)."""
-    if precision_of(plan) != "fp32":
-        return {}, ""
+    """rms of one device's rounding error on each gradient of step 1 (its difference from fp64 at the same
+    parameters: fp32's, or the plan's autocast's in mixed precision, where a zero true gradient is bf16 or
+    fp16 rounding), and a line saying so; empty when fp64 cannot run the model (a module that casts to fp32
+    itself)."""
     try:
         _, (grads64,) = forced_reference(plan, [theta], seed, optim, dtype=torch.float64, **kw)
     except (RuntimeError, TypeError, ValueError) as e:
@@ -243,10 +243,11 @@ def grad_scale(ref: Mapping[str, torch.Tensor]) -> float:
 
 
 def compare_grads(grads: Sequence[Mapping[str, torch.Tensor]], ref_grads: Sequence[Mapping[str, torch.Tensor]],
-                  noise: Mapping[str, float] | None = None) -> tuple[float, str, int]:
+                  noise: Mapping[str, float] | None = None, tolerance: float = TOLERANCE) -> tuple[float, str, int]:
     """The largest gradient difference over steps and parameters, each against the larger of its own rms,
-    GRAD_FLOOR of the step's model gradient rms and ROUNDING_FACTOR x its measured rounding (`noise`, step
-    1's: the same order at every step, since each starts from the run's own parameters)."""
+    GRAD_FLOOR of the step's model gradient rms and ROUNDING_FACTOR x its measured rounding over `tolerance`
+    (`noise`, step 1's: the same order at every step, since each starts from the run's own parameters), so
+    a difference passes when it is within ROUNDING_FACTOR x that rounding."""
     if len(grads) != len(ref_grads):
         return math.inf, "(steps)", min(len(grads), len(ref_grads))
     worst = (0.0, "-", 0)
@@ -254,7 +255,7 @@ def compare_grads(grads: Sequence[Mapping[str, torch.Tensor]], ref_grads: Sequen
         scale = grad_scale(ref)
         for k, b in ref.items():
             if k in got:
-                floor = max(GRAD_FLOOR * scale, ROUNDING_FACTOR * (noise or {}).get(k, 0.0) / TOLERANCE)
+                floor = max(GRAD_FLOOR * scale, ROUNDING_FACTOR * (noise or {}).get(k, 0.0) / tolerance)
                 d = rel_diff(got[k], b, floor)
                 if d > worst[0]:
                     worst = (d, k, step)
@@ -291,13 +292,14 @@ def compare(losses: list[float], params: dict[str, torch.Tensor],
 
 def compare_steps(losses: list[float], params: dict[str, torch.Tensor], trace: Trace, ref_losses: list[float],
                   ref_grads: list[dict[str, torch.Tensor]], replayed: dict[str, torch.Tensor],
-                  noise: Mapping[str, float] | None = None, rounding_line: str = "") -> Comparison:
+                  noise: Mapping[str, float] | None = None, rounding_line: str = "",
+                  tolerance: float = TOLERANCE) -> Comparison:
     """The step-by-step rule (module docstring): the run's losses and gradients against one device's at the
     run's own parameters (`forced_reference`), its final parameters against the optimiser replayed on its
-    gradients (`replayed_optimizer`)."""
+    gradients (`replayed_optimizer`); `tolerance` is the plan's (`tolerance_for`)."""
     loss_rel, step = _loss_rels(losses, ref_losses)
     result = Comparison(loss_rel, step, *_param_rels(params, replayed), _missing(params, replayed))
-    result.grad_rel, result.grad_name, result.grad_step = compare_grads(trace.grads, ref_grads, noise)
+    result.grad_rel, result.grad_name, result.grad_step = compare_grads(trace.grads, ref_grads, noise, tolerance)
     result.rounding = rounding_line
     return result
 
@@ -310,7 +312,8 @@ def check_steps(plan: Plan, losses: list[float], params: dict[str, torch.Tensor]
     ref_losses, ref_grads = forced_reference(plan, trace.params, seed, optim, **kw)
     replayed = replayed_optimizer(plan, seed, optim, trace.grads, init=init)
     noise, line = rounding(plan, trace.params[0], seed, optim, ref_grads[0], **kw) if trace.params else ({}, "")
-    return compare_steps(losses, params, trace, ref_losses, ref_grads, replayed, noise, line)
+    return compare_steps(losses, params, trace, ref_losses, ref_grads, replayed, noise, line,
+                         tolerance_for(precision_of(plan)))
 
 
 def verify(plan: Plan, cfg: RunConfig, st: RankState, rank: int, device: torch.device, batches: Batches | None = None) -> int:
