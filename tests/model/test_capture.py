@@ -475,22 +475,14 @@ class ComplexRope(nn.Module):
 def test_complex_rotary_is_lowered_to_real_pairs_and_computes_the_same() -> None:
     """Complex tensors are held as (re, im) pairs: the graph has no complex node, every node's rules hold on
     uneven shards, and the loss and its gradients are torch's."""
-    from engine.theory.check import check_node
-    from test_ecosystem import interpret
+    from test_ecosystem import assert_lowered_like_torch
 
     torch.manual_seed(0)
     module, x = ComplexRope(), torch.randn(2, 5, 8, requires_grad=True)
     g = engine.load_model(module, (x,))
     assert not any(n.dtype.startswith("complex") for n in g.nodes) and engine.theory.missing_rules(g) == []
     assert {"cos", "sin", "select", "cat", "sub"} <= {n.op for n in g.nodes} and "opaque" not in {n.op for n in g.nodes}
-    for n in g.nodes:
-        if not n.is_leaf:
-            bad = [str(r) for r in check_node(n, g, [0.5, 0.3, 0.2]) if not r.ok]
-            assert not bad, (n.name, bad)
-    got, want = interpret(g, module, (x,)), module(x)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    grads = [torch.autograd.grad(v, [x, module.q.weight]) for v in (got, want)]
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*grads))
+    assert_lowered_like_torch(g, module, (x,), [x, module.q.weight])
 
 
 class ComplexUnruly(nn.Module):

@@ -60,6 +60,23 @@ def interpret(graph: Graph, module: nn.Module, inputs: tuple[torch.Tensor, ...],
     return values[graph.loss]
 
 
+def assert_lowered_like_torch(graph: Graph, module: nn.Module, inputs: tuple[torch.Tensor, ...],
+                              wrt: list[torch.Tensor], *, checked: tuple[str, ...] | None = None,
+                              rtol: float = 1e-5, atol: float = 1e-6, grad_rtol: float | None = None) -> None:
+    """A lowering's contract: the rules of every compute node (or of the ops in `checked`) hold on uneven
+    shards (engine.theory.check), and the graph computes torch's loss and its gradients by `wrt`."""
+    from engine.theory.check import check_node
+
+    for n in graph.nodes:
+        if not n.is_leaf and (checked is None or n.op in checked):
+            bad = [str(r) for r in check_node(n, graph, [0.5, 0.3, 0.2]) if not r.ok]
+            assert not bad, (n.name, bad)
+    got, want = interpret(graph, module, inputs), module(*inputs)
+    assert torch.allclose(got, want, rtol=rtol, atol=atol)
+    grads = [torch.autograd.grad(v, wrt) for v in (got, want)]
+    assert all(torch.allclose(a, b, rtol=grad_rtol or rtol, atol=atol) for a, b in zip(*grads))
+
+
 def test_every_unsupported_operator_is_listed_at_once_with_node_and_source() -> None:
     with pytest.raises(UnsupportedOpError) as info:
         engine.load_model(Unruly(), unruly_inputs())

@@ -87,20 +87,14 @@ class SlidingChunks(nn.Module):
 
 
 def test_sliding_chunks_capture_with_rules_and_compute_torchs_values_and_gradients() -> None:
-    from engine.theory.check import check_node
-    from test_ecosystem import interpret
+    from test_ecosystem import assert_lowered_like_torch
 
     torch.manual_seed(0)
     module, x = SlidingChunks(), torch.randn(3, 8, 4, requires_grad=True)
     g = engine.load_model(module, (x,), fallback="strict")
     assert "unfold" in {n.op for n in g.nodes} and engine.theory.missing_rules(g) == []
-    for n in g.nodes:
-        if n.op in ("unfold", "narrow", "permute"):
-            assert not [str(r) for r in check_node(n, g, [0.5, 0.3, 0.2]) if not r.ok], n.name
-    got, want = interpret(g, module, (x,)), module(x)
-    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    grads = [torch.autograd.grad(v, [x, module.q.weight, module.v.weight]) for v in (got, want)]
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(*grads))
+    assert_lowered_like_torch(g, module, (x,), [x, module.q.weight, module.v.weight],
+                              checked=("unfold", "narrow", "permute"))
 
 
 class Overread(nn.Module):
