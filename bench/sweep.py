@@ -184,13 +184,17 @@ def shrunk_dict(default: dict[str, Any], small: bool = False, per_kind: int = 1)
                  and not every_layer(v)}
     most = max(layers.values(), default=0)
     parts = partition(default, most)
-    n = max([LAYERS, sum(v > 0 for v in parts.values()), *(per_kind * len(kinds_of(v)) for v in per_layer.values())])
+    lists = {}  # the per-layer lists by their length: those of one length are cut to the same layers
+    for v in per_layer.values():
+        lists.setdefault(len(v), []).append(v)
+    n = max([LAYERS, sum(v > 0 for v in parts.values()), *(len(kept_jointly(vs, 0, per_kind)) for vs in lists.values())])
+    keeps = {length: kept_jointly(vs, n, per_kind) for length, vs in lists.items()}
     knobs.update({k: n for k, v in layers.items() if v > n})
-    knobs.update({k: cut(v, n, per_kind) for k, v in per_layer.items() if len(v) > n})
+    knobs.update({k: [v[i] for i in keeps[len(v)]] for k, v in per_layer.items() if len(v) > n})
     if most > n:
         knobs.update(apportioned(parts, n))
     if most > n:  # Gemma 4's per_layer_config {"05": {"head_dim": 512}, ...}: the kept layers' entries, renumbered
-        keep = kept(next(iter(per_layer.values())), n, per_kind) if per_layer else list(range(n))
+        keep = keeps.get(most, list(range(n)))
         knobs.update({k: renumbered(v, keep) for k, v in default.items() if by_layer(v, most)})
         knobs.update({k: list(range(len(keep))) for k, v in default.items() if every_layer(v) and len(v) == most})
     for k, v in default.items():
@@ -273,13 +277,22 @@ def kinds_of(values: list) -> dict[str, int]:
 def cut(values: list, n: int, per_kind: int = 1) -> list:
     """A per-layer list cut to n layers that keeps a layer of each kind (configs check for one 'full_attention'
     layer, an attention layer among linear ones, ...)."""
-    return [values[i] for i in kept(values, n, per_kind)]
+    return [values[i] for i in kept_jointly([values], n, per_kind)]
 
 
-def kept(values: list, n: int, per_kind: int = 1) -> list[int]:
-    """The layers `cut` keeps: the first `per_kind` of each kind, then the first others, in order."""
-    keep = {i for kind in kinds_of(values) for i in [j for j, v in enumerate(values) if json.dumps(v) == kind][:per_kind]}
-    keep |= set([i for i in range(len(values)) if i not in keep][:max(0, n - len(keep))])
+def kept_jointly(lists: list[list], n: int, per_kind: int = 1) -> list[int]:
+    """One set of layers for several per-layer lists of the same layers: the first `per_kind` of each kind of
+    each list (reusing a layer already kept for another list), then the first others up to n. Cut apart, Dots3
+    Note's `mlp_layer_types` kept layers 0 and 1 and its `layer_types` layers 0 and 2, so the sliding layer's
+    entry of `per_layer_config` went with neither and the config did not validate."""
+    keep: set[int] = set()
+    for values in lists:
+        for kind in kinds_of(values):
+            of_kind = [j for j, v in enumerate(values) if json.dumps(v) == kind]
+            missing = per_kind - sum(j in keep for j in of_kind)
+            keep |= set([j for j in of_kind if j not in keep][:max(0, missing)])
+    length = len(lists[0]) if lists else 0
+    keep |= set([i for i in range(length) if i not in keep][:max(0, n - len(keep))])
     return sorted(keep)
 
 

@@ -465,7 +465,8 @@ def test_a_per_layer_list_is_cut_keeping_a_layer_of_each_kind(sweep):
     ("NeoMMEForMaskedLM", {"num_hidden_layers": 2}),  # keeps its one full_attention layer (the config checks)
     ("AXK1ForCausalLM", {"n_routed_experts": 4, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 4}),
     ("Ernie4_5_MoeForCausalLM", {"moe_num_experts": 4, "moe_k": 4}),  # top-k within the shrunk experts
-    ("Gemma3nForCausalLM", {"num_kv_shared_layers": 0}),  # 15 of 35 KV-sharing layers would leave no producer
+    # layers of each attention kind and each activation sparsity (3), and 15 of 35 KV-sharing layers scaled to 1
+    ("Gemma3nForCausalLM", {"num_hidden_layers": 3, "num_kv_shared_layers": 1}),
     ("MinistralForCausalLM", {"head_dim": 128}),  # None in the default: hidden_size // num_attention_heads
     ("Dots1ForCausalLM", {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1}),  # None: filled
     ("EsmForMaskedLM", {"vocab_size": 32000, "pad_token_id": 0}),  # no vocabulary, so no padding id: both filled
@@ -519,6 +520,20 @@ def test_the_sweep_keeps_a_per_layer_dict_for_the_layers_it_keeps_renumbered(swe
     assert text["layer_types"] == ["sliding_attention", "full_attention"]
     assert text["per_layer_config"] == {"01": {"head_dim": 512}}
     source.hf_spec("hf:Gemma4ForConditionalGeneration", None, sweep.shrunk("Gemma4ForConditionalGeneration"))
+
+
+def test_per_layer_lists_of_the_same_layers_are_cut_to_the_same_layers(sweep):
+    """Dots3 Note has `mlp_layer_types` (dense first) and `layer_types` (sliding from layer 2) and gives each sliding
+    layer its sizes in `per_layer_config`: the kept layers must be one set for all three."""
+    pytest.importorskip("transformers")
+    assert sweep.kept_jointly([["d", "s", "s", "s"], ["i", "i", "w", "w"]], 2) == [0, 1, 2]
+    assert sweep.kept_jointly([["d", "s", "s"], ["i", "w", "w"]], 2) == [0, 1]  # one layer serves both lists
+    knobs = sweep.shrunk("Dots3NoteForCausalLM")
+    kept = len(knobs["layer_types"])
+    assert len(knobs["mlp_layer_types"]) == kept == knobs["num_hidden_layers"]
+    sliding = [i for i, t in enumerate(knobs["layer_types"]) if t == "sliding_attention"]
+    assert sliding and sorted(int(k) for k in knobs["per_layer_config"]) == sliding
+    source.hf_spec("hf:Dots3NoteForCausalLM", None, knobs)  # validates
 
 
 def test_a_parameter_a_legacy_constructor_makes_on_the_cpu_is_moved_to_meta_for_the_capture():
