@@ -213,7 +213,8 @@ def shrunk_dict(default: dict[str, Any], small: bool = False, per_kind: int = 1)
         knobs.update({k: v for k, v in SMALL.items() if isinstance(default.get(k), int)})
         knobs.update(widths_summing(default, knobs))
     knobs.update(sequence_fitted(default, SMALL_SEQ if small else None))
-    for k, v in default.items():
+    for k, v in default.items():  # sub-configs, and a per-layer dict's entries as renumbered above
+        v = knobs.get(k, v) if isinstance(knobs.get(k), dict) else v
         sub = shrunk_dict(v, small, per_kind) if isinstance(v, dict) and all(isinstance(x, str) for x in v) else {}
         if sub:
             knobs[k] = {**v, **sub}

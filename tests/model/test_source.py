@@ -520,6 +520,9 @@ def test_the_sweep_keeps_a_per_layer_dict_for_the_layers_it_keeps_renumbered(swe
     assert text["layer_types"] == ["sliding_attention", "full_attention"]
     assert text["per_layer_config"] == {"01": {"head_dim": 512}}
     source.hf_spec("hf:Gemma4ForConditionalGeneration", None, sweep.shrunk("Gemma4ForConditionalGeneration"))
+    small = sweep.shrunk("Gemma4UnifiedForConditionalGeneration", small=True)  # verify's widths: entries shrunk too
+    assert small["text_config"]["per_layer_config"] == {"01": {"head_dim": 16}}
+    source.hf_spec("hf:Gemma4UnifiedForConditionalGeneration", None, small)
 
 
 def test_per_layer_lists_of_the_same_layers_are_cut_to_the_same_layers(sweep):
