@@ -218,6 +218,26 @@ def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().float().cpu().clone()
 
 
+def single_device_backward(module: torch.nn.Module, draw: Batches, step: int, k: int, seed: int, precision: str,
+                           device: torch.device | str, scaler: torch.amp.GradScaler | None,
+                           dtype: torch.dtype | None = None) -> float:
+    """One device's forward and backward of step `step`'s `k` accumulated batches, under the ranks' dropout masks
+    and autocast, gradients added into `.grad` (scaled when `scaler` is given); `dtype` casts the float inputs.
+    Returns the step's mean loss. The reference run and verify's forced steps both go through it."""
+    total = 0.0
+    for j in range(k):
+        index = step * k + j
+        inputs = [t.to(device) for t in draw(index)]  # drawn outside the mode: a file's torch.randn is no site
+        if dtype is not None:
+            inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
+        with SiteKeyedDropout(RngKey(seed, index)), autocast(precision, device):
+            loss = module(*inputs)
+        scaled = loss if k == 1 else loss / k
+        (scaler.scale(scaled) if scaler else scaled).backward()
+        total += float(loss.detach())
+    return total / k
+
+
 def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr: float = 0.05,
                   device: torch.device | str = "cpu", *, optim: OptimConfig | None = None,
                   batches: Batches | None = None, init: Mapping[str, torch.Tensor] | str | Path | None = None):
@@ -236,15 +256,7 @@ def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr:
     for step in range(steps):
         O.set_lr(opt, optim.lr_at(step))
         opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for j in range(k):
-            index = step * k + j
-            batch = tuple(t.to(device) for t in draw(index))  # drawn outside the mode: a file's torch.randn is no site
-            with SiteKeyedDropout(RngKey(seed, index)), autocast(precision, device):  # the ranks' masks and autocast
-                loss = module(*batch)
-            scaled = loss if k == 1 else loss / k
-            (scaler.scale(scaled) if scaler else scaled).backward()
-            total += float(loss.detach())
+        losses.append(single_device_backward(module, draw, step, k, seed, precision, device, scaler))
         if scaler is not None:
             scaler.unscale_(opt)
         if optim.clip_grad_norm:
@@ -255,5 +267,4 @@ def reference_run(plan: Plan, steps: int, seed: int, optimizer: str = "sgd", lr:
         else:
             scaler.step(opt)
             scaler.update()
-        losses.append(total / k)
     return losses, {k_: v.detach() for k_, v in module.named_parameters(remove_duplicate=False)}

@@ -47,15 +47,14 @@ from typing import Mapping, Sequence
 
 import torch
 
-from engine.model.dropout import RngKey, SiteKeyedDropout
 from engine.spmd.plan import Plan
 
 from . import optim as O
 from .batches import Batches
 from .config import RunConfig
 from .optim import OptimConfig
-from .precision import autocast, precision_of
-from .train import RankState, Trace, gathered_params, initial_module, make_batch, reference_run
+from .precision import precision_of
+from .train import RankState, Trace, gathered_params, initial_module, make_batch, reference_run, single_device_backward
 
 TOLERANCE = 1e-4
 """Largest relative difference accepted in fp32 (issue: runner, verify mode)."""
@@ -176,17 +175,7 @@ def forced_reference(plan: Plan, thetas: Sequence[Mapping[str, torch.Tensor]], s
             for name, value in theta.items():
                 named[name].copy_(value)
         module.zero_grad(set_to_none=True)
-        total = 0.0
-        for j in range(k):
-            index = step * k + j
-            inputs = [t.to(device) for t in draw(index)]
-            if dtype is not None:
-                inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
-            with SiteKeyedDropout(RngKey(seed, index)), autocast(precision, device):
-                loss = module(*inputs)
-            scaled = loss if k == 1 else loss / k
-            (scaler.scale(scaled) if scaler else scaled).backward()
-            total += float(loss.detach())
+        loss = single_device_backward(module, draw, step, k, seed, precision, device, scaler, dtype)
         held = [p for p in module.parameters() if p.grad is not None]
         if scaler is not None:
             inv = 1.0 / float(scaler.get_scale())
@@ -196,7 +185,7 @@ def forced_reference(plan: Plan, thetas: Sequence[Mapping[str, torch.Tensor]], s
             O.clip_([p.grad for p in held], O.total_norm([p.grad for p in held]), optim.clip_grad_norm)
         grads.append({name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().cpu().clone()
                       for name, p in named.items()})
-        losses.append(total / k)
+        losses.append(loss)
     return losses, grads
 
 

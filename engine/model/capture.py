@@ -1370,11 +1370,16 @@ def _h_random_refused(c: _Ctx) -> int:
                        "use nn.Dropout / F.dropout, whose masks every device derives exactly)")
 
 
+def _refuse_own_generator(c: _Ctx) -> None:
+    """A draw from a generator the call brings itself cannot be re-derived per block by every device."""
+    if c.fx.kwargs.get("generator") is not None or "generator" in c.fx.target._overloadname:
+        raise _Unsupported(f"aten.{c.fx.target._opname} with its own generator (its numbers cannot be site-keyed)")
+
+
 def _h_rand(c: _Ctx) -> int:
     """`rand` / `rand_like`: the site's uniform numbers (engine.model.dropout.rand), a node with no
     operand whose every block a device draws itself (theory/random_ops.py)."""
-    if c.fx.kwargs.get("generator") is not None or "generator" in c.fx.target._overloadname:
-        raise _Unsupported(f"aten.{c.fx.target._opname} with its own generator (its numbers cannot be site-keyed)")
+    _refuse_own_generator(c)
     return c.emit("rand", [], {"rng_site": _rng_site(c)}, float(_numel(c.shape) * MASK_OPS_PER_ELEMENT))
 
 
@@ -1397,8 +1402,7 @@ def _h_randn(c: _Ctx) -> int:
     `torch.normal(mean, std, size)` of float mean and std: a `rand` node with `normal` (Box-Muller on the site's
     numbers, engine.model.dropout.randn), elementwise in the global index like `rand`, so the same rules hold."""
     op = c.fx.target._opname
-    if c.fx.kwargs.get("generator") is not None or "generator" in c.fx.target._overloadname:
-        raise _Unsupported(f"aten.{op} with its own generator (its numbers cannot be site-keyed)")
+    _refuse_own_generator(c)
     mean, std = 0.0, 1.0
     if op == "normal_functional":
         mean, std = _arg(c.fx, 1, "mean", 0.0), _arg(c.fx, 2, "std", 1.0)

@@ -318,17 +318,22 @@ class Jitter(nn.Module):
         return (self.fc(x) * coin).sum()
 
 
+def assert_eager_draws_like_the_graph(build, graph, x: torch.Tensor, sites: int) -> None:
+    """The eager forward under SiteKeyedDropout draws `sites` sites and gives the captured graph's loss."""
+    torch.manual_seed(0)
+    module = build()
+    with SiteKeyedDropout(KEY) as mode:
+        eager = module(x)
+    assert mode.sites == sites
+    assert abs(float(interpret(graph, module, (x,), KEY)) - float(eager)) < 1e-5 * abs(float(eager))
+
+
 def test_uniform_draws_are_sites_whose_range_the_graph_keeps_and_the_eager_forward_draws_alike():
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(2))
     graph = engine.load_model(Jitter(), (x,))
     draws = sorted((n.attrs["rng_site"], n.attrs.get("low"), n.attrs.get("high")) for n in graph.nodes if n.op == "rand")
     assert draws == [(0, 0.9, 1.1), (2, None, None)], draws
-    torch.manual_seed(0)
-    module = Jitter()
-    with SiteKeyedDropout(KEY) as mode:
-        eager = module(x)
-    assert mode.sites == 3
-    assert abs(float(interpret(graph, module, (x,), KEY)) - float(eager)) < 1e-5 * abs(float(eager))
+    assert_eager_draws_like_the_graph(Jitter, graph, x, sites=3)
 
 
 @pytest.mark.parametrize("ratios", WORLDS, ids=["2-devices", "3-devices"])
@@ -367,12 +372,7 @@ def test_normal_draws_are_sites_whose_mean_and_std_the_graph_keeps_and_the_eager
     draws = sorted((n.attrs["rng_site"], n.attrs.get("normal"), n.attrs.get("mean"), n.attrs.get("std"))
                    for n in graph.nodes if n.op == "rand")
     assert draws == [(0, True, None, None), (1, True, None, None), (2, True, 2.0, 0.5), (3, True, 1.0, 3.0)], draws
-    torch.manual_seed(0)
-    module = Rotations()
-    with SiteKeyedDropout(KEY) as mode:
-        eager = module(x)
-    assert mode.sites == 4
-    assert abs(float(interpret(graph, module, (x,), KEY)) - float(eager)) < 1e-5 * abs(float(eager))
+    assert_eager_draws_like_the_graph(Rotations, graph, x, sites=4)
 
 
 def test_site_keyed_normal_numbers_look_normal():
