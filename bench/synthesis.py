@@ -286,6 +286,16 @@ def _language_cases() -> list[dict]:
     return [{"model": m, "cluster": c} for m in LANGUAGE for c in (MACHINES, TESTBED_64)]
 
 
+def selected_cases(layers: list[int], *, gpt_only: bool = False, vision_only: bool = False,
+                   language_only: bool = False) -> tuple[list[dict], list[dict]]:
+    """The cases the flags ask for: (GPT and vision cases, language cases); exact A* runs over both."""
+    if gpt_only:
+        return [c for c in _cases(layers) if c["cluster"] == MACHINES], []
+    only = vision_only or language_only
+    cases = ([] if only else _cases(layers)) + ([] if language_only else _vision_cases())
+    return cases, [] if vision_only else _language_cases()
+
+
 def _parse_layers(text: str) -> list[int]:
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
@@ -304,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=3, help="fresh processes per case; the fastest is reported")
     parser.add_argument("--vision-only", action="store_true", help="only the vgg19 and vit cases")
     parser.add_argument("--language-only", action="store_true", help="only the bert and bert_moe cases")
+    parser.add_argument("--gpt-only", action="store_true",
+                        help="only the 8-device GPT depths (the issue's 24- and 48-layer targets)")
     parser.add_argument("--exact-budget", type=float, default=0.0, metavar="S",
                         help="also plan every case by exact A* (no beam) within S seconds (the issue: 600) and "
                              "report beam against exact where it finishes (default 0: skip)")
@@ -320,14 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"planning time, zoo:gpt {GPT}; best of {max(1, args.repeat)} fresh processes per case; "
           f"{env['cpus']} CPUs, python {env['python']}, torch {env['torch']}", flush=True)
     results = []
-    only = args.vision_only or args.language_only
-    cases = ([] if only else _cases(layers)) + ([] if args.language_only else _vision_cases())
-    for case in cases + ([] if args.vision_only else _language_cases()):
+    cases, language = selected_cases(layers, gpt_only=args.gpt_only, vision_only=args.vision_only,
+                                     language_only=args.language_only)
+    for case in cases + language:
         print(f"  running {_label(case)} on {Path(case['cluster']).stem} ...", flush=True)
         results.append(run_case(case, args.timeout, max(1, args.repeat)))
     exact = []
     if args.exact_budget > 0:
-        for case in cases + ([] if args.vision_only else _language_cases()):
+        for case in cases + language:
             print(f"  exact A* of {_label(case)} on {Path(case['cluster']).stem} (budget {args.exact_budget:g} s) ...",
                   flush=True)
             exact.append(exact_case(case, args.exact_budget))

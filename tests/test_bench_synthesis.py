@@ -1,0 +1,29 @@
+"""bench/synthesis.py's case selection: `--gpt-only` keeps exactly the 8-device GPT depths asked for."""
+from __future__ import annotations
+
+import importlib.util
+
+from conftest import ROOT
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("synthesis_bench", ROOT / "bench" / "synthesis.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpt_only_keeps_the_8_device_gpt_depths_and_nothing_else():
+    bench = _bench()
+    cases, language = bench.selected_cases([24, 48], gpt_only=True)
+    assert [(c["layers"], c["cluster"]) for c in cases] == [(24, bench.MACHINES), (48, bench.MACHINES)]
+    assert language == []
+
+
+def test_default_selection_also_runs_the_64_device_vision_and_language_cases():
+    bench = _bench()
+    cases, language = bench.selected_cases([24])
+    assert (12, bench.TESTBED_64) in [(c.get("layers"), c["cluster"]) for c in cases]
+    assert any("model" in c for c in cases) and language
+    vision, none = bench.selected_cases([24], vision_only=True)
+    assert none == [] and all("model" in c for c in vision)
