@@ -6,10 +6,12 @@ session-scoped and shared by all test files.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import os
 import random
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -152,6 +154,15 @@ def residual_graph(B: int = 64, H: int = 256) -> Graph:
 
 def sample_path(name: str) -> str:
     return str(SAMPLES / f"{name}.json")
+
+
+def load_bench(stem: str):
+    """bench/<stem>.py as a fresh module, registered in sys.modules first (its dataclasses look their module up
+    by name)."""
+    spec = importlib.util.spec_from_file_location(f"{stem}_bench", ROOT / "bench" / f"{stem}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def sample_dict(name: str) -> dict[str, Any]:

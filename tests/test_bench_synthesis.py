@@ -1,16 +1,11 @@
 """bench/synthesis.py's case selection: `--gpt-only` keeps exactly the 8-device GPT depths asked for."""
 from __future__ import annotations
 
-import importlib.util
-
-from conftest import ROOT
+from conftest import load_bench
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("synthesis_bench", ROOT / "bench" / "synthesis.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("synthesis")
 
 
 def test_gpt_only_keeps_the_8_device_gpt_depths_and_nothing_else():

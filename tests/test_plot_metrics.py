@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,6 +9,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from conftest import load_bench
 
 ROOT = Path(__file__).resolve().parent.parent
 METRICS = ROOT / "tests" / "fixtures" / "metrics"
@@ -19,10 +19,7 @@ SVG = "{http://www.w3.org/2000/svg}"
 @functools.cache
 def _bench():
     """The script as a module (registered first: its dataclasses look their module up by name)."""
-    spec = importlib.util.spec_from_file_location("plot_metrics_bench", ROOT / "bench" / "plot_metrics.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("plot_metrics")
 
 
 def _lines(root: ET.Element) -> dict[str, ET.Element]:

@@ -4,10 +4,8 @@ inputs and labels, plus two plain-torch models; each captures without asking for
 plans on a GPU and a CPU sample cluster."""
 from __future__ import annotations
 
-import sys
-
 import pytest
-from conftest import sample_path
+from conftest import load_bench, sample_path
 
 import engine
 from engine.model.graph import Graph
@@ -81,14 +79,7 @@ def test_ecosystem_model_file_plans_through_the_file_contract(tmp_path) -> None:
 
 
 def test_coverage_bench_reports_capture_plan_and_errors_per_model() -> None:
-    import importlib.util
-
-    from conftest import ROOT
-
-    spec = importlib.util.spec_from_file_location("coverage_bench", ROOT / "bench" / "coverage.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # its dataclasses look their module up
-    spec.loader.exec_module(bench)
+    bench = load_bench("coverage")
     row = bench.bench_model("residual_cnn", budget_s=2.0, run=False)
     assert row.captured and row.nodes > 0 and set(row.plans) == set(bench.PLAN_CLUSTERS)
     assert all(p.planned and p.speedup >= 0.999 and 0 < p.sharded <= 1 for p in row.plans.values())

@@ -2,14 +2,13 @@
 runner's side rebuilds the same module and the same batch of every step from it (issue 13, item 4)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
 
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, load_bench
 from hap_inprocess import run_hap
 from test_cli import assert_one_line_error
 
@@ -447,12 +446,9 @@ def test_the_graph_run_on_the_runners_batch_gives_the_rebuilt_modules_loss(spec,
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("coverage_sweep", ROOT / "bench" / "sweep.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
+    module = load_bench("sweep")
     yield module
-    del sys.modules[spec.name]
+    del sys.modules[module.__name__]
 
 
 def test_a_per_layer_list_is_cut_keeping_a_layer_of_each_kind(sweep):

@@ -2,7 +2,6 @@
 refusal by name, the CLI end to end on the shipped text, and bench/data.py run tiny so it cannot rot."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from conftest import load_bench
 
 from runner.data import DataError, TokenDataset, batch_indices, eval_batch, global_batch
 from runner.hap import main as hap
@@ -360,9 +360,7 @@ def test_prepare_refuses_an_unwritable_out_folder(tmp_path, capsys):
 
 
 def test_the_data_bench_runs_tiny(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("data_bench", ROOT / "bench" / "data.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("data")
     out = tmp_path / "data.json"
     assert bench.main(["--size-gb", "0.001", "--batches", "5", "--seq-len", "64", "--out", str(out)]) == 0
     import json

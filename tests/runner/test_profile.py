@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import load_bench
 from hap_inprocess import run_hap
 from warm_run import warm_hap
 
@@ -219,16 +219,13 @@ def test_the_accuracy_bench_fits_its_profiles_together_as_the_profiler_fits_one(
     """bench/accuracy.py fits the rows of all its profiles together: a profile pooled with a copy
     of itself gives back its own figures, and pooled with one three times slower it gives slower
     figures, at most the slow one's (taking each figure's best across profiles would keep the fast one)."""
-    import importlib.util
     import shutil
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     spec, raw, _ = profiled
-    loader = importlib.util.spec_from_file_location("accuracy_bench", ROOT / "bench" / "accuracy.py")
-    bench = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(bench)
+    bench = load_bench("accuracy")
     same, slow = tmp_path / "same.json", tmp_path / "slow.json"
     for copy in (same, slow):  # the bench keeps each profile's rows beside its spec
         shutil.copy(spec, copy)
