@@ -287,13 +287,13 @@ def _language_cases() -> list[dict]:
 
 
 def selected_cases(layers: list[int], *, gpt_only: bool = False, vision_only: bool = False,
-                   language_only: bool = False) -> tuple[list[dict], list[dict]]:
-    """The cases the flags ask for: (GPT and vision cases, language cases); exact A* runs over both."""
+                   language_only: bool = False) -> list[dict]:
+    """The cases the flags ask for, in the order they run (timed, then by exact A* when asked)."""
     if gpt_only:
-        return [c for c in _cases(layers) if c["cluster"] == MACHINES], []
+        return [c for c in _cases(layers) if c["cluster"] == MACHINES]
     only = vision_only or language_only
-    cases = ([] if only else _cases(layers)) + ([] if language_only else _vision_cases())
-    return cases, [] if vision_only else _language_cases()
+    return (([] if only else _cases(layers)) + ([] if language_only else _vision_cases())
+            + ([] if vision_only else _language_cases()))
 
 
 def _parse_layers(text: str) -> list[int]:
@@ -332,14 +332,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"planning time, zoo:gpt {GPT}; best of {max(1, args.repeat)} fresh processes per case; "
           f"{env['cpus']} CPUs, python {env['python']}, torch {env['torch']}", flush=True)
     results = []
-    cases, language = selected_cases(layers, gpt_only=args.gpt_only, vision_only=args.vision_only,
-                                     language_only=args.language_only)
-    for case in cases + language:
+    cases = selected_cases(layers, gpt_only=args.gpt_only, vision_only=args.vision_only,
+                           language_only=args.language_only)
+    for case in cases:
         print(f"  running {_label(case)} on {Path(case['cluster']).stem} ...", flush=True)
         results.append(run_case(case, args.timeout, max(1, args.repeat)))
     exact = []
     if args.exact_budget > 0:
-        for case in cases + language:
+        for case in cases:
             print(f"  exact A* of {_label(case)} on {Path(case['cluster']).stem} (budget {args.exact_budget:g} s) ...",
                   flush=True)
             exact.append(exact_case(case, args.exact_budget))

@@ -10,15 +10,16 @@ def _bench():
 
 def test_gpt_only_keeps_the_8_device_gpt_depths_and_nothing_else():
     bench = _bench()
-    cases, language = bench.selected_cases([24, 48], gpt_only=True)
-    assert [(c["layers"], c["cluster"]) for c in cases] == [(24, bench.MACHINES), (48, bench.MACHINES)]
-    assert language == []
+    cases = bench.selected_cases([24, 48], gpt_only=True)
+    assert [(c.get("layers"), c.get("model"), c["cluster"]) for c in cases] == [(24, None, bench.MACHINES),
+                                                                                (48, None, bench.MACHINES)]
 
 
 def test_default_selection_also_runs_the_64_device_vision_and_language_cases():
     bench = _bench()
-    cases, language = bench.selected_cases([24])
+    cases = bench.selected_cases([24])
     assert (12, bench.TESTBED_64) in [(c.get("layers"), c["cluster"]) for c in cases]
-    assert any("model" in c for c in cases) and language
-    vision, none = bench.selected_cases([24], vision_only=True)
-    assert none == [] and all("model" in c for c in vision)
+    models = {c.get("model") for c in cases}
+    assert set(bench.VISION) <= models and set(bench.LANGUAGE) <= models
+    vision = bench.selected_cases([24], vision_only=True)
+    assert vision and {c["model"] for c in vision} == set(bench.VISION)
