@@ -263,12 +263,29 @@ def exact_report(beam: list[dict], exact: list[dict], depth: list[dict], budget_
     return _table(rows) + f"\n\ndeepest 8-device GPT that exact A* finishes within {depth_budget_s:g} s: {deepest}"
 
 
+REFERENCE_LOOP = 5_000_000
+"""Iterations of the pure-Python reference loop (`reference_loop_s`)."""
+
+
+def reference_loop_s(repeat: int = 3) -> float:
+    """Seconds of a fixed pure-Python loop (best of `repeat`): how fast this machine runs the planner's
+    kind of code. Machines of one kind differ by 3x and more between sessions (4.9 s against 17.8 s
+    for the same 24-layer plan), so a figure means little without the loop's time beside it."""
+    best = math.inf
+    for _ in range(repeat):
+        start, total = time.perf_counter(), 0
+        for i in range(REFERENCE_LOOP):
+            total += i
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def environment() -> dict:
     import torch
 
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
             "machine": platform.machine(), "platform": platform.platform(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "reference_loop_s": reference_loop_s()}
 
 
 # --- entry -------------------------------------------------------------------------------------
@@ -330,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     layers = list(QUICK_LAYERS) if args.quick else args.layers
     env = environment()
     print(f"planning time, zoo:gpt {GPT}; best of {max(1, args.repeat)} fresh processes per case; "
-          f"{env['cpus']} CPUs, python {env['python']}, torch {env['torch']}", flush=True)
+          f"{env['cpus']} CPUs, python {env['python']}, torch {env['torch']}; this machine runs the "
+          f"{REFERENCE_LOOP:,}-step reference loop in {env['reference_loop_s']:.3f} s", flush=True)
     results = []
     cases = selected_cases(layers, gpt_only=args.gpt_only, vision_only=args.vision_only,
                            language_only=args.language_only)

@@ -23,3 +23,13 @@ def test_default_selection_also_runs_the_64_device_vision_and_language_cases():
     assert set(bench.VISION) <= models and set(bench.LANGUAGE) <= models
     vision = bench.selected_cases([24], vision_only=True)
     assert vision and {c["model"] for c in vision} == set(bench.VISION)
+
+
+def test_the_environment_records_the_reference_loop_time_beside_the_figures(monkeypatch):
+    """Planning times are comparable across machines only with the reference loop's time beside them."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "REFERENCE_LOOP", 1000)
+    env = bench.environment()
+    assert 0 < env["reference_loop_s"] < 1
+    monkeypatch.setattr(bench, "REFERENCE_LOOP", 200_000)
+    assert bench.reference_loop_s(repeat=1) > env["reference_loop_s"]

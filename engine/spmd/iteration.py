@@ -5,7 +5,9 @@
     B(s) = argmin_B t(Q(s), B)        (LP, `engine.spmd.balance`)
 
 until Q repeats (convergence or oscillation) or B does not move (the next search would run at the
-same ratios); the best (Q, B) pair seen is kept. The data-parallel baselines
+same ratios); the best (Q, B) pair seen is kept. Where B moves, the next search first runs with a
+narrow beam (`CONFIRM_BEAM`) and the previous Q as its incumbent: if it finds nothing better, the
+loop stops there; if it does, a full search follows at the same ratios (issue 28, item 2). The data-parallel baselines
 (`engine.spmd.baselines`) seed the search as incumbents, so a HAP plan is never predicted slower
 than them. Starting from the seed's balance rather than HAP's flops-proportional B(0) puts the
 first search at the loop's fixed point in most plans: on the paper's GPT at 12 layers, ddp and
@@ -55,6 +57,12 @@ from engine.spmd.sizes import realized_ratios, shard_key, shard_sizes
 from engine.spmd.synthesis import SearchProgress, SearchSpace, synthesize
 from engine.spmd.utilisation import peak_flops
 from engine.spmd.zero import StateSharding, all_params_at, choose_stages, memory_proportional_shares, to_record
+
+CONFIRM_BEAM = 2
+"""The beam of the search that confirms a moved B (`Loop.run`). On the paper's GPT the search after
+the first LP found the same program at every depth (6 to 48 layers): a full beam spent a whole
+search to confirm it, a beam of 2 costs a tenth of one. Where the narrow search finds a better
+program, the full search runs too, so a loop only stops early on a program no nearby one beats."""
 
 Progress = Callable[[SearchProgress], None]
 """Called every `options.report_every` expansions of each search (the workbench's live frontier)."""
@@ -341,7 +349,10 @@ class Loop:
         incumbent = incumbent or (best.program if best is not None and best.segmentation.count == 1 else None)
         seen: set = set()
         rebalanced = False
-        for _ in range(self.options.max_iterations):
+        full = self.options.beam_width
+        width = full  # the next search's beam: the options' own, or CONFIRM_BEAM to confirm a moved B
+        iterations = 0  # full searches: `max_iterations` bounds them
+        while iterations < self.options.max_iterations:
             if best is not None and self.deadline is not None and time.perf_counter() > self.deadline:
                 break  # the budget is spent: no new Q<->B iteration, keep the best found
             it = self.stats["iterations"]  # searches so far, over every mode and segmentation: tags stay 0, 1, 2, ...
@@ -349,18 +360,25 @@ class Loop:
             try:
                 res = synthesize(self.graph, self.cost_model(ratios, seg), space=self.space,
                                  time_budget_s=left_s(self.deadline), progress=report,
-                                 beam_width=self.options.beam_width, incumbent=incumbent,
+                                 beam_width=width, incumbent=incumbent,
                                  report_every=self.options.report_every)
             except InfeasibleError:  # nothing fits under these ratios: let the LP (memory constraints) move them once
                 moved = None if incumbent is None or rebalanced else self.memory_feasible_ratios(incumbent, seg)
                 if moved is None:
                     break  # keep the best found (or explain in plan())
-                ratios, rebalanced = moved, True
+                ratios, rebalanced, width = moved, True, full
+                iterations += 1
                 continue
             _accumulate(self.stats, res)
-            self._record(it, "Q", res.cost, ratios, seg, expanded=res.expanded)
+            self._record(it, "Q", res.cost, ratios, seg, expanded=res.expanded, beam_width=width)
             best = _better(best, Candidate(res.program, ratios, res.cost, seg, self.overlap, self.recompute, self.states))
             key = tuple(res.program)
+            if width != full:
+                if incumbent is not None and key == tuple(incumbent):
+                    break  # confirmed: no nearby program beats the incumbent at the moved ratios
+                width, incumbent = full, res.program  # a better one is near: search here in full
+                continue
+            iterations += 1
             if key in seen:
                 break
             seen.add(key)
@@ -373,6 +391,8 @@ class Loop:
             if same_ratios(moved, ratios):
                 break  # B did not move: the next search would run at the same ratios (the loop's fixed point, issue 28)
             ratios, incumbent = moved, res.program
+            if full is not None and full > CONFIRM_BEAM:
+                width = CONFIRM_BEAM
         return best
 
     def memory_feasible_ratios(self, program: tuple[Instruction, ...], seg: Segmentation) -> list[list[float]] | None:
@@ -389,8 +409,8 @@ class Loop:
 
     def _record(self, it: int, step: str, cost: float, ratios: list[list[float]], seg: Segmentation,
                 **extra: Any) -> None:
-        """One history record (a Q step also records the states its search expanded: how much each
-        Q<->B iteration costs, issue 28)."""
+        """One history record (a Q step also records the states its search expanded and its beam: how
+        much each Q<->B iteration costs, and which searches were confirmations, issue 28)."""
         self.history.append({"iteration": it, "step": step, "predicted_time_s": cost, "ratios": ratios,
                              "segments": seg.count, "overlap": self.overlap, **extra})
 
