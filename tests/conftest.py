@@ -156,6 +156,19 @@ def sample_path(name: str) -> str:
     return str(SAMPLES / f"{name}.json")
 
 
+ZOO_SMALL = {
+    "mlp": {"layers": 2, "in_features": 32, "hidden": 64, "classes": 4, "batch": 8},
+    "gpt": {"layers": 1, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "batch": 8},
+    "vit": {"layers": 1, "hidden": 32, "heads": 2, "mlp": 64, "image_size": 16, "patch": 8, "batch": 8},
+    "bert": {"layers": 1, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "predictions": 2, "batch": 8},
+    "bert_moe": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "predictions": 2,
+                 "batch": 8, "experts": 2},
+    "vgg19": {"batch": 8, "image_size": 32, "width": 0.125, "hidden": 32, "pool_size": 1, "classes": 4, "batch_norm": True},
+}
+"""Every zoo family at a size whose data-parallel search takes milliseconds (the hf_* entries need
+transformers and are the same families)."""
+
+
 def load_bench(stem: str):
     """bench/<stem>.py as a fresh module, registered in sys.modules first (its dataclasses look their module up
     by name)."""

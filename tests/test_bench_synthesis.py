@@ -26,10 +26,10 @@ def test_default_selection_also_runs_the_64_device_vision_and_language_cases():
 
 
 def test_the_environment_records_the_reference_loop_time_beside_the_figures(monkeypatch):
-    """Planning times are comparable across machines only with the reference loop's time beside them."""
+    """Planning times are comparable across machines only with the reference loop's time beside them:
+    the best of its runs (a fake clock here: runs of 3, 1 and 2 s)."""
     bench = _bench()
-    monkeypatch.setattr(bench, "REFERENCE_LOOP", 1000)
-    env = bench.environment()
-    assert 0 < env["reference_loop_s"] < 1
-    monkeypatch.setattr(bench, "REFERENCE_LOOP", 200_000)
-    assert bench.reference_loop_s(repeat=1) > env["reference_loop_s"]
+    ticks = iter([0.0, 3.0, 10.0, 11.0, 20.0, 22.0])
+    monkeypatch.setattr(bench, "REFERENCE_LOOP", 10)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks, 100.0))  # any later reader: a later time
+    assert bench.environment()["reference_loop_s"] == 1.0

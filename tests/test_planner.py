@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import GIB, sample_dict, sample_path, with_memory
+from conftest import GIB, ZOO_SMALL, sample_dict, sample_path, with_memory
 
 import engine
 from engine import ClusterError, InfeasibleError, ModelError, PlanError, SearchProgress
@@ -388,17 +388,6 @@ def test_with_segments_the_one_segment_loop_gets_half_the_budget(monkeypatch):
 # ----------------------------------------------------------------------------- overlap (issue 14)
 
 
-ZOO_SMALL = {
-    "mlp": {"layers": 2, "in_features": 32, "hidden": 64, "classes": 4, "batch": 8},
-    "gpt": {"layers": 1, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "batch": 8},
-    "vit": {"layers": 1, "hidden": 32, "heads": 2, "mlp": 64, "image_size": 16, "patch": 8, "batch": 8},
-    "bert": {"layers": 1, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "predictions": 2, "batch": 8},
-    "bert_moe": {"layers": 2, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "predictions": 2,
-                 "batch": 8, "experts": 2},
-    "vgg19": {"batch": 8, "image_size": 32, "width": 0.125, "hidden": 32, "pool_size": 1, "classes": 4, "batch_norm": True},
-}
-"""Every zoo family at a size whose data-parallel search takes milliseconds (the hf_* entries need
-transformers and are the same families)."""
 SAMPLE_CLUSTERS = sorted(p.stem for p in (Path(sample_path("cpu_2")).parent).glob("*.json"))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import engine
 import pytest
+from conftest import ZOO_SMALL
 from engine.spmd import iteration
 from engine.spmd.iteration import CONFIRM_BEAM
 
@@ -12,12 +13,6 @@ CASES = [("gpt", "a100_v100_mixed"), ("gpt", "hap_paper_testbed_machines"), ("be
          ("vit", "hap_paper_testbed_machines")]
 """Tiny zoo models where the LP moves the first search's ratios (data parallelism on the fast devices
 only, then a HAP program spread over all): both of the confirmation's outcomes occur among them."""
-
-TINY = {"gpt": {"layers": 1, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "batch": 8},
-        "vit": {"layers": 1, "hidden": 32, "heads": 2, "mlp": 64, "image_size": 16, "patch": 8, "batch": 8},
-        "bert": {"layers": 1, "hidden": 32, "heads": 2, "ffn": 64, "vocab": 64, "seq_len": 8, "predictions": 2,
-                 "batch": 8}}
-
 
 def _searches(monkeypatch, graph, cluster, **options) -> list[list[dict]]:
     """Every search of the plan's Q<->B loops, one list per loop: beam, ratios, incumbent and result."""
@@ -43,7 +38,7 @@ def _searches(monkeypatch, graph, cluster, **options) -> list[list[dict]]:
 def test_a_moved_b_is_confirmed_narrowly_and_a_better_find_is_searched_in_full(monkeypatch, load_sample):
     stopped = searched_on = 0
     for name, cluster_name in CASES:
-        graph = engine.load_model(f"zoo:{name}", **TINY[name])
+        graph = engine.load_model(f"zoo:{name}", **ZOO_SMALL[name])
         for loop in _searches(monkeypatch, graph, load_sample(cluster_name)):
             assert loop[0]["beam"] == engine.PlanOptions().beam_width, (name, cluster_name)
             for k, s in enumerate(loop[1:], start=1):
@@ -65,7 +60,7 @@ def test_a_moved_b_is_confirmed_narrowly_and_a_better_find_is_searched_in_full(m
 
 @pytest.mark.parametrize("beam", [None, CONFIRM_BEAM])
 def test_no_narrow_confirmation_for_an_exact_search_or_a_beam_no_wider(monkeypatch, load_sample, beam):
-    graph = engine.load_model("zoo:gpt", **TINY["gpt"])
+    graph = engine.load_model("zoo:gpt", **ZOO_SMALL["gpt"])
     loops = _searches(monkeypatch, graph, load_sample("hap_paper_testbed_machines"), beam_width=beam,
                       overlap="none", time_budget_s=60)
     assert {s["beam"] for loop in loops for s in loop} == {beam}
@@ -74,7 +69,7 @@ def test_no_narrow_confirmation_for_an_exact_search_or_a_beam_no_wider(monkeypat
 
 
 def test_the_history_records_each_searchs_beam(load_sample):
-    graph = engine.load_model("zoo:gpt", **TINY["gpt"])
+    graph = engine.load_model("zoo:gpt", **ZOO_SMALL["gpt"])
     p = engine.plan(graph, load_sample("hap_paper_testbed_machines"), overlap="none")
     beams = [h["beam_width"] for h in p.history if h["step"] == "Q"]
     assert beams[0] == engine.PlanOptions().beam_width and CONFIRM_BEAM in beams
