@@ -61,8 +61,9 @@ from engine.spmd.zero import StateSharding, all_params_at, choose_stages, memory
 CONFIRM_BEAM = 2
 """The beam of the search that confirms a moved B (`Loop.run`). On the paper's GPT the search after
 the first LP found the same program at every depth (6 to 48 layers): a full beam spent a whole
-search to confirm it, a beam of 2 expands about a seventh as many states (1257 against 8914 at 24 layers). Where the narrow search finds a better
-program, the full search runs too, so a loop only stops early on a program no nearby one beats."""
+search to confirm it, a beam of 2 expands about a seventh as many states (1257 against 8914 at 24
+layers). Where the narrow search finds a better program, the full search runs too, so a loop only
+stops early on a program no nearby one beats."""
 
 Progress = Callable[[SearchProgress], None]
 """Called every `options.report_every` expansions of each search (the workbench's live frontier)."""
