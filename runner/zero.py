@@ -6,7 +6,9 @@ steps that slice only, so Adam's moments exist for the slice only:
 
 - stage 1: the full gradient is kept until backward ends, then reduce-scattered (uneven, padded by the
   list reduce-scatter) into the slice's gradient; after the step the updated slices are all-gathered
-  into the full weight the program uses. The same bytes as the all-reduce it replaces.
+  into the full weight the program uses. The same bytes as the all-reduce it replaces, and like it
+  in one bucket (`RankBucket`): one reduce-scatter for every such gradient, one all-gather for
+  every updated weight (stages 1 and 2), not a collective's latency per weight.
 - stage 2: the same, but each gradient is reduce-scattered as soon as autograd has accumulated it
   (a post-accumulate-grad hook) and the full gradient freed.
 - stage 3: the slice is the parameter at rest. Before the forward pass each is all-gathered by an
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from engine.spmd.plan import Plan
 from engine.theory.core import FULL
 
-from .collectives import gather_padded, reduce_scatter_uneven, run_collective
+from .collectives import FlatBuffer, gather_padded, reduce_scatter_uneven, run_collective
 
 
 @dataclass
@@ -71,6 +73,38 @@ class StagedParam:
         return whole.reshape(-1)[self.offset:self.offset + self.sizes[dist.get_rank()]].clone()
 
 
+@dataclass
+class RankBucket:
+    """Several staged weights' flat tensors in one collective: laid out rank-major (every weight's
+    slice of rank 0, then of rank 1, ...), so rank r's part of the bucket is its slices end to end
+    and one uneven reduce-scatter or all-gather moves them all. Kept across steps (`FlatBuffer`)."""
+
+    buffer: FlatBuffer = field(default_factory=FlatBuffer)
+
+    @staticmethod
+    def totals(staged: list[StagedParam]) -> list[int]:
+        """Each rank's part of the bucket: its slices of every weight."""
+        return [sum(sp.sizes[r] for sp in staged) for r in range(len(staged[0].sizes))]
+
+    def scatter(self, staged: list[StagedParam], wholes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's slice of the sum over ranks of each whole tensor, with one reduce-scatter."""
+        ranks = range(len(staged[0].sizes))
+        pieces = [w.reshape(-1).split(sp.sizes)[r] for r in ranks for sp, w in zip(staged, wholes)]
+        mine = run_collective("reduce_scatter", "states", reduce_scatter_uneven, self.buffer.cat(pieces), 0,
+                              self.totals(staged))
+        return list(mine.split([sp.sizes[dist.get_rank()] for sp in staged]))
+
+    @staticmethod
+    def gather(staged: list[StagedParam], flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every weight whole, in its shape, from this rank's flat slices `flats`, with one all-gather."""
+        totals = RankBucket.totals(staged)
+        mine = torch.cat([f.detach().reshape(-1) for f in flats])
+        every = run_collective("all_gather", "states", gather_padded, mine, 0, totals).split(totals)
+        per_rank = [part.split([sp.sizes[r] for sp in staged]) for r, part in enumerate(every)]
+        return [torch.cat([per_rank[r][i] for r in range(len(totals))]).view(sp.shape)
+                for i, sp in enumerate(staged)]
+
+
 class _Gather(torch.autograd.Function):
     """A stage-3 weight on use: all-gather its slices; backward reduce-scatters the gradient (the dual)."""
 
@@ -94,6 +128,8 @@ class RankStates:
     `runner.optim.build` until then)."""
     live: dict[int, tuple[torch.Tensor, StagedParam]] = field(default_factory=dict)
     """Stage-3 weights gathered in the running forward pass, by storage address."""
+    bucket: RankBucket = field(default_factory=RankBucket)
+    """The gradients reduce-scattered after backward, kept from step to step."""
 
     def by_index(self) -> dict[int, StagedParam]:
         return {sp.index: sp for sp in self.staged}
@@ -147,21 +183,24 @@ class RankStates:
 
     def reduce_gradients(self) -> None:
         """After backward: reduce-scatter the gradients still whole (stage 1; stage 2 set by duplex) into
-        the slices; a weight unused on this rank contributes zeros."""
-        for sp in self.staged:
-            if sp.stage == 3:
-                continue
-            if sp.full.grad is not None or sp.stage == 1:
-                g = sp.full.grad if sp.full.grad is not None else torch.zeros_like(sp.full)
-                self._accumulate(sp, sp.scatter(g))
-                sp.full.grad = None
+        the slices, in one bucket; a weight unused on this rank contributes zeros."""
+        todo = [sp for sp in self.staged if sp.stage != 3 and (sp.full.grad is not None or sp.stage == 1)]
+        if not todo:
+            return
+        wholes = [sp.full.grad if sp.full.grad is not None else torch.zeros_like(sp.full) for sp in todo]
+        for sp, g in zip(todo, self.bucket.scatter(todo, wholes)):
+            self._accumulate(sp, g)
+            sp.full.grad = None
 
     def gather_updated(self) -> None:
-        """After the step: every rank's updated slices all-gathered into the whole weights (stages 1, 2)."""
+        """After the step: every rank's updated slices all-gathered into the whole weights (stages 1, 2),
+        in one bucket."""
+        todo = [sp for sp in self.staged if sp.full is not None]
+        if not todo:
+            return
         with torch.no_grad():
-            for sp in self.staged:
-                if sp.full is not None:
-                    sp.full.copy_(sp.gather(sp.slice))
+            for sp, whole in zip(todo, RankBucket.gather(todo, [sp.slice for sp in todo])):
+                sp.full.copy_(whole)
 
     # --- whole values (verify, checkpoints) -------------------------------------------------
     def whole(self, index: int, p: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,12 @@ all-reduce is a reduce-scatter then an all-gather: the same bytes); `evaluate` a
 exactly: the weight leaves the all-reduce buckets and `StatesTerms` adds, after backward,
 
     reduce-scatter of the staged gradients + all-gather of the updated stage-1/2 weights
-        + (stage 3) an all-gather per layer in forward and again in backward
+        + (stage 3) an all-gather per weight in forward and again in backward
         + max_j [ (copies + sync inside a virtual device) of the staged bytes + z_j * update of them ]
 
 each collective `latency + Z * bytes / bandwidth` with Z = max_j z_j (padded uneven collectives
 move the largest share, the cluster's payload convention), from the cluster's `reduce_scatter`
-and `all_gather` fits. Memory per GPU of device j, P the weight's bytes, F the optimizer's state
+and `all_gather` fits, with a latency per collective the runner issues (`comm_terms`). Memory per GPU of device j, P the weight's bytes, F the optimizer's state
 bytes per parameter byte (`STATE_BYTES_PER_PARAM_BYTE`, Adam 4 = 16 B a parameter):
 
     stage 1: 2 P + (F - 2) P z_j     stage 2: P + (F - 1) P z_j     stage 3: F P z_j
@@ -96,8 +96,11 @@ class StatesTerms:
     """Of those, the stage-1/2 bytes all-gathered after the update."""
     stage3_bytes: float = 0.0
     """Of those, the stage-3 bytes all-gathered in forward and again in backward."""
-    stage3_layers: int = 0
-    """Layers holding stage-3 weights (one gather each per pass)."""
+    stage2_params: int = 0
+    """Stage-2 weights: each reduce-scattered alone, when autograd has accumulated its gradient."""
+    stage3_params: int = 0
+    """Stage-3 weights: each all-gathered alone in forward and again in backward, its gradient
+    reduce-scattered alone."""
     params: list[int] = field(default_factory=list)
 
     @property
@@ -110,7 +113,6 @@ def states_terms(program: tuple[Instruction, ...], graph: Graph, states: StateSh
     out = StatesTerms()
     if states is None:
         return out
-    layers3: set[int] = set()
     for ins in program:
         n = graph[ins.node]
         if ins.kind != LOAD or n.op != "parameter" or ins.post != FULL or not states.stage(ins.node):
@@ -120,10 +122,10 @@ def states_terms(program: tuple[Instruction, ...], graph: Graph, states: StateSh
         out.staged_bytes += b
         if s == 3:
             out.stage3_bytes += b
-            layers3.add(n.segment)
+            out.stage3_params += 1
         else:
             out.gathered_bytes += b
-    out.stage3_layers = len(layers3)
+            out.stage2_params += s == 2
     return out
 
 
@@ -145,10 +147,16 @@ def transient_bytes(graph: Graph, states: StateSharding | None) -> float:
 
 def comm_terms(t: StatesTerms, rs: tuple[float, float], ag: tuple[float, float]) -> tuple[float, float]:
     """(constant, per largest share Z) seconds of the staged weights' collectives, given the
-    (latency, seconds per byte of the largest share) of one reduce-scatter `rs` and all-gather `ag`."""
+    (latency, seconds per byte of the largest share) of one reduce-scatter `rs` and all-gather `ag`.
+    A latency per collective the runner issues (`runner.zero`): one bucket of the stage-1 gradients
+    after backward and one of the stage-1/2 weights after the update; one per stage-2 gradient; per
+    stage-3 weight two gathers and a reduce-scatter."""
     if not t.any:
         return 0.0, 0.0
-    const = rs[0] + (ag[0] if t.gathered_bytes else 0.0) + 2 * t.stage3_layers * ag[0]
+    stage1 = len(t.params) - t.stage2_params - t.stage3_params
+    scatters = int(stage1 > 0) + t.stage2_params + t.stage3_params
+    gathers = int(t.gathered_bytes > 0) + 2 * t.stage3_params
+    const = scatters * rs[0] + gathers * ag[0]
     per = t.staged_bytes * rs[1] + t.gathered_bytes * ag[1] + 2 * t.stage3_bytes * ag[1]
     return const, per
 
