@@ -247,7 +247,8 @@ def exact_depth(budget_s: float, deepest: int) -> list[dict]:
 
 
 def exact_report(beam: list[dict], exact: list[dict], depth: list[dict], budget_s: float, depth_budget_s: float) -> str:
-    """Beam against exact per case (where exact finished), and the deepest depth exact finishes in."""
+    """Beam against exact per case (where exact finished), and the deepest depth exact finishes in (when
+    the depth run was asked for: `depth` not empty)."""
     rows = [["case", "beam (ms)", "exact (ms)", "beam / exact", "exact time (s)"]]
     for b, e in zip(beam, exact):
         case = f"{_label(b)} / {Path(b['cluster']).stem}"
@@ -258,9 +259,12 @@ def exact_report(beam: list[dict], exact: list[dict], depth: list[dict], budget_
         else:
             rows.append([case, f"{b['predicted_time_s'] * 1e3:.3f}", f"{e['predicted_time_s'] * 1e3:.3f}",
                          f"{b['predicted_time_s'] / e['predicted_time_s']:.4f}", f"{e['planning_time_s']:.1f}"])
+    table = _table(rows) if len(rows) > 1 else ""
+    if not depth:
+        return table
     done = [r["layers"] for r in depth if "error" not in r and r["optimal"]]
-    deepest = f"{max(done)} layers" if done else "none (not even 1 layer)"
-    return _table(rows) + f"\n\ndeepest 8-device GPT that exact A* finishes within {depth_budget_s:g} s: {deepest}"
+    deepest = f"{max(done)} layer{'s' if max(done) > 1 else ''}" if done else "none (not even 1 layer)"
+    return table + ("\n\n" if table else "") + f"deepest 8-device GPT that exact A* finishes within {depth_budget_s:g} s: {deepest}"
 
 
 REFERENCE_LOOP = 5_000_000

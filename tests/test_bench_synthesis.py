@@ -33,3 +33,16 @@ def test_the_environment_records_the_reference_loop_time_beside_the_figures(monk
     monkeypatch.setattr(bench, "REFERENCE_LOOP", 10)
     monkeypatch.setattr(bench.time, "perf_counter", lambda: next(ticks, 100.0))  # any later reader: a later time
     assert bench.environment()["reference_loop_s"] == 1.0
+
+
+def test_the_exact_report_compares_finished_cases_and_states_depth_only_when_it_was_run():
+    bench = _bench()
+    beam = [{"model": "vgg19", "cluster": bench.MACHINES, "predicted_time_s": 0.1010},
+            {"model": "vit", "cluster": bench.MACHINES, "predicted_time_s": 0.5}]
+    exact = [{"predicted_time_s": 0.1, "planning_time_s": 2.0, "optimal": True},
+             {"predicted_time_s": 0.5, "planning_time_s": 600.0, "optimal": False}]
+    text = bench.exact_report(beam, exact, [], 600, 0)
+    assert "1.0100" in text and "did not finish in 600 s" in text
+    assert "deepest" not in text, "no depth run, no depth claim"
+    depth = [{"layers": 1, "optimal": True}, {"layers": 2, "optimal": False}]
+    assert bench.exact_report([], [], depth, 0, 60).endswith("finishes within 60 s: 1 layer")
