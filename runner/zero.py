@@ -9,8 +9,9 @@ steps that slice only, so Adam's moments exist for the slice only:
   into the full weight the program uses. The same bytes as the all-reduce it replaces, and like it
   in one bucket (`RankBucket`): one reduce-scatter for every such gradient, one all-gather for
   every updated weight (stages 1 and 2), not a collective's latency per weight.
-- stage 2: the same, but each gradient is reduce-scattered as soon as autograd has accumulated it
-  (a post-accumulate-grad hook) and the full gradient freed.
+- stage 2: the same, but the gradients are reduce-scattered during backward as autograd finishes them
+  (a post-accumulate-grad hook), in buckets sent as soon as they hold `STAGE2_BUCKET_BYTES`, and
+  the full gradients freed; what is left joins the bucket after backward.
 - stage 3: the slice is the parameter at rest. Before the forward pass each is all-gathered by an
   autograd Function whose backward reduce-scatters the gradient into the slice; the gathered weights
   are not kept for backward: saved-tensor hooks pack them as a reference and all-gather them again
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from engine.spmd.plan import Plan
+from engine.spmd.zero import STAGE2_BUCKET_BYTES
 from engine.theory.core import FULL
 
 from .collectives import FlatBuffer, gather_padded, reduce_scatter_uneven, run_collective
@@ -130,6 +132,12 @@ class RankStates:
     """Stage-3 weights gathered in the running forward pass, by storage address."""
     bucket: RankBucket = field(default_factory=RankBucket)
     """The gradients reduce-scattered after backward, kept from step to step."""
+    pending: list[tuple[StagedParam, torch.Tensor]] = field(default_factory=list)
+    """Stage-2 gradients finished in this backward and not yet sent."""
+    backward_buckets: list[RankBucket] = field(default_factory=list)
+    """The buckets of stage-2 gradients sent during backward, in order (each kept from step to step)."""
+    sent: int = 0
+    """Buckets sent in this backward so far."""
 
     def by_index(self) -> dict[int, StagedParam]:
         return {sp.index: sp for sp in self.staged}
@@ -173,23 +181,35 @@ class RankStates:
 
     def _stage2_hook(self, sp: StagedParam):
         def hook(p: torch.Tensor) -> None:  # every rank runs the same program: the same order of hooks
-            self._accumulate(sp, sp.scatter(p.grad))
+            self.pending.append((sp, p.grad))
             p.grad = None
+            if sum(g.numel() * g.element_size() for _, g in self.pending) >= STAGE2_BUCKET_BYTES:
+                if self.sent == len(self.backward_buckets):
+                    self.backward_buckets.append(RankBucket())
+                self._send(self.backward_buckets[self.sent], self.pending)
+                self.sent, self.pending = self.sent + 1, []
         return hook
+
+    def _send(self, bucket: RankBucket, items: list[tuple[StagedParam, torch.Tensor]]) -> None:
+        """Reduce-scatter whole gradients in one bucket and add this rank's slices to the slices' gradients."""
+        staged = [sp for sp, _ in items]
+        for sp, g in zip(staged, bucket.scatter(staged, [g for _, g in items])):
+            self._accumulate(sp, g)
 
     @staticmethod
     def _accumulate(sp: StagedParam, g: torch.Tensor) -> None:
         sp.slice.grad = g if sp.slice.grad is None else sp.slice.grad + g
 
     def reduce_gradients(self) -> None:
-        """After backward: reduce-scatter the gradients still whole (stage 1; stage 2 set by duplex) into
-        the slices, in one bucket; a weight unused on this rank contributes zeros."""
+        """After backward: reduce-scatter the gradients still whole (stage 1, the stage-2 ones not sent yet;
+        stage 2 set by duplex) into the slices, in one bucket; a weight unused on this rank contributes zeros."""
         todo = [sp for sp in self.staged if sp.stage != 3 and (sp.full.grad is not None or sp.stage == 1)]
-        if not todo:
-            return
-        wholes = [sp.full.grad if sp.full.grad is not None else torch.zeros_like(sp.full) for sp in todo]
-        for sp, g in zip(todo, self.bucket.scatter(todo, wholes)):
-            self._accumulate(sp, g)
+        items = self.pending + [(sp, sp.full.grad if sp.full.grad is not None else torch.zeros_like(sp.full))
+                                for sp in todo]
+        self.pending, self.sent = [], 0
+        if items:
+            self._send(self.bucket, items)
+        for sp in todo:
             sp.full.grad = None
 
     def gather_updated(self) -> None:

@@ -35,8 +35,8 @@ bytes per parameter byte (`STATE_BYTES_PER_PARAM_BYTE`, Adam 4 = 16 B a paramete
 
     stage 1: 2 P + (F - 2) P z_j     stage 2: P + (F - 1) P z_j     stage 3: F P z_j
 
-plus transients: stage 2 the largest staged gradient (reduce-scattered when it is ready), stage 3
-the largest layer's gathered weights and their full gradient. A virtual device's GPUs hold its
+plus transients: stage 2 the gradients of one bucket (reduce-scattered when it holds
+STAGE2_BUCKET_BYTES), stage 3 the largest layer's gathered weights and their full gradient. A virtual device's GPUs hold its
 share whole (data-parallel inside, like its sharded parameters). Everything stays linear in
 (B, z, Z), so the LP stays an LP.
 """
@@ -53,6 +53,11 @@ from engine.spmd.program import LOAD, Instruction
 from engine.theory.core import FULL, split_sizes
 
 STAGES = (0, 1, 2, 3)
+
+STAGE2_BUCKET_BYTES = 25 * 2**20
+"""Stage-2 gradients are reduce-scattered during backward in buckets of at least this many bytes, as
+autograd finishes them (DDP's default bucket cap); what is left joins the bucket after backward
+(`runner.zero.RankStates`, `stage2_buckets`)."""
 
 
 @dataclass(frozen=True)
@@ -96,8 +101,10 @@ class StatesTerms:
     """Of those, the stage-1/2 bytes all-gathered after the update."""
     stage3_bytes: float = 0.0
     """Of those, the stage-3 bytes all-gathered in forward and again in backward."""
-    stage2_params: int = 0
-    """Stage-2 weights: each reduce-scattered alone, when autograd has accumulated its gradient."""
+    backward_buckets: int = 0
+    """Buckets of stage-2 gradients reduce-scattered during backward (`stage2_buckets`)."""
+    final_bucket: bool = False
+    """Whether gradients are left for the bucket after backward (stage 1, the rest of stage 2)."""
     stage3_params: int = 0
     """Stage-3 weights: each all-gathered alone in forward and again in backward, its gradient
     reduce-scattered alone."""
@@ -113,6 +120,7 @@ def states_terms(program: tuple[Instruction, ...], graph: Graph, states: StateSh
     out = StatesTerms()
     if states is None:
         return out
+    stage2: list[float] = []
     for ins in program:
         n = graph[ins.node]
         if ins.kind != LOAD or n.op != "parameter" or ins.post != FULL or not states.stage(ins.node):
@@ -125,36 +133,52 @@ def states_terms(program: tuple[Instruction, ...], graph: Graph, states: StateSh
             out.stage3_params += 1
         else:
             out.gathered_bytes += b
-            out.stage2_params += s == 2
+            out.final_bucket |= s == 1
+            if s == 2:
+                stage2.append(b)
+    out.backward_buckets, left = stage2_buckets(stage2[::-1])  # gradients finish in reverse order of use
+    out.final_bucket |= left > 0
     return out
+
+
+def stage2_buckets(ready: list[float]) -> tuple[int, float]:
+    """(buckets reduce-scattered during backward, bytes left for the bucket after it) of stage-2
+    gradients of `ready` bytes each, in the order autograd finishes them: a bucket is sent as soon as it
+    holds STAGE2_BUCKET_BYTES. The runner applies the same rule."""
+    count, pending = 0, 0.0
+    for b in ready:
+        pending += b
+        if pending >= STAGE2_BUCKET_BYTES:
+            count, pending = count + 1, 0.0
+    return count, pending
 
 
 def transient_bytes(graph: Graph, states: StateSharding | None) -> float:
     """Transient bytes per GPU of the staged weights, whatever the program (an upper bound: a weight
-    the program shards has none): the largest stage-2 gradient, twice the largest layer's stage-3 weights."""
+    the program shards has none): the stage-2 gradients of a bucket not yet sent (under its cap plus the
+    gradient that fills it), twice the largest layer's stage-3 weights."""
     if states is None:
         return 0.0
     layer3: dict[int, float] = {}
-    largest2 = 0.0
+    largest2 = total2 = 0.0
     for p, s in states.stages.items():
         n = graph[p]
         if s == 3:
             layer3[n.segment] = layer3.get(n.segment, 0.0) + float(n.nbytes)
         elif s == 2:
-            largest2 = max(largest2, float(n.nbytes))
-    return max(largest2, 2.0 * max(layer3.values(), default=0.0))
+            largest2, total2 = max(largest2, float(n.nbytes)), total2 + float(n.nbytes)
+    return max(min(total2, STAGE2_BUCKET_BYTES + largest2), 2.0 * max(layer3.values(), default=0.0))
 
 
 def comm_terms(t: StatesTerms, rs: tuple[float, float], ag: tuple[float, float]) -> tuple[float, float]:
     """(constant, per largest share Z) seconds of the staged weights' collectives, given the
     (latency, seconds per byte of the largest share) of one reduce-scatter `rs` and all-gather `ag`.
-    A latency per collective the runner issues (`runner.zero`): one bucket of the stage-1 gradients
-    after backward and one of the stage-1/2 weights after the update; one per stage-2 gradient; per
-    stage-3 weight two gathers and a reduce-scatter."""
+    A latency per collective the runner issues (`runner.zero`): the stage-2 buckets sent during backward,
+    one bucket of the gradients left after it, one of the stage-1/2 weights after the update; per stage-3
+    weight two gathers and a reduce-scatter."""
     if not t.any:
         return 0.0, 0.0
-    stage1 = len(t.params) - t.stage2_params - t.stage3_params
-    scatters = int(stage1 > 0) + t.stage2_params + t.stage3_params
+    scatters = t.backward_buckets + int(t.final_bucket) + t.stage3_params
     gathers = int(t.gathered_bytes > 0) + 2 * t.stage3_params
     const = scatters * rs[0] + gathers * ag[0]
     per = t.staged_bytes * rs[1] + t.gathered_bytes * ag[1] + 2 * t.stage3_bytes * ag[1]

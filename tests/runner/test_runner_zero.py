@@ -32,11 +32,15 @@ BUCKET_SIZES = [[3, 0, 2], [4, 4, 4], [1, 5, 0]]
 """Three staged weights' flat elements on each of 3 ranks: uneven, one rank holding none of two of them."""
 
 
-def bucket_body(rank: int, world: int, init_method: str) -> tuple[list, list, list[str]]:
-    from runner import collectives
+def bucket_body(rank: int, world: int, init_method: str, stage: int = 1, cap: int | None = None) -> tuple[list, list, list[str]]:
+    """Three staged weights of BUCKET_SIZES at `stage` (2: their gradients arrive through the stage-2 hook,
+    in order, with `cap` as the bucket size); rank r's gradient of weight i is (arange + i) * (r + 1)."""
+    from runner import collectives, zero
     from runner.zero import RankStates, StagedParam
 
     init_gloo(rank, world, init_method)
+    if cap is not None:
+        zero.STAGE2_BUCKET_BYTES = cap
     calls: list[str] = []
 
     class Count:
@@ -48,11 +52,14 @@ def bucket_body(rank: int, world: int, init_method: str) -> tuple[list, list, li
     states = RankStates([], build_optimizer=torch.optim.SGD)
     for i, sizes in enumerate(BUCKET_SIZES):
         full = torch.nn.Parameter(torch.zeros(sum(sizes)))
-        full.grad = torch.arange(sum(sizes), dtype=torch.float32) * (rank + 1) + i
-        states.staged.append(StagedParam(i, 1, sizes, full.shape, torch.nn.Parameter(torch.full((sizes[rank],), float(rank))),
+        states.staged.append(StagedParam(i, stage, sizes, full.shape, torch.nn.Parameter(torch.full((sizes[rank],), float(rank))),
                                          full=full, name=f"w{i}"))
     collectives.set_observer(Count())
     try:
+        for i, sp in enumerate(states.staged):
+            sp.full.grad = torch.arange(sum(sp.sizes), dtype=torch.float32) * (rank + 1) + i
+            if stage == 2:
+                states._stage2_hook(sp)(sp.full)
         states.reduce_gradients()
         states.gather_updated()
     finally:
@@ -60,13 +67,16 @@ def bucket_body(rank: int, world: int, init_method: str) -> tuple[list, list, li
     return [sp.slice.grad for sp in states.staged], [sp.full.detach() for sp in states.staged], calls
 
 
-def test_sharded_gradients_and_updated_weights_move_in_one_bucket_each_way(tmp_path):
+@pytest.mark.parametrize("stage, cap, scatters", [(1, None, 1), (2, None, 1), (2, 7 * 4, 2), (2, 1, 3)])
+def test_sharded_gradients_and_updated_weights_move_in_buckets(stage, cap, scatters, tmp_path):
     """After backward each rank holds its slices of the summed gradients, and after the step every weight
-    is whole again from every rank's slices, with one collective each way for all staged weights (the
-    cost model prices one latency each: engine.spmd.zero.comm_terms)."""
-    results = run_ranks(bucket_body, 3, tmp_path)
+    is whole again from every rank's slices. Stage 1 sends all gradients in one bucket; stage 2 sends a
+    bucket during backward whenever the finished gradients reach the cap (28 bytes: after weights 0 and
+    1, 5 + 12 floats; 1 byte: after each), the rest after backward; one all-gather after the step (the
+    counts engine.spmd.zero.comm_terms prices)."""
+    results = run_ranks(bucket_body, 3, tmp_path, stage, cap)
     for rank, (grads, wholes, calls) in enumerate(results):
-        assert calls == ["reduce_scatter", "all_gather"]
+        assert calls == ["reduce_scatter"] * scatters + ["all_gather"]
         for i, sizes in enumerate(BUCKET_SIZES):
             total = (torch.arange(sum(sizes), dtype=torch.float32) * 6 + 3 * i).split(sizes)[rank]
             torch.testing.assert_close(grads[i], total, rtol=0, atol=0)

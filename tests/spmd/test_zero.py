@@ -12,7 +12,7 @@ from engine.options import PlanOptions
 from engine.spmd.balance import balance
 from engine.spmd.baselines import data_parallel, unlimited
 from engine.spmd.cost import CostModel, evaluate
-from engine.spmd.zero import StateSharding, all_params_at, flat_sizes, state_memory, to_record
+from engine.spmd.zero import StateSharding, all_params_at, flat_sizes, stage2_buckets, state_memory, to_record
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_state_bytes_per_stage_follow_the_zero_formula():
 def test_predicted_memory_per_device_is_the_stage_formula(deep_mlp, stage):
     """Data parallelism, every weight staged, shares 0.5/0.3/0.2: each device's bytes are the stage-0 bytes
     minus the replicated 16 B a parameter plus the stage's whole part and its share of the rest, plus the
-    transient (stage 2: the largest gradient; stage 3: twice the largest layer's weights)."""
+    transient (stage 2: one bucket of gradients, here all of them; stage 3: twice the largest layer's weights)."""
     c = engine.load_cluster(cluster_dict([1e12] * 3))
     ratios, shares = [0.4, 0.35, 0.25], (0.5, 0.3, 0.2)
     program = data_parallel(deep_mlp, CostModel(deep_mlp, c, ratios)).program
@@ -50,20 +50,32 @@ def test_predicted_memory_per_device_is_the_stage_formula(deep_mlp, stage):
     layers: dict[int, float] = {}
     for n in deep_mlp.parameters:
         layers[n.segment] = layers.get(n.segment, 0) + n.nbytes
-    transient = {1: 0, 2: max(weights), 3: 2 * max(layers.values())}[stage]
+    transient = {1: 0, 2: P, 3: 2 * max(layers.values())}[stage]  # stage 2: every gradient fits one bucket
     for j in range(3):
         want = base[j] - 4 * P + kept * P + (4 - kept) * P * shares[j] + transient
         assert math.isclose(got[j], want, rel_tol=1e-12), (j, got[j], want)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_staged_gradients_leave_the_all_reduce_and_are_priced_as_the_runners_collectives(deep_mlp, stage):
-    """A latency per collective `runner.zero` issues: stage 1 one bucket each way; stage 2 a reduce-scatter
-    per gradient and one bucket of weights; stage 3 per weight two all-gathers and a reduce-scatter."""
+def test_stage_2_gradients_are_sent_in_buckets_as_they_reach_the_cap(monkeypatch):
+    assert stage2_buckets([20.0, 48.0, 24.0]) == (0, 92.0)  # all left for the bucket after backward
+    monkeypatch.setattr("engine.spmd.zero.STAGE2_BUCKET_BYTES", 28)
+    assert stage2_buckets([20.0, 48.0, 24.0]) == (1, 24.0)  # 20 + 48 >= 28 sent during backward
+    monkeypatch.setattr("engine.spmd.zero.STAGE2_BUCKET_BYTES", 1)
+    assert stage2_buckets([20.0, 48.0, 24.0]) == (3, 0.0)
+
+
+@pytest.mark.parametrize("stage, cap", [(1, None), (2, None), (2, 1), (3, None)])
+def test_staged_gradients_leave_the_all_reduce_and_are_priced_as_the_runners_collectives(deep_mlp, stage, cap, monkeypatch):
+    """A latency per collective `runner.zero` issues: stage 1 one bucket each way; stage 2 its buckets sent
+    during backward (each gradient alone at a 1-byte cap), the rest after it, and one bucket of weights;
+    stage 3 per weight two all-gathers and a reduce-scatter."""
+    if cap is not None:
+        monkeypatch.setattr("engine.spmd.zero.STAGE2_BUCKET_BYTES", cap)
     c = engine.load_cluster(cluster_dict([1e12] * 3))
     program = data_parallel(deep_mlp, CostModel(deep_mlp, c, [1 / 3] * 3)).program
     n = len(deep_mlp.parameters)
-    scatters, gathers, gathered = {1: (1, 1, 1), 2: (n, 1, 1), 3: (n, 2 * n, 2)}[stage]
+    scatters, gathers, gathered = {(1, None): (1, 1, 1), (2, None): (1, 1, 1), (2, 1): (n, 1, 1),
+                                   (3, None): (n, 2 * n, 2)}[stage, cap]
     for overlap in ("none", "ddp"):
         plain = evaluate(program, CostModel(deep_mlp, c, [1 / 3] * 3, overlap=overlap))
         cm = CostModel(deep_mlp, c, [1 / 3] * 3, overlap=overlap,
