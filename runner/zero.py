@@ -12,8 +12,9 @@ steps that slice only, so Adam's moments exist for the slice only:
 - stage 2: the same, but the gradients are reduce-scattered during backward as autograd finishes them
   (a post-accumulate-grad hook), in buckets sent as soon as they hold `STAGE2_BUCKET_BYTES`, and
   the full gradients freed; what is left joins the bucket after backward.
-- stage 3: the slice is the parameter at rest. Before the forward pass each is all-gathered by an
-  autograd Function whose backward reduce-scatters the gradient into the slice; the gathered weights
+- stage 3: the slice is the parameter at rest. Before the forward pass all are all-gathered in one
+  bucket by an autograd Function whose backward reduce-scatters their gradients into the slices in
+  one bucket; the gathered weights
   are not kept for backward: saved-tensor hooks pack them as a reference and all-gather them again
   when backward uses them. (They stay alive until the forward pass ends, a CPU-runner simplification;
   the engine prices FSDP's per-layer transient.)
@@ -65,11 +66,6 @@ class StagedParam:
         return run_collective("all_gather", self.name, gather_padded, flat.detach().contiguous(), 0,
                               self.sizes).view(self.shape)
 
-    def scatter(self, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of the sum over ranks of `whole` (uneven reduce-scatter)."""
-        return run_collective("reduce_scatter", self.name, reduce_scatter_uneven, whole.reshape(-1).contiguous(), 0,
-                              self.sizes)
-
     def mine(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's flat slice of a whole tensor (no communication)."""
         return whole.reshape(-1)[self.offset:self.offset + self.sizes[dist.get_rank()]].clone()
@@ -107,17 +103,19 @@ class RankBucket:
                 for i, sp in enumerate(staged)]
 
 
-class _Gather(torch.autograd.Function):
-    """A stage-3 weight on use: all-gather its slices; backward reduce-scatters the gradient (the dual)."""
+class _GatherAll(torch.autograd.Function):
+    """The stage-3 weights before forward: every one gathered whole from its slices in one bucket;
+    backward reduce-scatters their gradients into the slices in one bucket (the dual)."""
 
     @staticmethod
-    def forward(ctx, flat: torch.Tensor, sp: StagedParam) -> torch.Tensor:
-        ctx.sp = sp
-        return sp.gather(flat)
+    def forward(ctx, staged: list[StagedParam], bucket: RankBucket, *flats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.staged, ctx.bucket = staged, bucket
+        return tuple(RankBucket.gather(staged, list(flats)))
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        return ctx.sp.scatter(g), None
+    def backward(ctx, *grads: torch.Tensor | None):
+        wholes = [sp.slice.new_zeros(sp.shape) if g is None else g for sp, g in zip(ctx.staged, grads)]
+        return (None, None, *ctx.bucket.scatter(ctx.staged, wholes))
 
 
 @dataclass
@@ -132,6 +130,8 @@ class RankStates:
     """Stage-3 weights gathered in the running forward pass, by storage address."""
     bucket: RankBucket = field(default_factory=RankBucket)
     """The gradients reduce-scattered after backward, kept from step to step."""
+    bucket3: RankBucket = field(default_factory=RankBucket)
+    """The stage-3 gradients, reduce-scattered when backward reaches the gather."""
     pending: list[tuple[StagedParam, torch.Tensor]] = field(default_factory=list)
     """Stage-2 gradients finished in this backward and not yet sent."""
     backward_buckets: list[RankBucket] = field(default_factory=list)
@@ -146,11 +146,12 @@ class RankStates:
     def program_params(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """The tensors the program reads: stage-3 weights gathered (and remembered for `saving`)."""
         out = list(params)
-        for sp in self.staged:
-            if sp.stage == 3:
-                whole = _Gather.apply(sp.slice, sp)
-                self.live[whole.untyped_storage().data_ptr()] = (whole, sp)
-                out[sp.index] = whole
+        three = [sp for sp in self.staged if sp.stage == 3]
+        if not three:
+            return out
+        for sp, whole in zip(three, _GatherAll.apply(three, self.bucket3, *[sp.slice for sp in three])):
+            self.live[whole.untyped_storage().data_ptr()] = (whole, sp)
+            out[sp.index] = whole
         return out
 
     @contextlib.contextmanager

@@ -25,7 +25,7 @@ all-reduce is a reduce-scatter then an all-gather: the same bytes); `evaluate` a
 exactly: the weight leaves the all-reduce buckets and `StatesTerms` adds, after backward,
 
     reduce-scatter of the staged gradients + all-gather of the updated stage-1/2 weights
-        + (stage 3) an all-gather per weight in forward and again in backward
+        + (stage 3) an all-gather before forward and one per weight in backward
         + max_j [ (copies + sync inside a virtual device) of the staged bytes + z_j * update of them ]
 
 each collective `latency + Z * bytes / bandwidth` with Z = max_j z_j (padded uneven collectives
@@ -106,8 +106,8 @@ class StatesTerms:
     final_bucket: bool = False
     """Whether gradients are left for the bucket after backward (stage 1, the rest of stage 2)."""
     stage3_params: int = 0
-    """Stage-3 weights: each all-gathered alone in forward and again in backward, its gradient
-    reduce-scattered alone."""
+    """Stage-3 weights: all gathered in one bucket before forward, their gradients reduce-scattered
+    in one bucket; each gathered again, alone, where backward uses it."""
     params: list[int] = field(default_factory=list)
 
     @property
@@ -174,12 +174,13 @@ def comm_terms(t: StatesTerms, rs: tuple[float, float], ag: tuple[float, float])
     """(constant, per largest share Z) seconds of the staged weights' collectives, given the
     (latency, seconds per byte of the largest share) of one reduce-scatter `rs` and all-gather `ag`.
     A latency per collective the runner issues (`runner.zero`): the stage-2 buckets sent during backward,
-    one bucket of the gradients left after it, one of the stage-1/2 weights after the update; per stage-3
-    weight two gathers and a reduce-scatter."""
+    one bucket of the gradients left after it, one of the stage-1/2 weights after the update; for stage 3
+    one bucket each way and a gather per weight in backward."""
     if not t.any:
         return 0.0, 0.0
-    scatters = t.backward_buckets + int(t.final_bucket) + t.stage3_params
-    gathers = int(t.gathered_bytes > 0) + 2 * t.stage3_params
+    three = t.stage3_params > 0
+    scatters = t.backward_buckets + int(t.final_bucket) + int(three)
+    gathers = int(t.gathered_bytes > 0) + int(three) + t.stage3_params
     const = scatters * rs[0] + gathers * ag[0]
     per = t.staged_bytes * rs[1] + t.gathered_bytes * ag[1] + 2 * t.stage3_bytes * ag[1]
     return const, per

@@ -84,6 +84,42 @@ def test_sharded_gradients_and_updated_weights_move_in_buckets(stage, cap, scatt
             torch.testing.assert_close(wholes[i], want, rtol=0, atol=0)
 
 
+def stage3_body(rank: int, world: int, init_method: str) -> tuple[list, list, list[str]]:
+    from runner import collectives
+    from runner.zero import RankStates, StagedParam
+
+    init_gloo(rank, world, init_method)
+    calls: list[str] = []
+
+    class Count:
+        @contextlib.contextmanager
+        def comm(self, name, tag, args=()):
+            calls.append(name)
+            yield
+
+    states = RankStates([], build_optimizer=torch.optim.SGD)
+    for i, sizes in enumerate(BUCKET_SIZES):
+        flat = torch.nn.Parameter(torch.full((sizes[rank],), float(rank)))
+        states.staged.append(StagedParam(i, 3, sizes, torch.Size([sum(sizes)]), flat, name=f"w{i}"))
+    collectives.set_observer(Count())
+    try:
+        wholes = states.program_params([sp.slice for sp in states.staged])
+        loss = sum((w * (torch.arange(w.numel(), dtype=torch.float32) * (rank + 1) + i)).sum() for i, w in enumerate(wholes))
+        loss.backward()
+    finally:
+        collectives.set_observer(None)
+    return [sp.slice.grad for sp in states.staged], [w.detach() for w in wholes], calls
+
+
+def test_stage_3_weights_are_gathered_and_their_gradients_reduce_scattered_in_one_bucket_each(tmp_path):
+    for rank, (grads, wholes, calls) in enumerate(run_ranks(stage3_body, 3, tmp_path)):
+        assert calls == ["all_gather", "reduce_scatter"]
+        for i, sizes in enumerate(BUCKET_SIZES):
+            total = (torch.arange(sum(sizes), dtype=torch.float32) * 6 + 3 * i).split(sizes)[rank]
+            torch.testing.assert_close(grads[i], total, rtol=0, atol=0)
+            torch.testing.assert_close(wholes[i], torch.cat([torch.full((n,), float(r)) for r, n in enumerate(sizes)]))
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_data_parallel_with_sharded_states_trains_like_one_device(stage, tmp_path):
     plan = staged(dp_even_plan("mlp", 3), stage)
