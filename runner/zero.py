@@ -14,9 +14,8 @@ steps that slice only, so Adam's moments exist for the slice only:
   the full gradients freed; what is left joins the bucket after backward.
 - stage 3: the slice is the parameter at rest. Before the forward pass all are all-gathered in one
   bucket by an autograd Function whose backward reduce-scatters their gradients into the slices in
-  one bucket; the gathered weights
-  are not kept for backward: saved-tensor hooks pack them as a reference and all-gather them again
-  when backward uses them. (They stay alive until the forward pass ends, a CPU-runner simplification;
+  one bucket; the gathered weights are not kept for backward: saved-tensor hooks pack them as a
+  reference and all-gather them again, one by one, when backward uses them. (They stay alive until the forward pass ends, a CPU-runner simplification;
   the engine prices FSDP's per-layer transient.)
 
 Adam is element-wise, so stepping slices of the summed gradient is exactly stepping the whole
