@@ -264,7 +264,8 @@ def exact_report(beam: list[dict], exact: list[dict], depth: list[dict], budget_
         return table
     done = [r["layers"] for r in depth if "error" not in r and r["optimal"]]
     deepest = f"{max(done)} layer{'s' if max(done) > 1 else ''}" if done else "none (not even 1 layer)"
-    return table + ("\n\n" if table else "") + f"deepest 8-device GPT that exact A* finishes within {depth_budget_s:g} s: {deepest}"
+    line = f"deepest 8-device GPT that exact A* finishes within {depth_budget_s:g} s: {deepest}"
+    return table + "\n\n" + line if table else line
 
 
 REFERENCE_LOOP = 5_000_000

@@ -15,8 +15,8 @@ steps that slice only, so Adam's moments exist for the slice only:
 - stage 3: the slice is the parameter at rest. Before the forward pass all are all-gathered in one
   bucket by an autograd Function whose backward reduce-scatters their gradients into the slices in
   one bucket; the gathered weights are not kept for backward: saved-tensor hooks pack them as a
-  reference and all-gather them again, one by one, when backward uses them. (They stay alive until the forward pass ends, a CPU-runner simplification;
-  the engine prices FSDP's per-layer transient.)
+  reference and all-gather them again, one by one, when backward uses them. (They stay alive until
+  the forward pass ends, a CPU-runner simplification; the engine prices FSDP's per-layer transient.)
 
 Adam is element-wise, so stepping slices of the summed gradient is exactly stepping the whole
 weight: `hap run --verify` matches single-device training to fp32 tolerance. Checkpoints keep the

@@ -30,15 +30,16 @@ exactly: the weight leaves the all-reduce buckets and `StatesTerms` adds, after 
 
 each collective `latency + Z * bytes / bandwidth` with Z = max_j z_j (padded uneven collectives
 move the largest share, the cluster's payload convention), from the cluster's `reduce_scatter`
-and `all_gather` fits, with a latency per collective the runner issues (`comm_terms`). Memory per GPU of device j, P the weight's bytes, F the optimizer's state
-bytes per parameter byte (`STATE_BYTES_PER_PARAM_BYTE`, Adam 4 = 16 B a parameter):
+and `all_gather` fits, with a latency per collective the runner issues (`comm_terms`). Memory per
+GPU of device j, P the weight's bytes, F the optimizer's state bytes per parameter byte
+(`STATE_BYTES_PER_PARAM_BYTE`, Adam 4 = 16 B a parameter):
 
     stage 1: 2 P + (F - 2) P z_j     stage 2: P + (F - 1) P z_j     stage 3: F P z_j
 
 plus transients: stage 2 the gradients of one bucket (reduce-scattered when it holds
-STAGE2_BUCKET_BYTES), stage 3 the largest layer's gathered weights and their full gradient. A virtual device's GPUs hold its
-share whole (data-parallel inside, like its sharded parameters). Everything stays linear in
-(B, z, Z), so the LP stays an LP.
+STAGE2_BUCKET_BYTES), stage 3 the largest layer's gathered weights and their full gradient. A
+virtual device's GPUs hold its share whole (data-parallel inside, like its sharded parameters).
+Everything stays linear in (B, z, Z), so the LP stays an LP.
 """
 from __future__ import annotations
 

@@ -32,92 +32,98 @@ BUCKET_SIZES = [[3, 0, 2], [4, 4, 4], [1, 5, 0]]
 """Three staged weights' flat elements on each of 3 ranks: uneven, one rank holding none of two of them."""
 
 
-def bucket_body(rank: int, world: int, init_method: str, stage: int = 1, cap: int | None = None) -> tuple[list, list, list[str]]:
-    """Three staged weights of BUCKET_SIZES at `stage` (2: their gradients arrive through the stage-2 hook,
-    in order, with `cap` as the bucket size); rank r's gradient of weight i is (arange + i) * (r + 1)."""
-    from runner import collectives, zero
+def rank_gradient(i: int, rank: int) -> torch.Tensor:
+    """Rank `rank`'s whole gradient of weight i, arange + i times rank + 1: over 3 ranks, 6 arange + 3 i."""
+    return torch.arange(sum(BUCKET_SIZES[i]), dtype=torch.float32) * (rank + 1) + i
+
+
+def rank_states(rank: int, stage: int):
+    """The weights of BUCKET_SIZES at `stage`, rank `rank`'s slices all equal to `rank` (stages 1-2: whole
+    weights of zeros beside them)."""
     from runner.zero import RankStates, StagedParam
-
-    init_gloo(rank, world, init_method)
-    if cap is not None:
-        zero.STAGE2_BUCKET_BYTES = cap
-    calls: list[str] = []
-
-    class Count:
-        @contextlib.contextmanager
-        def comm(self, name, tag, args=()):
-            calls.append(name)
-            yield
-
-    states = RankStates([], build_optimizer=torch.optim.SGD)
-    for i, sizes in enumerate(BUCKET_SIZES):
-        full = torch.nn.Parameter(torch.zeros(sum(sizes)))
-        states.staged.append(StagedParam(i, stage, sizes, full.shape, torch.nn.Parameter(torch.full((sizes[rank],), float(rank))),
-                                         full=full, name=f"w{i}"))
-    collectives.set_observer(Count())
-    try:
-        for i, sp in enumerate(states.staged):
-            sp.full.grad = torch.arange(sum(sp.sizes), dtype=torch.float32) * (rank + 1) + i
-            if stage == 2:
-                states._stage2_hook(sp)(sp.full)
-        states.reduce_gradients()
-        states.gather_updated()
-    finally:
-        collectives.set_observer(None)
-    return [sp.slice.grad for sp in states.staged], [sp.full.detach() for sp in states.staged], calls
-
-
-@pytest.mark.parametrize("stage, cap, scatters", [(1, None, 1), (2, None, 1), (2, 7 * 4, 2), (2, 1, 3)])
-def test_sharded_gradients_and_updated_weights_move_in_buckets(stage, cap, scatters, tmp_path):
-    """After backward each rank holds its slices of the summed gradients, and after the step every weight
-    is whole again from every rank's slices. Stage 1 sends all gradients in one bucket; stage 2 sends a
-    bucket during backward whenever the finished gradients reach the cap (28 bytes: after weights 0 and
-    1, 5 + 12 floats; 1 byte: after each), the rest after backward; one all-gather after the step (the
-    counts engine.spmd.zero.comm_terms prices)."""
-    results = run_ranks(bucket_body, 3, tmp_path, stage, cap)
-    for rank, (grads, wholes, calls) in enumerate(results):
-        assert calls == ["reduce_scatter"] * scatters + ["all_gather"]
-        for i, sizes in enumerate(BUCKET_SIZES):
-            total = (torch.arange(sum(sizes), dtype=torch.float32) * 6 + 3 * i).split(sizes)[rank]
-            torch.testing.assert_close(grads[i], total, rtol=0, atol=0)
-            want = torch.cat([torch.full((s,), float(r)) for r, s in enumerate(sizes)])
-            torch.testing.assert_close(wholes[i], want, rtol=0, atol=0)
-
-
-def stage3_body(rank: int, world: int, init_method: str) -> tuple[list, list, list[str]]:
-    from runner import collectives
-    from runner.zero import RankStates, StagedParam
-
-    init_gloo(rank, world, init_method)
-    calls: list[str] = []
-
-    class Count:
-        @contextlib.contextmanager
-        def comm(self, name, tag, args=()):
-            calls.append(name)
-            yield
 
     states = RankStates([], build_optimizer=torch.optim.SGD)
     for i, sizes in enumerate(BUCKET_SIZES):
         flat = torch.nn.Parameter(torch.full((sizes[rank],), float(rank)))
-        states.staged.append(StagedParam(i, 3, sizes, torch.Size([sum(sizes)]), flat, name=f"w{i}"))
+        full = None if stage == 3 else torch.nn.Parameter(torch.zeros(sum(sizes)))
+        states.staged.append(StagedParam(i, stage, sizes, torch.Size([sum(sizes)]), flat, full=full, name=f"w{i}"))
+    return states
+
+
+@contextlib.contextmanager
+def counting_collectives():
+    """The names of the collectives run inside, in order."""
+    from runner import collectives
+
+    calls: list[str] = []
+
+    class Count:
+        @contextlib.contextmanager
+        def comm(self, name, tag, args=()):
+            calls.append(name)
+            yield
+
     collectives.set_observer(Count())
     try:
-        wholes = states.program_params([sp.slice for sp in states.staged])
-        loss = sum((w * (torch.arange(w.numel(), dtype=torch.float32) * (rank + 1) + i)).sum() for i, w in enumerate(wholes))
-        loss.backward()
+        yield calls
     finally:
         collectives.set_observer(None)
+
+
+def bucket_body(rank: int, world: int, init_method: str, stage: int = 1,
+                cap: int | None = None) -> tuple[list, list, list[str]]:
+    """Stages 1-2 (2: the gradients arrive through the stage-2 hook, in order, with `cap` as the bucket
+    size): each rank's gradient slices after backward, whole weights after the step, collectives run."""
+    from runner import zero
+
+    init_gloo(rank, world, init_method)
+    if cap is not None:
+        zero.STAGE2_BUCKET_BYTES = cap
+    states = rank_states(rank, stage)
+    with counting_collectives() as calls:
+        for i, sp in enumerate(states.staged):
+            sp.full.grad = rank_gradient(i, rank)
+            if stage == 2:
+                states._stage2_hook(sp)(sp.full)
+        states.reduce_gradients()
+        states.gather_updated()
+    return [sp.slice.grad for sp in states.staged], [sp.full.detach() for sp in states.staged], calls
+
+
+def stage3_body(rank: int, world: int, init_method: str) -> tuple[list, list, list[str]]:
+    """Stage 3: the weights gathered for forward, a loss whose gradient is `rank_gradient`, backward."""
+    init_gloo(rank, world, init_method)
+    states = rank_states(rank, 3)
+    with counting_collectives() as calls:
+        wholes = states.program_params([sp.slice for sp in states.staged])
+        sum((w * rank_gradient(i, rank)).sum() for i, w in enumerate(wholes)).backward()
     return [sp.slice.grad for sp in states.staged], [w.detach() for w in wholes], calls
 
 
-def test_stage_3_weights_are_gathered_and_their_gradients_reduce_scattered_in_one_bucket_each(tmp_path):
-    for rank, (grads, wholes, calls) in enumerate(run_ranks(stage3_body, 3, tmp_path)):
-        assert calls == ["all_gather", "reduce_scatter"]
+def assert_slices_and_wholes(results: list, calls_want: list[str]) -> None:
+    """Every rank ran `calls_want`, holds its slices of the summed gradients and every weight whole
+    from every rank's slices."""
+    for rank, (grads, wholes, calls) in enumerate(results):
+        assert calls == calls_want
         for i, sizes in enumerate(BUCKET_SIZES):
             total = (torch.arange(sum(sizes), dtype=torch.float32) * 6 + 3 * i).split(sizes)[rank]
             torch.testing.assert_close(grads[i], total, rtol=0, atol=0)
-            torch.testing.assert_close(wholes[i], torch.cat([torch.full((n,), float(r)) for r, n in enumerate(sizes)]))
+            want = torch.cat([torch.full((n,), float(r)) for r, n in enumerate(sizes)])
+            torch.testing.assert_close(wholes[i], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("stage, cap, scatters", [(1, None, 1), (2, None, 1), (2, 7 * 4, 2), (2, 1, 3)])
+def test_sharded_gradients_and_updated_weights_move_in_buckets(stage, cap, scatters, tmp_path):
+    """Stage 1 sends all gradients in one bucket; stage 2 sends a bucket during backward whenever the
+    finished gradients reach the cap (28 bytes: after weights 0 and 1, 5 + 12 floats; 1 byte: after
+    each), the rest after backward; one all-gather after the step (the counts
+    engine.spmd.zero.comm_terms prices)."""
+    results = run_ranks(bucket_body, 3, tmp_path, stage, cap)
+    assert_slices_and_wholes(results, ["reduce_scatter"] * scatters + ["all_gather"])
+
+
+def test_stage_3_weights_are_gathered_and_their_gradients_reduce_scattered_in_one_bucket_each(tmp_path):
+    assert_slices_and_wholes(run_ranks(stage3_body, 3, tmp_path), ["all_gather", "reduce_scatter"])
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

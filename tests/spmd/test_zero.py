@@ -65,7 +65,8 @@ def test_stage_2_gradients_are_sent_in_buckets_as_they_reach_the_cap(monkeypatch
 
 
 @pytest.mark.parametrize("stage, cap", [(1, None), (2, None), (2, 1), (3, None)])
-def test_staged_gradients_leave_the_all_reduce_and_are_priced_as_the_runners_collectives(deep_mlp, stage, cap, monkeypatch):
+def test_staged_gradients_leave_the_all_reduce_and_are_priced_as_the_runners_collectives(deep_mlp, stage, cap,
+                                                                                         monkeypatch):
     """A latency per collective `runner.zero` issues: stage 1 one bucket each way; stage 2 its buckets sent
     during backward (each gradient alone at a 1-byte cap), the rest after it, and one bucket of weights;
     stage 3 one bucket each way and an all-gather per weight in backward."""
