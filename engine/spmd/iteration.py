@@ -194,10 +194,10 @@ def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progr
     seeds = baselines(graph, cluster, options, deadline, recompute)
     stats: dict[str, Any] = {
         "expanded": 0, "generated": 0, "optimal": True, "iterations": 0,
-        "baselines_s": {k: None if c is None else realized_rank(graph, cluster, c, options)[1] for k, c in seeds.items()},
         "overlap_request": options.overlap, "overlap_s": {}, "overlap_skipped": skipped}
     loop = Loop(graph, cluster, options, progress, deadline, stats=stats, space=space or SearchSpace(), recompute=recompute,
                 states=states)
+    stats["baselines_s"] = {k: None if c is None else loop.rank(c)[1] for k, c in seeds.items()}
     base = loop.space
     found: dict[str, Candidate] = {}
     for k, mode in enumerate(modes):
@@ -208,17 +208,17 @@ def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progr
         cand = _plan_in(mode, loop, seg, list(seeds.values()), share)
         if cand is not None:
             found[mode] = cand
-            stats["overlap_s"][mode] = realized_rank(graph, cluster, cand, options)[1]
+            stats["overlap_s"][mode] = loop.rank(cand)[1]
     if not found:
         raise InfeasibleError(oom_message(graph, cluster, options, deadline=deadline))
     if options.overlap == "auto" and "ddp" in found:
         found["none"] = best_of_none(found.get("none"), priced_in(found["ddp"], graph, cluster, options, "none"),
-                                     lambda c: realized_rank(graph, cluster, c, options))
-        stats["overlap_s"]["none"] = realized_rank(graph, cluster, found["none"], options)[1]
+                                     loop.rank)
+        stats["overlap_s"]["none"] = loop.rank(found["none"])[1]
     # modes in order (ddp, duplex, none): a tie keeps the earlier, so duplex or none is chosen only for a predicted gain
     while True:
-        best = min(found.values(), key=lambda c: realized_rank(graph, cluster, c, options))
-        if realized_rank(graph, cluster, best, options)[0] and options.recompute == "none" and options.shard_states == 0:
+        best = min(found.values(), key=loop.rank)
+        if loop.rank(best)[0] and options.recompute == "none" and options.shard_states == 0:
             raise InfeasibleError(oom_message(graph, cluster, options, deadline=deadline))  # nothing else may help
         stats["elapsed_s"] = time.perf_counter() - start
         stats["segments"] = best.segmentation.count
@@ -292,9 +292,9 @@ def _plan_in(mode: str, loop: "Loop", seg: Segmentation, seeds: list[Candidate |
         best = loop.run(seg, [best.ratios[0]] * seg.count, best, with_resplits(best.program, seg, graph))
     if best is None:
         return None
-    if realized_rank(graph, cluster, best, options)[0]:
+    if loop.rank(best)[0]:
         best = _refit(loop, best) or best
-    return min([best, *priced], key=lambda c: realized_rank(graph, cluster, c, options))  # whole units may reorder them
+    return min([best, *priced], key=loop.rank)  # whole units may reorder them
 
 
 def first_ratios(loop: "Loop", seed: Candidate | None) -> list[list[float]]:
@@ -317,7 +317,7 @@ def _refit(loop: "Loop", cand: Candidate) -> Candidate | None:
         return None
     cost = evaluate(cand.program, loop.cost_model(ratios, cand.segmentation)).total_s
     moved = replace(cand, ratios=ratios, cost=cost, states=loop.states)
-    return None if realized_rank(loop.graph, loop.cluster, moved, loop.options)[0] else moved
+    return None if loop.rank(moved)[0] else moved
 
 
 @dataclass
@@ -340,6 +340,14 @@ class Loop:
 
     states: StateSharding | None = None
     """Stages of the Full weights' states and the shares of the last LP (`engine.spmd.zero`); None: stage 0."""
+    ranks: dict[int, tuple[Candidate, tuple[bool, float]]] = field(default_factory=dict)
+    """`rank`'s answers by candidate (kept with it, so its id stays its own)."""
+
+    def rank(self, cand: Candidate) -> tuple[bool, float]:
+        """`realized_rank` of `cand`, computed once: the modes' candidates are compared several times each."""
+        if id(cand) not in self.ranks:
+            self.ranks[id(cand)] = cand, realized_rank(self.graph, self.cluster, cand, self.options)
+        return self.ranks[id(cand)][1]
 
     def cost_model(self, ratios: list[list[float]], seg: Segmentation) -> CostModel:
         return CostModel(self.graph, self.cluster, ratios, self.options, seg, overlap=self.overlap,
