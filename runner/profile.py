@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -387,9 +388,21 @@ mixed precision prices its matmul-class operators at, `engine.spmd.precision`)."
 
 def measure_low_precision_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync,
                                   progress: Progress) -> None:
-    """The largest matmul again in each `LOW_PRECISION` dtype (op `matmul_<dtype>`), as autocast runs it."""
+    """The matmuls again in each `LOW_PRECISION` dtype, as autocast runs them: the profiled model's own linear
+    layers at its profiling batch, in fp32 too (ops `model_matmuls_<dtype>`), or without a model the largest
+    square matmul (ops `matmul_<dtype>`). The spec keeps each dtype's speed over fp32 (`with_low_precision`)."""
     import torch
 
+    spec = model_config(cfg)
+    shapes = model_linear_shapes(*spec) if spec else []
+    if shapes:
+        dtypes = (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))
+        for name, dtype in dtypes:
+            fn, flops = _linears_fn(shapes, device, dtype)
+            times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
+            rec.add("compute", f"model_matmuls_{name}", "linear", model_batches(spec[1])[0] or 0, times, flops=flops)
+            progress.step(f"the model's matmuls in {name}")
+        return
     if not cfg.matmul:
         return
     n = max(cfg.matmul)
@@ -404,6 +417,45 @@ def measure_low_precision_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, devi
         times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
         rec.add("compute", f"matmul_{name}", "mm", n, times, flops=2.0 * n**3 * inner)
         progress.step(f"matmul {n}x{n} {name}")
+
+
+def model_linear_shapes(name: str, knobs: dict[str, Any]) -> list[tuple[int, int, int, int]]:
+    """(rows m, inputs k, outputs n, how many) of each distinct linear layer of a zoo model at its knobs'
+    batch: [m, k] @ [k, n]."""
+    return list(_linear_shapes(name, tuple(sorted(knobs.items()))))
+
+
+@functools.lru_cache(maxsize=4)
+def _linear_shapes(name: str, knobs: tuple[tuple[str, Any], ...]) -> tuple[tuple[int, int, int, int], ...]:
+    import engine
+
+    graph = engine.load_model(f"zoo:{name}", **dict(knobs))
+    counts: dict[tuple[int, int, int], int] = {}
+    for node in graph.nodes:
+        if node.op == "linear" and node.shape:
+            k, n = graph[node.inputs[0]].shape[-1], node.shape[-1]
+            key = (math.prod(node.shape) // n, k, n)
+            counts[key] = counts.get(key, 0) + 1
+    return tuple((*key, count) for key, count in counts.items())
+
+
+def _linears_fn(shapes: list[tuple[int, int, int, int]], device, dtype) -> tuple[Callable[[], None], float]:
+    """A sample that runs every linear layer of `shapes` as often as the model does, repeated to reach
+    MIN_FLOPS_PER_SAMPLE; and its flops."""
+    import torch
+
+    operands = [(torch.randn(m, k, device=device, dtype=dtype), torch.randn(n, k, device=device, dtype=dtype), count)
+                for m, k, n, count in shapes]
+    once = sum(2.0 * m * k * n * count for m, k, n, count in shapes)
+    inner = max(1, math.ceil(MIN_FLOPS_PER_SAMPLE / once))
+
+    def fn() -> None:
+        for _ in range(inner):
+            for x, w, count in operands:
+                for _ in range(count):
+                    torch.nn.functional.linear(x, w)
+
+    return fn, once * inner
 
 
 def model_batches(knobs: dict[str, Any]) -> list[int | None]:
@@ -706,7 +758,7 @@ def _rate(rows: list[dict[str, Any]]) -> float:
 
 def device_flops(rates: dict[str, float]) -> float:
     """The single rate of a spec without the roofline split: the model's own operators, else the best matmul."""
-    model = [v for k, v in rates.items() if not k.startswith("matmul")]
+    model = [v for k, v in rates.items() if k.startswith("zoo:")]
     return model[0] if model else max(v for k, v in rates.items() if k.startswith("matmul "))
 
 
@@ -747,8 +799,17 @@ def device_compute(rows: list[dict[str, Any]], ranks: Sequence[int]) -> list[dic
 
 def with_low_precision(fields: dict[str, float], rates: dict[str, float]) -> dict[str, Any]:
     """`flops_per_gpu` as a map {"fp32": ..., "bf16": ..., "fp16": ...} when the low-precision matmuls were
-    timed (`measure_low_precision_matmuls`): the mixed-precision rate of the matmul-class operators."""
-    low = {name: rates[f"matmul_{name}"] for name in LOW_PRECISION if f"matmul_{name}" in rates}
+    timed (`measure_low_precision_matmuls`): the mixed-precision rate of the matmul-class operators, the
+    fp32 rate times the dtype's speed over fp32 on the same matmuls. The model's own linear layers where
+    they were timed: a square matmul's speed-up is not the model's (on a CPU with bf16 instructions, bf16
+    ran 1.2x fp32 at n = 128 and 2.4x at 512)."""
+    squares = [int(k.split()[1]) for k in rates if k.startswith("matmul ")]
+    fp32 = rates.get("model_matmuls_fp32") or (rates[f"matmul {max(squares)}"] if squares else None)
+    low = {}
+    for name in LOW_PRECISION:
+        rate = rates.get(f"model_matmuls_{name}") if "model_matmuls_fp32" in rates else rates.get(f"matmul_{name}")
+        if rate is not None and fp32:
+            low[name] = fields["flops_per_gpu"] * rate / fp32
     return {**fields, "flops_per_gpu": {"fp32": fields["flops_per_gpu"], **low}} if low else fields
 
 
@@ -900,7 +961,7 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
         rec = Recorder(env.rank, speed, backend, env.world_size)
         spec = model_config(cfg)
         talks = env.world_size > 1
-        total = (len(cfg.matmul or ()) + (len(LOW_PRECISION) if cfg.matmul else 0) + (len(model_batches(spec[1])) + 1 if spec else 0) + 1
+        total = (len(cfg.matmul or ()) + (len(LOW_PRECISION) + 1 if spec and model_linear_shapes(*spec) else len(LOW_PRECISION) if cfg.matmul else 0) + (len(model_batches(spec[1])) + 1 if spec else 0) + 1
                  + (len(COLLECTIVES) * len(cfg.sizes) if talks else 0))
         progress = Progress(total, enabled=env.rank == 0)
         measure_matmuls(cfg, rec, pacer, device, dist.barrier, sync, progress)

@@ -13,8 +13,8 @@ from warm_run import warm_hap
 import engine
 from engine.cluster.spec import FREE_BANDWIDTH_BPS, fit_collective
 from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, UPDATE_MIN_BYTES, ProfileConfig, _byte_size,
-                            collective_points, device_compute, device_flops, model_config, one_device_plan, parse_args,
-                            rank_rates, roofline_fit, update_tensors)
+                            collective_points, device_compute, device_flops, model_config, model_linear_shapes,
+                            one_device_plan, parse_args, rank_rates, roofline_fit, update_tensors, with_low_precision)
 
 
 TINY_MLP = ["--set", "layers=1", "--set", "in_features=32", "--set", "hidden=64", "--set", "batch=16"]
@@ -127,6 +127,27 @@ def test_device_compute_splits_every_rank_or_falls_back_to_one_rate_for_all():
     mixed = matmul[:1] + slow_matmul + _model_rows(0, [1.0], 2e9, 1e9) + _model_rows(1, [2.0], 2e9, 1e9)
     assert device_compute(mixed, [0, 1]) == [{"flops_per_gpu": pytest.approx(3.0015e9 / 1.5)},
                                              {"flops_per_gpu": pytest.approx(3.0015e9 / 3.0)}]
+
+
+def test_a_low_precision_rate_is_the_fp32_rate_times_that_dtypes_speed_on_the_models_own_matmuls():
+    """Issue 28: a square matmul's bf16 speed-up is not the model's (1.2x fp32 at n = 128 and 2.4x at 512 on a CPU
+    with bf16 instructions). Where the model's linear layers were timed in each dtype, bf16 is the fp32 rate times
+    their bf16 speed over fp32 (here 1.5x), whatever the square bf16 matmul ran at; without them, the square
+    matmul's speed over fp32 at the same size."""
+    fields = {"flops_per_gpu": 4e9, "activation_bandwidth_Bps": 2e9}
+    square = {"matmul 64": 1e9, "matmul 128": 2e9, "matmul_bf16": 5e9, "matmul_fp16": 1e8}
+    model = {"model_matmuls_fp32": 1e9, "model_matmuls_bf16": 1.5e9, "model_matmuls_fp16": 0.5e8}
+    assert with_low_precision(fields, {**square, **model})["flops_per_gpu"] == {
+        "fp32": 4e9, "bf16": pytest.approx(6e9), "fp16": pytest.approx(2e8)}
+    assert with_low_precision(fields, square)["flops_per_gpu"] == {
+        "fp32": 4e9, "bf16": pytest.approx(10e9), "fp16": pytest.approx(2e8)}
+    assert with_low_precision(fields, {"matmul 64": 1e9}) == fields
+
+
+def test_the_profiled_models_linear_layers_are_counted_by_shape():
+    assert sorted(model_linear_shapes("gpt", {"layers": 2, "hidden": 128, "heads": 4, "ffn": 512, "vocab": 512,
+                                              "seq_len": 64, "batch": 16})) == [
+        (1024, 128, 128, 8), (1024, 128, 512, 3), (1024, 512, 128, 2)]  # q k v proj x 2 layers; fc x 2 + lm head; proj
 
 
 @pytest.mark.parametrize("samples", [8, 1])
@@ -262,7 +283,7 @@ def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(
     assert set(written) == set(COLLECTIVES)  # every fit measured, none nominal
     for name, fit in cluster.collectives.items():
         assert fit.latency_s >= 0 and fit.bandwidth_Bps > 0 and fit.time(4096) > 0, (name, fit)
-    assert "23/23" in stderr  # progress: 2 matmuls + bf16 and fp16 + 2 model batches + the overlap modes + the update + 5 x 3 payloads
+    assert "24/24" in stderr  # progress: 2 matmuls + the model's linears in fp32, bf16 and fp16 + 2 model batches + the overlap modes + the update + 5 x 3 payloads
     for d in cluster.devices:  # the largest matmul timed in bf16 and fp16 too: the rates mixed precision prices
         assert d.flops_per_gpu_in("bf16") > 0 and d.flops_per_gpu_in("fp16") > 0
     for d in cluster.devices:  # the step beside an all-reduce, and as two half-batches taking turns, over the step alone
@@ -301,15 +322,17 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     table = pq.read_table(raw)
     assert tuple(table.column_names) == PARQUET_COLUMNS
     rows = table.to_pylist()
-    # ranks x repeats x (matmuls + bf16 and fp16 matmuls + model batches + update + the step alone, beside an all-reduce, in halves + payloads)
-    assert len(rows) == 2 * 3 * (2 + 2 + 2 + 1 + 3 + 5 * 3)
+    # ranks x repeats x (matmuls + the model's linears in fp32, bf16 and fp16 + model batches + update + the step
+    # alone, beside an all-reduce, in halves + payloads)
+    assert len(rows) == 2 * 3 * (2 + 3 + 2 + 1 + 3 + 5 * 3)
     overlap = [r for r in rows if r["kind"] == "overlap"]
     assert {(r["op"], r["impl"], r["size"]) for r in overlap} == {
         ("none", "zoo:mlp", 16), ("ddp", "zoo:mlp", 16), ("duplex", "zoo:mlp", 16)}
     assert all(r["payload_bytes"] > 0 for r in overlap if r["op"] == "ddp")
     assert {r["op"] for r in rows if r["kind"] == "collective"} == set(COLLECTIVES)
     assert {(r["op"], r["size"]) for r in rows if r["kind"] == "compute"} == {
-        ("matmul", 64), ("matmul", 128), ("matmul_bf16", 128), ("matmul_fp16", 128), ("zoo:mlp", 16), ("zoo:mlp", 8)}
+        ("matmul", 64), ("matmul", 128), ("model_matmuls_fp32", 16), ("model_matmuls_bf16", 16),
+        ("model_matmuls_fp16", 16), ("zoo:mlp", 16), ("zoo:mlp", 8)}
     assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute")
     update = [r for r in rows if r["kind"] == "memory"]
     assert {(r["op"], r["impl"]) for r in update} == {("update", "bucket+unbucket+sgd")} and len({r["size"] for r in update}) == 1
