@@ -479,6 +479,12 @@ def measure_model(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, syn
         times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
         rec.add("compute", f"zoo:{name}", "forward+backward", batch or 0, times)
         progress.step(f"zoo:{name} batch {batch}")
+    batch = model_batches(knobs)[0]
+    for low in LOW_PRECISION:
+        fn = _model_step_fn(name, knobs, batch, device, precision=low)
+        times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
+        rec.add("compute", f"autocast_{low}", f"zoo:{name}", batch or 0, times)
+        progress.step(f"zoo:{name} batch {batch} under {low} autocast")
 
 
 def measure_overlap(cfg: ProfileConfig, rec: Recorder, device, barrier, sync, progress: Progress) -> None:
@@ -536,8 +542,11 @@ def measure_overlap(cfg: ProfileConfig, rec: Recorder, device, barrier, sync, pr
     progress.step(f"zoo:{name} in the overlap modes")
 
 
-def _model_step_fn(name: str, knobs: dict[str, Any], batch: int | None, device) -> Callable[[], None]:
-    """Forward + backward of the zoo model's one-device program at `batch` (`params`: its parameters)."""
+def _model_step_fn(name: str, knobs: dict[str, Any], batch: int | None, device,
+                   precision: str = "fp32") -> Callable[[], None]:
+    """Forward + backward of the zoo model's one-device program at `batch` (`params`: its parameters), the
+    forward under `precision`'s autocast as the runner runs a mixed-precision plan."""
+    from .precision import autocast
     from .train import factory_device, make_batch, program_args, setup_rank
 
     plan = one_device_plan(name, {**knobs, **({"batch": batch} if batch else {})})
@@ -545,7 +554,7 @@ def _model_step_fn(name: str, knobs: dict[str, Any], batch: int | None, device) 
     inputs = make_batch(plan, 0, 0, device)
 
     def fn() -> None:
-        with factory_device(st.device):
+        with factory_device(st.device), autocast(precision, st.device):
             loss = st.program.module(*program_args(plan, st, 0, inputs))
         loss.backward()
         for p in st.params:
@@ -571,8 +580,10 @@ def overlap_slowdowns(rows: list[dict[str, Any]], rank: int) -> dict[str, float]
 
 
 def one_device_cluster(activation_bandwidth: bool = False) -> dict[str, Any]:
-    """A cluster spec of one unit-rate device: the cost model's work counts come out in flops and bytes."""
-    device = {"name": "d", "gpu_model": "d", "machine": "m", "flops_per_gpu": 1.0, "memory_bytes_per_gpu": 2**60}
+    """A cluster spec of one unit-rate device (in every precision): the cost model's work counts come out in
+    flops and bytes."""
+    rates = {"fp32": 1.0, **{low: 1.0 for low in LOW_PRECISION}}
+    device = {"name": "d", "gpu_model": "d", "machine": "m", "flops_per_gpu": rates, "memory_bytes_per_gpu": 2**60}
     if activation_bandwidth:
         device["activation_bandwidth_Bps"] = 1.0
     return {"schema_version": 1, "name": "one", "devices": [device], "network": {"latency_s": 0.0, "bandwidth_Bps": {}}}
@@ -711,24 +722,30 @@ def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
     if spec is None:
         return
     name, knobs = spec
-    work: dict[int, tuple[float, float, float]] = {}
+    work: dict[tuple[int, str], tuple[float, float, float]] = {}
+    precisions = {f"zoo:{name}": "fp32", **{f"autocast_{low}": low for low in LOW_PRECISION}}
     for r in rows:
-        if r["kind"] == "compute" and r["op"] == f"zoo:{name}":
-            if r["size"] not in work:
-                work[r["size"]] = step_work(name, {**knobs, **({"batch": r["size"]} if r["size"] else {})})
-            r["flops"], r["flops_bound"], r["traffic_bytes"] = work[r["size"]]
+        precision = precisions.get(r["op"]) if r["kind"] == "compute" else None
+        if precision is None or precision != "fp32" and r["impl"] != f"zoo:{name}":
+            continue
+        key = (r["size"], precision)
+        if key not in work:
+            work[key] = step_work(name, {**knobs, **({"batch": r["size"]} if r["size"] else {})}, precision)
+        r["flops"], r["flops_bound"], r["traffic_bytes"] = work[key]
 
 
-def step_work(name: str, knobs: dict[str, Any]) -> tuple[float, float, float]:
-    """(all flops, matmul-class flops, bytes) of one forward + backward step of a zoo model, as engine.spmd.cost
-    counts them with and without the roofline split: the bytes are the memory-bound operators' and the
-    weights the matmul-class ones read, all priced at the fitted activation bandwidth."""
+def step_work(name: str, knobs: dict[str, Any], precision: str = "fp32") -> tuple[float, float, float]:
+    """(all flops, matmul-class flops, bytes) of one forward + backward step of a zoo model in `precision`, as
+    engine.spmd.cost counts them with and without the roofline split: the bytes are the memory-bound operators'
+    and the weights the matmul-class ones read, all priced at the fitted activation bandwidth (activations at
+    2 bytes under autocast)."""
     import engine
     from engine.spmd.cost import CostModel
 
     graph = engine.load_model(f"zoo:{name}", **knobs)
-    plain = CostModel(graph, engine.load_cluster(one_device_cluster()), [1.0], PlanOptions(optimizer="sgd"))
-    split = CostModel(graph, engine.load_cluster(one_device_cluster(activation_bandwidth=True)), [1.0], PlanOptions(optimizer="sgd"))
+    options = PlanOptions(optimizer="sgd", precision=precision)
+    plain = CostModel(graph, engine.load_cluster(one_device_cluster()), [1.0], options)
+    split = CostModel(graph, engine.load_cluster(one_device_cluster(activation_bandwidth=True)), [1.0], options)
     return (sum(plain.fwd_flops) + sum(plain.bwd_flops), sum(split.fwd_flops) + sum(split.bwd_flops),
             sum(split.traffic) + sum(split.bwd_traffic) + sum(split.weight_traffic) + sum(split.bwd_weight_traffic))
 
@@ -762,10 +779,12 @@ def device_flops(rates: dict[str, float]) -> float:
     return model[0] if model else max(v for k, v in rates.items() if k.startswith("matmul "))
 
 
-def model_step(rows: list[dict[str, Any]], rank: int) -> tuple[float, float, float, float] | None:
+def model_step(rows: list[dict[str, Any]], rank: int, op: str | None = None) -> tuple[float, float, float, float] | None:
     """(seconds, all flops, matmul-class flops, memory-bound bytes) of the profiled model on one rank,
-    summed over its batches (per batch the median time); None without a model."""
-    mine = [r for r in rows if r["kind"] == "compute" and r["op"].startswith("zoo:") and r["rank"] == rank]
+    summed over its batches (per batch the median time); None without a model. `op`: the rows of one
+    precision's step (`autocast_bf16`); default the model's own (fp32) rows."""
+    mine = [r for r in rows if r["kind"] == "compute" and r["rank"] == rank
+            and (r["op"] == op if op else r["op"].startswith("zoo:"))]
     if not mine or any(r.get("traffic_bytes") is None for r in mine):
         return None
     out = [0.0, 0.0, 0.0, 0.0]
@@ -794,23 +813,42 @@ def device_compute(rows: list[dict[str, Any]], ranks: Sequence[int]) -> list[dic
     rates = [rank_rates(rows, j) for j in ranks]
     best = [max((v for k, v in r.items() if k.startswith("matmul ")), default=None) for r in rates]
     fields = compute_fields(best, [model_step(rows, j) for j in ranks], [device_flops(r) for r in rates])
-    return [with_low_precision(f, r) for f, r in zip(fields, rates)]
+    steps = [{low: model_step(rows, j, f"autocast_{low}") for low in LOW_PRECISION} for j in ranks]
+    return [with_low_precision(f, r, s) for f, r, s in zip(fields, rates, steps)]
 
 
-def with_low_precision(fields: dict[str, float], rates: dict[str, float]) -> dict[str, Any]:
+def with_low_precision(fields: dict[str, float], rates: dict[str, float],
+                       steps: dict[str, tuple[float, float, float, float] | None] | None = None) -> dict[str, Any]:
     """`flops_per_gpu` as a map {"fp32": ..., "bf16": ..., "fp16": ...} when the low-precision matmuls were
-    timed (`measure_low_precision_matmuls`): the mixed-precision rate of the matmul-class operators, the
-    fp32 rate times the dtype's speed over fp32 on the same matmuls. The model's own linear layers where
-    they were timed: a square matmul's speed-up is not the model's (on a CPU with bf16 instructions, bf16
-    ran 1.2x fp32 at n = 128 and 2.4x at 512)."""
+    timed (`measure_low_precision_matmuls`): the mixed-precision rate of the matmul-class operators.
+
+    At most the fp32 rate times the dtype's speed over fp32 on the same matmuls (the model's own linear layers
+    where they were timed: a square matmul's speed-up is not the model's; on a CPU with bf16 instructions bf16
+    ran 1.2x fp32 at n = 128 and 2.4x at 512), and at most the rate that reproduces the model's step under the
+    dtype's autocast (`low_precision_fit`, where the spec has the roofline split): autocast runs operators the
+    matmuls leave out slower (on that CPU a bf16 attention backward took 8x fp32's, so the bf16 step was slower
+    than the fp32 one although its linear layers ran 3x as fast)."""
     squares = [int(k.split()[1]) for k in rates if k.startswith("matmul ")]
     fp32 = rates.get("model_matmuls_fp32") or (rates[f"matmul {max(squares)}"] if squares else None)
     low = {}
     for name in LOW_PRECISION:
         rate = rates.get(f"model_matmuls_{name}") if "model_matmuls_fp32" in rates else rates.get(f"matmul_{name}")
         if rate is not None and fp32:
-            low[name] = fields["flops_per_gpu"] * rate / fp32
+            fitted = low_precision_fit(fields, (steps or {}).get(name))
+            low[name] = min(fields["flops_per_gpu"] * rate / fp32, math.inf if fitted is None else fitted)
     return {**fields, "flops_per_gpu": {"fp32": fields["flops_per_gpu"], **low}} if low else fields
+
+
+def low_precision_fit(fields: dict[str, float], step: tuple[float, float, float, float] | None) -> float | None:
+    """The matmul-class rate that reproduces the model's step under autocast, its memory-bound bytes (activations
+    at 2 bytes) moved at the fp32 step's fitted activation bandwidth; None without the roofline split or when
+    those bytes alone fill the step (the matmuls then bound nothing below their own rate)."""
+    bandwidth = fields.get("activation_bandwidth_Bps")
+    if step is None or not bandwidth:
+        return None
+    seconds, _, flops_bound, traffic = step
+    rest = seconds - traffic / bandwidth
+    return flops_bound / rest if rest > 0 and flops_bound > 0 else None
 
 
 def compute_fields(best_matmul: Sequence[float | None], steps: Sequence[tuple[float, float, float, float] | None],
@@ -961,7 +999,7 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
         rec = Recorder(env.rank, speed, backend, env.world_size)
         spec = model_config(cfg)
         talks = env.world_size > 1
-        total = (len(cfg.matmul or ()) + (len(LOW_PRECISION) + 1 if spec and model_linear_shapes(*spec) else len(LOW_PRECISION) if cfg.matmul else 0) + (len(model_batches(spec[1])) + 1 if spec else 0) + 1
+        total = (len(cfg.matmul or ()) + (len(LOW_PRECISION) + 1 if spec and model_linear_shapes(*spec) else len(LOW_PRECISION) if cfg.matmul else 0) + (len(model_batches(spec[1])) + len(LOW_PRECISION) + 1 if spec else 0) + 1
                  + (len(COLLECTIVES) * len(cfg.sizes) if talks else 0))
         progress = Progress(total, enabled=env.rank == 0)
         measure_matmuls(cfg, rec, pacer, device, dist.barrier, sync, progress)
