@@ -15,8 +15,10 @@ steps that slice only, so Adam's moments exist for the slice only:
 - stage 3: the slice is the parameter at rest. Before the forward pass all are all-gathered in one
   bucket by an autograd Function whose backward reduce-scatters their gradients into the slices in
   one bucket; the gathered weights are not kept for backward: saved-tensor hooks pack them as a
-  reference and all-gather them again, one by one, when backward uses them. (They stay alive until
-  the forward pass ends, a CPU-runner simplification; the engine prices FSDP's per-layer transient.)
+  reference, and when backward first reads a weight of a layer (the graph's `segment`), every stage-3
+  weight of that layer is all-gathered again in one bucket, as FSDP gathers a wrapped module. (They stay
+  alive until the forward pass ends, and the backward ones until backward ends, a CPU-runner
+  simplification; the engine prices FSDP's per-layer transient.)
 
 Adam is element-wise, so stepping slices of the summed gradient is exactly stepping the whole
 weight: `hap run --verify` matches single-device training to fp32 tolerance. Checkpoints keep the
@@ -55,6 +57,8 @@ class StagedParam:
     full: torch.nn.Parameter | None = None
     """Stages 1 and 2: the whole weight the program reads."""
     name: str = ""
+    layer: int = 0
+    """The graph's segment of the weight: stage 3 gathers a layer's weights again together in backward."""
 
     @property
     def offset(self) -> int:
@@ -107,14 +111,15 @@ class _GatherAll(torch.autograd.Function):
     backward reduce-scatters their gradients into the slices in one bucket (the dual)."""
 
     @staticmethod
-    def forward(ctx, staged: list[StagedParam], bucket: RankBucket, *flats: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.staged, ctx.bucket = staged, bucket
+    def forward(ctx, staged: list[StagedParam], states: "RankStates", *flats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.staged, ctx.states = staged, states
         return tuple(RankBucket.gather(staged, list(flats)))
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
+        ctx.states.regathered.clear()  # backward is done with every weight
         wholes = [sp.slice.new_zeros(sp.shape) if g is None else g for sp, g in zip(ctx.staged, grads)]
-        return (None, None, *ctx.bucket.scatter(ctx.staged, wholes))
+        return (None, None, *ctx.states.bucket3.scatter(ctx.staged, wholes))
 
 
 @dataclass
@@ -137,6 +142,8 @@ class RankStates:
     """The buckets of stage-2 gradients sent during backward, in order (each kept from step to step)."""
     sent: int = 0
     """Buckets sent in this backward so far."""
+    regathered: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    """Stage-3 weights gathered again in the running backward pass, by layer and then parameter index."""
 
     def by_index(self) -> dict[int, StagedParam]:
         return {sp.index: sp for sp in self.staged}
@@ -148,7 +155,8 @@ class RankStates:
         three = [sp for sp in self.staged if sp.stage == 3]
         if not three:
             return out
-        for sp, whole in zip(three, _GatherAll.apply(three, self.bucket3, *[sp.slice for sp in three])):
+        self.regathered.clear()  # a backward that did not end (an error, a forward without one) keeps none
+        for sp, whole in zip(three, _GatherAll.apply(three, self, *[sp.slice for sp in three])):
             self.live[whole.untyped_storage().data_ptr()] = (whole, sp)
             out[sp.index] = whole
         return out
@@ -172,12 +180,20 @@ class RankStates:
             return t
         return hit[1], tuple(t.size()), tuple(t.stride()), t.storage_offset()
 
-    @staticmethod
-    def _unpack(packed: Any) -> torch.Tensor:
+    def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
         sp, size, stride, offset = packed
-        return sp.gather(sp.slice).as_strided(size, stride, offset)
+        return self._regathered(sp).as_strided(size, stride, offset)
+
+    def _regathered(self, sp: StagedParam) -> torch.Tensor:
+        """`sp` whole again in backward: its layer's stage-3 weights are all gathered in one bucket the first
+        time backward reads one of them, and kept until backward ends (`regathered`)."""
+        if sp.layer not in self.regathered:
+            layer = [s for s in self.staged if s.stage == 3 and s.layer == sp.layer]
+            wholes = RankBucket.gather(layer, [s.slice for s in layer])
+            self.regathered[sp.layer] = {s.index: w for s, w in zip(layer, wholes)}
+        return self.regathered[sp.layer][sp.index]
 
     def _stage2_hook(self, sp: StagedParam):
         def hook(p: torch.Tensor) -> None:  # every rank runs the same program: the same order of hooks
@@ -246,7 +262,8 @@ def apply_states(plan: Plan, st: Any, build_optimizer: Callable[[list[torch.Tens
             continue
         full = st.params[i]
         sizes = [int(x) for x in record["sizes"][name]]
-        sp = StagedParam(i, int(record["stages"][name]), sizes, full.shape, None, name=name)  # type: ignore[arg-type]
+        sp = StagedParam(i, int(record["stages"][name]), sizes, full.shape, None, name=name,  # type: ignore[arg-type]
+                         layer=plan.graph[node].segment)
         sp.slice = torch.nn.Parameter(sp.mine(full.detach()))
         if sp.stage == 3:
             st.params[i] = sp.slice

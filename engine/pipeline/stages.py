@@ -22,7 +22,8 @@ from functools import cached_property
 
 from engine.errors import PlanError
 from engine.model.graph import Graph, Node
-from engine.spmd.cost import _attention_probs_bytes, _backward_flops, _requires_grad
+from engine.spmd.cost import _attention_probs_bytes, _backward_flops
+from engine.spmd.saved import requires_grad
 from engine.spmd.saved import saves_by_node
 from engine.spmd.segments import _layer_cuts
 
@@ -73,7 +74,7 @@ class StageGraph:
         self.graph = graph
         self.order = [n for n in graph.nodes if not n.is_leaf]
         self.positions = [0, *_layer_cuts(graph, self.order), len(self.order)]
-        self.requires_grad = _requires_grad(graph)
+        self.requires_grad = requires_grad(graph)
         self.saves = saves_by_node(graph, self.requires_grad)
         self.layers: list[tuple[int, ...]] = [tuple(n.id for n in self.order[a:b])
                                               for a, b in zip(self.positions, self.positions[1:])]

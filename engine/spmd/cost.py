@@ -95,7 +95,7 @@ from engine.spmd.overlap import batch_derived, bucket_slots, duplex_problem
 from engine.spmd.overlap import price as overlap_price
 from engine.spmd.program import COMM, COMPUTE, LOAD, Instruction
 from engine.spmd.recompute import instruction_layers, layer_outputs, recomputed_nodes, search_reserve, transient_peak
-from engine.spmd.saved import kept_split, saves_by_node
+from engine.spmd.saved import kept_split, requires_grad, saves_by_node
 from engine.spmd.segments import RESPLIT, Segmentation, instruction_segments, source_segments
 from engine.spmd.zero import StateSharding, StatesTerms, comm_terms, state_memory, states_terms, transient_bytes
 from engine.theory.core import FULL
@@ -223,7 +223,7 @@ class CostModel:
         self.max_ratios = [max(r) for r in self.ratios]
         self.state_factor = STATE_BYTES_PER_PARAM_BYTE[options.optimizer]
         self.activation_scale = mixed.ACTIVATION_BYTES[options.precision]
-        self.requires_grad = _requires_grad(graph)
+        self.requires_grad = requires_grad(graph)
         self.roofline = all(d.activation_bandwidth_Bps for d in cluster.devices)
         priced = mixed.priced_bytes(graph, options.precision)
         self.saves = saves_by_node(graph, self.requires_grad, priced)
@@ -527,16 +527,6 @@ def _traffic(graph: Graph, node: int, size: list) -> float:
 
 def add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
     return tuple(map(operator.add, a, b))
-
-
-def _requires_grad(graph: Graph) -> list[bool]:
-    """Whether each tensor needs a gradient: parameters, what depends on one, and a pipeline stage's
-    input whose gradient goes back to the previous stage (a `cut` placeholder marked `requires_grad`)."""
-    out: list[bool] = []
-    for n in graph.nodes:
-        out.append(n.op == "parameter" or bool(n.attrs.get("requires_grad")) if n.is_leaf
-                   else any(out[i] for i in n.inputs))
-    return out
 
 
 def _backward_flops(graph: Graph, node: int, requires_grad: list[bool]) -> float:

@@ -67,6 +67,16 @@ def is_alias(n: Node) -> bool:
     return n.op in ALIAS_OPS and not (n.op == "identity" and "dtype" in n.attrs)
 
 
+def requires_grad(graph: Graph) -> list[bool]:
+    """Whether each tensor needs a gradient: parameters, what depends on one, and a pipeline stage's
+    input whose gradient goes back to the previous stage (a `cut` placeholder marked `requires_grad`)."""
+    out: list[bool] = []
+    for n in graph.nodes:
+        out.append(n.op == "parameter" or bool(n.attrs.get("requires_grad")) if n.is_leaf
+                   else any(out[i] for i in n.inputs))
+    return out
+
+
 def saved_positions(n: Node, requires_grad: list[bool]) -> tuple[tuple[int, ...], bool]:
     """(positions of the operands node `n` saves, whether it saves its result) when it takes part in
     the backward pass; an operator of no table keeps its result."""

@@ -35,7 +35,8 @@ from typing import Any
 
 from engine.cluster.spec import Cluster
 from engine.model.graph import Graph
-from engine.spmd.cost import _backward_flops, _requires_grad
+from engine.spmd.cost import _backward_flops
+from engine.spmd.saved import requires_grad
 
 FIELDS = ("model_flops", "peak_flops", "compute_bound_s", "mfu")
 """The top-level keys a plan's JSON records (both kinds of plan); only `peak_flops` is read back,
@@ -44,7 +45,7 @@ the others are derived from it, the graph and the predicted time."""
 
 def model_flops(graph: Graph) -> float:
     """FLOPs of one training iteration of `graph`: forward plus backward, recomputation not counted."""
-    needs_grad = _requires_grad(graph)
+    needs_grad = requires_grad(graph)
     return sum(n.flops + _backward_flops(graph, n.id, needs_grad) for n in graph.nodes)
 
 

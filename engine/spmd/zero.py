@@ -51,6 +51,7 @@ from typing import Any
 from engine.errors import PlanError
 from engine.model.graph import Graph
 from engine.spmd.program import LOAD, Instruction
+from engine.spmd.saved import requires_grad, root_of, saved_positions
 from engine.theory.core import FULL, split_sizes
 
 STAGES = (0, 1, 2, 3)
@@ -108,7 +109,9 @@ class StatesTerms:
     """Whether gradients are left for the bucket after backward (stage 1, the rest of stage 2)."""
     stage3_params: int = 0
     """Stage-3 weights: all gathered in one bucket before forward, their gradients reduce-scattered
-    in one bucket; each gathered again, alone, where backward uses it."""
+    in one bucket."""
+    stage3_layers: int = 0
+    """Layers whose stage-3 weights backward gathers again, in one bucket per layer (`saved_layers`)."""
     params: list[int] = field(default_factory=list)
 
     @property
@@ -139,7 +142,18 @@ def states_terms(program: tuple[Instruction, ...], graph: Graph, states: StateSh
                 stage2.append(b)
     out.backward_buckets, left = stage2_buckets(stage2[::-1])  # gradients finish in reverse order of use
     out.final_bucket |= left > 0
+    three = [p for p in out.params if states.stage(p) == 3]
+    out.stage3_layers = len(saved_layers(graph, three)) if three else 0
     return out
+
+
+def saved_layers(graph: Graph, params: list[int]) -> set[int]:
+    """The layers (`Node.segment`) of the weights of `params` that some instruction keeps for backward
+    (`engine.spmd.saved.saved_positions`): the runner gathers a stage-3 layer again, in one bucket, when
+    backward first reads one of them (`runner.zero`)."""
+    grads = requires_grad(graph)
+    saved = {root_of(graph, n.inputs[i]) for n in graph.nodes for i in saved_positions(n, grads)[0]}
+    return {graph[p].segment for p in set(params) & saved}
 
 
 def stage2_buckets(ready: list[float]) -> tuple[int, float]:
@@ -176,12 +190,12 @@ def comm_terms(t: StatesTerms, rs: tuple[float, float], ag: tuple[float, float])
     (latency, seconds per byte of the largest share) of one reduce-scatter `rs` and all-gather `ag`.
     A latency per collective the runner issues (`runner.zero`): the stage-2 buckets sent during backward,
     one bucket of the gradients left after it, one of the stage-1/2 weights after the update; for stage 3
-    one bucket each way and a gather per weight in backward."""
+    one bucket each way and a gather per layer in backward."""
     if not t.any:
         return 0.0, 0.0
     three = t.stage3_params > 0
     scatters = t.backward_buckets + int(t.final_bucket) + int(three)
-    gathers = int(t.gathered_bytes > 0) + int(three) + t.stage3_params
+    gathers = int(t.gathered_bytes > 0) + int(three) + t.stage3_layers
     const = scatters * rs[0] + gathers * ag[0]
     per = t.staged_bytes * rs[1] + t.gathered_bytes * ag[1] + 2 * t.stage3_bytes * ag[1]
     return const, per

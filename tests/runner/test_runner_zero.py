@@ -126,6 +126,32 @@ def test_stage_3_weights_are_gathered_and_their_gradients_reduce_scattered_in_on
     assert_slices_and_wholes(run_ranks(stage3_body, 3, tmp_path), ["all_gather", "reduce_scatter"])
 
 
+def regather_body(rank: int, world: int, init_method: str) -> tuple[list, list, list[str], list]:
+    """Stage 3 with weights 0 and 1 in layer 0 and weight 2 in layer 1, each multiplied by an input that needs a
+    gradient, so autograd saves every gathered weight and backward reads it again (the input's gradient is the
+    weight): the slices' gradients, the wholes, the collectives, the inputs' gradients."""
+    init_gloo(rank, world, init_method)
+    states = rank_states(rank, 3)
+    states.staged[2].layer = 1
+    inputs = [rank_gradient(i, rank).requires_grad_() for i in range(len(BUCKET_SIZES))]
+    with counting_collectives() as calls:
+        with states.saving():
+            wholes = states.program_params([sp.slice for sp in states.staged])
+            loss = sum((w * x).sum() for w, x in zip(wholes, inputs))
+        loss.backward()
+    return [sp.slice.grad for sp in states.staged], [w.detach() for w in wholes], calls, [x.grad for x in inputs]
+
+
+def test_backward_gathers_each_stage_3_layer_again_in_one_bucket(tmp_path):
+    """Backward reads the three saved weights of two layers: two all-gathers, one per layer (the count
+    engine.spmd.zero.comm_terms prices), not one per weight; what they gather is each weight whole."""
+    results = run_ranks(regather_body, 3, tmp_path)
+    assert_slices_and_wholes([r[:3] for r in results], ["all_gather"] * 3 + ["reduce_scatter"])
+    for _, wholes, _, input_grads in results:
+        for whole, grad in zip(wholes, input_grads):
+            torch.testing.assert_close(grad, whole, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_data_parallel_with_sharded_states_trains_like_one_device(stage, tmp_path):
     plan = staged(dp_even_plan("mlp", 3), stage)

@@ -12,7 +12,8 @@ from engine.cluster.spec import Cluster
 from engine.errors import ClusterError
 from engine.options import PlanOptions
 from engine.spmd.baselines import data_parallel_space
-from engine.spmd.cost import STATE_BYTES_PER_PARAM_BYTE, CostModel, _requires_grad, evaluate
+from engine.spmd.cost import STATE_BYTES_PER_PARAM_BYTE, CostModel, evaluate
+from engine.spmd.saved import requires_grad
 from engine.spmd.precision import AUTOCAST_OPS
 from engine.spmd.program import COMPUTE, LOAD
 from engine.spmd.saved import OUTPUT, saves_by_node
@@ -44,7 +45,7 @@ def test_bf16_memory_is_fp32_state_and_cast_cache_plus_two_byte_activations(plan
     parameter an autocast op reads (its cached bf16 copy), and every kept activation (what autograd
     saves, engine.spmd.saved) at 2 B an element when it is a float32 one."""
     plan = plans["bf16"]
-    g, grad = plan.graph, _requires_grad(plan.graph)
+    g, grad = plan.graph, requires_grad(plan.graph)
     two_bytes = [n.numel * 2 if n.dtype == "float32" and not n.is_leaf else n.nbytes for n in g.nodes]
     saves = saves_by_node(g, grad, two_bytes)
     cast = {i for n in g.nodes if n.op in AUTOCAST_OPS for i in n.inputs if g[i].op == "parameter"}
