@@ -23,8 +23,7 @@ from functools import cached_property
 from engine.errors import PlanError
 from engine.model.graph import Graph, Node
 from engine.spmd.cost import _attention_probs_bytes, _backward_flops
-from engine.spmd.saved import requires_grad
-from engine.spmd.saved import saves_by_node
+from engine.spmd.saved import requires_grad, saves_by_node
 from engine.spmd.segments import _layer_cuts
 
 
