@@ -64,6 +64,7 @@ from typing import Any, Callable, Sequence
 
 from engine import limits
 from engine.errors import HapError
+from engine.model.graph import Graph
 from engine.options import PlanOptions
 
 PROFILE_KNOBS: dict[str, dict[str, dict[str, Any]]] = {
@@ -393,12 +394,13 @@ def measure_low_precision_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, devi
     square matmul (ops `matmul_<dtype>`). The spec keeps each dtype's speed over fp32 (`with_low_precision`)."""
     import torch
 
+    from .precision import DTYPES
+
     spec = model_config(cfg)
     shapes = model_linear_shapes(*spec) if spec else []
     if shapes:
-        dtypes = (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))
-        for name, dtype in dtypes:
-            fn, flops = _linears_fn(shapes, device, dtype)
+        for name in ("fp32", *LOW_PRECISION):
+            fn, flops = _linears_fn(shapes, device, DTYPES.get(name, torch.float32))
             times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
             rec.add("compute", f"model_matmuls_{name}", "linear", model_batches(spec[1])[0] or 0, times, flops=flops)
             progress.step(f"the model's matmuls in {name}")
@@ -406,7 +408,8 @@ def measure_low_precision_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, devi
     if not cfg.matmul:
         return
     n = max(cfg.matmul)
-    for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+    for name in LOW_PRECISION:
+        dtype = DTYPES[name]
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         inner = max(1, math.ceil(MIN_FLOPS_PER_SAMPLE / (2.0 * n**3)))
 
@@ -417,6 +420,13 @@ def measure_low_precision_matmuls(cfg: ProfileConfig, rec: Recorder, pacer, devi
         times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
         rec.add("compute", f"matmul_{name}", "mm", n, times, flops=2.0 * n**3 * inner)
         progress.step(f"matmul {n}x{n} {name}")
+
+
+def low_precision_samples(cfg: ProfileConfig, spec: tuple[str, dict[str, Any]] | None) -> int:
+    """How many samples `measure_low_precision_matmuls` takes (for the progress bar)."""
+    if spec and model_linear_shapes(*spec):
+        return 1 + len(LOW_PRECISION)
+    return len(LOW_PRECISION) if cfg.matmul else 0
 
 
 def model_linear_shapes(name: str, knobs: dict[str, Any]) -> list[tuple[int, int, int, int]]:
@@ -722,6 +732,9 @@ def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
     if spec is None:
         return
     name, knobs = spec
+    import engine
+
+    graphs: dict[int, Graph] = {}  # one capture per batch, shared by its precisions
     work: dict[tuple[int, str], tuple[float, float, float]] = {}
     precisions = {f"zoo:{name}": "fp32", **{f"autocast_{low}": low for low in LOW_PRECISION}}
     for r in rows:
@@ -730,19 +743,21 @@ def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
             continue
         key = (r["size"], precision)
         if key not in work:
-            work[key] = step_work(name, {**knobs, **({"batch": r["size"]} if r["size"] else {})}, precision)
+            if r["size"] not in graphs:
+                at = {"batch": r["size"]} if r["size"] else {}
+                graphs[r["size"]] = engine.load_model(f"zoo:{name}", **{**knobs, **at})
+            work[key] = step_work(graphs[r["size"]], precision)
         r["flops"], r["flops_bound"], r["traffic_bytes"] = work[key]
 
 
-def step_work(name: str, knobs: dict[str, Any], precision: str = "fp32") -> tuple[float, float, float]:
-    """(all flops, matmul-class flops, bytes) of one forward + backward step of a zoo model in `precision`, as
-    engine.spmd.cost counts them with and without the roofline split: the bytes are the memory-bound operators'
-    and the weights the matmul-class ones read, all priced at the fitted activation bandwidth (activations at
-    2 bytes under autocast)."""
+def step_work(graph: Graph, precision: str = "fp32") -> tuple[float, float, float]:
+    """(all flops, matmul-class flops, bytes) of one forward + backward step of a zoo model's `graph` in
+    `precision`, as engine.spmd.cost counts them with and without the roofline split: the bytes are the
+    memory-bound operators' and the weights the matmul-class ones read, all priced at the fitted activation
+    bandwidth (activations at 2 bytes under autocast)."""
     import engine
     from engine.spmd.cost import CostModel
 
-    graph = engine.load_model(f"zoo:{name}", **knobs)
     options = PlanOptions(optimizer="sgd", precision=precision)
     plain = CostModel(graph, engine.load_cluster(one_device_cluster()), [1.0], options)
     split = CostModel(graph, engine.load_cluster(one_device_cluster(activation_bandwidth=True)), [1.0], options)
@@ -779,7 +794,8 @@ def device_flops(rates: dict[str, float]) -> float:
     return model[0] if model else max(v for k, v in rates.items() if k.startswith("matmul "))
 
 
-def model_step(rows: list[dict[str, Any]], rank: int, op: str | None = None) -> tuple[float, float, float, float] | None:
+def model_step(rows: list[dict[str, Any]], rank: int,
+               op: str | None = None) -> tuple[float, float, float, float] | None:
     """(seconds, all flops, matmul-class flops, memory-bound bytes) of the profiled model on one rank,
     summed over its batches (per batch the median time); None without a model. `op`: the rows of one
     precision's step (`autocast_bf16`); default the model's own (fp32) rows."""
@@ -999,7 +1015,8 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
         rec = Recorder(env.rank, speed, backend, env.world_size)
         spec = model_config(cfg)
         talks = env.world_size > 1
-        total = (len(cfg.matmul or ()) + (len(LOW_PRECISION) + 1 if spec and model_linear_shapes(*spec) else len(LOW_PRECISION) if cfg.matmul else 0) + (len(model_batches(spec[1])) + len(LOW_PRECISION) + 1 if spec else 0) + 1
+        model_samples = len(model_batches(spec[1])) + len(LOW_PRECISION) + 1 if spec else 0  # batches, autocast, overlap
+        total = (len(cfg.matmul or ()) + low_precision_samples(cfg, spec) + model_samples + 1
                  + (len(COLLECTIVES) * len(cfg.sizes) if talks else 0))
         progress = Progress(total, enabled=env.rank == 0)
         measure_matmuls(cfg, rec, pacer, device, dist.barrier, sync, progress)

@@ -25,7 +25,7 @@ all-reduce is a reduce-scatter then an all-gather: the same bytes); `evaluate` a
 exactly: the weight leaves the all-reduce buckets and `StatesTerms` adds, after backward,
 
     reduce-scatter of the staged gradients + all-gather of the updated stage-1/2 weights
-        + (stage 3) an all-gather before forward and one per weight in backward
+        + (stage 3) an all-gather before forward and one per layer in backward
         + max_j [ (copies + sync inside a virtual device) of the staged bytes + z_j * update of them ]
 
 each collective `latency + Z * bytes / bandwidth` with Z = max_j z_j (padded uneven collectives
