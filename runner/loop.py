@@ -32,6 +32,7 @@ class StepResult:
     grad_norm: float | None
     """Global gradient norm before clipping (None when neither clipped nor asked for)."""
     seconds: float
+    """Wall time of the step, less what ran aside from it (a norm computed only to be reported)."""
 
 
 def train_step(model: ParallelModel | PipelineModel, opt: torch.optim.Optimizer, batches: Batches, optim: OptimConfig,
@@ -55,10 +56,11 @@ def train_step(model: ParallelModel | PipelineModel, opt: torch.optim.Optimizer,
     if optim.clip_grad_norm:
         norm = float(model.clip_grad_norm_(optim.clip_grad_norm))
     elif want_norm:
-        norm = float(model.grad_norm())
+        with model.pacer.aside():  # reported only: not the step the plan prices
+            norm = float(model.grad_norm())
     opt.step()
     model.pacer.end_step()
-    seconds = time.perf_counter() - start
+    seconds = time.perf_counter() - start - model.pacer.totals["aside"]
     model.state.losses.append(total / k)
     model.state.step_times.append(seconds)
     return StepResult(total / k, lr, norm, seconds)

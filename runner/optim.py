@@ -136,11 +136,26 @@ def build(cfg: OptimConfig, params: Sequence[torch.Tensor], shapes: Sequence[Seq
     return cfg.optimizer_class()(param_groups(params, shapes, cfg.weight_decay), **cfg.kwargs())
 
 
+NORM_ROW = 4096
+"""Elements per fp32 partial norm in `total_norm`: short enough that fp32 accumulation stays within a few ulps."""
+
+
 def total_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all gradients together, accumulated in fp64 (as a 0-d fp32 tensor)."""
+    """The 2-norm of all gradients together (as a 0-d fp32 tensor).
+
+    Each gradient is cut into rows of `NORM_ROW` elements whose norms are taken in fp32 (in place, no
+    copy); their squares are summed in fp64. A whole-gradient fp64 copy cost a step 10-16 ms at 4M
+    parameters on a CPU, and a whole-gradient fp32 norm drifts ~1e-5 from the fp64 sum.
+    """
     total = torch.zeros((), dtype=torch.float64)
     for g in grads:
-        total += g.detach().double().square().sum().cpu()
+        flat = g.detach().reshape(-1)
+        whole = flat.numel() // NORM_ROW * NORM_ROW
+        if whole:
+            rows = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1, dtype=torch.float32)
+            total += rows.double().square().sum().cpu()
+        if whole < flat.numel():
+            total += flat[whole:].double().square().sum().cpu()
     return total.sqrt().float()
 
 

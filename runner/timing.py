@@ -69,7 +69,9 @@ class Pacer:
         self.sync = sync if (record or self.stretch > 0) else None
         self.work_clock = time.thread_time if sync is None else time.perf_counter
         self.phase, self.segments = "fwd", []
-        self.totals = {"compute": 0.0, "comm": 0.0, "emulated": 0.0}
+        self.totals = {"compute": 0.0, "comm": 0.0, "emulated": 0.0, "aside": 0.0}
+        """Seconds of this step by kind; `aside` is work outside the plan's step (`aside`)."""
+        self._aside = False
         self._t0 = self._open = time.perf_counter()
         self._start_window()
         self._owner = OTHER
@@ -160,10 +162,29 @@ class Pacer:
         self.last = out
         return out
 
+    @contextmanager
+    def aside(self) -> Iterator[None]:
+        """Work that is not part of the planned step (a gradient norm computed only to be reported):
+        it pays no emulated slow-down, its collectives are not padded, and its time is counted
+        apart (`aside_s`) so that the step's time is the one the plan predicts."""
+        self._pay()
+        self._close("compute", self._owner)
+        self._aside = True
+        try:
+            yield
+        finally:
+            self._aside = False
+            self._close("aside", "reported gradient norm")
+            self._owner = OTHER
+            self._start_window()
+
     # --- events -----------------------------------------------------------------------------
     @contextmanager
     def comm(self, name: str, tag: str, args: tuple = ()) -> Iterator[None]:
         """One collective (`args`: its arguments, which an emulated link prices)."""
+        if self._aside:
+            yield
+            return
         self._pay()
         self._close("compute", self._owner)
         held = self._holding

@@ -51,6 +51,23 @@ def test_time_spent_waiting_for_a_core_counts_toward_the_emulated_slow_down():
     assert out["emulated_s"] < 0.008
 
 
+@pytest.mark.serial  # a wall-clock measurement: alone on the machine (`make test`'s second pass)
+def test_work_set_aside_is_timed_apart_pays_no_slow_down_and_its_collectives_are_not_the_step_s():
+    """A gradient norm computed only for the metrics (runner.loop): the step before it is still paid
+    for, the norm's own work and its all-reduce land in `aside_s` alone."""
+    pacer = Pacer(0.25, record=True)
+    pacer.begin_step()
+    _spin(0.01)
+    with pacer.aside():
+        _spin(0.02)
+        with pacer.comm("all_reduce", "grad_norm"):
+            time.sleep(0.01)
+    out = pacer.end_step()
+    assert out["emulated_s"] == pytest.approx(3 * 0.01, rel=0.3)  # the 10 ms before: paid on entering
+    assert out["aside_s"] == pytest.approx(0.03, abs=0.01) and out["comm_s"] == 0
+    assert [x["kind"] for x in out["timeline"] if x["kind"] == "aside"] == ["aside"]
+
+
 def test_full_speed_pacer_sleeps_never_and_records_nothing_by_default():
     pacer = Pacer(1.0)
     pacer.begin_step()
