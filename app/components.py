@@ -15,7 +15,8 @@ a table cell holds no map, so `flops_per_gpu` shows the fp32 rate and each dtype
 
 
 UNITS = {"flops_per_gpu": ("TFLOP/s", 1e12), "memory_bytes_per_gpu": ("GiB", 2**30), "memory_bandwidth_Bps": ("GB/s", 1e9),
-         "intra_bandwidth_Bps": ("GB/s", 1e9), "activation_bandwidth_Bps": ("GB/s", 1e9), "bandwidth_Bps": ("GB/s", 1e9)}
+         "intra_bandwidth_Bps": ("GB/s", 1e9), "activation_bandwidth_Bps": ("GB/s", 1e9), "bandwidth_Bps": ("GB/s", 1e9),
+         "op_overhead_s": ("us", 1e-6)}
 """The unit each figure of the cluster tables is edited in (a field, or a field's prefix: `flops_per_gpu_bf16`),
 and its size in the JSON's unit: people read 19.5 TFLOP/s and 40 GiB, not 19500000000000 and 42949672960."""
 

@@ -32,6 +32,8 @@ MAX_MEMORY_BYTES = 2**62
 """Bytes of memory of one GPU (4 EiB; the planner's 'unlimited memory' what-if uses this)."""
 MAX_LATENCY_S = 3600.0
 """Seconds of latency of one hop or one collective."""
+MAX_OP_OVERHEAD_S = 1.0
+"""Seconds of fixed cost of one operator run (`Device.op_overhead_s`): real ones are microseconds."""
 
 MAX_NODES = 1_000_000
 """Nodes of a graph JSON."""

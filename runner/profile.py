@@ -92,7 +92,7 @@ used. It so includes waking the waiting ranks, which on a loaded CPU host costs 
 MIN_FLOPS_PER_SAMPLE = 1e8
 """A matmul sample repeats the product until it does at least this much work (~1 ms on a CPU core)."""
 PARQUET_COLUMNS = ("kind", "op", "impl", "rank", "speed", "size", "payload_bytes", "calls", "flops", "flops_bound",
-                   "traffic_bytes", "repeat", "arrival_delay_s", "seconds", "backend", "world_size")
+                   "traffic_bytes", "op_runs", "repeat", "arrival_delay_s", "seconds", "backend", "world_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -497,6 +497,36 @@ def measure_model(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, syn
         progress.step(f"zoo:{name} batch {batch} under {low} autocast")
 
 
+OP_CHAIN = 64
+"""Tiny operators in `measure_op_overhead`'s chain: their work is nil, so the time is their runs' overhead."""
+
+
+def measure_op_overhead(cfg: ProfileConfig, rec: Recorder, pacer, device, barrier, sync, progress: Progress) -> None:
+    """A chain of OP_CHAIN element-wise products on an 8-element tensor, forward and backward through
+    autograd: 2 x OP_CHAIN + 2 operator runs that do no work, so their time is the fixed cost of a run
+    (dispatch, autograd, a kernel launch), the spec's `op_overhead_s` (`op_overhead`)."""
+    import torch
+
+    x = torch.ones(8, device=device, requires_grad=True)
+
+    def fn() -> None:
+        y = x
+        for _ in range(OP_CHAIN):
+            y = y * 1.0001
+        y.sum().backward()
+        x.grad = None
+
+    times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
+    rec.add("compute", "op_overhead", "mul chain", 2 * OP_CHAIN + 2, times)
+    progress.step("operator overhead")
+
+
+def op_overhead(rows: list[dict[str, Any]], rank: int) -> float | None:
+    """Seconds per operator run of one rank (`measure_op_overhead`: median over repeats); None when not measured."""
+    mine = [r for r in rows if r["kind"] == "compute" and r["op"] == "op_overhead" and r["rank"] == rank]
+    return statistics.median(r["seconds"] for r in mine) / mine[0]["size"] if mine else None
+
+
 def measure_overlap(cfg: ProfileConfig, rec: Recorder, device, barrier, sync, progress: Progress) -> None:
     """The model step's computation in each overlap mode, against the same step alone (rows
     `overlap`/`none`): `duplex`, its two half-batches on two threads taking turns on the device as
@@ -735,7 +765,7 @@ def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
     import engine
 
     graphs: dict[int, Graph] = {}  # one capture per batch, shared by its precisions
-    work: dict[tuple[int, str], tuple[float, float, float]] = {}
+    work: dict[tuple[int, str], tuple[float, float, float, float]] = {}
     precisions = {f"zoo:{name}": "fp32", **{f"autocast_{low}": low for low in LOW_PRECISION}}
     for r in rows:
         precision = precisions.get(r["op"]) if r["kind"] == "compute" else None
@@ -747,14 +777,14 @@ def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
                 at = {"batch": r["size"]} if r["size"] else {}
                 graphs[r["size"]] = engine.load_model(f"zoo:{name}", **{**knobs, **at})
             work[key] = step_work(graphs[r["size"]], precision)
-        r["flops"], r["flops_bound"], r["traffic_bytes"] = work[key]
+        r["flops"], r["flops_bound"], r["traffic_bytes"], r["op_runs"] = work[key]
 
 
-def step_work(graph: Graph, precision: str = "fp32") -> tuple[float, float, float]:
-    """(all flops, matmul-class flops, bytes) of one forward + backward step of a zoo model's `graph` in
-    `precision`, as engine.spmd.cost counts them with and without the roofline split: the bytes are the
-    memory-bound operators' and the weights the matmul-class ones read, all priced at the fitted activation
-    bandwidth (activations at 2 bytes under autocast)."""
+def step_work(graph: Graph, precision: str = "fp32") -> tuple[float, float, float, float]:
+    """(all flops, matmul-class flops, bytes, operator runs) of one forward + backward step of a zoo model's
+    `graph` in `precision`, as engine.spmd.cost counts them with and without the roofline split: the bytes are
+    the memory-bound operators' and the weights the matmul-class ones read, all priced at the fitted activation
+    bandwidth (activations at 2 bytes under autocast); the runs are priced at the fitted `op_overhead_s`."""
     import engine
     from engine.spmd.cost import CostModel
 
@@ -762,13 +792,14 @@ def step_work(graph: Graph, precision: str = "fp32") -> tuple[float, float, floa
     plain = CostModel(graph, engine.load_cluster(one_device_cluster()), [1.0], options)
     split = CostModel(graph, engine.load_cluster(one_device_cluster(activation_bandwidth=True)), [1.0], options)
     return (sum(plain.fwd_flops) + sum(plain.bwd_flops), sum(split.fwd_flops) + sum(split.bwd_flops),
-            sum(split.traffic) + sum(split.bwd_traffic) + sum(split.weight_traffic) + sum(split.bwd_weight_traffic))
+            sum(split.traffic) + sum(split.bwd_traffic) + sum(split.weight_traffic) + sum(split.bwd_weight_traffic),
+            sum(split.fwd_ops) + sum(split.bwd_ops))
 
 
 def rank_rates(rows: list[dict[str, Any]], rank: int) -> dict[str, float]:
     """FLOP/s of one rank per compute op: total flops over the sum of per-size median times."""
     out: dict[str, float] = {}
-    for op in dict.fromkeys(r["op"] for r in rows if r["kind"] == "compute"):
+    for op in dict.fromkeys(r["op"] for r in rows if r["kind"] == "compute" and r["op"] != "op_overhead"):  # no flops
         mine = [r for r in rows if r["kind"] == "compute" and r["op"] == op and r["rank"] == rank]
         if op == "matmul":
             sizes = sorted({r["size"] for r in mine})
@@ -794,47 +825,62 @@ def device_flops(rates: dict[str, float]) -> float:
     return model[0] if model else max(v for k, v in rates.items() if k.startswith("matmul "))
 
 
-def model_step(rows: list[dict[str, Any]], rank: int,
-               op: str | None = None) -> tuple[float, float, float, float] | None:
-    """(seconds, all flops, matmul-class flops, memory-bound bytes) of the profiled model on one rank,
-    summed over its batches (per batch the median time); None without a model. `op`: the rows of one
-    precision's step (`autocast_bf16`); default the model's own (fp32) rows."""
+Step = tuple[float, float, float, float, float]
+"""A profiled model step (`model_step`): seconds, all flops, matmul-class flops, memory-bound bytes, operator runs."""
+
+
+def model_step(rows: list[dict[str, Any]], rank: int, op: str | None = None) -> Step | None:
+    """(seconds, all flops, matmul-class flops, memory-bound bytes, operator runs) of the profiled model on
+    one rank, summed over its batches (per batch the median time); None without a model. `op`: the rows of
+    one precision's step (`autocast_bf16`); default the model's own (fp32) rows. Rows written before the
+    runs were counted give 0 runs."""
     mine = [r for r in rows if r["kind"] == "compute" and r["rank"] == rank
             and (r["op"] == op if op else r["op"].startswith("zoo:"))]
     if not mine or any(r.get("traffic_bytes") is None for r in mine):
         return None
-    out = [0.0, 0.0, 0.0, 0.0]
+    out = [0.0, 0.0, 0.0, 0.0, 0.0]
     for size in {r["size"] for r in mine}:
         same = [r for r in mine if r["size"] == size]
         out[0] += statistics.median(r["seconds"] for r in same)
         out[1] += same[0]["flops"]
         out[2] += same[0]["flops_bound"]
         out[3] += same[0]["traffic_bytes"]
-    return out[0], out[1], out[2], out[3]
+        out[4] += same[0].get("op_runs") or 0.0
+    return out[0], out[1], out[2], out[3], out[4]
 
 
-def roofline_fit(matmul_flops_per_s: float, step: tuple[float, float, float, float]) -> tuple[float, float] | None:
-    """(flops_per_gpu, activation_bandwidth_Bps) that reproduce the model's step time: the matmul-class
-    flops at the best matmul rate, the rest of the time spent moving the memory-bound operators'
-    bytes. None when the matmuls alone take the whole step (no time is left to fit a bandwidth)."""
-    seconds, _, flops_bound, traffic = step
+def roofline_fit(matmul_flops_per_s: float, step: Step, op_overhead_s: float | None = None) -> dict[str, float] | None:
+    """The compute fields that reproduce the model's step time: `flops_per_gpu` the best matmul rate for the
+    matmul-class flops, `op_overhead_s` the measured fixed cost of each of its operator runs (`op_overhead`),
+    and `activation_bandwidth_Bps` the rate at which the memory-bound operators' bytes fill the rest. None
+    when the matmuls alone take the whole step; the overhead is left out when it would take all the rest.
+
+    The overhead is measured apart, on operators that do no work: the step's two batch sizes do not tell it
+    from the bytes (on a CPU the half batch left more time beyond its matmuls than the whole one did, and a
+    two-point fit put 160 us on each run where a chain of empty operators takes 4)."""
+    seconds, _, flops_bound, traffic, runs = step
     rest = seconds - flops_bound / matmul_flops_per_s
     if traffic <= 0 or rest <= 0:
         return None
-    return matmul_flops_per_s, traffic / rest
+    fixed = runs * (op_overhead_s or 0.0)
+    if op_overhead_s and 0 < fixed < rest:
+        return {"flops_per_gpu": matmul_flops_per_s, "activation_bandwidth_Bps": traffic / (rest - fixed),
+                "op_overhead_s": op_overhead_s}
+    return {"flops_per_gpu": matmul_flops_per_s, "activation_bandwidth_Bps": traffic / rest}
 
 
 def device_compute(rows: list[dict[str, Any]], ranks: Sequence[int]) -> list[dict[str, float]]:
     """Per rank the spec's compute fields from one profile's rows (see `compute_fields`)."""
     rates = [rank_rates(rows, j) for j in ranks]
     best = [max((v for k, v in r.items() if k.startswith("matmul ")), default=None) for r in rates]
-    fields = compute_fields(best, [model_step(rows, j) for j in ranks], [device_flops(r) for r in rates])
+    overheads = [op_overhead(rows, j) for j in ranks]
+    fields = compute_fields(best, [model_step(rows, j) for j in ranks], [device_flops(r) for r in rates], overheads)
     steps = [{low: model_step(rows, j, f"autocast_{low}") for low in LOW_PRECISION} for j in ranks]
     return [with_low_precision(f, r, s) for f, r, s in zip(fields, rates, steps)]
 
 
 def with_low_precision(fields: dict[str, float], rates: dict[str, float],
-                       steps: dict[str, tuple[float, float, float, float] | None] | None = None) -> dict[str, Any]:
+                       steps: dict[str, Step | None] | None = None) -> dict[str, Any]:
     """`flops_per_gpu` as a map {"fp32": ..., "bf16": ..., "fp16": ...} when the low-precision matmuls were
     timed (`measure_low_precision_matmuls`): the mixed-precision rate of the matmul-class operators.
 
@@ -855,26 +901,28 @@ def with_low_precision(fields: dict[str, float], rates: dict[str, float],
     return {**fields, "flops_per_gpu": {"fp32": fields["flops_per_gpu"], **low}} if low else fields
 
 
-def low_precision_fit(fields: dict[str, float], step: tuple[float, float, float, float] | None) -> float | None:
+def low_precision_fit(fields: dict[str, float], step: Step | None) -> float | None:
     """The matmul-class rate that reproduces the model's step under autocast, its memory-bound bytes (activations
-    at 2 bytes) moved at the fp32 step's fitted activation bandwidth; None without the roofline split or when
-    those bytes alone fill the step (the matmuls then bound nothing below their own rate)."""
+    at 2 bytes) moved at the fp32 step's fitted activation bandwidth and its operator runs at the fitted
+    overhead; None without the roofline split or when those alone fill the step (the matmuls then bound
+    nothing below their own rate)."""
     bandwidth = fields.get("activation_bandwidth_Bps")
     if step is None or not bandwidth:
         return None
-    seconds, _, flops_bound, traffic = step
-    rest = seconds - traffic / bandwidth
+    seconds, _, flops_bound, traffic, runs = step
+    rest = seconds - traffic / bandwidth - runs * fields.get("op_overhead_s", 0.0)
     return flops_bound / rest if rest > 0 and flops_bound > 0 else None
 
 
-def compute_fields(best_matmul: Sequence[float | None], steps: Sequence[tuple[float, float, float, float] | None],
-                   one_rate: Sequence[float]) -> list[dict[str, float]]:
-    """Per rank the spec's compute fields: the roofline split (flops_per_gpu at the best matmul
-    rate, activation_bandwidth_Bps fitted on the model step) when every rank allows it, else
-    `one_rate` (a cluster takes the split on every device or none)."""
-    fits = [roofline_fit(f, s) if f and s else None for f, s in zip(best_matmul, steps)]
+def compute_fields(best_matmul: Sequence[float | None], steps: Sequence[Step | None], one_rate: Sequence[float],
+                   op_overheads: Sequence[float | None] | None = None) -> list[dict[str, float]]:
+    """Per rank the spec's compute fields: the roofline split (flops_per_gpu at the best matmul rate, the
+    measured op_overhead_s, activation_bandwidth_Bps fitted on the model step, `roofline_fit`) when every
+    rank allows it, else `one_rate` (a cluster takes the split on every device or none)."""
+    overheads = op_overheads or [None] * len(steps)
+    fits = [roofline_fit(f, s, c) if f and s else None for f, s, c in zip(best_matmul, steps, overheads)]
     if fits and all(fits):
-        return [{"flops_per_gpu": f, "activation_bandwidth_Bps": b} for f, b in fits]  # type: ignore[misc]
+        return fits  # type: ignore[return-value]
     return [{"flops_per_gpu": r} for r in one_rate]
 
 
@@ -898,8 +946,10 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
         "schema_version": 1, "name": cfg.name,
         "description": f"Measured by hap profile on {len(infos)} ranks ({infos[0]['backend']}) at {when}"
                        + (f", emulated speeds {cfg.speeds}" if cfg.speeds else "") + ".",
-        "sources": [f"flops_per_gpu: the best square matmul (bf16 and fp16: the largest matmul in that dtype); activation_bandwidth_Bps: the bytes of the memory-bound "
-                    f"operators of {model} (forward+backward at batch and half batch) over the rest of its step time "
+        "sources": [f"flops_per_gpu: the best square matmul (bf16 and fp16: the largest matmul in that dtype); op_overhead_s: "
+                    f"a chain of {OP_CHAIN} empty element-wise operators forward and backward, per run; "
+                    f"activation_bandwidth_Bps: the bytes of the memory-bound operators of {model} (forward+backward "
+                    f"at batch and half batch) over the rest of its step time beyond its matmuls and its runs' overhead "
                     f"(without them, one rate: the model's, or the best matmul when the model is 'none'); median of "
                     f"{cfg.repeats} repeats after {cfg.warmup} warm-ups",
                     f"memory_bandwidth_Bps: bytes moved by building the gradient bucket, copying it back and one SGD step over the "
@@ -936,7 +986,7 @@ def write_parquet(path: str, rows: list[dict[str, Any]]) -> None:
     schema = pa.schema([("kind", pa.string()), ("op", pa.string()), ("impl", pa.string()), ("rank", pa.int32()),
                         ("speed", pa.float64()), ("size", pa.int64()), ("payload_bytes", pa.int64()),
                         ("calls", pa.int32()), ("flops", pa.float64()), ("flops_bound", pa.float64()),
-                        ("traffic_bytes", pa.float64()), ("repeat", pa.int32()),
+                        ("traffic_bytes", pa.float64()), ("op_runs", pa.float64()), ("repeat", pa.int32()),
                         ("arrival_delay_s", pa.float64()), ("seconds", pa.float64()), ("backend", pa.string()),
                         ("world_size", pa.int32())])
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
@@ -949,12 +999,13 @@ def fp32_rate(flops: float | dict[str, float]) -> float:
 
 def summary(spec: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     lines = [f"{'device':<10} {'machine':<16} {'model':<16} {'GFLOP/s (spec)':>14} {'model GFLOP/s':>13} "
-             f"{'activation GB/s':>15} {'memory':>10} {'update GB/s':>12}"]
+             f"{'activation GB/s':>15} {'us per op':>9} {'memory':>10} {'update GB/s':>12}"]
     for j, d in enumerate(spec["devices"]):
         rate = next((v for k, v in rank_rates(rows, j).items() if not k.startswith("matmul")), float("nan"))
         act = d.get("activation_bandwidth_Bps", float("nan"))
         lines.append(f"{d['name']:<10} {d['machine'][:16]:<16} {d['gpu_model'][:16]:<16} {fp32_rate(d['flops_per_gpu']) / 1e9:14.2f} "
-                     f"{rate / 1e9:13.2f} {act / 1e9:15.2f} {d['memory_bytes_per_gpu'] / 2**30:7.1f} GiB "
+                     f"{rate / 1e9:13.2f} {act / 1e9:15.2f} {d.get('op_overhead_s', 0.0) * 1e6:9.1f} "
+                     f"{d['memory_bytes_per_gpu'] / 2**30:7.1f} GiB "
                      f"{d['memory_bandwidth_Bps'] / 1e9:12.2f}")
     if not spec["network"]["collectives"]:
         return "\n".join(lines + ["", "collectives: none measured on one rank"])
@@ -1016,11 +1067,12 @@ def profile_rank(cfg: ProfileConfig, env, init_method: str | None = None) -> int
         spec = model_config(cfg)
         talks = env.world_size > 1
         model_samples = len(model_batches(spec[1])) + len(LOW_PRECISION) + 1 if spec else 0  # batches, autocast, overlap
-        total = (len(cfg.matmul or ()) + low_precision_samples(cfg, spec) + model_samples + 1
+        total = (len(cfg.matmul or ()) + low_precision_samples(cfg, spec) + model_samples + 2
                  + (len(COLLECTIVES) * len(cfg.sizes) if talks else 0))
         progress = Progress(total, enabled=env.rank == 0)
         measure_matmuls(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_model(cfg, rec, pacer, device, dist.barrier, sync, progress)
+        measure_op_overhead(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_update(cfg, rec, pacer, device, dist.barrier, sync, progress)
         measure_overlap(cfg, rec, device, dist.barrier, sync, progress)
         if talks:

@@ -71,8 +71,8 @@ SLOWDOWN_MODES: tuple[str, ...] = ("ddp", "duplex")
 
 _TOP_KEYS = ("schema_version", "name", "description", "sources", "devices", "network")
 _DEVICE_KEYS = ("name", "gpu_model", "gpu_product", "machine", "group", "num_gpus", "flops_per_gpu",
-                "memory_bytes_per_gpu", "memory_bandwidth_Bps", "activation_bandwidth_Bps", "intra_bandwidth_Bps",
-                "overlap_slowdown", "count", "slurm")
+                "memory_bytes_per_gpu", "memory_bandwidth_Bps", "activation_bandwidth_Bps", "op_overhead_s",
+                "intra_bandwidth_Bps", "overlap_slowdown", "count", "slurm")
 SLURM_KEYS = ("feature", "gres_type", "nodelist")
 """Scheduler hints a device may carry (`Device.slurm`): they pin the hardware of its machine's Slurm job component."""
 _NETWORK_KEYS = ("latency_s", "bandwidth_Bps", "collectives")
@@ -85,6 +85,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "memory_bytes_per_gpu": (1, limits.MAX_MEMORY_BYTES),
     "memory_bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
     "activation_bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
+    "op_overhead_s": (0.0, limits.MAX_OP_OVERHEAD_S),
     "intra_bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
     "bandwidth_Bps": (limits.MIN_RATE, limits.MAX_BANDWIDTH_BPS),
     "latency_s": (0.0, limits.MAX_LATENCY_S),
@@ -107,6 +108,8 @@ _HINTS: dict[str, str] = {
     "memory_bytes_per_gpu": "bytes of memory of one GPU, e.g. 17179869184 for 16 GiB",
     "memory_bandwidth_Bps": "bytes/s one GPU reads and writes its own memory, e.g. 1.555e12 for an A100-40GB",
     "activation_bandwidth_Bps": "bytes/s of the memory-bound operators on one GPU, e.g. 1.2e12 (as hap profile measures)",
+    "op_overhead_s": "seconds each operator run costs one GPU besides its flops and bytes (dispatch, launch), e.g. 2e-05 "
+                     "(as hap profile measures)",
     "intra_bandwidth_Bps": "bytes/s between the GPUs inside the virtual device, e.g. 1.5e11",
     "overlap_slowdown": "per overlap mode, how much slower computation runs in it, e.g. {\"ddp\": 1.05, \"duplex\": 1.3} "
                         "(as hap profile measures)",
@@ -159,6 +162,10 @@ class Device:
     copies). When set, `engine.spmd.cost` prices those by the bytes they read and write, and
     `flops_per_gpu` prices only the matmul-class operators (a roofline split); None: every operator
     is priced by its flops at `flops_per_gpu`. Set it on every device or on none."""
+    op_overhead_s: float = 0.0
+    """Seconds every operator run costs one GPU on top of its flops and bytes: the framework's dispatch and
+    the kernel launch, which do not shrink with the operator's share of the work (`engine.spmd.cost`
+    counts one run per node forward, one per node with a gradient backward). 0: not priced."""
     intra_bandwidth_Bps: float = DEFAULT_INTRA_BANDWIDTH_BPS
     """Bytes/s between the GPUs inside this virtual device; used only when num_gpus > 1."""
     overlap_slowdown: tuple[tuple[str, float], ...] = ()
@@ -196,6 +203,7 @@ class Device:
             **({"memory_bandwidth_Bps": self.memory_bandwidth_Bps} if self.memory_bandwidth_Bps is not None else {}),
             **({"activation_bandwidth_Bps": self.activation_bandwidth_Bps}
                if self.activation_bandwidth_Bps is not None else {}),
+            **({"op_overhead_s": self.op_overhead_s} if self.op_overhead_s else {}),
             "intra_bandwidth_Bps": self.intra_bandwidth_Bps,
             **({"overlap_slowdown": dict(self.overlap_slowdown)} if self.overlap_slowdown else {}),
             **({"slurm": dict(self.slurm)} if self.slurm else {}),
@@ -635,6 +643,7 @@ def _parse_device_entry(entry: Any, path: str, room: int) -> list[Device]:
         activation_bandwidth_Bps=(None if entry.get("activation_bandwidth_Bps") is None else
                                   _positive(entry["activation_bandwidth_Bps"], field_path("activation_bandwidth_Bps"),
                                             "activation_bandwidth_Bps")),
+        op_overhead_s=_non_negative(entry.get("op_overhead_s", 0.0), field_path("op_overhead_s"), "op_overhead_s"),
         intra_bandwidth_Bps=_positive(entry.get("intra_bandwidth_Bps", DEFAULT_INTRA_BANDWIDTH_BPS),
                                       field_path("intra_bandwidth_Bps"), "intra_bandwidth_Bps"),
         overlap_slowdown=_parse_slowdown(entry.get("overlap_slowdown"), field_path("overlap_slowdown")),

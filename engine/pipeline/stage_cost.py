@@ -175,7 +175,7 @@ def device_signature(cluster: Cluster, devices: tuple[int, ...]) -> tuple:
 
 def _hardware(d) -> tuple:
     return (d.gpu_model, d.flops_per_gpu, d.flops_by_dtype, d.memory_bytes_per_gpu, d.num_gpus, d.intra_bandwidth_Bps,
-            d.memory_bandwidth_Bps, d.activation_bandwidth_Bps, d.overlap_slowdown)
+            d.memory_bandwidth_Bps, d.activation_bandwidth_Bps, d.op_overhead_s, d.overlap_slowdown)
 
 
 def group_cluster(cluster: Cluster, devices: tuple[int, ...]) -> Cluster:
@@ -211,7 +211,7 @@ class _GroupTable:
     def price(self, start: int, end: int, microbatches: int) -> StagePrice:
         fwd, bwd, sync, state, act, param_bytes = (_minus(a, b) for a, b in zip(self.prefix[end], self.prefix[start]))
         cm, B = self.cm, microbatches
-        per_mb = lambda w: (w[0] / B, w[1], 0.0, 0.0, w[4] / B, w[5])  # noqa: E731  sharded work splits in B
+        per_mb = lambda w: (w[0] / B, w[1], 0.0, 0.0, w[4] / B, w[5], w[6])  # noqa: E731  sharded work splits in B
         latency, per_byte = cm.grad_bucket_terms()
         all_reduce = latency + param_bytes * per_byte if param_bytes else 0.0
         states = cm.memory_by_class(state)

@@ -135,9 +135,9 @@ def stage_price(plan: Plan, group: Cluster, options: PlanOptions) -> StagePrice:
     b = evaluate(plan.program, cm)
     times = {"forward": 0.0, "backward": 0.0, "sync": 0.0}
     for stage, comm in zip(b.stages, b.stage_comm_s):
-        s, r, ss, rs, ts, tr = stage.work
-        per_microbatch = max(cm.device_times((s, r, 0.0, 0.0, ts, tr), stage.segment))
-        per_iteration = max(cm.device_times((0.0, 0.0, ss, rs, 0.0, 0.0), stage.segment))
+        s, r, ss, rs, ts, tr, ops = stage.work
+        per_microbatch = max(cm.device_times((s, r, 0.0, 0.0, ts, tr, ops), stage.segment))
+        per_iteration = max(cm.device_times((0.0, 0.0, ss, rs, 0.0, 0.0, 0.0), stage.segment))
         if stage.comm == "grad_all_reduce":
             times["sync"] += comm + per_microbatch + per_iteration
         else:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-Acc = tuple[float, float, float, float, float, float]
+Acc = tuple[float, float, float, float, float, float, float]
 """Linear work of a stage: (sharded flops, replicated flops, sharded parameter bytes, Full parameter bytes,
-sharded activation bytes, replicated activation bytes)."""
-ZERO: Acc = (0.0,) * 6
+sharded activation bytes, replicated activation bytes, operator runs)."""
+ZERO: Acc = (0.0,) * 7
 Mem = tuple[float, float, float, float, float]
 """Memory terms: (sharded state, replicated state, sharded activations, replicated activations, staged
 state split by the state shares z (`engine.spmd.zero`)) bytes."""

@@ -34,6 +34,13 @@ local batch is not priced as if its matmuls read a fraction of the weight. Bytes
 with B_j when the operator runs sharded, except the weights of a batch-parallel rule, which every
 device reads whole; the model stays linear.
 
+Fixed cost per operator run (not in the paper; `Device.op_overhead_s`, fitted by `hap profile`): every
+node costs each device that much per run on top of its flops and bytes (framework dispatch, kernel
+launch), one run forward and one backward when its result needs a gradient (`fwd_ops`, `bwd_ops`; two
+each in duplex, whose halves both run it; a recomputed node runs forward again in backward). It does
+not scale with the ratios: a device's slice of a sharded operator pays it whole. A run costs a CPU rank
+about 4 us; on a GPU, a kernel launch of several, which a small model's many small operators are bound by.
+
 Memory per GPU (not in the paper, users need it): parameter, gradient and optimizer state of the
 local slice of every parameter, plus the activations kept for the backward pass (split over the
 k GPUs of a virtual device): the tensors autograd saves, each in the form its saving instruction
@@ -163,6 +170,8 @@ class DeviceClass:
     """Seconds per byte moved by a memory-bound operator (0 without the roofline split)."""
     ratios: tuple[float, ...]
     """The ratio of each of its devices in every segment (empty when grouping by hardware only)."""
+    op_s: float = 0.0
+    """Seconds of each operator run besides its work (`Device.op_overhead_s`, slowed in the overlap mode)."""
 
 
 def device_classes(cluster: Cluster, ratios: list[list[float]] | None, optimizer: str = "adam",
@@ -176,10 +185,10 @@ def device_classes(cluster: Cluster, ratios: list[list[float]] | None, optimizer
         key = (mixed.device_flops(d, precision) / d.slowdown(overlap), d.memory_bytes_per_gpu, d.num_gpus,
                d.intra_bandwidth_Bps, d.memory_bandwidth_Bps,
                d.activation_bandwidth_Bps and d.activation_bandwidth_Bps / d.slowdown(overlap),
-               mine, d.flops / d.slowdown(overlap))
+               mine, d.flops / d.slowdown(overlap), d.op_overhead_s * d.slowdown(overlap))
         groups.setdefault(key, []).append(j)
     out = []
-    for (flops, mem, k, intra, mem_bw, act_bw, _, fp32_flops), members in groups.items():
+    for (flops, mem, k, intra, mem_bw, act_bw, _, fp32_flops, op_s), members in groups.items():
         sync = 2.0 * (k - 1) / k / intra * mixed.GRAD_WIRE[grad_dtype] if k > 1 else 0.0  # ring all-reduce inside the box
         update = UPDATE_TRAFFIC[optimizer] / mem_bw if mem_bw else 0.0
         bucket = BUCKET_TRAFFIC * mixed.GRAD_BUCKET_TRAFFIC[grad_dtype] / mem_bw \
@@ -188,7 +197,8 @@ def device_classes(cluster: Cluster, ratios: list[list[float]] | None, optimizer
         act = 1.0 / (k * act_bw) if act_bw else 0.0  # the k GPUs of a virtual device split its activations
         if mixed.is_mixed(precision) and not roofline:
             act = 1.0 / fp32_flops  # the activation slots hold the non-matmul flops, at the fp32 rate
-        out.append(DeviceClass(tuple(members), flops, float(mem), k, sync + update, sync + update + bucket, act, mine))
+        out.append(DeviceClass(tuple(members), flops, float(mem), k, sync + update, sync + update + bucket, act, mine,
+                               op_s))
     return tuple(out)
 
 
@@ -241,6 +251,11 @@ class CostModel:
         not shrink with the local batch, so a device with a small share of it is not priced too cheaply."""
         self.bwd_weight_traffic = [WEIGHT_BACKWARD_TRAFFIC * b if self.requires_grad[i] else 0.0
                                    for i, b in enumerate(self.weight_traffic)]
+        runs = 2.0 if overlap == "duplex" else 1.0  # each duplex half runs every operator
+        self.fwd_ops = [0.0 if n.is_leaf else runs for n in graph.nodes]
+        """Forward runs of each operator per step, priced at `Device.op_overhead_s` each."""
+        self.bwd_ops = [runs if self.requires_grad[n.id] and not n.is_leaf else 0.0 for n in graph.nodes]
+        """Backward runs: one per operator whose result needs a gradient (autograd runs its backward)."""
         self.total_flops = sum(c.flops * len(c.devices) for c in self.classes)
         intra = [d.intra_bandwidth_Bps for d in cluster.devices if d.num_gpus > 1]
         self.hierarchy_s_per_byte = 2.0 / min(intra) if intra else 0.0  # gather to / broadcast from GPU 0 (§6)
@@ -280,6 +295,7 @@ class CostModel:
                 self.bwd_flops[i] += self.fwd_flops[i]
                 self.bwd_traffic[i] += self.traffic[i]
                 self.bwd_weight_traffic[i] += self.weight_traffic[i]
+                self.bwd_ops[i] += self.fwd_ops[i]
         self.reserve = search_reserve(self)
 
     def _flops_at_fp32_rate(self) -> None:
@@ -356,9 +372,9 @@ class CostModel:
     # --- computation -----------------------------------------------------------------------
     def class_times(self, acc: Acc, segment: int = 0) -> list[float]:
         """`class_work` of every class, inlined (the search's hottest call; the same arithmetic, term for term)."""
-        s, r, ss, rs, ts, tr = acc
+        s, r, ss, rs, ts, tr, o = acc
         return [((s * q + r) / c.flops + ss * q * c.sharded_param_s_per_byte + rs * c.full_param_s_per_byte
-                 + (ts * q + tr) * c.activation_s_per_byte) for c in self.classes for q in (c.ratios[segment],)]
+                 + (ts * q + tr) * c.activation_s_per_byte + o * c.op_s) for c in self.classes for q in (c.ratios[segment],)]
 
     def stage_time(self, acc: Acc, segment: int = 0) -> float:
         return max(self.class_times(acc, segment))
@@ -399,6 +415,7 @@ class CostModel:
         f, b = self.fwd_flops[node], self.bwd_flops[node]
         tf, tb = self.traffic[node], self.bwd_traffic[node]
         wf, wb = self.weight_traffic[node], self.bwd_weight_traffic[node]
+        of, ob = self.fwd_ops[node], self.bwd_ops[node]
         if forms is None:
             form = 0 if sharded else FULL
             forms = ((form,) * len(self.graph[node].inputs), form)
@@ -406,10 +423,10 @@ class CostModel:
         if self.recompute and self.recomputed[node]:
             mem = self.checkpoint_memory(node, forms[1])  # recomputed in backward (engine.spmd.recompute)
         if sharded and weights_whole:
-            return (f, 0.0, 0.0, 0.0, tf, wf), (b, 0.0, 0.0, 0.0, tb, wb), mem
+            return (f, 0.0, 0.0, 0.0, tf, wf, of), (b, 0.0, 0.0, 0.0, tb, wb, ob), mem
         if sharded:
-            return (f, 0.0, 0.0, 0.0, tf + wf, 0.0), (b, 0.0, 0.0, 0.0, tb + wb, 0.0), mem
-        return (0.0, f, 0.0, 0.0, 0.0, tf + wf), (0.0, b, 0.0, 0.0, 0.0, tb + wb), mem
+            return (f, 0.0, 0.0, 0.0, tf + wf, 0.0, of), (b, 0.0, 0.0, 0.0, tb + wb, 0.0, ob), mem
+        return (0.0, f, 0.0, 0.0, 0.0, tf + wf, of), (0.0, b, 0.0, 0.0, 0.0, tb + wb, ob), mem
 
     def checkpoint_memory(self, node: int, output: int) -> Mem:
         """What a recomputed node keeps: its result when another layer consumes it (the next
@@ -445,8 +462,8 @@ class CostModel:
             return ZERO, (0.0, whole + cache, 0.0, 0.0, split)  # autocast caches the whole weight's copy
         state += cache
         if form == FULL:
-            return (0.0, 0.0, 0.0, nbytes, 0.0, 0.0), (0.0, state, 0.0, 0.0, 0.0)
-        return (0.0, 0.0, nbytes, 0.0, 0.0, 0.0), (state, 0.0, 0.0, 0.0, 0.0)
+            return (0.0, 0.0, 0.0, nbytes, 0.0, 0.0, 0.0), (0.0, state, 0.0, 0.0, 0.0)
+        return (0.0, 0.0, nbytes, 0.0, 0.0, 0.0, 0.0), (state, 0.0, 0.0, 0.0, 0.0)
 
     def states_terms(self, program: tuple[Instruction, ...]) -> StatesTerms:
         """The program's staged weights (`engine.spmd.zero.states_terms`)."""
@@ -481,9 +498,9 @@ class CostModel:
 def class_work(acc: Acc, c: DeviceClass, ratio) -> float:
     """Seconds of a stage's linear work on one device of class `c` holding `ratio` of the sharded work
     (`ratio` may be an LP variable: the expression stays linear in it)."""
-    s, r, ss, rs, ts, tr = acc
+    s, r, ss, rs, ts, tr, o = acc
     return ((s * ratio + r) / c.flops + ss * ratio * c.sharded_param_s_per_byte + rs * c.full_param_s_per_byte
-            + (ts * ratio + tr) * c.activation_s_per_byte)
+            + (ts * ratio + tr) * c.activation_s_per_byte + o * c.op_s)
 
 
 def _attention_probs_bytes(graph: Graph, node: int) -> float:

@@ -113,9 +113,21 @@ def _model_rows(rank, times, flops_bound, traffic):
 
 def test_roofline_fit_gives_the_matmul_rate_and_the_bandwidth_that_fills_the_rest_of_the_step():
     # 1.5 s for 4 GFLOP of matmuls at 4 GFLOP/s (1 s) and 1 GB of memory-bound bytes: 2 GB/s
-    assert roofline_fit(4e9, (1.5, 5e9, 4e9, 1e9)) == (4e9, pytest.approx(2e9))
-    assert roofline_fit(2e9, (1.5, 5e9, 4e9, 1e9)) is None  # the matmuls alone would take 2 s
-    assert roofline_fit(4e9, (1.5, 5e9, 4e9, 0.0)) is None  # nothing memory-bound to fit
+    assert roofline_fit(4e9, (1.5, 5e9, 4e9, 1e9, 0.0)) == {"flops_per_gpu": 4e9, "activation_bandwidth_Bps": pytest.approx(2e9)}
+    assert roofline_fit(2e9, (1.5, 5e9, 4e9, 1e9, 0.0)) is None  # the matmuls alone would take 2 s
+    assert roofline_fit(4e9, (1.5, 5e9, 4e9, 0.0, 0.0)) is None  # nothing memory-bound to fit
+
+
+def test_roofline_fit_takes_the_measured_overhead_of_every_run_before_fitting_the_bandwidth():
+    """Issue 28: a fixed cost per operator run. The same 0.5 s beyond the matmuls: 100 runs of a measured 1 ms
+    take 0.1 s, and 1 GB fills the 0.4 s left (2.5 GB/s). An overhead that would take the whole rest (10 ms a
+    run) is left out, and so is one with no runs counted (rows written before they were)."""
+    assert roofline_fit(4e9, (1.5, 5e9, 4e9, 1e9, 100.0), 1e-3) == {
+        "flops_per_gpu": 4e9, "activation_bandwidth_Bps": pytest.approx(2.5e9), "op_overhead_s": 1e-3}
+    assert roofline_fit(4e9, (1.5, 5e9, 4e9, 1e9, 100.0), 1e-2) == {"flops_per_gpu": 4e9,
+                                                                   "activation_bandwidth_Bps": pytest.approx(2e9)}
+    assert "op_overhead_s" not in roofline_fit(4e9, (1.5, 5e9, 4e9, 1e9, 0.0), 1e-3)
+    assert "op_overhead_s" not in roofline_fit(4e9, (1.5, 5e9, 4e9, 1e9, 100.0))
 
 
 def test_device_compute_splits_every_rank_or_falls_back_to_one_rate_for_all():
@@ -128,6 +140,16 @@ def test_device_compute_splits_every_rank_or_falls_back_to_one_rate_for_all():
     mixed = matmul[:1] + slow_matmul + _model_rows(0, [1.0], 2e9, 1e9) + _model_rows(1, [2.0], 2e9, 1e9)
     assert device_compute(mixed, [0, 1]) == [{"flops_per_gpu": pytest.approx(3.0015e9 / 1.5)},
                                              {"flops_per_gpu": pytest.approx(3.0015e9 / 3.0)}]
+
+
+def test_device_compute_prices_the_measured_overhead_of_the_models_operator_runs():
+    """Rank 0 of the test above (1.5 s over both batches, 0.75 s of matmuls, 1.5 GB) with 10 + 5 runs and a
+    chain of 130 empty runs in 0.13 s: 1 ms a run, 15 ms of the rest, the bytes fill 0.735 s."""
+    matmul = [_row("compute", "matmul", 0, 64, 0, 1e-3, flops=4e6)]
+    model = [{**r, "op_runs": 10.0 if r["size"] == 16 else 5.0} for r in _model_rows(0, [1.0], 2e9, 1e9)]
+    chain = [_row("compute", "op_overhead", 0, 130, i, t) for i, t in enumerate((0.13, 0.13, 9.0))]
+    assert device_compute(matmul + model + chain, [0]) == [
+        {"flops_per_gpu": 4e9, "activation_bandwidth_Bps": pytest.approx(1.5e9 / 0.735), "op_overhead_s": pytest.approx(1e-3)}]
 
 
 def test_a_low_precision_rate_is_the_fp32_rate_times_that_dtypes_speed_on_the_models_own_matmuls():
@@ -151,11 +173,14 @@ def test_a_low_precision_rate_is_at_most_what_reproduces_the_models_autocast_ste
     else slower. A fast step (0.5 s: 8 GFLOP/s) leaves the linear layers' rate; one whose bytes fill it, too."""
     fields = {"flops_per_gpu": 4e9, "activation_bandwidth_Bps": 2e9}
     rates = {"model_matmuls_fp32": 1e9, "model_matmuls_bf16": 1.5e9, "model_matmuls_fp16": 0.5e8}
-    slow, fast, full = (1.25, 2e9, 2e9, 0.5e9), (0.5, 2e9, 2e9, 0.5e9), (0.2, 2e9, 2e9, 0.5e9)
+    slow, fast, full = (1.25, 2e9, 2e9, 0.5e9, 0.0), (0.5, 2e9, 2e9, 0.5e9, 0.0), (0.2, 2e9, 2e9, 0.5e9, 0.0)
     assert with_low_precision(fields, rates, {"bf16": slow, "fp16": slow})["flops_per_gpu"] == {
         "fp32": 4e9, "bf16": pytest.approx(2e9), "fp16": pytest.approx(2e8)}
     assert with_low_precision(fields, rates, {"bf16": fast, "fp16": full})["flops_per_gpu"]["bf16"] == pytest.approx(6e9)
     assert low_precision_fit(fields, full) is None and low_precision_fit({"flops_per_gpu": 4e9}, slow) is None
+    # the fp32 fit's overhead per run is paid by the autocast step too: 100 runs of 2.5 ms leave 0.75 s for 2 GFLOP
+    runs = (1.25, 2e9, 2e9, 0.5e9, 100.0)
+    assert low_precision_fit({**fields, "op_overhead_s": 2.5e-3}, runs) == pytest.approx(2e9 / 0.75)
 
 
 def test_the_profiled_models_linear_layers_are_counted_by_shape():
@@ -294,12 +319,13 @@ def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(
     assert all(d.flops_per_gpu > 0 and d.memory_bytes_per_gpu > 0 for d in cluster.devices)
     acts = [d.activation_bandwidth_Bps for d in cluster.devices]
     assert acts == [None, None] or all(a > 0 for a in acts), acts  # the roofline split on every rank or none
+    assert acts == [None, None] or all(0 < d.op_overhead_s < 1e-2 for d in cluster.devices)  # microseconds per run
     assert all(d.memory_bandwidth_Bps > 0 for d in cluster.devices)
     written = json.loads(spec.read_text())["network"]["collectives"]
     assert set(written) == set(COLLECTIVES)  # every fit measured, none nominal
     for name, fit in cluster.collectives.items():
         assert fit.latency_s >= 0 and fit.bandwidth_Bps > 0 and fit.time(4096) > 0, (name, fit)
-    assert "26/26" in stderr  # progress: 2 matmuls + the model's linears in fp32, bf16 and fp16 + 2 model batches + its bf16 and fp16 autocast steps + the overlap modes + the update + 5 x 3 payloads
+    assert "27/27" in stderr  # progress: 2 matmuls + the model's linears in fp32, bf16 and fp16 + 2 model batches + its bf16 and fp16 autocast steps + the operator overhead + the overlap modes + the update + 5 x 3 payloads
     for d in cluster.devices:  # the largest matmul timed in bf16 and fp16 too: the rates mixed precision prices
         assert d.flops_per_gpu_in("bf16") > 0 and d.flops_per_gpu_in("fp16") > 0
     for d in cluster.devices:  # the step beside an all-reduce, and as two half-batches taking turns, over the step alone
@@ -338,9 +364,9 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     table = pq.read_table(raw)
     assert tuple(table.column_names) == PARQUET_COLUMNS
     rows = table.to_pylist()
-    # ranks x repeats x (matmuls + the model's linears in fp32, bf16 and fp16 + model batches + its autocast steps + update + the step
-    # alone, beside an all-reduce, in halves + payloads)
-    assert len(rows) == 2 * 3 * (2 + 3 + 2 + 2 + 1 + 3 + 5 * 3)
+    # ranks x repeats x (matmuls + the model's linears in fp32, bf16 and fp16 + model batches + its autocast steps + the empty
+    # operators' chain + update + the step alone, beside an all-reduce, in halves + payloads)
+    assert len(rows) == 2 * 3 * (2 + 3 + 2 + 2 + 1 + 1 + 3 + 5 * 3)
     overlap = [r for r in rows if r["kind"] == "overlap"]
     assert {(r["op"], r["impl"], r["size"]) for r in overlap} == {
         ("none", "zoo:mlp", 16), ("ddp", "zoo:mlp", 16), ("duplex", "zoo:mlp", 16)}
@@ -348,10 +374,12 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     assert {r["op"] for r in rows if r["kind"] == "collective"} == set(COLLECTIVES)
     assert {(r["op"], r["size"]) for r in rows if r["kind"] == "compute"} == {
         ("matmul", 64), ("matmul", 128), ("model_matmuls_fp32", 16), ("model_matmuls_bf16", 16),
-        ("model_matmuls_fp16", 16), ("zoo:mlp", 16), ("zoo:mlp", 8), ("autocast_bf16", 16), ("autocast_fp16", 16)}
+        ("model_matmuls_fp16", 16), ("zoo:mlp", 16), ("zoo:mlp", 8), ("autocast_bf16", 16), ("autocast_fp16", 16),
+        ("op_overhead", 130)}
+    assert all(r["op_runs"] > 0 for r in rows if r["op"] in ("zoo:mlp", "autocast_bf16", "autocast_fp16"))
     autocast = [r for r in rows if r["op"].startswith("autocast_")]
     assert {r["impl"] for r in autocast} == {"zoo:mlp"} and all(r["flops_bound"] > 0 for r in autocast)
-    assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute")
+    assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute" and r["op"] != "op_overhead")
     update = [r for r in rows if r["kind"] == "memory"]
     assert {(r["op"], r["impl"]) for r in update} == {("update", "bucket+unbucket+sgd")} and len({r["size"] for r in update}) == 1
     assert all(r["payload_bytes"] == 7 * r["size"] for r in update)  # bucket built and copied back (4) + SGD (3) per byte

@@ -192,3 +192,73 @@ def test_an_all_reduce_is_priced_off_the_profiled_points_where_the_fitted_line_i
         cm = CostModel(graph, Cluster.from_dict(d), [0.5, 0.5])
         assert cm.comm_terms("all_reduce", node) == pytest.approx((expected, 0.0))
     assert fit_collective([1, 2], [1.0, 2.0]).points  # what hap profile writes carries its points
+
+
+# ----------------------------------------------------------------------------- fixed cost per operator run
+
+OP_S = 1e-4
+
+
+def with_op_overhead(flops: list[float], op_s: list[float]) -> Cluster:
+    d = cluster_dict(flops)
+    for dev, c in zip(d["devices"], op_s):
+        dev["op_overhead_s"] = c
+    return Cluster.from_dict(d)
+
+
+def _runs(graph) -> int:
+    """Operator runs of one step by hand: every compute node forward, and backward those whose result
+    needs a gradient (ce_graph: all but the label-side ones)."""
+    from engine.spmd.saved import requires_grad
+
+    grad = requires_grad(graph)
+    return sum(1 for n in graph.nodes if not n.is_leaf) + sum(1 for n in graph.nodes if not n.is_leaf and grad[n.id])
+
+
+def test_every_operator_run_costs_the_device_its_overhead_whatever_its_share_of_the_work():
+    graph = ce_graph()
+    plain, fixed = with_op_overhead([1e12], [0.0]), with_op_overhead([1e12], [OP_S])
+    program = synthesize(graph, CostModel(graph, plain, [1.0]), space=data_parallel_space(graph)).program
+    extra = evaluate(program, CostModel(graph, fixed, [1.0])).total_s - evaluate(program, CostModel(graph, plain, [1.0])).total_s
+    assert extra == pytest.approx(_runs(graph) * OP_S, rel=1e-9)
+    assert _runs(graph) > sum(1 for n in graph.nodes if not n.is_leaf)  # backward runs counted too
+    # on two devices, a data-parallel device pays every run at any ratio: the overhead does not shrink with B
+    two = [with_op_overhead([1e12, 1e12], [c, c]) for c in (0.0, OP_S)]
+    for ratios in ([0.5, 0.5], [0.9, 0.1]):
+        at = [evaluate(program, CostModel(graph, c, ratios)) for c in two]
+        comp = [sum(max(x) for x in b.stage_comp_s) for b in at]
+        assert comp[1] - comp[0] == pytest.approx(_runs(graph) * OP_S, rel=1e-9)
+
+
+def test_duplex_halves_each_pay_every_run_and_a_recomputed_layer_pays_its_forward_again():
+    graph = ce_graph()
+    cm = CostModel(graph, with_op_overhead([1e12, 1e12], [OP_S, OP_S]), [0.5, 0.5], overlap="duplex")
+    plain = CostModel(graph, with_op_overhead([1e12, 1e12], [OP_S, OP_S]), [0.5, 0.5])
+    assert sum(cm.fwd_ops) == 2 * sum(plain.fwd_ops) and sum(cm.bwd_ops) == 2 * sum(plain.bwd_ops)
+    layer = next(n.segment for n in graph.nodes if not n.is_leaf and n.segment >= 0)
+    again = CostModel(graph, with_op_overhead([1e12], [OP_S]), [1.0], recompute=frozenset({layer}))
+    once = CostModel(graph, with_op_overhead([1e12], [OP_S]), [1.0])
+    recomputed = sum(1 for n in graph.nodes if not n.is_leaf and n.segment == layer)
+    assert sum(again.bwd_ops) - sum(once.bwd_ops) == recomputed > 0
+
+
+def test_the_load_balancer_gives_the_device_with_less_overhead_more_of_the_batch():
+    """Two devices of equal FLOP/s: without overhead they split the batch evenly; when one pays more per
+    operator run, the LP moves work to the other (the overhead does not shrink with the share)."""
+    graph = ce_graph()
+    program = synthesize(graph, CostModel(graph, with_op_overhead([1e12, 1e12], [0, 0]), [0.5, 0.5]),
+                         space=data_parallel_space(graph)).program
+    even = balance(program, graph, with_op_overhead([1e12, 1e12], [0.0, 0.0])).ratios
+    skew = balance(program, graph, with_op_overhead([1e12, 1e12], [0.0, 2e-6])).ratios
+    assert even[0] == pytest.approx(0.5, abs=1e-6)
+    assert skew[0] > 0.5 + 1e-3
+
+
+def test_a_spec_s_op_overhead_is_checked_and_written_back():
+    d = cluster_dict([1e12])
+    d["devices"][0]["op_overhead_s"] = -1e-6
+    with pytest.raises(Exception, match=r"devices\[0\]\.op_overhead_s: must be a non-negative number"):
+        Cluster.from_dict(d)
+    c = with_op_overhead([1e12], [3e-5])
+    assert c.devices[0].op_overhead_s == 3e-5 and Cluster.from_dict(c.to_dict()) == c
+    assert "op_overhead_s" not in with_op_overhead([1e12], [0.0]).to_dict()["devices"][0]
