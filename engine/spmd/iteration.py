@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Callable
 
 from engine.cluster.spec import Cluster
@@ -53,6 +54,7 @@ from engine.spmd.program import Instruction
 from engine.spmd.recompute import layers as every_layer
 from engine.spmd.recompute import fits, plan_recomputing, ranked_layers
 from engine.spmd.segments import Segmentation, segment_graph, with_resplits
+from engine.spmd.side_by_side import can_fork, run_side_by_side
 from engine.spmd.sizes import realized_ratios, shard_key, shard_sizes
 from engine.spmd.synthesis import SearchProgress, SearchSpace, synthesize
 from engine.spmd.utilisation import peak_flops
@@ -199,13 +201,15 @@ def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progr
                 states=states)
     stats["baselines_s"] = {k: None if c is None else loop.rank(c)[1] for k, c in seeds.items()}
     base = loop.space
+    searched = [(k, mode, space) for k, mode in enumerate(modes)
+                if (space := mode_space(graph, base, mode, options.overlap, skipped)) is not None]
+    parallel = loop.states is None and can_fork(len(graph.nodes), len(searched))  # a ZeRO loop carries its shares on
+    jobs = [partial(_mode_search, loop, mode, space, seg, list(seeds.values()), deadline, len(modes) - k,
+                    parallel and j > 0) for j, (k, mode, space) in enumerate(searched)]
     found: dict[str, Candidate] = {}
-    for k, mode in enumerate(modes):
-        loop.space = mode_space(graph, base, mode, options.overlap, skipped)
-        if loop.space is None:
-            continue
-        share = None if deadline is None else time.perf_counter() + (deadline - time.perf_counter()) / (len(modes) - k)
-        cand = _plan_in(mode, loop, seg, list(seeds.values()), share)
+    for j, ((_, mode, _), (cand, record)) in enumerate(zip(searched, run_side_by_side(jobs, parallel))):
+        if parallel and j > 0:
+            record.merge_into(loop)  # it ran in a child: its loop's records come back here
         if cand is not None:
             found[mode] = cand
             stats["overlap_s"][mode] = loop.rank(cand)[1]
@@ -270,6 +274,53 @@ def overlap_modes(graph: Graph, overlap: str) -> tuple[list[str], dict[str, str]
     if overlap == "auto":
         return (list(AUTO_MODES_WITHOUT_DUPLEX), {"duplex": problem}) if problem else (list(AUTO_MODES), {})
     return [overlap], {}
+
+
+@dataclass
+class ModeRecord:
+    """What one mode's search added to its loop's records, to merge into the parent's loop when it ran in a
+    child process (`engine.spmd.side_by_side`): renumbered as if it had run after the modes before it."""
+
+    start_iteration: int
+    history: list[dict[str, Any]]
+    iterations: int
+    expanded: int
+    generated: int
+    optimal: bool
+    frontier: list[dict[str, Any]]
+
+    @staticmethod
+    def since(loop: "Loop", iteration: int, history: int, expanded: int, generated: int, frontier: int) -> "ModeRecord":
+        s = loop.stats
+        return ModeRecord(iteration, loop.history[history:], s["iterations"] - iteration, s["expanded"] - expanded,
+                          s["generated"] - generated, s["optimal"], s.get("frontier", [])[frontier:])
+
+    def merge_into(self, loop: "Loop") -> None:
+        shift = loop.stats["iterations"] - self.start_iteration
+        loop.history.extend({**h, "iteration": h["iteration"] + shift} for h in self.history)
+        s = loop.stats
+        s["iterations"] += self.iterations
+        s["expanded"] += self.expanded
+        s["generated"] += self.generated
+        s["optimal"] = s["optimal"] and self.optimal
+        s.setdefault("frontier", []).extend(self.frontier)
+
+
+def _mode_search(loop: "Loop", mode: str, space: SearchSpace, seg: Segmentation, seeds: list[Candidate | None],
+                 deadline: float | None, modes_left: int, in_child: bool) -> tuple[Candidate | None, ModeRecord]:
+    """One overlap mode's best plan (`_plan_in`) in `space`, with `modes_left` modes (this one included) left
+    to share the budget when they run in turn; side by side (`in_child`), each has all of it and reports no
+    progress (the parent's mode does)."""
+    s = loop.stats
+    marks = (s["iterations"], len(loop.history), s["expanded"], s["generated"], len(s.get("frontier", [])))
+    loop.space = space
+    if in_child:
+        loop.progress = None
+    share = deadline
+    if deadline is not None and not in_child:
+        share = time.perf_counter() + (deadline - time.perf_counter()) / modes_left
+    cand = _plan_in(mode, loop, seg, seeds, share)
+    return cand, ModeRecord.since(loop, *marks)
 
 
 def _plan_in(mode: str, loop: "Loop", seg: Segmentation, seeds: list[Candidate | None],
