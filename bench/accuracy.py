@@ -70,6 +70,12 @@ the fp32 plans: bf16 autocast, every layer recomputed, and the ZeRO stages (with
 what they shard; the launch runs Adam too)."""
 
 
+OVERLAP_KINDS = {"none": "SPMD (no overlap)", "ddp": "ddp", "duplex": "duplex"}
+"""The plan kinds the report groups by (issue 28); dp-even runs as DDP. Pipeline plans are not launched here:
+`hap run` emulates no device speeds for a pipeline (runner.pipeline), so on this one box they would run on
+devices the plan did not price."""
+
+
 def hap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -252,7 +258,9 @@ def report(rows: list[dict]) -> str:
     lines = [table(head), ""]
     groups = {"all variants": rows, **{c: [r for r in rows if r["cluster"] == c] for c in CLUSTERS},
               "fp32 plans": [r for r in rows if "+" not in r["strategy"]],
-              **{f"hap+{m}": [r for r in rows if r["strategy"] == f"hap+{m}"] for m in MODES}}
+              **{f"hap+{m}": [r for r in rows if r["strategy"] == f"hap+{m}"] for m in MODES},
+              **{f"{OVERLAP_KINDS[k]} plans": [r for r in rows if r["predicted"].get("overlap", "none") == k]
+                 for k in OVERLAP_KINDS}}
     stats = [["variants", "n", "Pearson r", "MAPE", "Spearman rho", "mean signed error"]]
     for name, members in groups.items():
         if len(members) >= 2:

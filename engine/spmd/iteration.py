@@ -204,8 +204,8 @@ def plan_with_states(graph: Graph, cluster: Cluster, options: PlanOptions, progr
     searched = [(k, mode, space) for k, mode in enumerate(modes)
                 if (space := mode_space(graph, base, mode, options.overlap, skipped)) is not None]
     parallel = loop.states is None and can_fork(len(graph.nodes), len(searched))  # a ZeRO loop carries its shares on
-    jobs = [partial(_mode_search, loop, mode, space, seg, list(seeds.values()), deadline, len(modes) - k,
-                    parallel and j > 0) for j, (k, mode, space) in enumerate(searched)]
+    jobs = [partial(_mode_search, loop, mode, space, seg, list(seeds.values()), deadline,
+                    None if parallel else len(modes) - k, parallel and j > 0) for j, (k, mode, space) in enumerate(searched)]
     found: dict[str, Candidate] = {}
     for j, ((_, mode, _), (cand, record)) in enumerate(zip(searched, run_side_by_side(jobs, parallel))):
         if parallel and j > 0:
@@ -307,17 +307,17 @@ class ModeRecord:
 
 
 def _mode_search(loop: "Loop", mode: str, space: SearchSpace, seg: Segmentation, seeds: list[Candidate | None],
-                 deadline: float | None, modes_left: int, in_child: bool) -> tuple[Candidate | None, ModeRecord]:
+                 deadline: float | None, modes_left: int | None, in_child: bool) -> tuple[Candidate | None, ModeRecord]:
     """One overlap mode's best plan (`_plan_in`) in `space`, with `modes_left` modes (this one included) left
-    to share the budget when they run in turn; side by side (`in_child`), each has all of it and reports no
-    progress (the parent's mode does)."""
+    to share the budget when they run in turn; side by side (`modes_left` None) each has all of it, and one
+    `in_child` reports no progress (the parent's mode does)."""
     s = loop.stats
     marks = (s["iterations"], len(loop.history), s["expanded"], s["generated"], len(s.get("frontier", [])))
     loop.space = space
     if in_child:
         loop.progress = None
     share = deadline
-    if deadline is not None and not in_child:
+    if deadline is not None and modes_left is not None:
         share = time.perf_counter() + (deadline - time.perf_counter()) / modes_left
     cand = _plan_in(mode, loop, seg, seeds, share)
     return cand, ModeRecord.since(loop, *marks)
