@@ -517,13 +517,13 @@ def measure_op_overhead(cfg: ProfileConfig, rec: Recorder, pacer, device, barrie
         x.grad = None
 
     times = time_repeats(fn, cfg.repeats, cfg.warmup, barrier=barrier, sync=sync, pacer=pacer)
-    rec.add("compute", "op_overhead", "mul chain", 2 * OP_CHAIN + 2, times)
+    rec.add("overhead", "op_overhead", "mul chain", 2 * OP_CHAIN + 2, times)
     progress.step("operator overhead")
 
 
 def op_overhead(rows: list[dict[str, Any]], rank: int) -> float | None:
     """Seconds per operator run of one rank (`measure_op_overhead`: median over repeats); None when not measured."""
-    mine = [r for r in rows if r["kind"] == "compute" and r["op"] == "op_overhead" and r["rank"] == rank]
+    mine = [r for r in rows if r["kind"] == "overhead" and r["rank"] == rank]
     return statistics.median(r["seconds"] for r in mine) / mine[0]["size"] if mine else None
 
 
@@ -799,7 +799,7 @@ def step_work(graph: Graph, precision: str = "fp32") -> tuple[float, float, floa
 def rank_rates(rows: list[dict[str, Any]], rank: int) -> dict[str, float]:
     """FLOP/s of one rank per compute op: total flops over the sum of per-size median times."""
     out: dict[str, float] = {}
-    for op in dict.fromkeys(r["op"] for r in rows if r["kind"] == "compute" and r["op"] != "op_overhead"):  # no flops
+    for op in dict.fromkeys(r["op"] for r in rows if r["kind"] == "compute"):
         mine = [r for r in rows if r["kind"] == "compute" and r["op"] == op and r["rank"] == rank]
         if op == "matmul":
             sizes = sorted({r["size"] for r in mine})

@@ -147,7 +147,7 @@ def test_device_compute_prices_the_measured_overhead_of_the_models_operator_runs
     chain of 130 empty runs in 0.13 s: 1 ms a run, 15 ms of the rest, the bytes fill 0.735 s."""
     matmul = [_row("compute", "matmul", 0, 64, 0, 1e-3, flops=4e6)]
     model = [{**r, "op_runs": 10.0 if r["size"] == 16 else 5.0} for r in _model_rows(0, [1.0], 2e9, 1e9)]
-    chain = [_row("compute", "op_overhead", 0, 130, i, t) for i, t in enumerate((0.13, 0.13, 9.0))]
+    chain = [_row("overhead", "op_overhead", 0, 130, i, t) for i, t in enumerate((0.13, 0.13, 9.0))]
     assert device_compute(matmul + model + chain, [0]) == [
         {"flops_per_gpu": 4e9, "activation_bandwidth_Bps": pytest.approx(1.5e9 / 0.735), "op_overhead_s": pytest.approx(1e-3)}]
 
@@ -374,12 +374,12 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     assert {r["op"] for r in rows if r["kind"] == "collective"} == set(COLLECTIVES)
     assert {(r["op"], r["size"]) for r in rows if r["kind"] == "compute"} == {
         ("matmul", 64), ("matmul", 128), ("model_matmuls_fp32", 16), ("model_matmuls_bf16", 16),
-        ("model_matmuls_fp16", 16), ("zoo:mlp", 16), ("zoo:mlp", 8), ("autocast_bf16", 16), ("autocast_fp16", 16),
-        ("op_overhead", 130)}
+        ("model_matmuls_fp16", 16), ("zoo:mlp", 16), ("zoo:mlp", 8), ("autocast_bf16", 16), ("autocast_fp16", 16)}
+    assert {(r["op"], r["size"]) for r in rows if r["kind"] == "overhead"} == {("op_overhead", 130)}
     assert all(r["op_runs"] > 0 for r in rows if r["op"] in ("zoo:mlp", "autocast_bf16", "autocast_fp16"))
     autocast = [r for r in rows if r["op"].startswith("autocast_")]
     assert {r["impl"] for r in autocast} == {"zoo:mlp"} and all(r["flops_bound"] > 0 for r in autocast)
-    assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute" and r["op"] != "op_overhead")
+    assert all(r["flops"] > 0 for r in rows if r["kind"] == "compute")
     update = [r for r in rows if r["kind"] == "memory"]
     assert {(r["op"], r["impl"]) for r in update} == {("update", "bucket+unbucket+sgd")} and len({r["size"] for r in update}) == 1
     assert all(r["payload_bytes"] == 7 * r["size"] for r in update)  # bucket built and copied back (4) + SGD (3) per byte

@@ -3,7 +3,6 @@ turn, record for record; a child's failure is raised in the parent."""
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 from conftest import sample_path
@@ -63,7 +62,6 @@ def test_children_are_forked_only_where_it_is_safe_and_pays(monkeypatch):
     assert not can_fork(side_by_side.MIN_NODES, 1)  # one mode
     monkeypatch.setattr(side_by_side.threading, "active_count", lambda: 2)
     assert not can_fork(side_by_side.MIN_NODES, 3)  # another thread could hold a lock the child needs
-    monkeypatch.setattr(side_by_side.threading, "active_count", threading.active_count)
     monkeypatch.setattr(side_by_side.os, "cpu_count", lambda: 1)
     monkeypatch.setattr(side_by_side.threading, "active_count", lambda: 1)
     assert not can_fork(side_by_side.MIN_NODES, 3)  # one CPU
