@@ -194,6 +194,18 @@ def cluster_dict(flops: Sequence[float], memory: Sequence[int] | int = 8 * GIB, 
             "network": {"latency_s": latency_s, "bandwidth_Bps": {"intra_machine": bandwidth_Bps}}}
 
 
+def measured_collectives(scale_bytes: float, *, bumpy: bool, latency_s: float = 2e-4,
+                         bandwidth_Bps: float = 1e9) -> dict[str, Any]:
+    """`network.collectives` of all five fits with measured points up to `scale_bytes`, as `hap profile`
+    writes them: a bump (steep, then flatter: not convex) when `bumpy`, else a convex curve; both above
+    the fitted line, as gloo's points are."""
+    fractions = (0.1, 0.3, 0.6, 1.0)
+    above = (1.0, 3.0, 2.0, 1.6) if bumpy else (1.0, 1.2, 1.6, 2.2)  # times the line's time over the latency
+    points = [[f * scale_bytes, latency_s + f * scale_bytes / bandwidth_Bps * a] for f, a in zip(fractions, above)]
+    fit = {"latency_s": latency_s, "bandwidth_Bps": bandwidth_Bps, "points": points}
+    return {name: dict(fit) for name in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")}
+
+
 def with_memory(d: dict[str, Any], memory_bytes_per_gpu: int | Sequence[int]) -> Cluster:
     """Cluster of dict `d` with every device entry's memory_bytes_per_gpu replaced."""
     d = copy.deepcopy(d)

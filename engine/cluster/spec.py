@@ -234,6 +234,29 @@ class CollectiveFit:
                 return t0 + (t1 - t0) * (payload_bytes - x0) / (x1 - x0)
         return pts[-1][1] + (payload_bytes - pts[-1][0]) / self.bandwidth_Bps
 
+    def chord_s_per_byte(self, payload_bytes: float) -> float:
+        """Seconds per byte of the chord of `time` from its latency (no payload) to `payload_bytes`: the
+        line a gradient bucket is priced on, exact at that payload (0 for no payload: the plain line)."""
+        if payload_bytes <= 0:
+            return 1.0 / self.bandwidth_Bps
+        return max(0.0, self.time(payload_bytes) - self.latency_s) / payload_bytes
+
+    def lines(self, upto_bytes: float) -> tuple[tuple[float, float], ...]:
+        """(seconds, seconds per byte) lines whose maximum is the lower convex hull of `time` on payloads
+        0..`upto_bytes`: `time` itself where it is convex, below it across a bump. A linear programme takes
+        their maximum with one epigraph variable; without measured points it is the one fitted line."""
+        if not self.points or upto_bytes <= 0:
+            return ((self.latency_s, 1.0 / self.bandwidth_Bps),)
+        (x0, t0) = self.points[0]
+        corner = x0 - (t0 - self.latency_s) * self.bandwidth_Bps  # where the line below the points meets the latency
+        xs = sorted({0.0, upto_bytes, *(x for x in (corner, *(x for x, _ in self.points)) if 0 < x < upto_bytes)})
+        hull: list[tuple[float, float]] = []
+        for p in ((x, self.time(x)) for x in xs):
+            while len(hull) >= 2 and _cross(hull[-2], hull[-1], p) <= 0:
+                hull.pop()
+            hull.append(p)
+        return tuple((ya - (yb - ya) / (xb - xa) * xa, (yb - ya) / (xb - xa)) for (xa, ya), (xb, yb) in zip(hull, hull[1:]))
+
     def scaled(self, bandwidth_scale: float) -> "CollectiveFit":
         """The fit on links `bandwidth_scale` times as fast: the time above the latency shrinks by it."""
         return CollectiveFit(latency_s=self.latency_s, bandwidth_Bps=self.bandwidth_Bps * bandwidth_scale,
@@ -424,6 +447,11 @@ def fit_collective(payload_bytes: list[float] | tuple[float, ...], seconds: list
     if latency < 0:  # refit through the origin: min sum (s x - t)^2 / t
         latency, slope = 0.0, sum(payload_bytes) / sum(x * x / t for x, t in zip(payload_bytes, seconds))
     return CollectiveFit(latency_s=latency, bandwidth_Bps=min(1.0 / slope, FREE_BANDWIDTH_BPS), points=points)
+
+
+def _cross(o: tuple[float, float], a: tuple[float, float], b: tuple[float, float]) -> float:
+    """z of (a - o) x (b - o): positive when o, a, b turn counter-clockwise (a lies below the chord o-b)."""
+    return (a[0] - o[0]) * (b[1] - o[1]) - (a[1] - o[1]) * (b[0] - o[0])
 
 
 def _measured_points(payload_bytes, seconds) -> tuple[tuple[float, float], ...]:

@@ -212,8 +212,7 @@ class _GroupTable:
         fwd, bwd, sync, state, act, param_bytes = (_minus(a, b) for a, b in zip(self.prefix[end], self.prefix[start]))
         cm, B = self.cm, microbatches
         per_mb = lambda w: (w[0] / B, w[1], 0.0, 0.0, w[4] / B, w[5], w[6])  # noqa: E731  sharded work splits in B
-        latency, per_byte = cm.grad_bucket_terms()
-        all_reduce = latency + param_bytes * per_byte if param_bytes else 0.0
+        all_reduce = cm.bucket_seconds(param_bytes)
         states = cm.memory_by_class(state)
         acts = cm.memory_by_class((0.0, 0.0, act[2] / B, act[3], 0.0))
         by_device = {j: k for k, c in enumerate(cm.classes) for j in c.devices}

@@ -122,7 +122,7 @@ def balance(program: tuple[Instruction, ...], graph: Graph, cluster: Cluster, *,
     M = [_max_ratio(prob, row, k) for k, row in enumerate(B)]
     t = _stage_epigraphs(prob, stages, classes, B)
     if overlap == "none":
-        prob += pulp.lpSum(t.values()) + pulp.lpSum(_comm(prob, i, s, M) for i, s in enumerate(stages))
+        prob += pulp.lpSum(t.values()) + pulp.lpSum(_comm(prob, i, s, M, probe) for i, s in enumerate(stages))
     else:
         prob += _overlap_objective(prob, probe, r, classes, B, M, t)
     for k, row in enumerate(B):
@@ -193,14 +193,28 @@ def _max_ratio(prob: pulp.LpProblem, B: list[pulp.LpVariable], segment: int) -> 
     return M
 
 
-def _comm(prob: pulp.LpProblem, i: int, st: Stage, M: list[pulp.LpVariable]):
+def _comm(prob: pulp.LpProblem, i: int, st: Stage, M: list[pulp.LpVariable], cm: CostModel):
     """Communication time of stage i: its payload scales with the largest ratio of its segments."""
-    if st.comm_per_max_ratio == 0 or len(st.comm_segments) == 1:
-        return st.comm_const + st.comm_per_max_ratio * M[st.comm_segments[0]]
-    top = prob.add_variable(f"M_stage_{i}", lowBound=0)
-    for k in st.comm_segments:
-        prob += top >= M[k], f"max_ratio_stage_{i}_{k}"
-    return st.comm_const + st.comm_per_max_ratio * top
+    return _collective(prob, f"stage_{i}", cm.stage_comm_lines(st), st.comm_segments, M)
+
+
+def _collective(prob: pulp.LpProblem, name: str, lines: tuple[tuple[float, float], ...], segments: tuple[int, ...],
+                M: list[pulp.LpVariable]):
+    """A collective's seconds: the largest of its (constant, per max-ratio) `lines` (`CostModel.comm_lines`)
+    at the largest ratio of `segments`, with an epigraph variable where there are several lines."""
+    if all(per == 0 for _, per in lines):
+        return max(const for const, _ in lines)
+    top = M[segments[0]]
+    if len(segments) > 1:
+        top = prob.add_variable(f"M_{name}", lowBound=0)
+        for k in segments:
+            prob += top >= M[k], f"max_ratio_{name}_{k}"
+    if len(lines) == 1:
+        return lines[0][0] + lines[0][1] * top
+    c = prob.add_variable(f"comm_{name}", lowBound=0)
+    for j, (const, per) in enumerate(lines):
+        prob += c >= const + per * top, f"comm_{name}_line_{j}"
+    return c
 
 
 def _stage_epigraphs(prob: pulp.LpProblem, stages: list[Stage], classes, B) -> dict[int, pulp.LpVariable]:
@@ -222,14 +236,13 @@ def _overlap_objective(prob: pulp.LpProblem, cm: CostModel, r: Replayed, classes
     u = prob.add_variable("tail", lowBound=0)
     for c, cls in enumerate(classes):
         prob += u >= pulp.lpSum(class_work(acc, cls, B[k][c]) for k, acc in enumerate(r.tails)), f"tail_class_{c}"
-    latency, per_byte = cm.grad_bucket_terms()
-    durations = [latency + nbytes * per_byte for _, nbytes, _, _ in r.buckets]
+    durations = [seconds for *_, seconds in r.buckets]
     if cm.overlap == "ddp":
-        full = [t.get(i, 0) + _comm(prob, i, st, M) for i, st in enumerate(stages)]
+        full = [t.get(i, 0) + _comm(prob, i, st, M, cm) for i, st in enumerate(stages)]
         bwd = [i for i, st in enumerate(stages) if st.direction == "backward"]
         T = prob.add_variable("backward", lowBound=0)
         prob += T >= pulp.lpSum(full[i] for i in bwd), "backward_chain"
-        for k, (_, _, at, pre) in enumerate(r.buckets):
+        for k, (_, _, at, pre, _) in enumerate(r.buckets):
             v = prob.add_variable(f"ready_{k}", lowBound=0)
             left = tuple(x - y for x, y in zip(stages[at].work, pre))
             for c, cls in enumerate(classes):
@@ -252,14 +265,8 @@ def _overlap_objective(prob: pulp.LpProblem, cm: CostModel, r: Replayed, classes
 
 
 def _half_comm(prob: pulp.LpProblem, i: int, st: Stage, M: list[pulp.LpVariable], cm: CostModel):
-    """Stage i's collective for one duplex half (`CostModel.half_comm_terms`), linear in the largest ratio."""
-    const, per = cm.half_comm_terms(st.comm, st.comm_node)
-    if per == 0 or len(st.comm_segments) == 1:
-        return const + per * M[st.comm_segments[0]]
-    top = prob.add_variable(f"M_half_stage_{i}", lowBound=0)
-    for k in st.comm_segments:
-        prob += top >= M[k], f"max_ratio_half_stage_{i}_{k}"
-    return const + per * top
+    """Stage i's collective for one duplex half (`CostModel.half_comm_seconds`)."""
+    return _collective(prob, f"half_stage_{i}", cm.stage_comm_lines(st, half=True), st.comm_segments, M)
 
 
 def _ratios_sum_to_one(prob: pulp.LpProblem, classes, B, segment: int) -> None:

@@ -46,7 +46,7 @@ class BucketRecord:
     """Parameter node ids, in the slot's order."""
     bytes: float
     duration_s: float
-    """latency + bytes * seconds per byte (`CostModel.grad_bucket_terms`)."""
+    """latency + bytes * seconds per byte (`CostModel.bucket_line` of its slot)."""
     ready_s: float
     """When its last gradient is ready (ddp), or when both duplex halves have ended."""
     start_s: float

@@ -11,9 +11,14 @@ with one bucket) does: one latency, the summed bytes. Computation on device j is
 flops / flops_j, times the ratio B_j when the instruction runs on a sharded dimension; inside a
 virtual device of k GPUs the gradients of its parameters are also all-reduced (k > 1, §3.2).
 Communication is `latency + payload / bandwidth` with the payload conventions of
-`engine.cluster`: the largest shard (max_j B_j) for sharded collectives. An all-reduce (and a grouped
-all-gather), whose payload does not depend on B, is read off the profiled points of its fit where
-the spec has them (`CollectiveFit.time`); gradient buckets and sharded collectives keep the line.
+`engine.cluster`: the largest shard (max_j B_j) for sharded collectives. Where the spec's fit has
+profiled points, every collective is read off them (`CollectiveFit.time`): an all-reduce (and a grouped
+all-gather) at its payload, which does not depend on B; a sharded collective at max_j B_j times its
+tensor (the search and `evaluate` look it up at the ratios they price; the LP takes the lower convex
+hull of the points with one epigraph variable, `CostModel.comm_lines`, which is the same curve where
+the points are convex and below it across a bump); a gradient bucket on the chord of the points from
+the latency to its slot's whole size (`CostModel.bucket_line`: exact for a data-parallel bucket, and
+additive per parameter as the search needs).
 
 Memory-bound work per parameter byte (not in the paper; measured to matter on small models):
 after the backward pass every device updates its local slice of every parameter (the optimizer
@@ -64,7 +69,7 @@ Mixed precision (`precision` bf16 or fp16, `grad_dtype`; the rules and their rea
 - parameters, gradients and optimizer state stay fp32 (`STATE_BYTES_PER_PARAM_BYTE`: Adam 16 bytes a
   parameter); autocast's cast cache adds 2 bytes per parameter an autocast op reads (`load_delta`);
 - gradients are all-reduced in fp32, or with `grad_dtype` bf16 in a bf16 bucket: half the bytes on the
-  wire (`grad_bucket_terms`, and the sync inside a virtual device), 3/4 of the bucket copies.
+  wire (`bucket_line`, and the sync inside a virtual device), 3/4 of the bucket copies.
 
 Overlap (`CostModel(..., overlap=)`, `engine.spmd.overlap`): mode `none` is the model above. In the
 modes `ddp` and `duplex` the per-parameter-byte work (update, bucket copies, sync inside a virtual
@@ -83,7 +88,8 @@ parameters' gradients go in DDP's buckets (`engine.spmd.overlap.bucket_slots`), 
 Activation collectives and gradient buckets are not modelled as contending for the link.
 
 Everything here is linear in B_j (or in max_j B_j) or a max of such terms, which is what makes the
-load balancer an LP.
+load balancer an LP; the one exception, the measured points of a sharded collective, enters the LP as
+their convex hull (above), and every plan is priced by `evaluate` on the points themselves.
 """
 from __future__ import annotations
 
@@ -271,6 +277,7 @@ class CostModel:
         self.batch_derived = batch_derived(graph) if overlap == "duplex" else []
         """Duplex: whether each tensor splits with the batch (each half moves half of it)."""
         self._slots: list[list[int]] | None = None
+        self._bucket_lines: dict[int | None, tuple[float, float]] = {}
         self.states = states
         """Stages and shares of the Full weights' states (`engine.spmd.zero`); None: all at stage 0."""
         self.shares = [states.shares[c.devices[0]] for c in self.classes] if states else [0.0] * len(self.classes)
@@ -319,10 +326,10 @@ class CostModel:
         return self._terms(key, float(self.nbytes[node]))
 
     def _terms(self, key: str, nbytes: float) -> tuple[float, float]:
-        """`comm_terms` of a tensor of `nbytes`. The payload of an all-reduce and of a grouped all-gather
-        does not depend on the ratios, so they are read off the fit's measured points where it has them
-        (`CollectiveFit.time`); a sharded collective's payload is max_j B_j times the tensor, and the
-        LP needs it linear in that: it keeps the fitted line."""
+        """`comm_terms` of a tensor of `nbytes` on the fitted line. The payload of an all-reduce and of a
+        grouped all-gather does not depend on the ratios, so they are read off the fit's measured points
+        where it has them (`CollectiveFit.time`); a sharded collective's payload is max_j B_j times the
+        tensor: its line here, its measured points in `_seconds` and `_lines`."""
         c = self.cluster.collectives
         m = self.cluster.num_devices
         if key == "slice" or m == 1:
@@ -340,33 +347,90 @@ class CostModel:
         fit = c[_FIT[key]]
         return fit.latency_s, nbytes / fit.bandwidth_Bps + nbytes * h
 
-    def half_comm_terms(self, key: str, node: int) -> tuple[float, float]:
-        """(constant, per max-ratio) seconds of collective `key` on `node` for one duplex half: the
-        latency and half the payload of a batch-derived tensor, all of a parameter-only one's
-        (`engine.spmd.overlap.batch_derived`)."""
-        if not key or node < 0:
-            return 0.0, 0.0
-        const, per = self.comm_terms(key, node)
-        if not self.batch_derived[node] or key == "slice" or self.cluster.num_devices == 1:
-            return const, per
-        if key in ("all_reduce", "all_gather.grouped"):
-            return self._terms(key, self.nbytes[node] / 2)
-        return const, per / 2  # a sharded collective: its constant is the latency
+    def _sharded_fit(self, key: str):
+        """The fit of a sharded collective `key` when it has measured points to read (else None)."""
+        fit = self.cluster.collectives[_FIT[key]] if key in _FIT and self.cluster.num_devices > 1 else None
+        return fit if fit is not None and fit.points else None
 
-    def grad_bucket_terms(self) -> tuple[float, float]:
-        """(latency, seconds per byte) of an all-reduce of Full parameters' gradients (mode none: the one
-        bucket of them all; ddp and duplex: each bucket)."""
+    def _seconds(self, key: str, nbytes: float, top: float) -> float:
+        """Seconds of collective `key` on a tensor of `nbytes` when the largest ratio is `top`: a sharded
+        collective with measured points reads its payload top * nbytes off them (`CollectiveFit.time`)."""
+        fit = self._sharded_fit(key)
+        if fit is None:
+            const, per = self._terms(key, nbytes)
+            return const + per * top
+        return fit.time(top * nbytes) + top * nbytes * self.hierarchy_s_per_byte
+
+    def _lines(self, key: str, nbytes: float) -> tuple[tuple[float, float], ...]:
+        """(constant, per max-ratio) lines whose maximum over top in 0..1 is the lower convex hull of
+        `_seconds` (the LP's form of it; `CollectiveFit.lines`): the one line of `_terms` without points."""
+        fit = self._sharded_fit(key)
+        if fit is None:
+            return (self._terms(key, nbytes),)
+        h = self.hierarchy_s_per_byte
+        return tuple((const, (per + h) * nbytes) for const, per in fit.lines(nbytes))
+
+    def comm_lines(self, key: str, node: int, half: bool = False) -> tuple[tuple[float, float], ...]:
+        """`_lines` of collective `key` on `node`, for one duplex half when `half` (`half_comm_seconds`)."""
+        return self._lines(key, self._half_bytes(key, node) if half else float(self.nbytes[node]))
+
+    def _half_bytes(self, key: str, node: int) -> float:
+        """Bytes of `node` one duplex half moves by `key`: half a batch-derived tensor, all of another."""
+        halved = self.batch_derived[node] and key != "slice" and self.cluster.num_devices > 1
+        return self.nbytes[node] / 2 if halved else float(self.nbytes[node])
+
+    def half_comm_seconds(self, key: str, node: int, top: float) -> float:
+        """Seconds of collective `key` on `node` for one duplex half when the largest ratio is `top`: the
+        latency and half the payload of a batch-derived tensor, all of a parameter-only one's
+        (`engine.spmd.overlap.batch_derived`), off the measured points where they are (`_seconds`)."""
+        if not key or node < 0:
+            return 0.0
+        return self._seconds(key, self._half_bytes(key, node), top)
+
+    def stage_comm_lines(self, st: Stage, half: bool = False) -> tuple[tuple[float, float], ...]:
+        """`comm_lines` of stage `st`'s collective (for one duplex half when `half`); the one gradient
+        bucket of mode none (node -1) keeps the price replay gave it."""
+        if st.comm_node < 0 or not st.comm:
+            return ((0.0, 0.0),) if half else ((st.comm_const, st.comm_per_max_ratio),)
+        return self.comm_lines(st.comm, st.comm_node, half)
+
+    def stage_comm_s(self, st: Stage, top: float) -> float:
+        """Seconds of stage `st`'s collective when the largest ratio of its segments is `top`."""
+        if st.comm_node < 0 or not st.comm:  # the one gradient bucket (its price fixed by replay), or none
+            return st.comm_const + st.comm_per_max_ratio * top
+        return self._seconds(st.comm, float(self.nbytes[st.comm_node]), top)
+
+    def bucket_line(self, slot: int | None) -> tuple[float, float]:
+        """(latency, seconds per parameter byte) of the gradient all-reduce of bucket `slot` of `slots`
+        (None: mode none's one bucket): the chord of the all-reduce's measured points from the latency
+        to the slot's whole size (`CollectiveFit.chord_s_per_byte`), exact when every parameter of the
+        slot is Full, as in data parallelism. A chord keeps the price additive per parameter, which the
+        search needs (a state does not carry its bucket's bytes)."""
         if self.cluster.num_devices == 1:
             return 0.0, 0.0
-        fit = self.cluster.collectives["all_reduce"]
-        return fit.latency_s, (1.0 / fit.bandwidth_Bps + self.hierarchy_s_per_byte) * mixed.GRAD_WIRE[self.options.grad_dtype]
+        got = self._bucket_lines.get(slot)
+        if got is None:
+            members = [p for s in self.slots for p in s] if slot is None else self.slots[slot]
+            wire = mixed.GRAD_WIRE[self.options.grad_dtype]
+            fit = self.cluster.collectives["all_reduce"]
+            per = fit.chord_s_per_byte(sum(self.nbytes[p] for p in members) * wire)
+            got = self._bucket_lines[slot] = (fit.latency_s, (per + self.hierarchy_s_per_byte) * wire)
+        return got
+
+    def bucket_seconds(self, param_bytes: float) -> float:
+        """Seconds of one gradient all-reduce of `param_bytes` of parameters, read off the measured points
+        (a pipeline stage's bucket, whose bytes are known)."""
+        if self.cluster.num_devices == 1 or not param_bytes:
+            return 0.0
+        wire = mixed.GRAD_WIRE[self.options.grad_dtype]
+        return self.cluster.collectives["all_reduce"].time(param_bytes * wire) + param_bytes * wire * self.hierarchy_s_per_byte
 
     def comm_time(self, key: str, node: int, segments: tuple[int, ...] = (0,)) -> float:
         """Seconds of collective `key` on `node` while `segments`' ratios bound its payload."""
         t = self._comm_cache.get((key, node, segments))
         if t is None:
-            const, per = self.comm_terms(key, node)
-            t = self._comm_cache[(key, node, segments)] = const + per * max(self.max_ratios[k] for k in segments)
+            top = max(self.max_ratios[k] for k in segments)
+            t = self._comm_cache[(key, node, segments)] = self._seconds(key, float(self.nbytes[node]), top)
         return t
 
     # --- computation -----------------------------------------------------------------------
@@ -567,9 +631,9 @@ class Replayed:
     mems: list[Mem]
     tails: list[Acc]
     """Per segment, the per-parameter-byte work run after the last all-reduce (ddp, duplex; zero in none)."""
-    buckets: list[tuple[tuple[int, ...], float, int, Acc]]
+    buckets: list[tuple[tuple[int, ...], float, int, Acc, float]]
     """(parameters, bytes, index in `stages` of the backward stage that readies it, that stage's work
-    before the bucket's earliest-used parameter) per bucket, in launch order (ddp, duplex; empty in
+    before the bucket's earliest-used parameter, its all-reduce's seconds, `CostModel.bucket_line`) per bucket, in launch order (ddp, duplex; empty in
     none, which lists its one bucket as a stage). Backward runs the stage's work in reverse, so the
     bucket is ready once the stage's work *from* that parameter's first consumer on is done."""
 
@@ -640,12 +704,12 @@ def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
     stages += [Stage("forward", *fwd_open[:4], fwd, cur, fwd_open[4]), Stage("backward", *bwd_open[:4], bwd, cur, bwd_open[4])]
     if not overlapped:
         if bucket_bytes:
-            latency, per_byte = cm.grad_bucket_terms()
+            latency, per_byte = cm.bucket_line(None)
             first_bwd = next(i for i, s in enumerate(stages) if s.direction == "backward")
             stages.insert(first_bwd, Stage("backward", "grad_all_reduce", -1, latency + bucket_bytes * per_byte, 0.0, ZERO))
         return Replayed([s for s in stages if s.comm or any(s.work)], mems, tails, [])
-    buckets = [tuple(p for p in slot if p in anchor) for slot in cm.slots]
-    buckets = [b for b in buckets if b]
+    filled = [(k, b) for k, b in ((k, tuple(p for p in slot if p in anchor)) for k, slot in enumerate(cm.slots)) if b]
+    buckets = [b for _, b in filled]
     # the earliest-used member (the first loaded) completes its gradient last
     ready = [anchor[min(b, key=lambda p: program_position[p])] for b in buckets]
     kept: list[Stage] = []
@@ -660,15 +724,17 @@ def replay_terms(program: tuple[Instruction, ...], cm: CostModel) -> Replayed:
             ordinal += 1
         if keep:
             kept.append(s)
-    return Replayed(kept, mems, tails, [(b, float(sum(cm.nbytes[p] for p in b)), position.get(r, -1), pre)
-                                        for b, (r, pre) in zip(buckets, ready)])
+    sized = [(b, float(sum(cm.nbytes[p] for p in b)), cm.bucket_line(k)) for k, b in filled]
+    return Replayed(kept, mems, tails, [(b, nbytes, position.get(r, -1), pre, latency + nbytes * per)
+                                        for (b, nbytes, (latency, per)), (r, pre) in zip(sized, ready)])
 
 
 def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
     """t(Q, B) with its breakdown per stage and device, and memory per device, priced in `cm.overlap`."""
     r = replay_terms(program, cm)
     stages = r.stages
-    comm = [s.comm_const + s.comm_per_max_ratio * max(cm.max_ratios[k] for k in s.comm_segments) for s in stages]
+    tops = [max(cm.max_ratios[k] for k in s.comm_segments) for s in stages]
+    comm = [cm.stage_comm_s(s, top) for s, top in zip(stages, tops)]
     comp = [cm.device_times(s.work, s.segment) for s in stages]
     per_class = cm.class_memory(r.mems)
     if cm.recompute:
@@ -685,15 +751,10 @@ def evaluate(program: tuple[Instruction, ...], cm: CostModel) -> Breakdown:
         t = sum(class_work(acc, c, c.ratios[k]) for k, acc in enumerate(r.tails))
         for j in c.devices:
             tail[j] = t
-    latency, per_byte = cm.grad_bucket_terms()
-    half = []
-    if cm.overlap == "duplex":
-        for s in stages:
-            const, per = cm.half_comm_terms(s.comm, s.comm_node)
-            half.append(const + per * max(cm.max_ratios[k] for k in s.comm_segments))
-    records = [BucketRecord(params, nbytes, latency + nbytes * per_byte, 0.0, 0.0, 0.0, at,
+    half = [cm.half_comm_seconds(s.comm, s.comm_node, top) for s, top in zip(stages, tops)] if cm.overlap == "duplex" else []
+    records = [BucketRecord(params, nbytes, seconds, 0.0, 0.0, 0.0, at,
                             tuple(_left(stages, at, pre, cm)) if cm.overlap == "ddp" else ())
-               for params, nbytes, at, pre in r.buckets]
+               for params, nbytes, at, pre, seconds in r.buckets]
     out = Breakdown(0.0, stages, comm, comp, memory, cm.ratios, cm.overlap, records, max(tail), tail, half, names)
     return _with_states(overlap_price(out), program, cm)
 

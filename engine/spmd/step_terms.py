@@ -58,6 +58,5 @@ class StepTerms:
         k = (key, t, segments)
         got = self._halves.get(k)
         if got is None:
-            const, per = self.cm.half_comm_terms(key, t)
-            got = self._halves[k] = const + per * max(self.cm.max_ratios[s] for s in segments)
+            got = self._halves[k] = self.cm.half_comm_seconds(key, t, max(self.cm.max_ratios[s] for s in segments))
         return got

@@ -341,7 +341,8 @@ class _Search:
         self.memory_binds = not cm.fits(_worst_memory(graph, cm))
         self.rerun = [bool(cm.recompute) and graph[nid].segment in cm.recompute for nid in self.prep.order]
         """Whether position k's layer is recomputed: its collectives run again in backward (engine.spmd.recompute)."""
-        self.bucket_latency, self.bucket_s_per_byte = cm.grad_bucket_terms()
+        self.bucket_latency, self.bucket_s_per_byte = cm.bucket_line(None)
+        """Mode none's one gradient bucket (`CostModel.bucket_line`); the overlap modes price each slot's."""
         self.zero_times = (0.0,) * len(cm.classes)
         """The class times of no work (an open stage a collective has just closed)."""
         self.mode = _Ddp(self) if cm.overlap == "ddp" else _Duplex(self) if cm.overlap == "duplex" else None
@@ -779,12 +780,13 @@ class _Search:
         for slot, members, finishes in self.slot_events[s.p]:
             for t in members:
                 if loads.get(t) == FULL:
-                    nbytes = cm.nbytes[t] * self.bucket_s_per_byte
+                    latency, per_byte = cm.bucket_line(slot)
+                    nbytes = cm.nbytes[t] * per_byte
                     if _SLOT in props:
                         closed = mode.grow_slot(ov, closed, nbytes)
                     else:
                         props.add(_SLOT)
-                        closed = mode.start_slot(ov, closed, self.bucket_latency + nbytes, tb)
+                        closed = mode.start_slot(ov, closed, latency + nbytes, tb)
             if finishes and _SLOT in props:
                 props.discard(_SLOT)
                 mode.finish_slot(ov)

@@ -123,6 +123,34 @@ def test_a_fit_with_measured_points_reads_its_time_off_them_between_the_smallest
     assert CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e6).time(1e4) == pytest.approx(11e-3)  # no points: the line
 
 
+def _hull_value(fit: CollectiveFit, upto: float, x: float) -> float:
+    return max(const + per * x for const, per in fit.lines(upto))
+
+
+def test_a_fits_lines_are_its_lower_convex_hull_the_curve_itself_where_it_is_convex() -> None:
+    """The LP's form of a sharded collective (`CollectiveFit.lines`): the maximum of the lines equals
+    `time` on a convex stretch, lies below it across a bump and never above it, and touches it at the
+    payload bounds; without points it is the one line."""
+    convex = CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e6, points=((1e3, 2e-3), (1e4, 12e-3), (2e4, 3e-2)))
+    bump = CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e6, points=((1e3, 2e-3), (1e4, 3e-2), (1e5, 4e-2)))
+    payloads = [0, 300, 1e3, 5e3, 1e4, 1.5e4, 2e4, 6e4, 1e5]
+    for x in payloads[:7]:
+        assert _hull_value(convex, 2e4, x) == pytest.approx(convex.time(x), rel=1e-12, abs=1e-15)
+    assert len(convex.lines(2e4)) == 3  # falling at the bandwidth to the first point, then two segments
+    below = [bump.time(x) - _hull_value(bump, 1e5, x) for x in payloads]
+    assert min(below) >= -1e-15 and below[payloads.index(1e4)] > 0.01  # the bump's top is cut
+    assert below[0] == pytest.approx(0, abs=1e-15) and below[-1] == pytest.approx(0, abs=1e-15)
+    line = CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e6)
+    assert line.lines(1e5) == ((1e-3, 1e-6),)
+
+
+def test_a_buckets_chord_runs_from_the_latency_to_the_measured_time_at_its_size() -> None:
+    fit = CollectiveFit(latency_s=1e-3, bandwidth_Bps=1e6, points=((1e3, 2e-3), (1e4, 3e-2), (1e5, 4e-2)))
+    for size in (1e3, 5e3, 1e5, 3e5):
+        assert fit.latency_s + size * fit.chord_s_per_byte(size) == pytest.approx(fit.time(size), rel=1e-12)
+    assert fit.chord_s_per_byte(0) == 1e-6
+
+
 def test_fit_collective_keeps_its_points_and_they_round_trip_through_the_spec() -> None:
     sizes, secs = [2**14, 2**17, 2**20, 2**22], [2.2e-3, 5.3e-3, 7.1e-3, 11.7e-3]  # gloo's step above 64 KiB
     fit = fit_collective(sizes, secs)

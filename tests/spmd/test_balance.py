@@ -341,3 +341,30 @@ def test_a_baseline_searched_once_is_not_searched_again_for_the_same_graph_clust
     assert again is first
     other = B.data_parallel(graph, B.CostModel(graph, cluster, B.proportional_ratios(cluster)))
     assert other is not first and other.program == first.program
+
+
+@pytest.mark.parametrize("bumpy", [False, True], ids=["convex", "bump"])
+def test_the_lp_prices_sharded_collectives_on_the_convex_hull_of_their_measured_points(bumpy):
+    """Issue 28: with profiled points the LP's objective is the replayed time at its own ratios where the
+    points are convex, and never above it across a bump (the hull lies below the points); the points
+    change the objective from that of the line alone."""
+    from conftest import measured_collectives, residual_graph
+
+    from engine.spmd.synthesis import synthesize
+
+    graph = residual_graph()
+    d = cluster_dict([3e10, 1e10, 1e9], latency_s=2e-4, bandwidth_Bps=1e9)
+    d["network"]["collectives"] = measured_collectives(max(n.nbytes for n in graph.nodes if not n.is_leaf), bumpy=bumpy)
+    measured = engine.load_cluster(d)
+    for fit in d["network"]["collectives"].values():
+        del fit["points"]
+    line = engine.load_cluster(d)
+    program = synthesize(graph, CostModel(graph, measured, [0.6, 0.3, 0.1])).program
+    assert any(ins.rule in ("all_gather.padded", "reduce_scatter") for ins in program)
+    b = balance(program, graph, measured)
+    replayed = evaluate(program, CostModel(graph, measured, b.ratios)).total_s
+    if bumpy:
+        assert b.objective_s <= replayed * (1 + 1e-9)
+    else:
+        assert b.objective_s == pytest.approx(replayed, rel=1e-9)
+    assert b.objective_s > balance(program, graph, line).objective_s * 1.01

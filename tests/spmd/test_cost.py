@@ -3,7 +3,7 @@ backward) and of the memory-bound work per local parameter byte (optimizer updat
 from __future__ import annotations
 
 import pytest
-from conftest import ce_graph, cluster_dict
+from conftest import ce_graph, cluster_dict, measured_collectives
 
 from engine.cluster.spec import Cluster
 from engine.options import PlanOptions
@@ -192,6 +192,36 @@ def test_an_all_reduce_is_priced_off_the_profiled_points_where_the_fitted_line_i
         cm = CostModel(graph, Cluster.from_dict(d), [0.5, 0.5])
         assert cm.comm_terms("all_reduce", node) == pytest.approx((expected, 0.0))
     assert fit_collective([1, 2], [1.0, 2.0]).points  # what hap profile writes carries its points
+
+
+def test_sharded_collectives_and_gradient_buckets_are_read_off_the_measured_points():
+    """Issue 28: a sharded collective is looked up at its largest shard, and a data-parallel bucket (every
+    parameter Full) at its bytes, on a fit whose points sit well above its line; both drop back to
+    the line when the points are removed."""
+    from engine.spmd.baselines import data_parallel
+
+    graph = ce_graph()
+    d = cluster_dict([1e12, 1e12])
+    d["network"]["collectives"] = measured_collectives(max(n.nbytes for n in graph.nodes), bumpy=True)
+    cluster = Cluster.from_dict(d)
+    node = max(graph.nodes, key=lambda n: n.nbytes).id
+    ag, ar = cluster.collectives["all_gather"], cluster.collectives["all_reduce"]
+    for overlap in ("none", "ddp"):
+        cm = CostModel(graph, cluster, [0.7, 0.3], overlap=overlap)
+        looked_up = cm.comm_time("all_gather.padded", node)
+        assert looked_up == pytest.approx(ag.time(0.7 * graph[node].nbytes), rel=1e-12)
+        assert looked_up > 1.5 * (ag.latency_s + 0.7 * graph[node].nbytes / ag.bandwidth_Bps)
+        b = evaluate(data_parallel(graph, cm).program, cm)
+        if overlap == "none":
+            [bucket] = [c for st, c in zip(b.stages, b.stage_comm_s) if st.comm == "grad_all_reduce"]
+            assert bucket == pytest.approx(ar.time(sum(n.nbytes for n in graph.parameters)), rel=1e-12)
+        else:
+            assert len(b.buckets) == 2 and sum(x.bytes for x in b.buckets) == sum(n.nbytes for n in graph.parameters)
+            assert [x.duration_s for x in b.buckets] == pytest.approx([ar.time(x.bytes) for x in b.buckets], rel=1e-12)
+    for fit in d["network"]["collectives"].values():
+        del fit["points"]
+    cm = CostModel(graph, Cluster.from_dict(d), [0.7, 0.3])
+    assert cm.comm_time("all_gather.padded", node) == pytest.approx(2e-4 + 0.7 * graph[node].nbytes / 1e9, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- fixed cost per operator run

@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 import torch
-from conftest import ce_graph, cluster_dict, mse_graph, residual_graph, sample_dict, with_memory
+from conftest import ce_graph, cluster_dict, measured_collectives, mse_graph, residual_graph, sample_dict, with_memory
 
 import engine
 from engine.errors import InfeasibleError
@@ -492,6 +492,24 @@ def test_exact_astar_equals_brute_force_in_the_overlap_modes_on_uneven_devices(g
         result = synthesize(graph, cm)
         assert result.optimal is True
         assert result.cost == pytest.approx(best, rel=1e-9), graph_name
+
+
+@pytest.mark.parametrize("bumpy", [True, False], ids=["bump", "convex"])
+@pytest.mark.parametrize("mode", ["none", "ddp", "duplex"])
+def test_exact_astar_equals_brute_force_when_collectives_are_read_off_measured_points(graphs, mode, bumpy):
+    """With every fit carrying profiled points above its line (sharded collectives looked up at the
+    largest ratio, buckets on their chord), the search's cost is still the replayed cost of its program
+    and the minimum of all programs."""
+    for graph_name in ("hand_ce", "hand_residual", "tiny_mlp"):
+        graph = graphs[graph_name]
+        d = cluster_dict([3e10, 1e10, 1e9], latency_s=2e-4, bandwidth_Bps=1e9)
+        d["network"]["collectives"] = measured_collectives(max(n.nbytes for n in graph.nodes if not n.is_leaf), bumpy=bumpy)
+        cm = overlap_model(graph, engine.load_cluster(d), (0.6, 0.3, 0.1), mode, (1, 1) if mode != "none" else None)
+        [best] = brute_force_each(graph, [cm])
+        result = synthesize(graph, cm)
+        assert result.optimal is True
+        assert result.cost == pytest.approx(best, rel=1e-9), graph_name
+        assert evaluate(result.program, cm).total_s == pytest.approx(best, rel=1e-9), graph_name
 
 
 @pytest.mark.parametrize("mode", ["none", "ddp", "duplex"])
