@@ -236,7 +236,7 @@ class CollectiveFit:
 
     def chord_s_per_byte(self, payload_bytes: float) -> float:
         """Seconds per byte of the chord of `time` from its latency (no payload) to `payload_bytes`: the
-        line a gradient bucket is priced on, exact at that payload (0 for no payload: the plain line)."""
+        line a gradient bucket is priced on, exact at that payload (no payload: the fitted line's slope)."""
         if payload_bytes <= 0:
             return 1.0 / self.bandwidth_Bps
         return max(0.0, self.time(payload_bytes) - self.latency_s) / payload_bytes
