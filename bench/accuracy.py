@@ -112,7 +112,8 @@ def combine_profiles(specs: list[Path]) -> dict:
     import pyarrow.parquet as pq
 
     from engine.cluster.spec import fit_collective
-    from runner.profile import COLLECTIVES, collective_points, device_compute, memory_bandwidth, overlap_slowdowns
+    from runner.profile import (COLLECTIVES, collective_points, device_compute, emulated_devices, memory_bandwidth,
+                                overlap_slowdowns, rank_speeds)
 
     out = json.loads(specs[0].read_text())
     rows = [r for s in specs for r in pq.read_table(s.with_suffix(".parquet")).to_pylist()]
@@ -123,6 +124,7 @@ def combine_profiles(specs: list[Path]) -> dict:
         dev.update(fields, memory_bandwidth_Bps=memory_bandwidth(rows, j))
         if slow := overlap_slowdowns(rows, j):
             dev["overlap_slowdown"] = slow
+    out["devices"] = emulated_devices(out["devices"], rank_speeds(rows, ranks))
     for name in COLLECTIVES:
         out["network"]["collectives"][name] = fit_collective(*collective_points(rows, name)).to_dict()
     bcast = out["network"]["collectives"]["broadcast"]

@@ -705,6 +705,43 @@ def memory_bandwidth(rows: list[dict[str, Any]], rank: int) -> float:
     return mine[0]["payload_bytes"] / statistics.median(r["seconds"] for r in mine)
 
 
+EMULATED_FIELDS = {"flops_per_gpu": 1, "activation_bandwidth_Bps": 1, "memory_bandwidth_Bps": 1, "op_overhead_s": -1}
+"""The device figures an emulated speed factor scales, and how (power of the factor): rates by it, the
+per-run overhead by its inverse (`emulated_devices`)."""
+
+
+def emulated_devices(devices: list[dict[str, Any]], speeds: Sequence[float]) -> list[dict[str, Any]]:
+    """Devices whose ranks ran at emulated `speeds` (`--speeds`), with the figures an emulation defines: each
+    rank's `EMULATED_FIELDS` are those of the fastest rank of the same device model on the same machine,
+    times its speed over that rank's. The runner slows a rank by exactly that factor over long stretches of
+    computation (`runner.timing.Pacer`); the short timed samples of a profile, run by both ranks at once,
+    did not (a speed-0.5 rank's square matmuls came out at 0.57-0.65 of the other rank's, its model step at
+    0.50), and every price on the slow rank was then too fast. Ranks at speed 1 keep what they measured."""
+    out = [dict(d) for d in devices]
+    groups: dict[tuple[str, str], list[int]] = {}
+    for j, d in enumerate(devices):
+        groups.setdefault((d["machine"], d["gpu_model"].split(" x")[0]), []).append(j)
+    for members in groups.values():
+        ref = max(members, key=lambda j: (speeds[j], -j))
+        for j in members:
+            factor = speeds[j] / speeds[ref]
+            if j == ref or factor == 1.0:
+                continue
+            for key, power in EMULATED_FIELDS.items():
+                value = devices[ref].get(key)
+                if isinstance(value, dict):
+                    out[j][key] = {k: v * factor**power for k, v in value.items()}
+                elif value is not None:
+                    out[j][key] = value * factor**power
+    return out
+
+
+def rank_speeds(rows: list[dict[str, Any]], ranks: Sequence[int]) -> list[float]:
+    """Each rank's emulated speed factor, as its rows record it (1.0 where it ran unpaced)."""
+    speed = {r["rank"]: r["speed"] for r in rows}
+    return [float(speed.get(j, 1.0)) for j in ranks]
+
+
 def collective_op(name: str, nbytes: int, m: int, device) -> tuple[Callable[[], Any], int, int]:
     """(run it once, payload bytes in the cost model's convention, backend calls per run) on the runner's code path."""
     import torch
@@ -938,6 +975,7 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
                         **compute, "memory_bytes_per_gpu": info["memory_bytes"],
                         "memory_bandwidth_Bps": memory_bandwidth(rows, info["rank"]),
                         **({"overlap_slowdown": slow} if (slow := overlap_slowdowns(rows, info["rank"])) else {})})
+    devices = emulated_devices(devices, rank_speeds(rows, [info["rank"] for info in infos]))
     layout = tuple(Device(name=d["name"], gpu_model="", machine=d["machine"], flops_per_gpu=1.0,
                           memory_bytes_per_gpu=1) for d in devices)
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -311,6 +311,35 @@ def test_the_accuracy_bench_fits_its_profiles_together_as_the_profiler_fits_one(
         assert t(fit) * (1 + 1e-6) < t(mixed["network"]["collectives"][name]) <= 3 * t(fit) * (1 + 1e-9), name
 
 
+def test_an_emulated_rank_gets_the_fastest_ranks_figures_times_its_speed(profiled):
+    """Issue 28: a rank at emulated speed 0.5 is rank 0's device slowed by exactly that factor (what the runner's
+    pacer does over a step), not what its short samples measured beside the other rank."""
+    spec, _, _ = profiled
+    fast, slow = json.loads(spec.read_text())["devices"]
+    flat = lambda d: d if isinstance(d, dict) else {"": d}  # noqa: E731  a flops map by dtype
+    assert flat(slow["flops_per_gpu"]) == pytest.approx({k: v / 2 for k, v in flat(fast["flops_per_gpu"]).items()}, rel=1e-12)
+    assert slow["memory_bandwidth_Bps"] == pytest.approx(fast["memory_bandwidth_Bps"] / 2, rel=1e-12)
+    if fast.get("activation_bandwidth_Bps"):
+        assert slow["activation_bandwidth_Bps"] == pytest.approx(fast["activation_bandwidth_Bps"] / 2, rel=1e-12)
+        assert slow["op_overhead_s"] == pytest.approx(fast["op_overhead_s"] * 2, rel=1e-12)
+
+
+def test_emulation_scales_only_ranks_of_one_device_model_on_one_machine():
+    from runner.profile import emulated_devices
+
+    def dev(name, model, machine, flops):
+        return {"name": name, "gpu_model": model, "machine": machine, "flops_per_gpu": {"fp32": flops, "bf16": 4 * flops},
+                "memory_bandwidth_Bps": 10 * flops, "op_overhead_s": 1e-5}
+
+    devices = [dev("a", "cpu", "m0", 100.0), dev("b", "cpu x0.5", "m0", 61.0), dev("c", "gpu x0.25", "m0", 1e3),
+               dev("d", "cpu x0.5", "m1", 40.0)]
+    out = emulated_devices(devices, [1.0, 0.5, 0.25, 0.5])
+    assert out[0] == devices[0] and out[2] == devices[2] and out[3] == devices[3]  # the fastest of each group, or alone
+    assert out[1]["flops_per_gpu"] == {"fp32": 50.0, "bf16": 200.0}
+    assert out[1]["memory_bandwidth_Bps"] == 500.0 and out[1]["op_overhead_s"] == pytest.approx(2e-5)
+    assert emulated_devices(devices[:2], [1.0, 1.0]) == devices[:2]  # unpaced ranks keep what they measured
+
+
 def test_hap_profile_writes_a_spec_that_load_cluster_accepts_with_positive_fits(profiled):
     spec, _, stderr = profiled
     cluster = engine.load_cluster(spec)
