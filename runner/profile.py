@@ -983,7 +983,8 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
     return {
         "schema_version": 1, "name": cfg.name,
         "description": f"Measured by hap profile on {len(infos)} ranks ({infos[0]['backend']}) at {when}"
-                       + (f", emulated speeds {cfg.speeds}" if cfg.speeds else "") + ".",
+                       + (f", emulated speeds {cfg.speeds} (an emulated rank's compute and memory figures: the "
+                          "fastest rank's times its speed factor)" if cfg.speeds else "") + ".",
         "sources": [f"flops_per_gpu: the best square matmul (bf16 and fp16: the largest matmul in that dtype); op_overhead_s: "
                     f"a chain of {OP_CHAIN} empty element-wise operators forward and backward, per run; "
                     f"activation_bandwidth_Bps: the bytes of the memory-bound operators of {model} (forward+backward "
