@@ -89,6 +89,12 @@ ARRIVAL_DELAY_S = 0.002
 """In each timed repeat of a collective one rank (in turn) arrives this much later than the others,
 which are by then blocked inside the collective, as ranks are in training; its time is the one
 used. It so includes waking the waiting ranks, which on a loaded CPU host costs milliseconds."""
+COLLECTIVE_SAMPLES = 12
+"""Timed repeats of each collective payload up to SMALL_PAYLOAD at least (more when --repeats asks): a
+small collective's time on a shared host has a long right tail (one 2-rank gloo profile's 128 KiB all-reduce:
+median 0.73 ms, mean 1.29 ms over 15 repeats), and five repeats put its estimate anywhere in it."""
+SMALL_PAYLOAD = 2**20
+"""Payloads up to this many bytes take COLLECTIVE_SAMPLES repeats (a few ms each); larger ones --repeats."""
 MIN_FLOPS_PER_SAMPLE = 1e8
 """A matmul sample repeats the product until it does at least this much work (~1 ms on a CPU core)."""
 PARQUET_COLUMNS = ("kind", "op", "impl", "rank", "speed", "size", "payload_bytes", "calls", "flops", "flops_bound",
@@ -773,23 +779,41 @@ def measure_collectives(cfg: ProfileConfig, rec: Recorder, device, barrier, sync
     for name in COLLECTIVES:
         for size in cfg.sizes:
             fn, payload, calls = collective_op(name, size, m, device)
-            times, delays = time_collective(fn, cfg.repeats, cfg.warmup, rank, m, barrier=barrier, sync=sync)
+            times, delays = time_collective(fn, collective_repeats(cfg, size), cfg.warmup, rank, m, barrier=barrier,
+                                            sync=sync)
             rec.add("collective", name, IMPL[name], size, times, payload_bytes=payload, calls=calls, delays=delays)
             progress.step(f"{name} {_human(payload)}")
+
+
+def collective_repeats(cfg: ProfileConfig, size: int) -> int:
+    """Timed repeats of one collective payload: at least COLLECTIVE_SAMPLES up to SMALL_PAYLOAD bytes."""
+    return max(cfg.repeats, COLLECTIVE_SAMPLES) if size <= SMALL_PAYLOAD else cfg.repeats
 
 
 # ----------------------------------------------------------------------------- summarising (rank 0)
 
 
+def typical_seconds(samples: Sequence[float]) -> float:
+    """The mean of the samples without their largest and smallest eighth (at least one each, while more
+    than two remain): what a training step pays for a collective on average, including its frequent
+    tail, but not a rare stall of the host. A step sums several collectives, so their mean, not their
+    median, adds up to its time; on a right-skewed distribution the median under-prices every one."""
+    ordered = sorted(samples)
+    k = min(math.ceil(len(ordered) / 8), (len(ordered) - 1) // 2)
+    kept = ordered[k:len(ordered) - k]
+    return sum(kept) / len(kept)
+
+
 def collective_points(rows: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
-    """(payload bytes, seconds per call) of one collective: per repeat the late rank's time, then the median."""
+    """(payload bytes, seconds per call) of one collective: per repeat the late rank's time, then their
+    `typical_seconds` per payload."""
     per_repeat: dict[tuple[int, int], float] = {}
     for r in rows:
         if r["kind"] == "collective" and r["op"] == name and r["arrival_delay_s"] > 0:
             per_repeat[(r["payload_bytes"], r["repeat"])] = r["seconds"] / r["calls"]
     payloads = sorted({p for p, _ in per_repeat})
     return ([float(p) for p in payloads],
-            [statistics.median(t for (p, _), t in per_repeat.items() if p == q) for q in payloads])
+            [typical_seconds([t for (p, _), t in per_repeat.items() if p == q]) for q in payloads])
 
 
 def fill_model_flops(rows: list[dict[str, Any]], cfg: ProfileConfig) -> None:
@@ -994,7 +1018,8 @@ def cluster_spec(cfg: ProfileConfig, rows: list[dict[str, Any]], infos: list[dic
                     f"memory_bandwidth_Bps: bytes moved by building the gradient bucket, copying it back and one SGD step over the "
                     f"{'model' if cfg.model != 'none' else 'synthetic'} parameters, per second (median of {cfg.repeats} repeats)",
                     *([f"collectives: latency + bandwidth fitted over payloads {[_human(s) for s in cfg.sizes]}, "
-                       "per payload the median over repeats of the time from the last rank's arrival",
+                       f"per payload the mean, without the largest and smallest eighth, over repeats ({COLLECTIVE_SAMPLES} or "
+                       f"more up to {_human(SMALL_PAYLOAD)}) of the time from the last rank's arrival",
                        "network: latency and bandwidth of the broadcast fit (point to point)"] if talks else
                       ["collectives, network: none measured (one rank communicates with no one)"]),
                     "overlap_slowdown: the model step with an all-reduce of its parameters' bytes running beside it "

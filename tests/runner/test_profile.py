@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -12,10 +13,10 @@ from warm_run import warm_hap
 
 import engine
 from engine.cluster.spec import FREE_BANDWIDTH_BPS, fit_collective
-from runner.profile import (COLLECTIVES, PARQUET_COLUMNS, UPDATE_MIN_BYTES, ProfileConfig, _byte_size,
-                            collective_points, device_compute, device_flops, model_config, model_linear_shapes,
-                            low_precision_fit, one_device_plan, parse_args, rank_rates, roofline_fit, update_tensors,
-                            with_low_precision)
+from runner.profile import (COLLECTIVE_SAMPLES, COLLECTIVES, PARQUET_COLUMNS, SMALL_PAYLOAD, UPDATE_MIN_BYTES,
+                            ProfileConfig, _byte_size, collective_points, collective_repeats, device_compute,
+                            device_flops, low_precision_fit, model_config, model_linear_shapes, one_device_plan,
+                            parse_args, rank_rates, roofline_fit, typical_seconds, update_tensors, with_low_precision)
 
 
 TINY_MLP = ["--set", "layers=1", "--set", "in_features=32", "--set", "hidden=64", "--set", "batch=16"]
@@ -81,13 +82,29 @@ def _row(kind, op, rank, size, repeat, seconds, **kw):
             "arrival_delay_s": kw.get("delay", 0.0)}
 
 
-def test_collective_points_take_the_late_ranks_time_per_repeat_then_the_median_per_call():
+def test_collective_points_take_the_late_ranks_time_per_repeat_then_the_typical_time_per_call():
     # repeat i: rank i % 2 arrives late; the early rank's time includes its wait and is not used
     times = [(2.0, 9.0), (9.0, 6.0), (20.0, 9.0)]
     rows = [_row("collective", "broadcast", r, 1024, i, t, payload=1024, calls=2, delay=0.002 if i % 2 == r else 0.0)
             for i, pair in enumerate(times) for r, t in enumerate(pair)]
     rows.append(_row("collective", "all_reduce", 0, 1024, 0, 99.0, payload=1024, delay=0.002))
-    assert collective_points(rows, "broadcast") == ([1024.0], [3.0])  # late: 2, 6, 20 -> /2 calls -> median 3
+    assert collective_points(rows, "broadcast") == ([1024.0], [3.0])  # late: 2, 6, 20 -> /2 calls -> middle 3
+
+
+def test_the_typical_time_keeps_a_collectives_tail_but_drops_a_stall():
+    # 16 repeats of a right-skewed collective: its median hides the tail, its mean counts the one 30 ms stall
+    samples = [0.5] * 8 + [0.6, 0.7, 0.8, 1.0, 1.5, 2.0, 2.5, 30.0]
+    kept = sorted(samples)[2:-2]
+    assert typical_seconds(samples) == pytest.approx(sum(kept) / len(kept))
+    assert statistics.median(samples) < typical_seconds(samples) < statistics.mean(samples)
+    assert typical_seconds([1.0, 5.0]) == 3.0 and typical_seconds([2.0]) == 2.0
+
+
+def test_small_collectives_take_more_repeats():
+    cfg = ProfileConfig(out="x.json", repeats=5)
+    assert collective_repeats(cfg, SMALL_PAYLOAD) == COLLECTIVE_SAMPLES > 5
+    assert collective_repeats(cfg, 4 * SMALL_PAYLOAD) == 5
+    assert collective_repeats(ProfileConfig(out="x.json", repeats=40), 1024) == 40
 
 
 def test_rank_rates_sum_flops_over_the_median_times_and_the_spec_takes_the_model_rate():
@@ -394,8 +411,9 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
     assert tuple(table.column_names) == PARQUET_COLUMNS
     rows = table.to_pylist()
     # ranks x repeats x (matmuls + the model's linears in fp32, bf16 and fp16 + model batches + its autocast steps + the empty
-    # operators' chain + update + the step alone, beside an all-reduce, in halves + payloads)
-    assert len(rows) == 2 * 3 * (2 + 3 + 2 + 2 + 1 + 1 + 3 + 5 * 3)
+    # operators' chain + update + the step alone, beside an all-reduce, in halves), and every payload (all small) of
+    # every collective COLLECTIVE_SAMPLES times
+    assert len(rows) == 2 * (3 * (2 + 3 + 2 + 2 + 1 + 1 + 3) + 5 * 3 * COLLECTIVE_SAMPLES)
     overlap = [r for r in rows if r["kind"] == "overlap"]
     assert {(r["op"], r["impl"], r["size"]) for r in overlap} == {
         ("none", "zoo:mlp", 16), ("ddp", "zoo:mlp", 16), ("duplex", "zoo:mlp", 16)}
@@ -420,7 +438,7 @@ def test_hap_profile_writes_the_raw_measurements_as_parquet(profiled):
             key = (r["op"], r["size"], r["repeat"])
             assert key not in late, key  # exactly one late rank per repeat, taking turns
             late[key] = r["rank"]
-    assert len(late) == 5 * 3 * 3 and {late[("all_reduce", 4096, i)] for i in range(3)} == {0, 1}
+    assert len(late) == 5 * 3 * COLLECTIVE_SAMPLES and {late[("all_reduce", 4096, i)] for i in range(3)} == {0, 1}
 
 
 def test_a_plan_made_from_the_profiled_spec_runs(profiled, tmp_path):
