@@ -67,7 +67,7 @@ def check_launch(cfg: RunConfig, plan_path: str, opened: OpenedBundle | None,
     plan = load_plan(plan_path)  # validated (engine.spmd.validate): an inconsistent plan stops here
     warnings = check_on_cluster(plan, opened.cluster) if opened else []
     if isinstance(plan, PipelinePlan):  # its own rank entry (runner.pipeline_run), one rank per device
-        check_pipeline_options(cfg)
+        check_pipeline_options(cfg, plan.world_size)
         pipe = load_pipeline_plan(plan_path, plan.world_size, model_file_of(opened) if opened else None)
         checked_sources(pipe, cfg)  # data, evaluation data, weights and output folders, before torchrun
         return "runner.pipeline_run", plan.world_size, warnings

@@ -36,7 +36,11 @@ step of both with the stage's own optimiser.
 
 Limits (issue 15): the NCCL path has not run on a GPU yet; no dropout; a weight used by two stages
 (tied embeddings) is refused, not summed; no hierarchical collectives inside a stage; no checkpoints,
-emulated speeds or timing (`hap run` options a pipeline does not take are refused, PIPELINE_OPTIONS).
+timing (`hap run` options a pipeline does not take are refused, PIPELINE_OPTIONS).
+
+Emulated speeds (`hap run --speeds`, runner.timing): the rank's pacer, installed as the collectives'
+observer, stretches the computation between two of its sends, receives or collectives by 1/speed before
+the next one starts, as for SPMD plans.
 """
 from __future__ import annotations
 
@@ -62,6 +66,7 @@ from runner import collectives as C
 from runner.config import DistEnv
 from runner.program import NO_SITES_IN_PIPELINES, ProgramPiece, RankProgram, build_rank_program, shard
 from runner.rank_setup import bundle_rank, open_source
+from runner.timing import parse_speeds
 from runner.stage_program import (StageParams, boundary_rows, check_untied, gathered_stage_params, has_stage_plans,
                                   loss_weights, microbatch_leaves, stage_inputs, stage_outputs, stage_params,
                                   stage_rank_program, sync_stage_gradients, tied_weight_error)
@@ -284,7 +289,12 @@ class Links:
         self.free_at: dict[tuple[int, int], float] = {}
 
     def send(self, boundary: int, m: int, direction: int, tensors: dict[tuple[int, int], torch.Tensor]) -> None:
-        """Forward (direction 0): this stage's outputs to stage boundary+1; backward (1): input grads to stage boundary."""
+        """Forward (direction 0): this stage's outputs to stage boundary+1; backward (1): input grads to stage
+        boundary. A slowed rank (`hap run --speeds`) sends once its computation has lasted its emulated time."""
+        with C.observed("send", f"boundary {boundary}"):
+            self._send(boundary, m, direction, tensors)
+
+    def _send(self, boundary: int, m: int, direction: int, tensors: dict[tuple[int, int], torch.Tensor]) -> None:
         plan, me = self.plan, self.sr.index
         dst_stage = boundary + 1 if direction == 0 else boundary
         peers = set()
@@ -333,9 +343,10 @@ class Links:
             s = torch.empty(1, dtype=torch.float64, device=self.sr.device)
             waits.append((dist.irecv(s, src, tag=_tag(m, direction, 4095)), s))
             stamps.append(s)
-        for w, _ in waits:
-            w.wait()
-        self._emulate(boundary, direction, max((float(s) for s in stamps), default=time.time()))
+        with C.observed("recv", f"boundary {boundary}"):
+            for w, _ in waits:
+                w.wait()
+            self._emulate(boundary, direction, max((float(s) for s in stamps), default=time.time()))
         for pair, parts in assembled.items():
             if pair[1] == FULL and direction == 1:
                 out[pair] = torch.stack(parts).sum(0)  # gradient addends of a replicated tensor
@@ -461,7 +472,7 @@ def sync_stage(sr: StageRank, g: int) -> None:
         p.grad = gr
     if g > 1 and grads:
         flat = torch.cat([x.reshape(-1) for x in grads])
-        dist.all_reduce(flat, group=sr.groups[sr.stage])
+        C.run_collective("all_reduce", "gradients", lambda: dist.all_reduce(flat, group=sr.groups[sr.stage]))
         for x, part in zip(grads, torch.split(flat, [x.numel() for x in grads])):
             x.copy_(part.view_as(x))
 
@@ -530,9 +541,10 @@ def microbatch_reference(plan: PipelinePlan, steps: int, seed: int, optimizer: s
 
 PIPELINE_OPTIONS = ("plan", "steps", "verify", "seed", "optimizer", "lr", "weight_decay", "lr_schedule", "warmup",
                     "min_lr", "clip_grad_norm", "grad_accum", "data", "eval_data", "eval_every", "eval_batches",
-                    "init_from", "save_model", "metrics", "save_params", "timeout_s", "emulate_links", "digest")
+                    "init_from", "save_model", "metrics", "save_params", "timeout_s", "emulate_links", "digest",
+                    "speeds")
 """The `hap run` options (runner.config.RunConfig fields) a pipeline run uses (runner.pipeline_run); it refuses
-the others: checkpoints and resume (so --elastic), emulated speeds and timing, --grad-sync, --device-check."""
+the others: checkpoints and resume (so --elastic), timing, --grad-sync, --device-check."""
 
 
 def option_flag(name: str) -> str:
@@ -540,8 +552,11 @@ def option_flag(name: str) -> str:
     return {"timeout_s": "--timeout"}.get(name, "--" + name.replace("_", "-"))
 
 
-def check_pipeline_options(cfg: Any) -> None:
-    """PlanError naming the first `hap run` option a pipeline run would ignore (checkpoints, timing, ...)."""
+def check_pipeline_options(cfg: Any, world_size: int | None = None) -> None:
+    """PlanError naming the first `hap run` option a pipeline run would ignore (checkpoints, timing, ...); with
+    the plan's `world_size`, ValueError for --speeds that do not give each of its ranks a factor in (0, 1]."""
+    if world_size is not None and cfg.speeds:
+        parse_speeds(cfg.speeds, world_size)
     for f in fields(cfg):
         if f.name not in PIPELINE_OPTIONS and getattr(cfg, f.name) != f.default:
             taken = ", ".join(option_flag(n) for n in PIPELINE_OPTIONS if n != "plan")
@@ -581,6 +596,7 @@ def pipeline_inputs(cfg: Any) -> tuple[PipelinePlan, Any, str | None]:
     try:
         env = bundle_rank(DistEnv.from_environ(), opened)
         plan = load_pipeline_plan(plan_path, env.world_size, bundle.model_file_of(opened) if opened else None)
+        check_pipeline_options(cfg, env.world_size)
     except BaseException:
         if scratch:
             shutil.rmtree(scratch, ignore_errors=True)

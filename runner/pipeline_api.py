@@ -38,7 +38,8 @@ these differences, each forced by what a pipeline is:
   parameters across stages and shards, as for SPMD plans; `evaluate(batch)` runs the forwards only;
 - `step=` is accepted and ignored: dropout is not run in pipelines (a model with dropout sites is
   refused at its first forward, as `hap run` refuses it). There are no checkpoints (`hap run` refuses
-  `--checkpoint-dir` for pipelines), no emulated speeds or timing probes (`pacer` is a plain one).
+  `--checkpoint-dir` for pipelines) and no timing probes; `parallelize(..., pacer=Pacer(speed))`, installed,
+  emulates a slower device (`hap run --speeds`).
 """
 from __future__ import annotations
 
@@ -89,11 +90,13 @@ class _PipelineLoss(torch.autograd.Function):
 class PipelineModel:
     """One rank of a pipeline plan, as a model object for your own loop (see the module docstring)."""
 
-    def __init__(self, plan: PipelinePlan, state: StageRank, rank: int, link_s: Sequence[float] | None = None) -> None:
+    def __init__(self, plan: PipelinePlan, state: StageRank, rank: int, link_s: Sequence[float] | None = None,
+                 pacer: Pacer | None = None) -> None:
         self.plan, self.state, self.rank = plan, state, rank
         self.link_s = list(link_s) if link_s else None
-        self.pacer = Pacer()
-        """runner.loop marks steps on it; a pipeline emulates no speeds and records no timeline."""
+        self.pacer = pacer or Pacer()
+        """runner.loop marks steps on it; installed, it emulates the rank's speed (`hap run --speeds`) between
+        the schedule's sends, receives and collectives. A pipeline records no timeline."""
         self.forwards = 0
         self._pending: list[torch.Tensor | None] | None = None
         self._pending_forward = -1
@@ -171,7 +174,7 @@ class PipelineModel:
             for p, h in zip(sr.params, held):
                 p.grad = h
             self._pending_forward = self.forwards
-        dist.all_reduce(loss_sum)  # only the last stage's ranks hold addends
+        C.run_collective("all_reduce", "loss", dist.all_reduce, loss_sum)  # only the last stage's ranks hold addends
         anchor = torch.zeros((), requires_grad=True)
         return _PipelineLoss.apply(anchor, loss_sum.float().reshape(()), self, self.forwards)
 
@@ -315,9 +318,11 @@ def forward_pass(plan: PipelinePlan, sr: StageRank, batch: tuple[torch.Tensor, .
 
 
 def parallelize_pipeline(plan: PipelinePlan | str | Path, rank: int | None = None, *, seed: int = 0, init: Init = None,
-                         device: torch.device | str | None = None, emulate_links: bool = False) -> PipelineModel:
+                         device: torch.device | str | None = None, emulate_links: bool = False,
+                         pacer: Pacer | None = None) -> PipelineModel:
     """This rank's model for a pipeline plan (a PipelinePlan or a plan JSON), under an initialised process
-    group: its stage's programs and parameters from the model initialised from `seed`, or from `init`."""
+    group: its stage's programs and parameters from the model initialised from `seed`, or from `init`;
+    `pacer` (installed by the caller) emulates the rank's speed."""
     if not dist.is_available() or not dist.is_initialized():
         raise ApiError("runner.parallelize needs a process group: call torch.distributed.init_process_group "
                        "first (under torchrun, or with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set)")
@@ -334,5 +339,5 @@ def parallelize_pipeline(plan: PipelinePlan | str | Path, rank: int | None = Non
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     sr = setup_stage_rank(plan, rank, seed, device=device, init=init)
     link_s = [b.transfer_s for b in plan.boundaries] if emulate_links else None
-    return PipelineModel(plan, sr, rank, link_s)
+    return PipelineModel(plan, sr, rank, link_s, pacer)
 

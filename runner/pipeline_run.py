@@ -31,7 +31,7 @@ from runner.precision import precision_of
 from runner.rank_setup import checked_sources, extracts, init_distributed, pick_device
 from runner.run_report import MetricsFile, Progress, announce, evaluate, run_settings
 from runner.scratch import sigterm_exits
-from runner.timing import mfu_line
+from runner.timing import Pacer, mfu_line, parse_speeds
 from runner.verify import compare, tolerance_for
 
 
@@ -43,10 +43,12 @@ def run_rank(plan: PipelinePlan, rank: int, cfg: RunConfig, device: torch.device
     if batches is None:
         batches, evals = checked_sources(plan, cfg)
     optim = cfg.optim(plan.options.optimizer)
+    pacer = Pacer(parse_speeds(cfg.speeds, plan.world_size)[rank]) if cfg.speeds else Pacer()
     model = parallelize_pipeline(plan, rank, seed=cfg.seed, init=cfg.init_from, device=device,
-                                 emulate_links=cfg.emulate_links)
+                                 emulate_links=cfg.emulate_links, pacer=pacer)
     opt = model.optimizer(optim.optimizer_class(), **optim.kwargs())
     metrics = MetricsFile(cfg.metrics, rank)
+    pacer.install()
     try:
         dist.barrier()  # rank 0 has truncated the metrics file before anyone appends
         if rank == 0:
@@ -59,12 +61,13 @@ def run_rank(plan: PipelinePlan, rank: int, cfg: RunConfig, device: torch.device
             result = train_step(model, opt, batches, optim, step, want_norm=bool(cfg.metrics))
             metrics.write({"step": step, "rank": rank, "loss": result.loss, "step_time_s": result.seconds,
                            "lr": result.lr, "grad_norm": result.grad_norm, "grad_accum": optim.grad_accum,
-                           "stage": model.stage, **progress.figures(result.seconds),
+                           "stage": model.stage, "speed": pacer.speed, **pacer.last, **progress.figures(result.seconds),
                            **({"run": run_settings(plan, cfg, batches)} if rank == 0 and step == 0 else {})})
             progress.show(step, result)
             if evals is not None and (step + 1 == cfg.steps or (cfg.eval_every and (step + 1) % cfg.eval_every == 0)):
                 evaluate(model, evals, cfg, step + 1, metrics, rank)
     finally:
+        pacer.uninstall()
         metrics.close()
     if cfg.save_model:
         model.save_pretrained(cfg.save_model, batches.tokenizer)

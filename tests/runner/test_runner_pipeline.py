@@ -101,6 +101,23 @@ def test_hap_run_pipeline_plan_verify(tmp_path):
     assert "verify: OK" in r.stdout and "step    4/5" in r.stdout
 
 
+def test_hap_run_emulates_the_speeds_of_a_pipelines_ranks(tmp_path):
+    """`--speeds` slows a pipeline rank's computation between its sends, receives and collectives (each
+    stage's second rank at half speed here), and training still matches the reference."""
+    path, metrics = tmp_path / "pipeline.json", tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps(hap_stage_plan("mlp").to_dict()))
+    r = warm_hap("run", str(path), "--steps", "3", "--verify", "--speeds", "1,1,0.5,0.5", "--metrics", str(metrics),
+                 timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verify: OK" in r.stdout
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert {(x["rank"], x["speed"]) for x in records} == {(0, 1.0), (1, 1.0), (2, 0.5), (3, 0.5)}
+    assert all(x["emulated_s"] > 0 for x in records if x["speed"] < 1)
+    assert all(x["emulated_s"] == 0 and x["compute_s"] > 0 and x["comm_s"] > 0 for x in records if x["speed"] == 1)
+    bad = warm_hap("run", str(path), "--speeds", "1,0.5", timeout=60)
+    assert bad.returncode == 2 and "--speeds gives 2 factors but the plan has 4 ranks" in bad.stderr
+
+
 @pytest.fixture(scope="module")
 def plan_dict() -> dict:
     return two_stage_plan("mlp", 4, ((0, 2), (1, 3)), 2, "h-1f1b").to_dict()
