@@ -6,12 +6,13 @@ For each local cluster — 2 gloo ranks with emulated speeds 1.0/0.5, and 4 rank
 1. `hap profile` measures the cluster (matmul FLOP/s, the family's own operators at the profiler's
    small config, collective fits on the gloo group), `--profiles` times in a row; the spec the
    plans use is the profiler's own fit over the Parquet rows of all of them (as one profile with
-   all their repeats: medians per measurement, `combine_profiles`);
+   all their repeats: per measurement the profiler's own figure, `combine_profiles`);
 2. every variant of the family (sizes x layer counts) is planned on that spec twice: the HAP
    plan (`engine.plan`, overlap mode `--overlap`, default auto: ddp or duplex) and the `dp-even`
    baseline (`engine.evaluate`, priced and run as DDP runs: buckets during backward), SGD as the runner uses;
    the first variant of each family is also planned in each training mode of `--modes` (issue 26:
-   bf16 autocast, recomputation of every layer, ZeRO stages 1-3 with Adam), HAP only;
+   bf16 autocast, recomputation of every layer, ZeRO stages 1-3 with Adam; and the best pipeline plan,
+   whose ranks `hap run --speeds` slows as it does SPMD ranks), HAP only;
 3. each plan runs with `hap run --speeds ... --metrics` (plus `--timing` with `--timing`) for `--steps` steps. Iteration
    time = per step the slowest rank's `step_time_s`, median over the steps after `--warmup`;
    each plan is launched `--repeat` times, interleaved with the other plans of its cluster,
@@ -42,6 +43,7 @@ import sys
 import time
 from pathlib import Path
 
+from engine.pipeline.plan import PipelinePlan
 from engine.planner import load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,16 +66,15 @@ VARIANTS = {
 STRATEGIES = ("hap", "dp-even")
 MODES = {"bf16": dict(precision="bf16"), "recompute": dict(recompute="all"),
          "zero1": dict(shard_states=1, optimizer="adam"), "zero2": dict(shard_states=2, optimizer="adam"),
-         "zero3": dict(shard_states=3, optimizer="adam")}
+         "zero3": dict(shard_states=3, optimizer="adam"), "pipeline": dict(parallelism="pipeline")}
 """Training modes of issue 26, each planned (HAP only) for the first variant of every family on top of
-the fp32 plans: bf16 autocast, every layer recomputed, and the ZeRO stages (with Adam, whose state is
-what they shard; the launch runs Adam too)."""
+the fp32 plans: bf16 autocast, every layer recomputed, the ZeRO stages (with Adam, whose state is
+what they shard; the launch runs Adam too), and the best pipeline plan (HAPT, engine.pipeline; its
+ranks slowed by `hap run --speeds` as SPMD ranks are)."""
 
 
-OVERLAP_KINDS = {"none": "SPMD (no overlap)", "ddp": "ddp", "duplex": "duplex"}
-"""The plan kinds the report groups by (issue 28); dp-even runs as DDP. Pipeline plans are not launched here:
-`hap run` emulates no device speeds for a pipeline (runner.pipeline), so on this one box they would run on
-devices the plan did not price."""
+OVERLAP_KINDS = {"none": "SPMD (no overlap)", "ddp": "ddp", "duplex": "duplex", "pipeline": "pipeline"}
+"""The plan kinds the report groups by (issue 28); dp-even runs as DDP."""
 
 
 def hap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -185,10 +186,21 @@ def predicted(plan_path: Path, spec: Path) -> dict[str, float]:
     from engine.spmd.plan import Plan
 
     plan = load_plan(plan_path)
+    if isinstance(plan, PipelinePlan):
+        return pipeline_predicted(plan)
     b = breakdown_of(plan, engine.load_cluster(spec))
     return {"iteration_s": plan.predicted_time_s, "compute_s": sum(max(c) for c in b.stage_comp_s) + b.tail_s,
             "comm_s": sum(b.stage_comm_s) + sum(x.duration_s for x in b.buckets) + b.states_s, "ratios": plan.ratios,
             "overlap": plan.overlap, "collectives": sorted({i.rule for i in plan.program if i.kind == "comm"})}
+
+
+def pipeline_predicted(plan: PipelinePlan) -> dict:
+    """A pipeline plan's prediction: its schedule's step (`predicted_s`); computation, the busiest stage's
+    forwards and backwards of every microbatch; communication, every boundary's transfers both ways."""
+    B = plan.microbatches
+    return {"iteration_s": plan.predicted_s, "compute_s": max(B * (s.forward_s + s.backward_s) for s in plan.stages),
+            "comm_s": sum(2 * B * b.transfer_s for b in plan.boundaries), "ratios": [s.ratios for s in plan.stages],
+            "overlap": "pipeline", "collectives": [f"{len(plan.stages)} stages, {B} microbatches, {plan.schedule}"]}
 
 
 # ----------------------------------------------------------------------------- statistics
