@@ -419,11 +419,11 @@ class CostModel:
 
     def bucket_seconds(self, param_bytes: float) -> float:
         """Seconds of one gradient all-reduce of `param_bytes` of parameters, read off the measured points
-        (a pipeline stage's bucket, whose bytes are known)."""
+        (a pipeline stage's bucket, whose bytes are known): `bucket_line`'s wire bytes at their point."""
         if self.cluster.num_devices == 1 or not param_bytes:
             return 0.0
-        wire = mixed.GRAD_WIRE[self.options.grad_dtype]
-        return self.cluster.collectives["all_reduce"].time(param_bytes * wire) + param_bytes * wire * self.hierarchy_s_per_byte
+        wire_bytes = param_bytes * mixed.GRAD_WIRE[self.options.grad_dtype]
+        return self.cluster.collectives["all_reduce"].time(wire_bytes) + wire_bytes * self.hierarchy_s_per_byte
 
     def comm_time(self, key: str, node: int, segments: tuple[int, ...] = (0,)) -> float:
         """Seconds of collective `key` on `node` while `segments`' ratios bound its payload."""
@@ -632,10 +632,11 @@ class Replayed:
     tails: list[Acc]
     """Per segment, the per-parameter-byte work run after the last all-reduce (ddp, duplex; zero in none)."""
     buckets: list[tuple[tuple[int, ...], float, int, Acc, float]]
-    """(parameters, bytes, index in `stages` of the backward stage that readies it, that stage's work
-    before the bucket's earliest-used parameter, its all-reduce's seconds, `CostModel.bucket_line`) per bucket, in launch order (ddp, duplex; empty in
-    none, which lists its one bucket as a stage). Backward runs the stage's work in reverse, so the
-    bucket is ready once the stage's work *from* that parameter's first consumer on is done."""
+    """Per bucket, in launch order (ddp, duplex; empty in none, which lists its one bucket as a stage):
+    its parameters, its bytes, the index in `stages` of the backward stage that readies it, that stage's
+    work before the bucket's earliest-used parameter, and its all-reduce's seconds (`CostModel.bucket_line`).
+    Backward runs the stage's work in reverse, so the bucket is ready once the stage's work *from* that
+    parameter's first consumer on is done."""
 
 
 def replay(program: tuple[Instruction, ...], cm: CostModel) -> tuple[list[Stage], list[Mem]]:

@@ -778,9 +778,9 @@ class _Search:
             props.add(code(t, f))
             step.append((LOAD, t, graph[t].op, (), f))
         for slot, members, finishes in self.slot_events[s.p]:
+            latency, per_byte = cm.bucket_line(slot)
             for t in members:
                 if loads.get(t) == FULL:
-                    latency, per_byte = cm.bucket_line(slot)
                     nbytes = cm.nbytes[t] * per_byte
                     if _SLOT in props:
                         closed = mode.grow_slot(ov, closed, nbytes)
