@@ -242,7 +242,7 @@ class ParallelModel:
             self._local = True
             return
         self._local = False
-        sync_gradients(st, None)
+        sync_gradients(st)
         if st.zero:
             st.zero.reduce_gradients()
         for p, held in zip(st.params, self._held):

@@ -165,9 +165,9 @@ def program_args(plan: Plan, st: RankState, rank: int, batch: tuple[torch.Tensor
             else shard(plan, node, form, rank, batch[plan.graph[node].attrs["index"]]) for node, form in st.program.leaves]
 
 
-def sync_gradients(st: RankState, loss_addend: torch.Tensor | None) -> None:
-    """All-reduce the gradients of Full parameters (and the loss addend): the plan's buckets when it
-    overlaps (`runner.overlap`, launched during backward under `ddp`), else one flat collective."""
+def sync_gradients(st: RankState) -> None:
+    """All-reduce the gradients of Full parameters: the plan's buckets when it overlaps (`runner.overlap`,
+    launched during backward under `ddp`), else one flat collective."""
     if st.buckets is not None:
         st.buckets.finish()
         return
@@ -177,10 +177,6 @@ def sync_gradients(st: RankState, loss_addend: torch.Tensor | None) -> None:
             if p.grad is None:  # unused on this rank: its addend is zero
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-    if loss_addend is not None and st.bucket_dtype is None:
-        grads.append(loss_addend)
-    elif loss_addend is not None:  # the loss keeps its fp32 digits: not in a bf16 bucket
-        run_collective("all_reduce", "loss", dist.all_reduce, loss_addend)
     all_reduce_coalesced(grads, buffer=st.bucket, dtype=st.bucket_dtype)
 
 
